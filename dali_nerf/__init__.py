@@ -1,0 +1,42 @@
+"""dali_nerf: NeRF training on many GPUs without input stalls.
+
+``import dali_nerf`` needs no compiler and no GPU: the C++ operator is built and loaded lazily by
+:func:`dali_nerf.ops.load_plugin`, the first time a pipeline needs it.
+
+>>> from dali_nerf import RayLoader, load_scene
+>>> scene = load_scene("data/default", split="train")
+>>> loader = RayLoader(scene, rays_per_batch=4096, rank=0, world_size=1, seed=0, prefetch=2)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RayLoader", "Scene", "load_scene", "Config", "load_config", "load_plugin",
+    "DaliNerfError", "ConfigError", "SceneError", "__version__",
+]
+
+_LAZY = {
+    "RayLoader": "dali_nerf.loader",
+    "Scene": "dali_nerf.scenes",
+    "load_scene": "dali_nerf.scenes",
+    "Config": "dali_nerf.config",
+    "load_config": "dali_nerf.config",
+    "load_plugin": "dali_nerf.ops",
+    "DaliNerfError": "dali_nerf.errors",
+    "ConfigError": "dali_nerf.errors",
+    "SceneError": "dali_nerf.errors",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dali_nerf' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

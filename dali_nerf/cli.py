@@ -1,0 +1,111 @@
+"""The ``dali-nerf`` command.
+
+Subcommands (each implemented in its own module, imported only when used):
+
+    dali-nerf demo                     the main job: default scene -> 2-rank training -> renders -> report
+    dali-nerf make-scene objects|city  generate a multi-view scene with known cameras
+    dali-nerf validate SCENE           scan a scene folder (every image header) before training
+    dali-nerf render                   render a split or an orbit from a checkpoint (DDP or SS run)
+    dali-nerf bench sampler|study      benchmarks (docs/BENCHMARKS.md)
+    dali-nerf build-op                 build (or rebuild) the C++ operator plugin now
+
+User errors print ``error: <one line>`` and exit 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import DaliNerfError
+
+__all__ = ["main", "run_cli"]
+
+
+def run_cli(fn, *args, **kwargs) -> int:
+    """Call ``fn``; a :class:`DaliNerfError` becomes one line on stderr and exit code 2."""
+    try:
+        rc = fn(*args, **kwargs)
+        return int(rc or 0)
+    except DaliNerfError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+# subcommand -> "module:function"; the function takes the parsed argparse.Namespace
+_COMMANDS = {
+    "demo": "dali_nerf.demo:main",
+    "make-scene": "dali_nerf.scenegen:main",
+    "validate": "dali_nerf.validate:main",
+    "render": "dali_nerf.render_cli:main",
+    "bench": "dali_nerf.bench:main",
+    "build-op": "dali_nerf.ops:main",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dali-nerf", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("demo", help="generate the default scene, train with 2 ranks, render, report")
+    d.add_argument("--config", default=None, help="YAML config (default: configs/ddp_objects.yaml settings)")
+    d.add_argument("--data", default="data/default", help="scene folder (generated when missing)")
+    d.add_argument("--nproc", type=int, default=2, help="ranks (processes) to train with")
+    d.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.steps=200")
+
+    m = sub.add_parser("make-scene", help="generate a scene with known cameras")
+    m.add_argument("kind", choices=["objects", "city"])
+    m.add_argument("--out", required=True, help="output folder")
+    m.add_argument("--resolution", type=int, default=None, help="image width = height in pixels")
+    m.add_argument("--images", type=int, default=None, help="training images")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--jpeg", action="store_true", help="write JPEG instead of PNG")
+    m.add_argument("--force", action="store_true", help="overwrite an existing folder")
+
+    v = sub.add_parser("validate", help="scan a scene before training")
+    v.add_argument("scene")
+    v.add_argument("--format", default="auto")
+    v.add_argument("--split", default=None, help="one split (default: all present)")
+
+    r = sub.add_parser("render", help="render a split or an orbit from a checkpoint")
+    r.add_argument("--checkpoint", required=True, help="checkpoint file or run folder")
+    r.add_argument("--out", required=True, help="folder for the PNGs")
+    r.add_argument("--split", default="test")
+    r.add_argument("--orbit", type=int, default=0, help="render N orbit views instead of a split")
+    r.add_argument("--max-images", type=int, default=0)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    bs = bsub.add_parser("sampler", help="sampler throughput table (rays/s) and decode images/s")
+    bs.add_argument("--scene", default=None, help="scene folder (default: generate a 100-image 400x400 one)")
+    bs.add_argument("--batches", default="4096,65536")
+    bs.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
+    bs.add_argument("--out", default=None, help="also write the table (markdown) here")
+    bt = bsub.add_parser("study", help="the characterization study: DDP vs SS x samplers x ranks")
+    bt.add_argument("--config", default="configs/study.yaml")
+    bt.add_argument("overrides", nargs="*")
+
+    o = sub.add_parser("build-op", help="build the C++ operator plugin")
+    o.add_argument("--cuda", action="store_true", help="also compile the CUDA variant with nvcc")
+    o.add_argument("--force", action="store_true", help="rebuild even when cached")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    mod, fn = _COMMANDS[args.command].split(":")
+
+    def call():
+        return getattr(importlib.import_module(mod), fn)(args)
+
+    return run_cli(call)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

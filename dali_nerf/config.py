@@ -1,0 +1,386 @@
+"""Typed configuration: dataclasses loaded from YAML with ``yaml.safe_load``.
+
+Each field has a docstring (the string literal under it). Runtime values (rank, world size,
+device) are not stored here; they are passed to ``from_config(cfg, rank, world_size)`` at setup.
+
+An unknown key, a wrong type, an out-of-range value or a missing path raises :class:`ConfigError`
+with a one-line message naming the key and the file::
+
+    configs/ddp_objects.yaml: pipeline.rays_per_batch: must be > 0, got -4
+
+>>> cfg = load_config("configs/ddp_objects.yaml", ["train.steps=200", "pipeline.mode=epoch"])
+>>> cfg.pipeline.rays_per_batch
+4096
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+import yaml
+
+from .errors import ConfigError
+
+__all__ = [
+    "Config", "SceneConfig", "CacheConfig", "PipelineConfig", "ModelConfig", "TrainConfig",
+    "PartitionConfig", "BenchConfig", "load_config", "config_to_dict", "apply_overrides",
+]
+
+
+@dataclass
+class SceneConfig:
+    path: str = "data/default"
+    """Scene folder (any supported format)."""
+    format: str = "auto"
+    """auto | blender | nerfstudio | llff | mega_nerf."""
+    downscale: int = 1
+    """Integer factor to decode images at (1 = full resolution)."""
+    background: List[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    """RGB in [0, 1] that RGBA images are composited over."""
+    train_split: str = "train"
+    """Split the trainer samples rays from."""
+    eval_split: str = "test"
+    """Split evaluated (PSNR) and rendered at the end of training."""
+
+    def validate(self, key: str):
+        _choice(f"{key}.format", self.format, ("auto", "blender", "nerfstudio", "llff", "mega_nerf"))
+        _positive(f"{key}.downscale", self.downscale)
+        if len(self.background) != 3 or not all(0.0 <= b <= 1.0 for b in self.background):
+            raise ConfigError(f"{key}.background: must be 3 numbers in [0, 1], got {self.background}")
+        for k in ("train_split", "eval_split"):
+            _choice(f"{key}.{k}", getattr(self, k), ("train", "val", "test"))
+
+
+@dataclass
+class CacheConfig:
+    max_bytes: int = 8 << 30
+    """Decoded-image budget per rank. A split larger than this is streamed through a rolling,
+    double-buffered window of decoded images instead of being cached whole."""
+    decode_batch: int = 8
+    """Images per decode-pipeline run."""
+
+    def validate(self, key: str):
+        _positive(f"{key}.max_bytes", self.max_bytes)
+        _positive(f"{key}.decode_batch", self.decode_batch)
+
+
+@dataclass
+class PipelineConfig:
+    name: str = "rays"
+    """Batch source: rays (our DALI pipeline + operator) | sync_global | sync_local | torch_workers."""
+    rays_per_batch: int = 4096
+    """Rays per rank per training step."""
+    mode: str = "random"
+    """random (iid per step) | epoch (each pixel once per epoch across ranks)."""
+    seed: int = 0
+    """Base seed; the stream is a function of (seed, rank, world size, step)."""
+    prefetch: int = 2
+    """Batches of rays sampled ahead of the consumer (0 = synchronous)."""
+    rays_per_run: int = 262144
+    """Rays sampled per DALI pipeline run (amortises the fixed per-run cost); rounded up to a
+    multiple of rays_per_batch."""
+    num_threads: int = 2
+    """DALI CPU threads per rank."""
+    workers: int = 2
+    """Worker processes for the torch_workers baseline."""
+
+    def validate(self, key: str):
+        _choice(f"{key}.name", self.name, ("rays", "sync_global", "sync_local", "torch_workers"))
+        _choice(f"{key}.mode", self.mode, ("random", "epoch"))
+        _positive(f"{key}.rays_per_batch", self.rays_per_batch)
+        _positive(f"{key}.rays_per_run", self.rays_per_run)
+        _positive(f"{key}.num_threads", self.num_threads)
+        _nonneg(f"{key}.prefetch", self.prefetch)
+        _nonneg(f"{key}.workers", self.workers)
+        _nonneg(f"{key}.seed", self.seed)
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "grid"
+    """Radiance field: grid (multi-resolution grid + small MLP, see docs/MODEL.md)."""
+    levels: int = 8
+    """Resolution levels of the feature grid."""
+    features_per_level: int = 2
+    """Features stored per level."""
+    base_resolution: int = 16
+    """Coarsest grid resolution."""
+    max_resolution: int = 256
+    """Finest grid resolution."""
+    log2_hashmap_size: int = 17
+    """Entries per hashed level (levels finer than this are hashed)."""
+    hidden: int = 32
+    """Width of the MLP."""
+    samples_per_ray: int = 64
+    """Ray-marching samples per ray (before occupancy culling)."""
+    occupancy_resolution: int = 64
+    """Occupancy grid resolution for empty-space skipping (0 disables)."""
+
+    def validate(self, key: str):
+        _choice(f"{key}.kind", self.kind, ("grid",))
+        for k in ("levels", "features_per_level", "base_resolution", "max_resolution",
+                  "log2_hashmap_size", "hidden", "samples_per_ray"):
+            _positive(f"{key}.{k}", getattr(self, k))
+        _nonneg(f"{key}.occupancy_resolution", self.occupancy_resolution)
+        if self.max_resolution < self.base_resolution:
+            raise ConfigError(f"{key}.max_resolution: must be >= base_resolution ({self.base_resolution}), got {self.max_resolution}")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    """Optimisation steps per rank."""
+    lr: float = 1e-2
+    """Adam learning rate."""
+    weight_decay: float = 0.0
+    """Adam weight decay on the MLP."""
+    log_every: int = 50
+    """Steps between progress-bar / metrics summaries."""
+    eval_every: int = 0
+    """Steps between held-out PSNR evaluations (0 = only at the end)."""
+    checkpoint_every: int = 500
+    """Steps between checkpoints (0 = only at the end)."""
+    eval_images: int = 4
+    """Held-out images evaluated and rendered (0 = all)."""
+    runs_dir: str = "runs"
+    """Folder that holds runs/<name>/."""
+    device: str = "auto"
+    """auto (cuda when available) | cpu | cuda."""
+    torch_threads: int = 0
+    """Intra-op threads per rank for torch (0 = cores / ranks)."""
+
+    def validate(self, key: str):
+        _positive(f"{key}.steps", self.steps)
+        if not self.lr > 0:
+            raise ConfigError(f"{key}.lr: must be > 0, got {self.lr}")
+        _positive(f"{key}.log_every", self.log_every)
+        for k in ("eval_every", "checkpoint_every", "eval_images", "torch_threads"):
+            _nonneg(f"{key}.{k}", getattr(self, k))
+        _choice(f"{key}.device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class PartitionConfig:
+    kind: str = "grid"
+    """grid (2-D grid over camera positions, Mega-NeRF's default) | kmeans."""
+    grid: List[int] = field(default_factory=lambda: [2, 2])
+    """Cells along the two horizontal axes (grid kind)."""
+    cells: int = 4
+    """Number of cells (kmeans kind)."""
+    margin: float = 1.15
+    """Boundary margin m: a point is in cell j if dist(p, c_j) <= m * min_k dist(p, c_k)."""
+    dims: int = 2
+    """2 (ignore altitude along the scene's up axis) or 3 (full 3-D distances)."""
+
+    def validate(self, key: str):
+        _choice(f"{key}.kind", self.kind, ("grid", "kmeans"))
+        if len(self.grid) != 2 or min(self.grid) < 1:
+            raise ConfigError(f"{key}.grid: must be two integers >= 1, got {self.grid}")
+        _positive(f"{key}.cells", self.cells)
+        if not self.margin >= 1.0:
+            raise ConfigError(f"{key}.margin: must be >= 1.0, got {self.margin}")
+        _choice(f"{key}.dims", self.dims, (2, 3))
+
+    @property
+    def num_cells(self) -> int:
+        return self.grid[0] * self.grid[1] if self.kind == "grid" else self.cells
+
+
+@dataclass
+class BenchConfig:
+    steps: int = 60
+    """Timed steps per configuration of the study."""
+    warmup: int = 10
+    """Untimed steps before timing."""
+    ranks: List[int] = field(default_factory=lambda: [1, 2])
+    """World sizes of the study grid."""
+    methods: List[str] = field(default_factory=lambda: ["ddp", "ss"])
+    """Training methods of the study grid."""
+    samplers: List[str] = field(default_factory=lambda: ["sync_global", "sync_local", "rays"])
+    """Batch sources of the study grid."""
+    out: str = "docs/study"
+    """Report folder (a per-machine subfolder is created)."""
+
+    def validate(self, key: str):
+        _positive(f"{key}.steps", self.steps)
+        _nonneg(f"{key}.warmup", self.warmup)
+        if not self.ranks or min(self.ranks) < 1:
+            raise ConfigError(f"{key}.ranks: must be a non-empty list of integers >= 1, got {self.ranks}")
+        for m in self.methods:
+            _choice(f"{key}.methods", m, ("ddp", "ss"))
+        for s in self.samplers:
+            _choice(f"{key}.samplers", s, ("rays", "sync_global", "sync_local", "torch_workers"))
+
+
+@dataclass
+class Config:
+    name: str = "default"
+    """Run name: outputs go to <train.runs_dir>/<name>/."""
+    method: str = "ddp"
+    """ddp (data parallel) | ss (spatial segmentation)."""
+    scene: SceneConfig = field(default_factory=SceneConfig)
+    """Where the scene is and how to read it."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    """Decoded image cache."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Ray batch source."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Radiance field."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation, logging, checkpoints."""
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    """Spatial segmentation cells (method: ss)."""
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    """The characterization study (dali-nerf bench study)."""
+
+    def validate(self, key: str = ""):
+        _choice("method", self.method, ("ddp", "ss"))
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ConfigError(f"name: must be a plain folder name, got {self.name!r}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if dataclasses.is_dataclass(v):
+                v.validate(f.name)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.train.runs_dir) / self.name
+
+
+# ---------------------------------------------------------------------------------------------
+# generic typed loading
+
+
+def _positive(key, v):
+    if v <= 0:
+        raise ConfigError(f"{key}: must be > 0, got {v}")
+
+
+def _nonneg(key, v):
+    if v < 0:
+        raise ConfigError(f"{key}: must be >= 0, got {v}")
+
+
+def _choice(key, v, choices):
+    if v not in choices:
+        raise ConfigError(f"{key}: must be one of {', '.join(map(str, choices))}, got {v!r}")
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(key, value, args[0])
+    if origin in (list, List, Sequence):
+        (item,) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {_type_name(tp)} fields, got {type(value).__name__}")
+        return _build(tp, value, key)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            where = f"{prefix}.{k}" if prefix else str(k)
+            raise ConfigError(f"{where}: unknown key; valid keys here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _coerce(f"{prefix}.{f.name}" if prefix else f.name, data[f.name], hints[f.name])
+    return cls(**kwargs)
+
+
+def config_to_dict(cfg) -> dict:
+    """Plain dict of a config (for YAML dumps and run folders)."""
+    return dataclasses.asdict(cfg)
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """Apply ``a.b=value`` strings (value parsed as YAML) to a nested dict, in place."""
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r}: expected key=value, e.g. train.steps=100")
+        key, raw = ov.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            if not isinstance(node.setdefault(p, {}), dict):
+                raise ConfigError(f"override {key}: {p} is not a section")
+            node = node[p]
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path=None, overrides: Sequence[str] = (), check_paths: bool = True) -> Config:
+    """Load a YAML config (or the defaults when ``path`` is None), apply overrides, validate.
+
+    Args:
+        path: YAML file, or None for the built-in defaults.
+        overrides: ``key=value`` strings, e.g. ``["train.steps=100"]``.
+        check_paths: also require ``scene.path`` to exist.
+    Raises:
+        ConfigError: one line naming the file and key.
+    """
+    where = str(path) if path is not None else "<defaults>"
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{where}: config file not found")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{where}: not valid YAML{at}; fix the syntax") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: top level must be a mapping of sections, got {type(data).__name__}")
+    try:
+        apply_overrides(data, overrides)
+        cfg = _build(Config, data)
+        cfg.validate()
+        if check_paths and not Path(cfg.scene.path).exists():
+            raise ConfigError(f"scene.path: {cfg.scene.path} does not exist; create it with `dali-nerf make-scene` or fix the path")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return cfg

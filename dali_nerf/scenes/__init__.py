@@ -1,0 +1,68 @@
+"""Scene parsers: Blender, nerfstudio / instant-ngp, LLFF, Mega-NeRF -> one frozen :class:`Scene`.
+
+>>> from dali_nerf.scenes import load_scene
+>>> scene = load_scene("data/default", split="train")          # format detected
+>>> scene = load_scene("data/fern", split="test", format="llff", downscale=4)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..errors import SceneError
+from .base import FORMATS, Scene, register_format
+from . import blender, nerfstudio, llff, mega_nerf  # noqa: F401  (register themselves)
+
+__all__ = ["Scene", "load_scene", "detect_format", "FORMATS", "register_format"]
+
+SPLITS = ("train", "val", "test")
+
+
+def detect_format(root) -> str:
+    """Name of the format of the scene folder ``root`` (first registered parser that claims it)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise SceneError(f"{root}: scene folder not found; pass an existing folder (make one with `dali-nerf make-scene`)")
+    for name, (detect, _) in FORMATS.items():
+        if detect(root):
+            return name
+    raise SceneError(
+        f"{root}: unknown scene format (no transforms_train.json, transforms.json, poses_bounds.npy or "
+        f"coordinates.pt); pass format= one of {', '.join(FORMATS)} or convert the scene"
+    )
+
+
+def load_scene(
+    root,
+    split: str = "train",
+    format: str = "auto",
+    downscale: int = 1,
+    background: Optional[Sequence[float]] = None,
+) -> Scene:
+    """Parse one split of the scene folder ``root``.
+
+    Args:
+        root: scene folder.
+        split: "train", "val" or "test".
+        format: "auto" (detect) or one of ``FORMATS``.
+        downscale: integer factor >= 1; intrinsics and sizes are scaled, images decoded smaller.
+        background: RGB in [0, 1] to composite RGBA images over (default white).
+    Returns:
+        The frozen Scene, in OpenGL camera convention (see :mod:`dali_nerf.scenes.base`).
+    """
+    root = Path(root)
+    if split not in SPLITS:
+        raise SceneError(f"split={split!r}: use one of {', '.join(SPLITS)}")
+    if not isinstance(downscale, int) or downscale < 1:
+        raise SceneError(f"downscale={downscale!r}: use an integer >= 1")
+    name = detect_format(root) if format == "auto" else format
+    if name not in FORMATS:
+        raise SceneError(f"format={format!r}: unknown; use auto or one of {', '.join(FORMATS)}")
+    if not root.is_dir():
+        raise SceneError(f"{root}: scene folder not found")
+    bg = (1.0, 1.0, 1.0) if background is None else tuple(float(b) for b in background)
+    scene = FORMATS[name][1](root, split, downscale=downscale, background=bg)
+    if scene.num_images == 0:
+        raise SceneError(f"{root}: split {split!r} has no images; check the split's file list")
+    return scene

@@ -1,0 +1,139 @@
+"""The frozen :class:`Scene` record and the format registry.
+
+Conventions (one, everywhere; parsers convert at parse time):
+
+* camera-to-world ``c2w`` is 3x4, OpenGL axes: x right, y up, the camera looks down -z;
+* pixel centres at +0.5: pixel (row, col) is the ray through image point (col + 0.5, row + 0.5);
+* intrinsics per image: fx, fy, cx, cy (pixels, at the scene's resolution after ``downscale``);
+* RGBA images are composited over ``background`` (white by default).
+
+Ray of pixel (row, col) of camera i, in world space::
+
+    d_cam = ((col + 0.5 - cx) / fx, -(row + 0.5 - cy) / fy, -1)
+    origin = c2w[i, :, 3];  direction = normalize(c2w[i, :, :3] @ d_cam)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+__all__ = ["Scene", "register_format", "FORMATS"]
+
+
+def _frozen_array(a, dtype, shape_tail=None, name="array") -> np.ndarray:
+    a = np.array(a, dtype=dtype, copy=True)
+    if shape_tail is not None and tuple(a.shape[1:]) != tuple(shape_tail):
+        raise ValueError(f"Scene.{name} must have shape (N, {', '.join(map(str, shape_tail))}), got {a.shape}")
+    a.setflags(write=False)
+    return a
+
+
+@dataclass(frozen=True, eq=False)
+class Scene:
+    """One split of a scene, in the conventions above. Arrays are read-only.
+
+    Attributes:
+        image_paths: (N,) absolute paths of the images, in split order (camera index = position).
+        c2w: (N, 3, 4) float32 camera-to-world, OpenGL axes.
+        intrinsics: (N, 4) float32 fx, fy, cx, cy in pixels.
+        width, height: (N,) int64 image size in pixels (after ``downscale``).
+        near, far: (N,) float32 per-image ray bounds, or None when the format defines none.
+        background: (3,) float32 RGB in [0, 1] that RGBA images are composited over.
+        split: "train" | "val" | "test".
+        format: the parser that produced it ("blender", "nerfstudio", "llff", "mega_nerf").
+        root: the scene folder.
+        downscale: integer factor the images are decoded at (1 = full resolution).
+        world_from_source: (4, 4) float64: x_world = world_from_source @ x_source, the
+            normalisation the parser applied (recentring, scaling, axis change) so results can be
+            mapped back to the dataset's own frame.
+        up: (3,) float32 unit world "up" (gravity opposite); spatial partitions ignore this axis.
+        aabb: (2, 3) float32 min/max corner of the region the model represents, or None.
+
+    Example:
+        >>> scene = load_scene("data/default", split="train")
+        >>> scene.c2w.shape, scene.num_pixels
+        ((100, 3, 4), 4000000)
+    """
+
+    image_paths: tuple
+    c2w: np.ndarray
+    intrinsics: np.ndarray
+    width: np.ndarray
+    height: np.ndarray
+    split: str
+    format: str
+    root: str
+    near: Optional[np.ndarray] = None
+    far: Optional[np.ndarray] = None
+    background: np.ndarray = field(default_factory=lambda: np.ones(3, np.float32))
+    downscale: int = 1
+    world_from_source: np.ndarray = field(default_factory=lambda: np.eye(4))
+    up: np.ndarray = field(default_factory=lambda: np.array([0.0, 1.0, 0.0], np.float32))
+    aabb: Optional[np.ndarray] = None
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
+        set_("image_paths", tuple(str(p) for p in self.image_paths))
+        n = len(self.image_paths)
+        set_("c2w", _frozen_array(self.c2w, np.float32, (3, 4), "c2w"))
+        set_("intrinsics", _frozen_array(self.intrinsics, np.float32, (4,), "intrinsics"))
+        set_("width", _frozen_array(self.width, np.int64, (), "width"))
+        set_("height", _frozen_array(self.height, np.int64, (), "height"))
+        for k in ("near", "far"):
+            v = getattr(self, k)
+            if v is not None:
+                v = np.broadcast_to(np.asarray(v, np.float32), (n,))
+                set_(k, _frozen_array(v, np.float32, (), k))
+        set_("background", _frozen_array(np.broadcast_to(np.asarray(self.background, np.float32), (3,)), np.float32, None, "background"))
+        set_("world_from_source", _frozen_array(self.world_from_source, np.float64, (4,), "world_from_source"))
+        up = np.asarray(self.up, np.float64)
+        set_("up", _frozen_array(up / np.linalg.norm(up), np.float32, None, "up"))
+        if self.aabb is not None:
+            set_("aabb", _frozen_array(self.aabb, np.float32, (3,), "aabb"))
+        for k in ("c2w", "intrinsics", "width", "height"):
+            if len(getattr(self, k)) != n:
+                raise ValueError(f"Scene.{k} has {len(getattr(self, k))} entries for {n} images")
+
+    # ---- derived, never stored -------------------------------------------------------------
+    @property
+    def num_images(self) -> int:
+        return len(self.image_paths)
+
+    @property
+    def num_pixels(self) -> int:
+        return int(np.sum(self.width * self.height))
+
+    @property
+    def has_bounds(self) -> bool:
+        return self.near is not None and self.far is not None
+
+    def subset(self, indices) -> "Scene":
+        """A Scene of the images at ``indices`` (e.g. one rank's shard), same conventions."""
+        idx = np.asarray(indices, np.int64)
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        kw["image_paths"] = [self.image_paths[i] for i in idx]
+        for k in ("c2w", "intrinsics", "width", "height"):
+            kw[k] = getattr(self, k)[idx]
+        for k in ("near", "far"):
+            if kw[k] is not None:
+                kw[k] = kw[k][idx]
+        return Scene(**kw)
+
+    def __repr__(self) -> str:
+        res = sorted({(int(w), int(h)) for w, h in zip(self.width, self.height)})
+        res_s = ", ".join(f"{w}x{h}" for w, h in res[:3]) + (" ..." if len(res) > 3 else "")
+        return f"Scene({self.format}, split={self.split!r}, {self.num_images} images {res_s}, root={self.root!r})"
+
+
+# name -> (detect(root) -> bool, parse(root, split, downscale, background) -> Scene)
+FORMATS: dict[str, tuple[Callable, Callable]] = {}
+
+
+def register_format(name: str, detect: Callable, parse: Callable) -> None:
+    """Register a scene parser. ``detect(root: Path) -> bool``; ``parse(root, split, *, downscale,
+    background) -> Scene``. Detection is tried in registration order."""
+    FORMATS[name] = (detect, parse)
