@@ -1,0 +1,115 @@
+"""Atomic, per-rank checkpoints.
+
+Layout under ``runs/<name>/checkpoints/``::
+
+    step_000500/rank0.pt, rank1.pt, ...   one file per rank (model, optimizer, loader, RNG state)
+    latest                                 text: the name of the newest *complete* step folder
+
+Each rank writes ``rankR.pt`` to a temporary file in the same folder, fsyncs it and renames it
+(``os.replace`` is atomic on POSIX). After a barrier, rank 0 rewrites ``latest`` the same way. A
+kill at any point leaves the previous ``latest`` and its files intact: a reader only ever follows
+``latest``. Files are loaded with ``torch.load(weights_only=True)``: checkpoints hold tensors,
+numbers, strings, lists and dicts only, so a crafted pickle cannot run code.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .errors import DaliNerfError
+
+__all__ = ["save_rank_state", "commit_checkpoint", "latest_checkpoint", "load_rank_state", "atomic_write_bytes", "atomic_write_text"]
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise DaliNerfError(f"{path}: cannot write ({e.strerror or e}); free disk space or choose a writable train.runs_dir") from None
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temp file + fsync + rename)."""
+    _atomic_write(Path(path), lambda f: f.write(data))
+
+
+def atomic_write_text(path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def save_rank_state(ckpt_root, step: int, rank: int, state: dict) -> Path:
+    """Write this rank's state for ``step`` atomically; returns the file. Call on every rank, then
+    :func:`commit_checkpoint` after a barrier."""
+    folder = Path(ckpt_root) / f"step_{step:07d}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DaliNerfError(f"{folder}: cannot create checkpoint folder ({e.strerror}); choose a writable train.runs_dir") from None
+    path = folder / f"rank{rank}.pt"
+    _atomic_write(path, lambda f: torch.save(state, f))
+    return path
+
+
+def commit_checkpoint(ckpt_root, step: int, keep: int = 2) -> None:
+    """Rank 0, after all ranks saved: point ``latest`` at ``step`` and prune older folders."""
+    ckpt_root = Path(ckpt_root)
+    atomic_write_text(ckpt_root / "latest", f"step_{step:07d}\n")
+    folders = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+    for old in folders[:-keep] if keep > 0 else []:
+        if old.name != f"step_{step:07d}":
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(ckpt_root) -> Optional[Path]:
+    """Folder of the newest complete checkpoint, or None."""
+    p = Path(ckpt_root) / "latest"
+    if not p.is_file():
+        return None
+    folder = Path(ckpt_root) / p.read_text().strip()
+    return folder if folder.is_dir() else None
+
+
+def load_rank_state(folder, rank: int, map_location="cpu") -> dict:
+    """Load ``rankR.pt`` from a checkpoint folder with ``weights_only=True``."""
+    path = Path(folder) / f"rank{rank}.pt"
+    if not path.is_file():
+        raise DaliNerfError(f"{path}: checkpoint file missing; resume with the world size the run was saved with")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # corrupt file or a pickle that is not plain data
+        raise DaliNerfError(f"{path}: not a readable dali_nerf checkpoint ({type(e).__name__}); delete it or resume from an older step") from None

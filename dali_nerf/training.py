@@ -1,0 +1,521 @@
+"""The one training loop, shared by the DDP and the spatial-segmentation trainers.
+
+A *task* is one radiance field trained on one stream of rays: DDP has one task per rank (the
+DistributedDataParallel replica of the whole scene), SS has one task per cell the rank owns. The
+loop times every step by phase and writes ``runs/<name>/``:
+
+* ``config.yaml``      the resolved config;
+* ``metrics.jsonl``    rank 0, one JSON line per step (``metrics.rank<R>.jsonl`` for other ranks):
+  ``step, loss, psnr, rays, wait_s, h2d_s, forward_s, backward_s, sync_s, optimizer_s, step_s``;
+* ``summary.json``     test PSNR/SSIM, stall fraction, rays/s, per-phase totals, wall time, and
+  method specifics (SS: fusion overhead);
+* ``checkpoints/``     atomic per-rank checkpoints (:mod:`dali_nerf.checkpoint`);
+* ``renders/*.png``    held-out views, prediction beside ground truth.
+
+Gradient sync is timed by a DDP communication hook that performs the all-reduce and records how
+long it took; ``backward_s`` excludes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .checkpoint import (atomic_write_text, commit_checkpoint, latest_checkpoint, load_rank_state,
+                         save_rank_state)
+from .config import Config, config_to_dict, load_config
+from .errors import ConfigError, DaliNerfError
+
+__all__ = ["Task", "Method", "DistEnv", "setup_distributed", "train", "trainer_main", "PHASES",
+           "evaluate_field", "write_renders"]
+
+PHASES = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
+
+
+# ---------------------------------------------------------------------------------------------
+# distributed setup
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self):
+        if self.distributed:
+            dist.barrier()
+
+
+def setup_distributed(device_pref: str = "auto", torch_threads: int = 0) -> DistEnv:
+    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); initialise
+    the process group (nccl on GPU, gloo on CPU) when world size > 1. World size 1 runs without
+    torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError("train.device: cuda requested but no GPU is visible; use train.device=cpu")
+    if use_cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        threads = torch_threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
+        torch.set_num_threads(threads)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return DistEnv(rank, world, local_rank, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# tasks and methods
+
+
+@dataclass
+class Task:
+    """One field trained on one ray stream (DDP: the replica; SS: one cell)."""
+
+    name: str                      # "ddp" or "cell3"
+    source: object                 # RayLoader or a baseline: iterator of batch dicts
+    field: torch.nn.Module         # the (possibly DDP-wrapped) module whose params are trained
+    raw_field: torch.nn.Module     # unwrapped field, for rendering and checkpoints
+    occupancy: Optional[torch.nn.Module]
+    optimizer: torch.optim.Optimizer
+    scheduler: Optional[object] = None
+    cell: int = -1
+    iterator: object = None
+
+    def batches(self):
+        if self.iterator is None:
+            self.iterator = iter(self.source)
+        return self.iterator
+
+
+class Method:
+    """What differs between DDP and SS. Subclasses live in trainers/."""
+
+    name = "base"
+
+    def build_tasks(self, cfg: Config, scene, env: DistEnv) -> List[Task]:
+        raise NotImplementedError
+
+    def eval_field(self, cfg: Config, tasks: List[Task], env: DistEnv):
+        """Rank 0: (field, occupancy) to evaluate; called on every rank (may communicate)."""
+        raise NotImplementedError
+
+    def extra_summary(self, cfg, tasks, env, eval_scene, field, occupancy) -> dict:
+        return {}
+
+
+# ---------------------------------------------------------------------------------------------
+# gradient-sync timing
+
+
+class _SyncTimer:
+    def __init__(self):
+        self.seconds = 0.0
+
+
+def _timed_allreduce_hook(state: _SyncTimer, bucket):
+    t0 = time.perf_counter()
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size())
+    work = dist.all_reduce(buf, async_op=True)
+    work.wait()
+    if buf.is_cuda:
+        torch.cuda.current_stream().synchronize()
+    state.seconds += time.perf_counter() - t0
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def wrap_ddp(field: torch.nn.Module, env: DistEnv):
+    """DistributedDataParallel with a timing all-reduce hook; returns (module, timer)."""
+    timer = _SyncTimer()
+    if not env.distributed:
+        return field, timer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(field, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+              broadcast_buffers=False)
+    ddp.register_comm_hook(timer, _timed_allreduce_hook)
+    return ddp, timer
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _rng_state() -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": torch.from_numpy(np.frombuffer(np.random.get_state()[1].tobytes(), dtype=np.uint8).copy()),
+        "numpy_pos": int(np.random.get_state()[2]),
+        "python": repr(random.getstate()),
+    }
+
+
+def _set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    keys = np.frombuffer(s["numpy"].numpy().tobytes(), dtype=np.uint32)
+    np.random.set_state(("MT19937", keys, s["numpy_pos"], 0, 0.0))
+    import ast
+
+    st = ast.literal_eval(s["python"])
+    random.setstate((st[0], tuple(st[1]), st[2]))
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    s = (seed * 1000003 + rank) % (2**31)
+    torch.manual_seed(s)
+    np.random.seed(s)
+    random.seed(s)
+
+
+def step_generator(seed: int, rank: int, step: int, cell: int = -1, device="cpu") -> torch.Generator:
+    """The per-step generator for sampling jitter: a pure function of (seed, rank, step, cell), so
+    resumed runs and prefetching do not change training."""
+    g = torch.Generator(device=device)
+    g.manual_seed(((seed * 6364136223846793005 + (rank + 1) * 1442695040888963407 + step * 97 + (cell + 1) * 7919)) % (2**63))
+    return g
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    if device.type == "cpu":
+        return batch
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _near_far(batch: dict, scene):
+    if "near" in batch:
+        return batch["near"], batch["far"]
+    n = batch["origins"].shape[0]
+    near = torch.full((n, 1), 0.0, device=batch["origins"].device)
+    far = torch.full((n, 1), 1e3, device=batch["origins"].device)
+    return near, far
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation
+
+
+@torch.no_grad()
+def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int = 0, decode=None):
+    """Render held-out views; returns (list of (pred, gt) HxWx3 float tensors, psnr, ssim, seconds).
+
+    Args:
+        field: radiance field (``forward(x, d) -> sigma, rgb``), eval mode.
+        scene: the eval split Scene; images are decoded with the same DALI decode stage.
+    """
+    from .models import psnr as psnr_fn, render_image, ssim as ssim_fn
+    from .pipelines.decode import decode_cache
+
+    n = scene.num_images if max_images <= 0 else min(max_images, scene.num_images)
+    sub = scene.subset(np.linspace(0, scene.num_images - 1, n).round().astype(np.int64)) if n < scene.num_images else scene
+    cache = decode if decode is not None else decode_cache(sub, 0, 1)
+    bg = torch.as_tensor(scene.background, device=device)
+    pairs, ps, ss = [], [], []
+    t0 = time.perf_counter()
+    for i in range(sub.num_images):
+        off, w, h, _ = (int(v) for v in cache.layout[i])
+        gt = torch.from_numpy(np.asarray(cache.pixels[off:off + w * h])).reshape(h, w, 3).float() / 255.0
+        near = float(sub.near[i]) if sub.near is not None else 0.0
+        far = float(sub.far[i]) if sub.far is not None else 1e3
+        pred = render_image(field, torch.as_tensor(sub.c2w[i], device=device), torch.as_tensor(sub.intrinsics[i], device=device),
+                            w, h, near, far, bg, occupancy=occupancy, samples=cfg.model.samples_per_ray).cpu().clamp(0, 1)
+        pairs.append((pred, gt))
+        ps.append(psnr_fn(pred, gt))
+        ss.append(ssim_fn(pred, gt))
+    seconds = time.perf_counter() - t0
+    return pairs, float(np.mean(ps)), float(np.mean(ss)), seconds
+
+
+def write_renders(pairs, out_dir: Path, prefix: str = "test") -> List[str]:
+    """Write ``<prefix>_NNN.png``: prediction | ground truth side by side."""
+    import cv2
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = []
+    for i, (pred, gt) in enumerate(pairs):
+        img = torch.cat([pred, gt], dim=1).numpy() if gt is not None else pred.numpy()
+        img = (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)[:, :, ::-1]
+        ok, buf = cv2.imencode(".png", img)
+        name = f"{prefix}_{i:03d}.png"
+        from .checkpoint import atomic_write_bytes
+
+        atomic_write_bytes(out_dir / name, buf.tobytes())
+        names.append(name)
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+class _MetricsWriter:
+    def __init__(self, path: Path, resume_step: int):
+        self.path = path
+        if resume_step > 0 and path.exists():
+            # keep the lines up to the checkpoint; a resumed run rewrites the rest identically
+            lines = [l for l in path.read_text().splitlines() if l.strip()]
+            kept = [l for l in lines if json.loads(l).get("step", 0) <= resume_step]
+            atomic_write_text(path, "".join(k + "\n" for k in kept))
+        elif path.exists():
+            path.unlink()
+        self.f = open(path, "a")
+
+    def write(self, rec: dict):
+        self.f.write(json.dumps(rec) + "\n")
+
+    def flush(self):
+        self.f.flush()
+
+    def close(self):
+        self.f.close()
+
+
+def _task_state(task: Task) -> dict:
+    st = {
+        "field": task.raw_field.state_dict(),
+        "optimizer": task.optimizer.state_dict(),
+        "source": task.source.state_dict() if hasattr(task.source, "state_dict") else {},
+    }
+    if task.occupancy is not None:
+        st["occupancy"] = task.occupancy.state_dict()
+    if task.scheduler is not None:
+        st["scheduler"] = task.scheduler.state_dict()
+    return st
+
+
+def _load_task_state(task: Task, st: dict) -> None:
+    task.raw_field.load_state_dict(st["field"])
+    task.optimizer.load_state_dict(st["optimizer"])
+    if hasattr(task.source, "load_state_dict"):
+        task.source.load_state_dict(st["source"])
+    if task.occupancy is not None and "occupancy" in st:
+        task.occupancy.load_state_dict(st["occupancy"])
+    if task.scheduler is not None and "scheduler" in st:
+        task.scheduler.load_state_dict(st["scheduler"])
+
+
+def _save_checkpoint(run_dir: Path, step: int, tasks: List[Task], env: DistEnv, cfg: Config) -> None:
+    state = {"step": step, "rank": env.rank, "world_size": env.world_size, "method": cfg.method,
+             "tasks": {t.name: _task_state(t) for t in tasks}, "rng": _rng_state()}
+    save_rank_state(run_dir / "checkpoints", step, env.rank, state)
+    env.barrier()
+    if env.rank == 0:
+        commit_checkpoint(run_dir / "checkpoints", step)
+    env.barrier()
+
+
+def train(cfg: Config, method: Method, resume: bool = False) -> dict:
+    """Run training for ``cfg`` with ``method`` on this process's rank; returns the summary
+    (rank 0) or {} (other ranks)."""
+    from .models import render_rays
+    from .scenes import load_scene
+
+    env = setup_distributed(cfg.train.device, cfg.train.torch_threads)
+    run_dir = cfg.run_dir
+    if env.rank == 0:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / ".write_test").write_text("ok")
+            (run_dir / ".write_test").unlink()
+        except OSError as e:
+            raise DaliNerfError(f"{run_dir}: output folder is not writable ({e.strerror}); set train.runs_dir to a writable folder") from None
+        import yaml
+
+        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    env.barrier()
+
+    sc = cfg.scene
+    scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
+    seed_everything(cfg.pipeline.seed, env.rank)
+    tasks = method.build_tasks(cfg, scene, env)
+
+    start_step = 0
+    if resume:
+        folder = latest_checkpoint(run_dir / "checkpoints")
+        if folder is None:
+            raise DaliNerfError(f"{run_dir / 'checkpoints'}: no checkpoint to resume from; run without --resume")
+        st = load_rank_state(folder, env.rank)
+        if st["world_size"] != env.world_size:
+            raise DaliNerfError(f"{folder}: saved with world size {st['world_size']}, now {env.world_size}; resume with the same number of ranks")
+        for t in tasks:
+            _load_task_state(t, st["tasks"][t.name])
+        _set_rng_state(st["rng"])
+        start_step = int(st["step"])
+
+    metrics_name = "metrics.jsonl" if env.rank == 0 else f"metrics.rank{env.rank}.jsonl"
+    writer = _MetricsWriter(run_dir / metrics_name, start_step)
+    bar = None
+    if env.rank == 0 and sys.stderr.isatty() or os.environ.get("DALI_NERF_PROGRESS") == "1" and env.rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.train.steps, initial=start_step, desc=f"{method.name} x{env.world_size}", dynamic_ncols=True)
+
+    bg = torch.as_tensor(scene.background, device=env.device)
+    totals = {p: 0.0 for p in PHASES}
+    totals["step"] = 0.0
+    rays_total = 0
+    sync_timers = getattr(method, "sync_timers", {})
+    t_start = time.perf_counter()
+    device_sync = (lambda: torch.cuda.synchronize()) if env.device.type == "cuda" else (lambda: None)
+    last = {}
+    try:
+        for step in range(start_step + 1, cfg.train.steps + 1):
+            ph = {p: 0.0 for p in PHASES}
+            t_step = time.perf_counter()
+            loss_sum, nrays = 0.0, 0
+            for task in tasks:
+                t0 = time.perf_counter()
+                batch = next(task.batches())
+                t1 = time.perf_counter()
+                batch = _to_device(batch, env.device)
+                device_sync()
+                t2 = time.perf_counter()
+                near, far = _near_far(batch, scene)
+                gen = step_generator(cfg.pipeline.seed, env.rank, step, task.cell, device=env.device)
+                out = render_rays(task.field, batch["origins"], batch["directions"], near, far, bg,
+                                  occupancy=task.occupancy, samples=cfg.model.samples_per_ray, generator=gen, train=True)
+                loss = torch.mean((out["rgb"] - batch["rgb"]) ** 2)
+                device_sync()
+                t3 = time.perf_counter()
+                timer = sync_timers.get(task.name)
+                s0 = timer.seconds if timer is not None else 0.0
+                task.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                device_sync()
+                t4 = time.perf_counter()
+                sync = (timer.seconds - s0) if timer is not None else 0.0
+                task.optimizer.step()
+                if task.scheduler is not None:
+                    task.scheduler.step()
+                if task.occupancy is not None:
+                    task.occupancy.update(task.raw_field, step)
+                device_sync()
+                t5 = time.perf_counter()
+                ph["wait"] += t1 - t0
+                ph["h2d"] += t2 - t1
+                ph["forward"] += t3 - t2
+                ph["backward"] += (t4 - t3) - sync
+                ph["sync"] += sync
+                ph["optimizer"] += t5 - t4
+                loss_sum += float(loss.detach())
+                nrays += int(batch["origins"].shape[0])
+            step_s = time.perf_counter() - t_step
+            loss_v = loss_sum / len(tasks)
+            rec = {"step": step, "loss": loss_v, "psnr": -10.0 * math.log10(max(loss_v, 1e-12)), "rays": nrays}
+            rec.update({f"{p}_s": ph[p] for p in PHASES})
+            rec["step_s"] = step_s
+            writer.write(rec)
+            for p in PHASES:
+                totals[p] += ph[p]
+            totals["step"] += step_s
+            rays_total += nrays
+            last = rec
+            if bar is not None:
+                bar.update(1)
+                if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                    stall = totals["wait"] / max(totals["step"], 1e-9)
+                    bar.set_postfix(loss=f"{loss_v:.4f}", psnr=f"{rec['psnr']:.1f}",
+                                    Mrays=f"{rays_total / max(totals['step'], 1e-9) / 1e6 * env.world_size:.2f}", stall=f"{100 * stall:.1f}%")
+            if step % cfg.train.log_every == 0:
+                writer.flush()
+                if bar is None and env.rank == 0:
+                    print(f"step {step}/{cfg.train.steps} loss {loss_v:.5f} psnr {rec['psnr']:.2f}", flush=True)
+            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step != cfg.train.steps:
+                writer.flush()
+                _save_checkpoint(run_dir, step, tasks, env, cfg)
+        wall = time.perf_counter() - t_start
+        writer.flush()
+        if cfg.train.steps > start_step or resume:
+            _save_checkpoint(run_dir, cfg.train.steps, tasks, env, cfg)
+    finally:
+        writer.close()
+        if bar is not None:
+            bar.close()
+        source_stats = [t.source.stats() if hasattr(t.source, "stats") else {} for t in tasks]
+        for t in tasks:
+            if hasattr(t.source, "close"):
+                t.source.close()
+
+    # ---- evaluation (every rank may take part in gathering fields; rank 0 renders) --------
+    field, occupancy = method.eval_field(cfg, tasks, env)
+    summary = {}
+    if env.rank == 0:
+        eval_scene = load_scene(sc.path, split=sc.eval_split, format=sc.format, downscale=sc.downscale, background=sc.background)
+        field.eval()
+        pairs, p, s, seconds = evaluate_field(field, occupancy, eval_scene, cfg, env.device, cfg.train.eval_images)
+        renders = write_renders(pairs, run_dir / "renders", prefix=sc.eval_split)
+        steps_run = cfg.train.steps - start_step
+        summary = {
+            "name": cfg.name, "method": method.name, "world_size": env.world_size, "device": str(env.device),
+            "steps": cfg.train.steps, "steps_this_run": steps_run, "resumed_from": start_step,
+            "rays_per_batch": cfg.pipeline.rays_per_batch, "pipeline": cfg.pipeline.name,
+            "test_psnr": p, "test_ssim": s, "eval_split": sc.eval_split, "eval_images": len(pairs),
+            "eval_render_s": seconds,
+            "final_train_loss": last.get("loss"),
+            "phase_totals_s": {p_: totals[p_] for p_ in PHASES} | {"step": totals["step"]},
+            "stall_fraction": totals["wait"] / max(totals["step"], 1e-9),
+            "rays_per_s": rays_total * env.world_size / max(totals["step"], 1e-9),
+            "wall_s": wall,
+            "source_stats": source_stats[0] if len(source_stats) == 1 else source_stats,
+            "renders": renders,
+        }
+        summary.update(method.extra_summary(cfg, tasks, env, eval_scene, field, occupancy))
+        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    env.barrier()
+    if env.distributed:
+        dist.destroy_process_group()
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI shared by trainers/ddp.py and trainers/spatial.py
+
+
+def trainer_main(method_factory: Callable[[], Method], default_config: str, argv=None) -> int:
+    """Entry point of a trainer script: ``--config FILE [--resume] [key=value ...]``.
+
+    Returns the exit code (2 for user errors, printed as one line, no traceback)."""
+    from .cli import run_cli
+
+    p = argparse.ArgumentParser(description="dali_nerf trainer (run under torchrun for several ranks)")
+    p.add_argument("--config", default=default_config)
+    p.add_argument("--resume", action="store_true", help="continue from runs/<name>/checkpoints/latest")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. train.steps=200")
+    args = p.parse_args(argv)
+
+    def go():
+        cfg = load_config(args.config, args.overrides)
+        method = method_factory()
+        if cfg.method != method.name:
+            raise ConfigError(f"{args.config}: method: is {cfg.method!r} but this trainer runs {method.name!r}; use trainers/{'ddp' if cfg.method == 'ddp' else 'spatial'}.py")
+        summary = train(cfg, method, resume=args.resume)
+        if summary:
+            print(json.dumps({k: summary[k] for k in ("name", "test_psnr", "stall_fraction", "rays_per_s", "wall_s")}), flush=True)
+        return 0
+
+    return run_cli(go)
