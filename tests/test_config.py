@@ -1,0 +1,83 @@
+"""Config loading: every failure class is one line naming the key and the file; CLI exit 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dali_nerf.config import Config, load_config
+from dali_nerf.errors import ConfigError
+
+
+def write(tmp_path, text, name="c.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def err(tmp_path, text, overrides=(), check_paths=False):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p, overrides, check_paths=check_paths)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert str(p) in msg
+    return msg
+
+
+def test_defaults_and_overrides(tmp_path):
+    p = write(tmp_path, "pipeline:\n  rays_per_batch: 1024\ntrain:\n  lr: 1\n")
+    cfg = load_config(p, ["train.steps=7", "pipeline.mode=epoch", "scene.background=[0,0,0]"], check_paths=False)
+    assert isinstance(cfg, Config)
+    assert cfg.pipeline.rays_per_batch == 1024 and cfg.train.steps == 7 and cfg.pipeline.mode == "epoch"
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.scene.background == [0.0, 0.0, 0.0]
+
+
+def test_unknown_key(tmp_path):
+    msg = err(tmp_path, "pipeline:\n  rays_per_bach: 4\n")
+    assert "pipeline.rays_per_bach" in msg and "unknown key" in msg and "rays_per_batch" in msg
+
+
+def test_unknown_section(tmp_path):
+    assert "optimiser" in err(tmp_path, "optimiser: {}\n")
+
+
+def test_wrong_type(tmp_path):
+    msg = err(tmp_path, "train:\n  steps: many\n")
+    assert "train.steps" in msg and "integer" in msg
+    assert "train.lr" in err(tmp_path, "train:\n  lr: [1]\n")
+    assert "pipeline.mode" in err(tmp_path, "pipeline:\n  mode: 3\n")
+
+
+def test_out_of_range(tmp_path):
+    msg = err(tmp_path, "pipeline:\n  rays_per_batch: -4096\n")
+    assert "pipeline.rays_per_batch" in msg and "> 0" in msg
+    assert "partition.margin" in err(tmp_path, "partition:\n  margin: 0.5\n")
+    assert "pipeline.name" in err(tmp_path, "pipeline:\n  name: magic\n")
+
+
+def test_override_errors(tmp_path):
+    assert "train.steps" in err(tmp_path, "{}\n", ["train.steps=-1"])
+    assert "key=value" in err(tmp_path, "{}\n", ["train.steps"])
+
+
+def test_missing_path(tmp_path):
+    msg = err(tmp_path, f"scene:\n  path: {tmp_path}/nope\n", check_paths=True)
+    assert "scene.path" in msg and "make-scene" in msg
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    assert "not valid YAML" in err(tmp_path, "train: [\n")
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_cli_exit_code_two_no_traceback(tmp_path):
+    p = write(tmp_path, "name: x\nmethod: ddp\ntrain:\n  stepz: 3\n")
+    r = subprocess.run([sys.executable, "-m", "dali_nerf.trainers.ddp", "--config", str(p)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "train.stepz" in lines[0]
+    assert "Traceback" not in r.stderr
