@@ -1,0 +1,395 @@
+"""Decode once: DALI ``readers.file`` (sharded like DALI shards) + ``decoders.image`` -> :class:`ImageCache`.
+
+One rank's images are decoded a single time (CPU decoder here, nvJPEG with ``device="mixed"`` on a
+GPU), composited over the scene background, and packed into three arrays the ray-sampler operator
+reads (see ARCHITECTURE.md, "ImageCache"):
+
+=========  ========  =======  ===============================================================
+field      shape     dtype    meaning
+=========  ========  =======  ===============================================================
+pixels     (P, 3)    uint8    the shard's images, row-major, concatenated, RGB over background
+cameras    (N, 18)   float32  c2w row-major (12), fx, fy, cx, cy, near, far (0, 1e10 unknown)
+layout     (N, 4)    int64    pixel offset into ``pixels``, width, height, camera index in split
+=========  ========  =======  ===============================================================
+
+Sharding is DALI's own: shard ``i`` of ``S`` over ``N`` files is the index range
+``[floor(i * N / S), floor((i + 1) * N / S))`` (:func:`shard_range`), read with ``pad_last_batch``
+(padded duplicates are dropped by label).
+
+Image policy (same as :mod:`dali_nerf.imageio`): RGBA is composited over the background exactly,
+in integers, as ``round((rgb * a + bg8 * (255 - a)) / 255)`` with ``bg8 = round(255 * bg)``; grayscale is expanded to RGB; 16-bit images
+are converted to 8 bit by DALI's decoder as ``round(v / 257)``; a decoded size that differs from the
+scene's declared width/height raises :class:`~dali_nerf.errors.DataError` naming the file.
+
+>>> cache = decode_cache(scene, rank=0, world_size=2)
+>>> cache.pixels.shape, cache.cameras.shape, cache.layout.shape
+((P, 3), (N, 18), (N, 4))
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import cv2
+import numpy as np
+
+from dali_nerf.errors import DataError, SceneError
+
+__all__ = [
+    "ImageCache", "decode_pipeline", "decode_cache", "shard_range", "shard_sizes",
+    "pack_cameras", "composite", "background_u8", "FAR_UNKNOWN",
+]
+
+FAR_UNKNOWN = 1e10
+"""``far`` written to ``cameras`` when the scene defines no bounds (``near`` is then 0)."""
+
+
+def shard_range(num_items: int, rank: int, world_size: int) -> tuple[int, int]:
+    """DALI's shard rule: ``[floor(rank * N / S), floor((rank + 1) * N / S))``.
+
+    >>> shard_range(7, 1, 3)
+    (2, 4)
+    """
+    return (num_items * rank) // world_size, (num_items * (rank + 1)) // world_size
+
+
+def _check_shard(scene, rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise SceneError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
+    if world_size > scene.num_images:
+        raise SceneError(
+            f"{scene.root}: split {scene.split!r} has {scene.num_images} images but world_size={world_size}; "
+            f"use at most {scene.num_images} ranks or a scene with more images"
+        )
+
+
+def shard_sizes(scene, world_size: int) -> np.ndarray:
+    """Pixels per rank's shard, (world_size,) int64, without decoding anything."""
+    _check_shard(scene, 0, world_size)
+    px = (scene.width * scene.height).astype(np.int64)
+    out = np.zeros(world_size, np.int64)
+    for r in range(world_size):
+        a, b = shard_range(scene.num_images, r, world_size)
+        out[r] = px[a:b].sum()
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class ImageCache:
+    """One rank's decoded images, packed (arrays read-only; on a GPU ``pixels`` is a CUDA tensor).
+
+    Attributes:
+        pixels: (P, 3) uint8 RGB, every image of the shard row-major, concatenated.
+        cameras: (N, 18) float32 c2w row-major (12), fx, fy, cx, cy, near, far.
+        layout: (N, 4) int64 pixel offset, width, height, camera index in the split.
+        rank, world_size: the shard this cache holds.
+        device: "cpu" or "cuda" (where ``pixels`` lives).
+
+    Example:
+        >>> cache.num_pixels == cache.pixels.shape[0] == int((cache.layout[:, 1] * cache.layout[:, 2]).sum())
+        True
+    """
+
+    pixels: object
+    cameras: np.ndarray
+    layout: np.ndarray
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+
+    @property
+    def num_pixels(self) -> int:
+        return int(self.pixels.shape[0])
+
+    @property
+    def num_images(self) -> int:
+        return int(self.layout.shape[0])
+
+    @property
+    def camera_ids(self) -> np.ndarray:
+        """(N,) int64 camera index in the split of each cached image."""
+        return self.layout[:, 3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pixels * 3 + self.cameras.nbytes + self.layout.nbytes
+
+    def image(self, i: int):
+        """(H, W, 3) uint8 view of the i-th cached image."""
+        off, w, h, _ = (int(v) for v in self.layout[i])
+        return self.pixels[off:off + w * h].reshape(h, w, 3)
+
+
+def pack_cameras(scene, idx: Sequence[int]) -> np.ndarray:
+    """(len(idx), 18) float32 camera rows (c2w row-major, fx, fy, cx, cy, near, far) for split indices."""
+    idx = np.asarray(idx, np.int64)
+    cams = np.zeros((len(idx), 18), np.float32)
+    cams[:, :12] = scene.c2w[idx].reshape(-1, 12)
+    cams[:, 12:16] = scene.intrinsics[idx]
+    if scene.has_bounds:
+        cams[:, 16] = scene.near[idx]
+        cams[:, 17] = scene.far[idx]
+    else:
+        cams[:, 16] = 0.0
+        cams[:, 17] = FAR_UNKNOWN
+    return cams
+
+
+def background_u8(background) -> np.ndarray:
+    """(3,) uint8 ``round(255 * bg)`` of a background in [0, 1]."""
+    return np.clip(np.round(np.asarray(background, np.float64) * 255.0), 0, 255).astype(np.uint8)
+
+
+def composite(img: np.ndarray, background, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """(H, W, C) uint8 with C in {1, 2, 3, 4} -> (H, W, 3) uint8 RGB over ``background`` (3,) in [0, 1].
+
+    1 = gray, 2 = gray + alpha, 3 = RGB, 4 = RGBA; alpha composited exactly in integers as
+    ``round((rgb * a + bg8 * (255 - a)) / 255)`` with ``bg8 = round(255 * bg)``. Writes into ``out``.
+    """
+    c = img.shape[2]
+    h, w = img.shape[:2]
+    if out is None:
+        out = np.empty((h, w, 3), np.uint8)
+    if c in (1, 2):
+        rgb = np.broadcast_to(img[:, :, :1], (h, w, 3))
+    elif c in (3, 4):
+        rgb = img[:, :, :3]
+    else:
+        raise DataError(f"image with {c} channels: expected gray, gray+alpha, RGB or RGBA")
+    if c in (2, 4):
+        # exact integer compositing with cv2 (SIMD, threaded): uint16 rgb*a + bg8*(255-a) <= 65025,
+        # then convertScaleAbs rounds x/255 (never a tie for integers)
+        a = img[:, :, c - 1]
+        a3 = cv2.merge([a, a, a])
+        v = cv2.multiply(np.ascontiguousarray(rgb), a3, dtype=cv2.CV_16U)
+        bg8 = background_u8(background)
+        w = cv2.multiply(cv2.bitwise_not(a3), (float(bg8[0]), float(bg8[1]), float(bg8[2]), 0.0), dtype=cv2.CV_16U)
+        cv2.add(v, w, dst=v)
+        if out.flags.c_contiguous:
+            cv2.convertScaleAbs(v, dst=out, alpha=1.0 / 255.0)
+        else:
+            out[...] = cv2.convertScaleAbs(v, alpha=1.0 / 255.0)
+    else:
+        out[...] = rgb
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# image header probe (size only) so the pipeline knows whether it must resize
+
+
+def _header_size(path: str) -> Optional[tuple[int, int]]:
+    """(width, height) from a PNG or JPEG header, or None if unknown."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(26)
+            if head[:8] == b"\x89PNG\r\n\x1a\n":
+                w, h = struct.unpack(">II", head[16:24])
+                return int(w), int(h)
+            if head[:2] == b"\xff\xd8":
+                f.seek(2)
+                while True:
+                    b = f.read(1)
+                    while b and b != b"\xff":
+                        b = f.read(1)
+                    while b == b"\xff":
+                        b = f.read(1)
+                    if not b:
+                        return None
+                    marker = b[0]
+                    if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+                        continue
+                    seg = f.read(2)
+                    if len(seg) < 2:
+                        return None
+                    length = struct.unpack(">H", seg)[0]
+                    if marker in (0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF):
+                        data = f.read(5)
+                        h, w = struct.unpack(">HH", data[1:5])
+                        return int(w), int(h)
+                    f.seek(length - 2, os.SEEK_CUR)
+    except OSError:
+        return None
+    return None
+
+
+def _import_dali():
+    try:
+        from nvidia.dali import fn, pipeline_def, types
+    except ImportError as e:  # pragma: no cover - dali is a dependency
+        raise SceneError(f"nvidia-dali is not importable ({e}); pip install nvidia-dali-cuda120==2.4.0") from None
+    return fn, pipeline_def, types
+
+
+def decode_pipeline(files, labels, shard_id, num_shards, *, device="cpu", resize_to=None,
+                    batch_size=8, num_threads=2, device_id=None, prefetch_queue_depth=2):
+    """Build (not run) the decode pipeline: ``readers.file`` (sharded, named "Reader",
+    ``pad_last_batch``) -> ``decoders.image`` (ANY_DATA keeps alpha / gray) -> optional resize.
+
+    Args:
+        files: (N,) image paths of the split; labels: (N,) camera index in the split.
+        shard_id, num_shards: DALI sharding (the rank and world size).
+        device: "cpu" or "mixed" (nvJPEG; outputs on the GPU).
+        resize_to: None, or ((N,) widths, (N,) heights) to resize each image to by label.
+    Returns:
+        A built DALI pipeline whose outputs are (images (H, W, C) uint8, labels (1,) int32).
+    """
+    fn, pipeline_def, types = _import_dali()
+
+    @pipeline_def
+    def _decode():
+        data, lab = fn.readers.file(
+            files=list(files), labels=[int(x) for x in labels], shard_id=shard_id, num_shards=num_shards,
+            pad_last_batch=True, name="Reader", random_shuffle=False,
+        )
+        img = fn.decoders.image(data, device=device, output_type=types.ANY_DATA)
+        if resize_to is not None:
+            keys = [int(x) for x in labels]
+            wx = fn.lookup_table(lab, keys=keys, values=[float(v) for v in resize_to[0]], dtype=types.FLOAT)
+            hy = fn.lookup_table(lab, keys=keys, values=[float(v) for v in resize_to[1]], dtype=types.FLOAT)
+            img = fn.resize(img, resize_x=wx, resize_y=hy, antialias=True, interp_type=types.INTERP_LINEAR)
+        return img, lab
+
+    pipe = _decode(batch_size=batch_size, num_threads=num_threads,
+                   device_id=device_id, prefetch_queue_depth=prefetch_queue_depth)
+    pipe.build()
+    return pipe
+
+
+def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cpu", num_threads: int = 2,
+                 batch: int = 8, background=None, indices: Optional[Sequence[int]] = None) -> ImageCache:
+    """Decode exactly DALI's shard ``rank`` of ``world_size`` of ``scene`` into an :class:`ImageCache`.
+
+    Args:
+        scene: the split (:class:`~dali_nerf.scenes.Scene`).
+        rank, world_size: the shard (see :func:`shard_range`); ``world_size`` > images is an error.
+        device: "cpu" (DALI CPU decoder) or "cuda" (nvJPEG, ``pixels`` as a CUDA uint8 tensor).
+        num_threads: DALI CPU threads; batch: images per pipeline run.
+        background: (3,) RGB in [0, 1] (default ``scene.background``).
+        indices: decode these split indices instead of the shard (streaming windows); they are
+            read as one unsharded list in the given order.
+    Returns:
+        ImageCache with pixels (P, 3) u8, cameras (N, 18) f32, layout (N, 4) i64.
+    Raises:
+        SceneError: world_size > number of images.  DataError: an image has the wrong size or
+        cannot be decoded (one line naming the file).
+
+    Example:
+        >>> cache = decode_cache(scene, 1, 2)
+        >>> cache.layout[:, 3]            # split camera indices of shard 1
+        array([50, 51, ..., 99])
+    """
+    bg = scene.background if background is None else np.asarray(background, np.float32)
+    if indices is None:
+        _check_shard(scene, rank, world_size)
+        lo, hi = shard_range(scene.num_images, rank, world_size)
+        want = np.arange(lo, hi, dtype=np.int64)
+        files, labels, shard_id, num_shards = scene.image_paths, range(scene.num_images), rank, world_size
+    else:
+        want = np.asarray(indices, np.int64)
+        if len(want) == 0:
+            raise SceneError("decode_cache: empty list of image indices")
+        files = [scene.image_paths[i] for i in want]
+        labels, shard_id, num_shards = [int(i) for i in want], 0, 1
+    for i in want:
+        if not os.path.isfile(scene.image_paths[i]):
+            raise DataError(f"{scene.image_paths[i]}: image file not found; restore it or fix the scene's file list")
+    widths, heights = scene.width, scene.height
+
+    resize_to = None
+    if scene.downscale > 1:
+        hs = _header_size(scene.image_paths[int(want[0])])
+        if hs is None or hs != (int(widths[want[0]]), int(heights[want[0]])):
+            # labels are split indices in both modes; the lookup tables are keyed by them
+            lab_list = [int(x) for x in labels]
+            resize_to = ([int(widths[i]) for i in lab_list], [int(heights[i]) for i in lab_list])
+
+    use_gpu = device == "cuda"
+    dali_device = "mixed" if use_gpu else "cpu"
+    dev_id = None
+    if use_gpu:
+        import torch
+        dev_id = torch.cuda.current_device()
+
+    n = len(want)
+    px_count = (widths[want] * heights[want]).astype(np.int64)
+    offsets = np.zeros(n, np.int64)
+    offsets[1:] = np.cumsum(px_count)[:-1]
+    total = int(px_count.sum())
+    pos_of = {int(c): k for k, c in enumerate(want)}
+    if use_gpu:
+        import torch
+        pixels = torch.empty((total, 3), dtype=torch.uint8, device="cuda")
+        bg_t = torch.as_tensor(background_u8(bg).astype(np.int32), device="cuda")
+    else:
+        pixels = np.empty((total, 3), np.uint8)
+
+    try:
+        pipe = decode_pipeline(files, labels, shard_id, num_shards, device=dali_device, resize_to=resize_to,
+                               batch_size=max(1, min(batch, n)), num_threads=num_threads, device_id=dev_id)
+    except RuntimeError as e:
+        raise DataError(f"{scene.root}: DALI could not build the decode pipeline: {str(e).splitlines()[0]}") from None
+    done = np.zeros(n, bool)
+    try:
+        for _ in range(math.ceil(n / pipe.max_batch_size)):
+            try:
+                imgs, labs = pipe.run()
+            except RuntimeError as e:
+                msg = str(e).splitlines()[0]
+                bad = next((p for p in (scene.image_paths[i] for i in want[~done]) if os.path.basename(p) in str(e)), None)
+                where = bad or f"one of {scene.root}'s {scene.split} images"
+                raise DataError(f"{where}: cannot be decoded ({msg}); re-export it as PNG or JPEG") from None
+            if use_gpu:
+                labs = labs.as_cpu() if hasattr(labs, "as_cpu") else labs
+            for s in range(len(labs)):
+                cam = int(np.asarray(labs[s]).reshape(-1)[0])
+                k = pos_of.get(cam)
+                if k is None or done[k]:
+                    continue  # pad_last_batch duplicate
+                h, w = int(heights[cam]), int(widths[cam])
+                shape = tuple(imgs[s].shape())
+                if shape[0] != h or shape[1] != w:
+                    raise DataError(
+                        f"{scene.image_paths[cam]}: decoded size {shape[1]}x{shape[0]} differs from the declared "
+                        f"{w}x{h}; fix the scene's w/h (or downscale) or the image"
+                    )
+                dst = slice(int(offsets[k]), int(offsets[k] + h * w))
+                if use_gpu:
+                    _composite_gpu(imgs[s], bg_t, pixels[dst].view(h, w, 3))
+                else:
+                    composite(np.asarray(imgs[s]), bg, out=pixels[dst].reshape(h, w, 3))
+                done[k] = True
+    finally:
+        del pipe
+    if not done.all():
+        missing = scene.image_paths[int(want[np.flatnonzero(~done)[0]])]
+        raise DataError(f"{missing}: the decode pipeline did not return this image; check the file")
+
+    layout = np.stack([offsets, widths[want], heights[want], want], axis=1).astype(np.int64)
+    cameras = pack_cameras(scene, want)
+    for a in (cameras, layout):
+        a.setflags(write=False)
+    if not use_gpu:
+        pixels.setflags(write=False)
+    return ImageCache(pixels=pixels, cameras=cameras, layout=layout, rank=rank, world_size=world_size,
+                      device="cuda" if use_gpu else "cpu")
+
+
+def _composite_gpu(tensor_gpu, bg255, out):  # pragma: no cover - needs a GPU
+    """Composite one decoded DALI TensorGPU (H, W, C) into ``out`` (H, W, 3) uint8 CUDA, on the GPU."""
+    import torch
+
+    img = torch.as_tensor(tensor_gpu, device="cuda")  # __cuda_array_interface__, no host copy
+    c = img.shape[2]
+    rgb = img[:, :, :1].expand(-1, -1, 3) if c in (1, 2) else img[:, :, :3]
+    if c in (2, 4):
+        a = img[:, :, c - 1:c].to(torch.int32)
+        v = ((rgb.to(torch.int32) - bg255) * a + bg255 * 255 + 127) // 255
+        out.copy_(v.to(torch.uint8))
+    else:
+        out.copy_(rgb)
+    torch.cuda.current_stream().synchronize()  # DALI may reuse the decode buffer on the next run
