@@ -52,6 +52,10 @@ class Scene:
             mapped back to the dataset's own frame.
         up: (3,) float32 unit world "up" (gravity opposite); spatial partitions ignore this axis.
         aabb: (2, 3) float32 min/max corner of the region the model represents, or None.
+        file_wh: (N, 2) int64 width, height the image *files* have on disk as the dataset
+            declares them (before the decode-time resize to ``width``/``height``), or None when
+            unknown. Equal to (width, height) unless ``downscale`` > 1 without a pre-downscaled
+            folder; ``dali-nerf validate`` checks every file's header against it.
 
     Example:
         >>> scene = load_scene("data/default", split="train")
@@ -74,6 +78,7 @@ class Scene:
     world_from_source: np.ndarray = field(default_factory=lambda: np.eye(4))
     up: np.ndarray = field(default_factory=lambda: np.array([0.0, 1.0, 0.0], np.float32))
     aabb: Optional[np.ndarray] = None
+    file_wh: Optional[np.ndarray] = None
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
@@ -94,6 +99,8 @@ class Scene:
         set_("up", _frozen_array(up / np.linalg.norm(up), np.float32, None, "up"))
         if self.aabb is not None:
             set_("aabb", _frozen_array(self.aabb, np.float32, (3,), "aabb"))
+        if self.file_wh is not None:
+            set_("file_wh", _frozen_array(self.file_wh, np.int64, (2,), "file_wh"))
         for k in ("c2w", "intrinsics", "width", "height"):
             if len(getattr(self, k)) != n:
                 raise ValueError(f"Scene.{k} has {len(getattr(self, k))} entries for {n} images")
@@ -118,7 +125,7 @@ class Scene:
         kw["image_paths"] = [self.image_paths[i] for i in idx]
         for k in ("c2w", "intrinsics", "width", "height"):
             kw[k] = getattr(self, k)[idx]
-        for k in ("near", "far"):
+        for k in ("near", "far", "file_wh"):
             if kw[k] is not None:
                 kw[k] = kw[k][idx]
         return Scene(**kw)

@@ -1,0 +1,264 @@
+"""Image headers and safe image checks, without decoding.
+
+:func:`read_header` reads only the first bytes of a PNG (signature + IHDR, CRC-checked) or a JPEG
+(markers up to the first SOF segment, seeking over the others) and returns an
+:class:`ImageHeader`. :func:`check_image` adds the checks that must happen *before* any decoder
+touches the file: the pixel count limit (decompression bombs), the size the dataset declares, and
+a cheap truncation check (the file must end with PNG's ``IEND`` chunk / contain JPEG's end-of-image
+marker ``FFD9`` in its last 64 KiB).
+
+Decode policy (the decode stage, ``pipelines/decode.py``, follows it; :func:`decode_image_cv2` is
+the reference implementation):
+
+* accepted: PNG 8- or 16-bit, gray / gray+alpha / RGB / RGBA / palette; baseline or progressive
+  JPEG, 8-bit, gray or YCbCr (1 or 3 components);
+* 16-bit PNG is converted to 8-bit at decode, ``round(v * 255 / 65535)``;
+* grayscale is expanded to RGB at decode (gray+alpha to RGBA); palette images decode to RGB(A);
+* RGBA is then composited over the scene background by the decode stage (not here);
+* refused, from the header: PNG bit depths below 8 with colour (invalid PNG), 12-bit JPEG,
+  4-component (CMYK/YCCK) JPEG, images with more than :data:`MAX_PIXELS` pixels, and sizes that
+  do not match the dataset's declaration.
+
+Every refusal is a :class:`dali_nerf.errors.DataError` with a one-line message naming the file.
+
+>>> h = read_header("data/default/train/r_0.png")
+>>> (h.width, h.height, h.channels, h.bit_depth, h.format)
+(400, 400, 4, 8, 'png')
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .errors import DataError
+
+__all__ = ["ImageHeader", "read_header", "check_image", "decode_image_cv2", "MAX_PIXELS", "IMAGE_EXTENSIONS"]
+
+#: Largest image accepted, in pixels (width * height): 16384 x 16384 = 2**28 (268 M pixels, about
+#: 1 GiB as RGBA8). Anything larger is refused from its header as a likely decompression bomb.
+MAX_PIXELS = 16384 * 16384
+
+#: File name extensions treated as images by the scene parsers (lower case).
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
+
+_PNG_SIG = b"\x89PNG\r\n\x1a\n"
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}  # colour type -> channels (palette decodes to RGB)
+_PNG_DEPTHS = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 16), 6: (8, 16)}
+# SOF0..SOF15 except DHT (C4), JPG (C8), DAC (CC)
+_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_JPEG_TAIL = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What an image header declares.
+
+    Attributes:
+        width, height: pixels.
+        channels: 1 (gray), 2 (gray+alpha), 3 (RGB / YCbCr / palette), 4 (RGBA; CMYK for JPEG).
+        bit_depth: bits per channel sample (PNG 1..16, JPEG 8 or 12).
+        format: "png" or "jpeg".
+    """
+
+    width: int
+    height: int
+    channels: int
+    bit_depth: int
+    format: str
+
+
+def _bad(path, what: str) -> DataError:
+    return DataError(f"{path}: {what}; replace or re-export the image")
+
+
+def _png_header(path, f) -> ImageHeader:
+    f.seek(8)
+    chunk = f.read(25)
+    if len(chunk) < 25:
+        raise _bad(path, "truncated PNG header")
+    length, ctype = struct.unpack(">I4s", chunk[:8])
+    if ctype != b"IHDR" or length != 13:
+        raise _bad(path, "corrupt PNG header (first chunk is not IHDR)")
+    data, crc = chunk[8:21], struct.unpack(">I", chunk[21:25])[0]
+    if zlib.crc32(b"IHDR" + data) & 0xFFFFFFFF != crc:
+        raise _bad(path, "corrupt PNG header (IHDR checksum mismatch)")
+    w, h, depth, colour, _comp, _filt, _interlace = struct.unpack(">IIBBBBB", data)
+    if w == 0 or h == 0:
+        raise _bad(path, f"PNG header declares an empty image {w}x{h}")
+    if colour not in _PNG_DEPTHS or depth not in _PNG_DEPTHS[colour]:
+        raise _bad(path, f"corrupt PNG header (colour type {colour} with bit depth {depth})")
+    return ImageHeader(int(w), int(h), _PNG_CHANNELS[colour], int(depth), "png")
+
+
+def _jpeg_header(path, f) -> ImageHeader:
+    f.seek(2)
+    while True:
+        b = f.read(1)
+        if not b:
+            raise _bad(path, "truncated JPEG (no frame header before end of file)")
+        if b != b"\xff":
+            raise _bad(path, "corrupt JPEG (expected a marker)")
+        m = f.read(1)
+        while m == b"\xff":  # fill bytes
+            m = f.read(1)
+        if not m:
+            raise _bad(path, "truncated JPEG header")
+        marker = m[0]
+        if marker == 0xD8 or 0xD0 <= marker <= 0xD7 or marker == 0x01:
+            continue  # no length
+        if marker in (0xD9, 0xDA):
+            raise _bad(path, "corrupt JPEG (image data before any frame header)")
+        lb = f.read(2)
+        if len(lb) < 2:
+            raise _bad(path, "truncated JPEG header")
+        seg_len = struct.unpack(">H", lb)[0]
+        if seg_len < 2:
+            raise _bad(path, "corrupt JPEG (bad segment length)")
+        if marker in _JPEG_SOF:
+            seg = f.read(6)
+            if len(seg) < 6:
+                raise _bad(path, "truncated JPEG frame header")
+            precision, h, w, comps = struct.unpack(">BHHB", seg)
+            if w == 0 or h == 0:
+                raise _bad(path, f"JPEG frame header declares size {w}x{h} (unsupported or corrupt)")
+            if comps not in (1, 3, 4):
+                raise _bad(path, f"corrupt JPEG frame header ({comps} components)")
+            return ImageHeader(int(w), int(h), int(comps), int(precision), "jpeg")
+        f.seek(seg_len - 2, os.SEEK_CUR)
+
+
+def read_header(path) -> ImageHeader:
+    """Read the size, channels and bit depth of a PNG or JPEG from its header bytes only.
+
+    Args:
+        path: image file.
+    Returns:
+        :class:`ImageHeader`.
+    Raises:
+        DataError: missing file, unknown format, or a corrupt / truncated header (names the file).
+
+    Example:
+        >>> read_header("img.png")
+        ImageHeader(width=24, height=18, channels=3, bit_depth=8, format='png')
+    """
+    try:
+        with open(path, "rb") as f:
+            sig = f.read(8)
+            if sig == _PNG_SIG:
+                return _png_header(path, f)
+            if sig[:2] == b"\xff\xd8":
+                return _jpeg_header(path, f)
+    except FileNotFoundError:
+        raise DataError(f"{path}: image file not found; check the scene's file list") from None
+    except IsADirectoryError:
+        raise DataError(f"{path}: is a folder, expected an image file") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(sig) == 0:
+        raise _bad(path, "empty file")
+    raise _bad(path, "not a PNG or JPEG file (unknown header)")
+
+
+def _check_tail(path, fmt: str, tail: bytes, size: int) -> None:
+    if fmt == "png":
+        if not tail.endswith(b"IEND\xaeB`\x82"):
+            raise _bad(path, f"truncated or corrupt PNG (no IEND chunk at the end of its {size} bytes)")
+    elif b"\xff\xd9" not in tail:
+        raise _bad(path, f"truncated JPEG (no end-of-image marker in its last bytes, {size} bytes in all)")
+
+
+def _check_header(path, h: ImageHeader, expected_wh, max_pixels: int) -> None:
+    if h.width * h.height > max_pixels:
+        raise DataError(
+            f"{path}: header declares {h.width}x{h.height} = {h.width * h.height} pixels, over the "
+            f"limit of {max_pixels} (dali_nerf.imageio.MAX_PIXELS); refusing a possible "
+            f"decompression bomb; downscale the image"
+        )
+    if h.format == "jpeg" and h.bit_depth != 8:
+        raise DataError(f"{path}: {h.bit_depth}-bit JPEG is not supported; re-export as 8-bit JPEG or PNG")
+    if h.format == "jpeg" and h.channels == 4:
+        raise DataError(f"{path}: CMYK/YCCK JPEG is not supported; re-export as RGB")
+    if expected_wh is not None:
+        ew, eh = int(expected_wh[0]), int(expected_wh[1])
+        if (h.width, h.height) != (ew, eh):
+            raise DataError(
+                f"{path}: image is {h.width}x{h.height} but the scene declares {ew}x{eh}; fix the "
+                f"scene's w/h (or intrinsics) or resize the image"
+            )
+
+
+def check_image(path, expected_wh: Optional[Sequence[int]] = None, max_pixels: int = MAX_PIXELS) -> ImageHeader:
+    """Check an image from its header (and last bytes) before any decoding.
+
+    Args:
+        path: image file.
+        expected_wh: (width, height) the dataset declares for this file, or None.
+        max_pixels: refuse images with more pixels than this (default :data:`MAX_PIXELS`).
+    Returns:
+        The :class:`ImageHeader`.
+    Raises:
+        DataError: unreadable / corrupt / truncated file, too many pixels, size mismatch, or an
+            unsupported variant (12-bit or CMYK JPEG); one line naming the file.
+
+    Example:
+        >>> check_image("train/r_0.png", expected_wh=(800, 800)).channels
+        4
+    """
+    h = read_header(path)
+    _check_header(path, h, expected_wh, max_pixels)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(max(0, size - (12 if h.format == "png" else _JPEG_TAIL)))
+        tail = f.read()
+    _check_tail(path, h.format, tail, size)
+    return h
+
+
+def decode_image_cv2(path, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """Decode a PNG/JPEG with OpenCV following the module's decode policy.
+
+    Args:
+        path: image file.
+        max_pixels: pixel limit checked from the header before decoding.
+    Returns:
+        (H, W, 3) uint8 RGB, or (H, W, 4) uint8 RGBA when the file has alpha (not composited).
+    Raises:
+        DataError: corrupt, truncated, unsupported or oversized file (names the file).
+
+    Example:
+        >>> decode_image_cv2("train/r_0.png").shape
+        (800, 800, 4)
+    """
+    import cv2
+
+    h = read_header(path)
+    _check_header(path, h, None, max_pixels)
+    with open(path, "rb") as f:
+        data = f.read()
+    _check_tail(path, h.format, data[-(12 if h.format == "png" else _JPEG_TAIL):], len(data))
+    img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    if img is None:
+        raise _bad(path, "cannot be decoded (corrupt image data)")
+    if img.dtype == np.uint16:
+        img = ((img.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+    elif img.dtype != np.uint8:
+        raise _bad(path, f"decodes to unsupported sample type {img.dtype}")
+    if img.ndim == 2:
+        img = np.repeat(img[:, :, None], 3, axis=2)
+    elif img.shape[2] == 1:
+        img = np.repeat(img, 3, axis=2)
+    elif img.shape[2] == 2:  # gray + alpha
+        img = np.concatenate([np.repeat(img[:, :, :1], 3, axis=2), img[:, :, 1:]], axis=2)
+    elif img.shape[2] == 3:
+        img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+    elif img.shape[2] == 4:
+        img = cv2.cvtColor(img, cv2.COLOR_BGRA2RGBA)
+    if img.shape[:2] != (h.height, h.width):
+        raise _bad(path, f"decoded size {img.shape[1]}x{img.shape[0]} differs from its header {h.width}x{h.height}")
+    return np.ascontiguousarray(img)

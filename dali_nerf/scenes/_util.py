@@ -1,0 +1,236 @@
+"""Checks and conversions shared by the scene parsers (one place, used by all four).
+
+Every function raises :class:`dali_nerf.errors.SceneError` with one line naming the file (and the
+frame or key) on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import SceneError
+from ..imageio import IMAGE_EXTENSIONS, read_header
+
+__all__ = [
+    "load_json", "require", "as_float", "check_poses", "check_focal", "check_images_exist",
+    "downscaled_size", "scale_intrinsics", "prescaled_paths", "mean_up", "DRB_TO_GL",
+]
+
+#: Right-multiplying a 3x3 camera rotation whose columns are [down, right, back] by this gives
+#: [right, up, back] columns (OpenGL): new = [col1, -col0, col2].
+DRB_TO_GL = np.array([[0.0, -1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+
+
+def load_json(path: Path) -> dict:
+    """Parse a JSON file (dict at top level); missing or malformed -> SceneError with file:line."""
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise SceneError(f"{path}: file not found") from None
+    except OSError as e:
+        raise SceneError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SceneError(f"{path}:{e.lineno}:{e.colno}: malformed JSON ({e.msg}); fix the file") from None
+    if not isinstance(data, dict):
+        raise SceneError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
+    return data
+
+
+def require(d: dict, key: str, path, where: str = ""):
+    """``d[key]``, or a SceneError naming the key, the file and (optionally) the frame."""
+    if not isinstance(d, dict) or key not in d:
+        loc = f" in {where}" if where else ""
+        raise SceneError(f"{path}: missing key {key!r}{loc}; add it or convert the scene")
+    return d[key]
+
+
+def as_float(v, key: str, path, where: str = "") -> float:
+    """A finite float from a JSON value, else a SceneError naming the key."""
+    loc = f" ({where})" if where else ""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise SceneError(f"{path}: key {key!r}{loc} must be a number, got {v!r}") from None
+    if not math.isfinite(x):
+        raise SceneError(f"{path}: key {key!r}{loc} is not finite ({v!r})")
+    return x
+
+
+def as_matrix(v, shape: tuple, key: str, path, where: str = "") -> np.ndarray:
+    """A float64 array of ``shape`` from a JSON list, else a SceneError naming the key."""
+    loc = f" ({where})" if where else ""
+    try:
+        a = np.asarray(v, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise SceneError(f"{path}: key {key!r}{loc} must be a {'x'.join(map(str, shape))} array of numbers") from None
+    if a.shape != shape:
+        raise SceneError(f"{path}: key {key!r}{loc} has shape {a.shape}, expected {shape}")
+    return a
+
+
+def check_poses(c2w: np.ndarray, names: Sequence[str], path, tol: float = 1e-3) -> None:
+    """Poses must be finite with a rotation part that is orthonormal (|R^T R - I| <= tol) and
+    right-handed (det R > 0).
+
+    Args:
+        c2w: (N, 3, 4) camera-to-world.
+        names: (N,) frame names for the message.
+        path: the file the poses came from.
+    """
+    c2w = np.asarray(c2w, np.float64)
+    bad = ~np.isfinite(c2w).all(axis=(1, 2))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise SceneError(f"{path}: frame {names[i]!r} has a non-finite pose; fix or drop the frame")
+    r = c2w[:, :, :3]
+    err = np.abs(np.einsum("nji,njk->nik", r, r) - np.eye(3)).max(axis=(1, 2))
+    if (err > tol).any():
+        i = int(np.argmax(err))
+        raise SceneError(
+            f"{path}: frame {names[i]!r} has a non-orthonormal rotation (max |R^T R - I| = {err[i]:.3g} > "
+            f"{tol:g}); poses must be rigid camera-to-world transforms without scale"
+        )
+    det = np.linalg.det(r)
+    if (det <= 0).any():
+        i = int(np.flatnonzero(det <= 0)[0])
+        raise SceneError(f"{path}: frame {names[i]!r} has a reflected (left-handed) rotation, det = {det[i]:.3g}")
+
+
+def check_focal(intrinsics: np.ndarray, names: Sequence[str], path) -> None:
+    """fx, fy must be finite and > 0; cx, cy finite. ``intrinsics`` (N, 4)."""
+    k = np.asarray(intrinsics, np.float64)
+    bad = ~np.isfinite(k).all(axis=1) | (k[:, 0] <= 0) | (k[:, 1] <= 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise SceneError(
+            f"{path}: frame {names[i]!r} has invalid intrinsics fx={k[i, 0]:g} fy={k[i, 1]:g} cx={k[i, 2]:g} "
+            f"cy={k[i, 3]:g}; focal lengths must be > 0"
+        )
+
+
+def check_images_exist(paths: Sequence[str], source, what: str = "images") -> None:
+    """Every path must be an existing file; the message lists the first few missing ones."""
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        shown = ", ".join(str(m) for m in missing[:3]) + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else "")
+        raise SceneError(f"{source}: {len(missing)} of {len(paths)} {what} missing: {shown}")
+
+
+def check_sizes(wh: np.ndarray, names: Sequence[str], path) -> None:
+    """Image sizes (N, 2) must be positive integers."""
+    wh = np.asarray(wh)
+    bad = (wh <= 0).any(axis=1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise SceneError(f"{path}: frame {names[i]!r} declares image size {wh[i, 0]}x{wh[i, 1]}; must be > 0")
+
+
+def downscaled_size(wh: np.ndarray, d: int) -> np.ndarray:
+    """(N, 2) int64 sizes floor(w / d), floor(h / d), at least 1."""
+    return np.maximum(np.asarray(wh, np.int64) // int(d), 1)
+
+
+def scale_intrinsics(k: np.ndarray, wh_old: np.ndarray, wh_new: np.ndarray) -> np.ndarray:
+    """Intrinsics (N, 4) fx, fy, cx, cy of images resized from ``wh_old`` (N, 2) to ``wh_new``
+    (N, 2): x scaled by w_new / w_old, y by h_new / h_old (exact for a resize that maps the image
+    rectangle onto the new one, with +0.5 pixel centres)."""
+    k = np.asarray(k, np.float64).copy()
+    s = np.asarray(wh_new, np.float64) / np.asarray(wh_old, np.float64)
+    k[:, 0] *= s[:, 0]
+    k[:, 2] *= s[:, 0]
+    k[:, 1] *= s[:, 1]
+    k[:, 3] *= s[:, 1]
+    return k
+
+
+def prescaled_paths(paths: Sequence[str], d: int) -> Optional[list]:
+    """The paths of a pre-downscaled copy (``<folder>_<d>/<name>``, the nerfstudio / LLFF layout)
+    when ``d`` > 1 and *every* such file exists; else None (the decoder resizes)."""
+    if d <= 1:
+        return None
+    out = []
+    for p in paths:
+        p = Path(p)
+        q = p.parent.parent / f"{p.parent.name}_{d}" / p.name
+        if not q.is_file():
+            return None
+        out.append(str(q))
+    return out
+
+
+def prescaled_sizes(paths: Sequence[str], wh_full: np.ndarray) -> np.ndarray:
+    """On-disk sizes of pre-downscaled images: the header of the first image of each group of
+    equal full-resolution size (one header read per distinct size)."""
+    wh_full = np.asarray(wh_full, np.int64)
+    out = np.zeros_like(wh_full)
+    seen: dict = {}
+    for i, p in enumerate(paths):
+        key = (int(wh_full[i, 0]), int(wh_full[i, 1]))
+        if key not in seen:
+            h = read_header(p)
+            seen[key] = (h.width, h.height)
+        out[i] = seen[key]
+    return out
+
+
+def resolve_downscale(paths: list, k_full: np.ndarray, wh_full: np.ndarray, d: int):
+    """Apply ``downscale`` d to images of full-resolution sizes ``wh_full`` (N, 2) and
+    intrinsics ``k_full`` (N, 4).
+
+    Returns:
+        paths (N,) (the pre-downscaled copies when they all exist), intrinsics (N, 4) scaled by
+        the exact ratio, sizes (N, 2) int64 the scene uses, file sizes (N, 2) int64 on disk.
+    """
+    wh_full = np.asarray(wh_full, np.int64)
+    if d <= 1:
+        return list(paths), np.asarray(k_full, np.float64), wh_full, wh_full
+    pre = prescaled_paths(paths, d)
+    if pre is not None:
+        wh = prescaled_sizes(pre, wh_full)
+        return pre, scale_intrinsics(k_full, wh_full, wh), wh, wh
+    wh = downscaled_size(wh_full, d)
+    return list(paths), scale_intrinsics(k_full, wh_full, wh), wh, wh_full
+
+
+def image_path(root: Path, rel: str, default_ext: str = ".png") -> str:
+    """Absolute path of an image named relative to ``root``; ``default_ext`` is appended when the
+    name has no image extension and the name itself is not an existing file (Blender style)."""
+    p = (root / rel).resolve() if not os.path.isabs(rel) else Path(rel)
+    if p.suffix.lower() not in IMAGE_EXTENSIONS and not p.is_file():
+        p = p.with_name(p.name + default_ext)
+    return str(p)
+
+
+def mean_up(c2w: np.ndarray) -> np.ndarray:
+    """Unit mean of the cameras' up vectors (column 1 of OpenGL c2w (N, 3, 4)); (0, 1, 0) when
+    they cancel."""
+    u = np.asarray(c2w, np.float64)[:, :, 1].sum(axis=0)
+    n = np.linalg.norm(u)
+    return u / n if n > 1e-9 else np.array([0.0, 1.0, 0.0])
+
+
+def parse_aabb(v, path, key: str = "aabb") -> np.ndarray:
+    """(2, 3) min/max corners from a JSON value, min < max, else a SceneError naming the key."""
+    a = as_matrix(v, (2, 3), key, path)
+    if not np.isfinite(a).all() or (a[0] >= a[1]).any():
+        raise SceneError(f"{path}: key {key!r} must be [[xmin, ymin, zmin], [xmax, ymax, zmax]] with min < max")
+    return a
+
+
+def check_bounds(near: np.ndarray, far: np.ndarray, names: Sequence[str], path) -> None:
+    """Per-image bounds (N,) must be finite with 0 <= near < far."""
+    near = np.asarray(near, np.float64)
+    far = np.asarray(far, np.float64)
+    bad = ~np.isfinite(near) | ~np.isfinite(far) | (near < 0) | (far <= near)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise SceneError(f"{path}: frame {names[i]!r} has invalid bounds near={near[i]:g} far={far[i]:g}; need 0 <= near < far")

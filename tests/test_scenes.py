@@ -1,0 +1,191 @@
+"""Scene parsers against independent references.
+
+For each format we write a tiny scene in tmp_path with cameras in THAT format's own convention
+(OpenGL for Blender / nerfstudio, [down, right, back] for LLFF, DRB for Mega-NeRF), project known
+3-D points with the format's own camera model, parse with ``load_scene`` and check that the ray
+of the parsed camera through the projected pixel passes through the point mapped by
+``world_from_source``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from dali_nerf.errors import SceneError
+from dali_nerf.rays import rays_from_indices
+from dali_nerf.scenes import detect_format, load_scene
+
+RNG = np.random.default_rng(0)
+POINTS = np.array([[0.3, -0.2, 0.1], [-0.25, 0.15, -0.1], [0.0, 0.0, 0.0]])
+
+
+# ---------------------------------------------------------------- helpers ------------------------
+def write_png(path: Path, w: int, h: int, channels: int = 3):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img = RNG.integers(0, 255, (h, w, channels), dtype=np.uint8)
+    assert cv2.imwrite(str(path), img)
+
+
+def look_at_gl(pos, target, up) -> np.ndarray:
+    """OpenGL c2w (3, 4): columns right, up, back, position."""
+    pos, target, up = (np.asarray(v, np.float64) for v in (pos, target, up))
+    back = pos - target
+    back /= np.linalg.norm(back)
+    right = np.cross(up, back)
+    right /= np.linalg.norm(right)
+    cam_up = np.cross(back, right)
+    return np.stack([right, cam_up, back, pos], axis=1)
+
+
+def project_gl(c2w, k, x):
+    """Pixel coordinates (u, v) of world point x in an OpenGL camera (continuous, +0.5 centres)."""
+    xc = c2w[:, :3].T @ (x - c2w[:, 3])
+    assert xc[2] < 0, "point behind the camera"
+    return k[2] + k[0] * xc[0] / -xc[2], k[3] - k[1] * xc[1] / -xc[2]
+
+
+def project_drb(c2w, k, x):
+    """(u, v) in a camera whose c2w columns are [down, right, back] (LLFF / Mega-NeRF)."""
+    xc = c2w[:, :3].T @ (x - c2w[:, 3])  # (down, right, back)
+    assert xc[2] < 0
+    return k[2] + k[0] * xc[1] / -xc[2], k[3] + k[1] * xc[0] / -xc[2]
+
+
+def ray_miss(scene, i, u, v, x_world) -> float:
+    """Distance from x_world to the parsed camera i's ray through continuous pixel (u, v), relative
+    to the distance of the point from the camera. Uses rays_from_indices on the pixel containing
+    (u, v), with the principal point shifted by the sub-pixel offset so the pixel centre is (u, v)."""
+    col, row = int(math.floor(u)), int(math.floor(v))
+    assert 0 <= col < scene.width[i] and 0 <= row < scene.height[i], (u, v)
+    k = torch.tensor(scene.intrinsics, dtype=torch.float64)
+    k[i, 2] += col + 0.5 - u
+    k[i, 3] += row + 0.5 - v
+    o, d = rays_from_indices(torch.tensor(scene.c2w, dtype=torch.float64), k, torch.tensor([[i, row, col]]))
+    o, d = o[0].numpy(), d[0].numpy()
+    p = x_world - o
+    return float(np.linalg.norm(p - (p @ d) * d) / np.linalg.norm(p))
+
+
+def to_world(scene, x_source):
+    return (scene.world_from_source @ np.append(x_source, 1.0))[:3]
+
+
+def assert_one_line(err, *needles):
+    msg = str(err.value)
+    assert "\n" not in msg
+    for n in needles:
+        assert str(n) in msg, (n, msg)
+
+
+# ---------------------------------------------------------------- Blender ------------------------
+BW, BH, BANGLE = 25, 18, 0.9
+
+
+def blender_cams(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for j in range(n):
+        az, el = 2 * np.pi * j / n + rng.uniform(0, 0.3), rng.uniform(0.2, 0.8)
+        pos = 4.0 * np.array([np.cos(az) * np.cos(el), np.sin(az) * np.cos(el), np.sin(el)])
+        out.append(look_at_gl(pos, rng.uniform(-0.05, 0.05, 3), [0, 0, 1]))
+    return out
+
+
+def make_blender(root: Path, n_train=4, n_test=2, extra=None, ext=""):
+    cams = {"train": blender_cams(n_train, 1), "val": blender_cams(2, 2), "test": blender_cams(n_test, 3)}
+    for split, cs in cams.items():
+        frames = []
+        for j, c in enumerate(cs):
+            write_png(root / split / f"r_{j}.png", BW, BH, 4)
+            m = np.eye(4)
+            m[:3] = c
+            frames.append({"file_path": f"./{split}/r_{j}{ext}", "rotation": 0.0, "transform_matrix": m.tolist()})
+        meta = {"camera_angle_x": BANGLE, "frames": frames, **(extra or {})}
+        (root / f"transforms_{split}.json").write_text(json.dumps(meta, indent=2))
+    return cams
+
+
+@pytest.mark.parametrize("downscale", [1, 2])
+def test_blender_rays_hit_points(tmp_path, downscale):
+    cams = make_blender(tmp_path)
+    assert detect_format(tmp_path) == "blender"
+    scene = load_scene(tmp_path, "train", downscale=downscale)
+    assert scene.format == "blender" and scene.num_images == 4
+    w2, h2 = BW // downscale, BH // downscale
+    assert (scene.width == w2).all() and (scene.height == h2).all()
+    assert (scene.file_wh == [BW, BH]).all()
+    f = 0.5 * BW / math.tan(0.5 * BANGLE)
+    k_src = np.array([f, f, BW / 2, BH / 2])
+    np.testing.assert_allclose(scene.near, 2.0)
+    np.testing.assert_allclose(scene.far, 6.0)
+    np.testing.assert_allclose(scene.up, [0, 0, 1])
+    np.testing.assert_allclose(scene.aabb, [[-1.5] * 3, [1.5] * 3])
+    for i, c in enumerate(cams["train"]):
+        for x in POINTS:
+            u, v = project_gl(c, k_src, x)
+            u, v = u * w2 / BW, v * h2 / BH  # the image is resized to w2 x h2
+            assert ray_miss(scene, i, u, v, to_world(scene, x)) < 1e-4
+
+
+def test_blender_splits_keys_and_extensions(tmp_path):
+    make_blender(tmp_path, extra={"near": 0.5, "far": 3.0, "aabb": [[-1, -2, -3], [1, 2, 3]]}, ext=".png")
+    s = load_scene(tmp_path, "test")
+    assert s.num_images == 2 and s.split == "test"
+    assert s.image_paths[1].endswith("test/r_1.png")
+    np.testing.assert_allclose(s.near, 0.5)
+    np.testing.assert_allclose(s.far, 3.0)
+    np.testing.assert_allclose(s.aabb, [[-1, -2, -3], [1, 2, 3]])
+    sub = s.subset([1])
+    assert sub.num_images == 1 and sub.file_wh.shape == (1, 2)
+
+
+def _edit_json(path: Path, fn):
+    meta = json.loads(path.read_text())
+    fn(meta)
+    path.write_text(json.dumps(meta))
+
+
+def test_blender_errors(tmp_path):
+    make_blender(tmp_path)
+    tj = tmp_path / "transforms_train.json"
+    good = tj.read_text()
+
+    def expect(fn, *needles):
+        tj.write_text(good)
+        _edit_json(tj, fn)
+        with pytest.raises(SceneError) as e:
+            load_scene(tmp_path, "train")
+        assert_one_line(e, *needles)
+
+    expect(lambda m: m.pop("camera_angle_x"), "camera_angle_x", "transforms_train.json")
+    expect(lambda m: m["frames"][1].pop("transform_matrix"), "transform_matrix", "frames[1]")
+    expect(lambda m: m["frames"][2]["transform_matrix"][0].__setitem__(0, float("nan")), "non-finite", "r_2")
+
+    def scale(m):
+        for r in range(3):  # column 0 scaled by 1.01: |R^T R - I| ~ 0.02
+            m["frames"][0]["transform_matrix"][r][0] *= 1.01
+    expect(scale, "non-orthonormal", "r_0")
+    expect(lambda m: m.__setitem__("frames", []), "no images")
+    expect(lambda m: m["frames"][3].__setitem__("file_path", "./train/nope"), "missing", "nope.png")
+    expect(lambda m: m.__setitem__("camera_angle_x", -1.0), "camera_angle_x")
+    # malformed JSON: file and line
+    tj.write_text('{\n  "camera_angle_x": 0.5,\n  "frames": [\n    {"file_path": "a",}\n  ]\n}')
+    with pytest.raises(SceneError) as e:
+        load_scene(tmp_path, "train")
+    assert_one_line(e, "transforms_train.json:4", "malformed JSON")
+    # a split that does not exist, an unknown folder
+    tj.write_text(good)
+    (tmp_path / "transforms_val.json").unlink()
+    with pytest.raises(SceneError) as e:
+        load_scene(tmp_path, "val")
+    assert_one_line(e, "transforms_val.json")
+    with pytest.raises(SceneError) as e:
+        load_scene(tmp_path / "nothing", "train")
+    assert_one_line(e, "nothing")
