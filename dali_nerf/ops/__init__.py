@@ -1,0 +1,291 @@
+"""The C++ DALI ray-sampler operator plugin: lazy build, per-user cache, load once.
+
+Nothing native happens on import. :func:`load_plugin` builds the plugin the first time it is
+needed (a few seconds with g++), caches it per user, and loads it once per process; after that
+the op is ``nvidia.dali.fn.dali_nerf.ray_sampler`` (schema ``dali_nerf__RaySampler``, contract in
+ARCHITECTURE.md, "The operator").
+
+Cache: ``$DALI_NERF_CACHE`` or ``~/.cache/dali_nerf/ops``, one folder per build key (DALI
+version, sha256 of ``csrc/*``, compiler path and version, flags, CUDA or not) holding
+``libdali_nerf_ops.so``, ``manifest.json`` (key, sha256 of the library), ``build.log`` (the last
+compiler output) and ``builds.log`` (one line per compiler run). A ``filelock.FileLock`` makes
+several ranks starting at once build once; the library is written to a temporary file in the same
+folder and moved into place with ``os.replace``. A cached library whose sha256 does not match its
+manifest, or that fails to load, is rebuilt once automatically.
+
+Variants: the CPU-only library is compiled by g++ from ``ray_sampler.cc``; the CUDA library is
+compiled by nvcc from ``ray_sampler.cc`` + ``ray_sampler.cu`` into one ``.so`` that registers both
+backends (archs: ``$DALI_NERF_CUDA_ARCHS``, default ``80;90``, plus PTX for the newest).
+
+>>> from dali_nerf.ops import load_plugin
+>>> path = load_plugin()            # builds on first use, then loads
+>>> from nvidia.dali import fn      # fn.dali_nerf.ray_sampler(pixels, cameras, layout, rays=4096)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from ..errors import PluginBuildError
+
+__all__ = ["load_plugin", "build_plugin", "plugin_cache_dir", "cuda_available", "main", "LIB_NAME"]
+
+LIB_NAME = "libdali_nerf_ops.so"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_CPU_SOURCES = ("ray_sampler.cc",)
+_CUDA_SOURCES = ("ray_sampler.cc", "ray_sampler.cu")
+
+_load_guard = threading.Lock()
+_loaded: dict = {}  # {"path": Path, "cuda": bool} once loaded in this process
+
+
+def plugin_cache_dir() -> Path:
+    """Folder holding one sub-folder per build key: ``$DALI_NERF_CACHE`` or ``~/.cache/dali_nerf/ops``."""
+    env = os.environ.get("DALI_NERF_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dali_nerf" / "ops"
+
+
+# ---------------------------------------------------------------------------------------- tools
+
+def _find_cxx() -> str:
+    env = os.environ.get("CXX")
+    if env:
+        path = shutil.which(env)
+        if not path:
+            raise PluginBuildError(f"CXX={env} is not an executable: install g++ or fix CXX")
+        return path
+    for name in ("g++", "c++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise PluginBuildError("no C++ compiler (g++/c++) found: install g++ (apt-get install g++) or set CXX")
+
+
+def _find_nvcc() -> str | None:
+    env = os.environ.get("NVCC")
+    if env:
+        return shutil.which(env)
+    path = shutil.which("nvcc")
+    if path:
+        return path
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "nvcc").is_file():
+            return str(Path(root) / "bin" / "nvcc")
+    return None
+
+
+def cuda_available() -> bool:
+    """True when torch sees a GPU and nvcc is found (what ``load_plugin(cuda=None)`` picks)."""
+    try:
+        import torch
+        has_gpu = torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch is a dependency, but be safe
+        has_gpu = False
+    return bool(has_gpu and _find_nvcc())
+
+
+def _tool_version(exe: str) -> str:
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+        return (out.stdout or out.stderr).strip().splitlines()[-1] if exe.endswith("nvcc") else \
+            (out.stdout or out.stderr).strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
+def _pip_nvidia_dirs(sub: str) -> list[Path]:
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return [Path(p) / sub for p in getattr(nvidia, "__path__", []) if (Path(p) / sub).is_dir()]
+
+
+def _cuda_includes() -> list[str]:
+    """Include folders providing cuda_runtime.h (system toolkit first, else pip packages)."""
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    for root in roots:
+        if root and (Path(root) / "include" / "cuda_runtime.h").is_file():
+            return [str(Path(root) / "include")]
+    dirs = []
+    for sub in ("cuda_runtime/include", "cuda_nvcc/include", "cuda_cccl/include"):
+        dirs += [str(d) for d in _pip_nvidia_dirs(sub)]
+    if not any((Path(d) / "cuda_runtime.h").is_file() for d in dirs):
+        raise PluginBuildError("cuda_runtime.h not found (needed even for the CPU operator): "
+                               "pip install nvidia-cuda-runtime-cu12, or set CUDA_HOME to a CUDA toolkit")
+    return dirs
+
+
+def _dali_flags() -> tuple[str, list[str], list[str]]:
+    try:
+        import nvidia.dali as dali
+        import nvidia.dali.sysconfig as sysconfig
+    except ImportError as e:
+        raise PluginBuildError(f"DALI is not installed ({e}): pip install nvidia-dali-cuda120") from None
+    return dali.__version__, list(sysconfig.get_compile_flags()), list(sysconfig.get_link_flags())
+
+
+def _sources_hash(names) -> str:
+    h = hashlib.sha256()
+    for p in sorted(_CSRC.iterdir()):
+        if p.suffix in (".h", ".cc", ".cu", ".cuh"):
+            h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update(",".join(names).encode())
+    return h.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _cuda_archs() -> list[str]:
+    archs = [a.strip() for a in os.environ.get("DALI_NERF_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
+             if a.strip()]
+    flags = []
+    for a in archs:
+        flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    flags += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+    return flags
+
+
+def _build_plan(cuda: bool) -> dict:
+    """Compiler command (without output path) and the build key."""
+    dali_version, cflags, lflags = _dali_flags()
+    incs = [f"-I{d}" for d in _cuda_includes()]
+    if cuda:
+        nvcc = _find_nvcc()
+        if not nvcc:
+            raise PluginBuildError("nvcc not found for the CUDA operator: install the CUDA toolkit "
+                                   "(or put nvcc on PATH / set CUDA_HOME), or build without --cuda")
+        compiler = nvcc
+        flags = ["-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
+                 "-Xcompiler", "-Wno-free-nonheap-object", *_cuda_archs()]
+        sources = _CUDA_SOURCES
+    else:
+        compiler = _find_cxx()
+        flags = ["-std=c++20", "-O3", "-shared", "-fPIC", "-Wno-free-nonheap-object"]
+        sources = _CPU_SOURCES
+    flags = flags + cflags + incs
+    ident = {
+        "dali": dali_version, "sources": _sources_hash(sources), "compiler": compiler,
+        "compiler_version": _tool_version(compiler), "flags": flags, "link": lflags, "cuda": cuda,
+        "python": sys.version_info[:2],
+    }
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
+    key = ("cuda-" if cuda else "cpu-") + key
+    cmd = [compiler, *flags, *[str(_CSRC / s) for s in sources]]
+    return {"key": key, "cmd": cmd, "link": lflags, "ident": ident}
+
+
+def _cached_ok(lib: Path, manifest: Path, key: str) -> bool:
+    try:
+        m = json.loads(manifest.read_text())
+        return m.get("key") == key and lib.is_file() and _sha256(lib) == m.get("sha256")
+    except (OSError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------- build
+
+def build_plugin(cuda: bool = False, force: bool = False) -> Path:
+    """Build the plugin (or reuse the cached build) and return the library path.
+
+    Args:
+        cuda: also compile the CUDA backend (needs nvcc); False: CPU backend only, g++.
+        force: rebuild even when a valid cached library exists.
+    Returns:
+        Path of ``libdali_nerf_ops.so`` inside ``plugin_cache_dir() / <key>``.
+    Raises:
+        PluginBuildError: no compiler, no cuda_runtime.h, compile error (names the log file),
+            or an unwritable cache folder.
+
+    Example:
+        >>> build_plugin()            # doctest: +SKIP
+        PosixPath('/home/me/.cache/dali_nerf/ops/cpu-3f2a.../libdali_nerf_ops.so')
+    """
+    from filelock import FileLock
+
+    plan = _build_plan(bool(cuda))
+    folder = plugin_cache_dir() / plan["key"]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PluginBuildError(f"cannot create the plugin cache {folder} ({e.strerror}): "
+                               f"set DALI_NERF_CACHE to a writable folder") from None
+    lib, manifest, log = folder / LIB_NAME, folder / "manifest.json", folder / "build.log"
+    with FileLock(str(folder / ".lock")):
+        if not force and _cached_ok(lib, manifest, plan["key"]):
+            return lib
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+        os.close(fd)
+        cmd = [*plan["cmd"], "-o", tmp, *plan["link"]]
+        with open(folder / "builds.log", "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "cmd": cmd}) + "\n")
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            os.unlink(tmp)
+            raise PluginBuildError(f"cannot run {cmd[0]} ({e.strerror}): install g++ or set CXX") from None
+        log.write_text(" ".join(cmd) + "\n\n" + res.stdout + res.stderr)
+        if res.returncode != 0 or os.path.getsize(tmp) == 0:
+            os.unlink(tmp)
+            raise PluginBuildError(f"compiling the dali_nerf operator failed: full compiler output in {log}")
+        os.replace(tmp, lib)
+        manifest.write_text(json.dumps({"key": plan["key"], "sha256": _sha256(lib),
+                                        "ident": plan["ident"]}, indent=1))
+    return lib
+
+
+def _load_library(path: Path) -> None:
+    import nvidia.dali.plugin_manager as plugin_manager
+    plugin_manager.load_library(str(path))
+
+
+def load_plugin(cuda: bool | None = None) -> Path:
+    """Build if needed and load the plugin, once per process; returns the library path.
+
+    Args:
+        cuda: True: the CUDA variant (CPU + GPU backends); False: CPU only; None: CUDA when
+            ``torch.cuda.is_available()`` and nvcc is found, else CPU only.
+    Raises:
+        PluginBuildError: as :func:`build_plugin`, or when the library does not load even after
+            a rebuild, or when the other variant is already loaded in this process.
+    """
+    with _load_guard:
+        if _loaded:
+            if cuda and not _loaded["cuda"]:
+                raise PluginBuildError("the CPU-only dali_nerf plugin is already loaded in this process: "
+                                       "call load_plugin(cuda=True) before any pipeline is built")
+            return _loaded["path"]
+        use_cuda = cuda_available() if cuda is None else bool(cuda)
+        path = build_plugin(cuda=use_cuda)
+        try:
+            _load_library(path)
+        except Exception:
+            path = build_plugin(cuda=use_cuda, force=True)  # stale or corrupt: rebuild once
+            try:
+                _load_library(path)
+            except Exception as e:
+                raise PluginBuildError(f"cannot load {path} ({str(e).splitlines()[0][:200]}): "
+                                       f"remove {path.parent} and retry, or run dali-nerf build-op --force") from None
+        _loaded.update(path=path, cuda=use_cuda)
+        return path
+
+
+def main(args) -> int:
+    """``dali-nerf build-op [--cuda] [--force]``: build (or reuse) the plugin and print its path."""
+    path = build_plugin(cuda=bool(getattr(args, "cuda", False)), force=bool(getattr(args, "force", False)))
+    print(path)
+    return 0

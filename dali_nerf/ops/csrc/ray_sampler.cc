@@ -1,0 +1,294 @@
+// CPU backend of the dali_nerf ray sampler, and the operator schema (see ray_sampler.h).
+//
+// Unrouted: the R rays of a sample are split into chunks of kChunk rays, run on the DALI thread
+// pool. Routed: rounds of speculative candidate blocks are evaluated in parallel (each block keeps
+// the pixel ids of its accepted candidates, in stream order), the blocks are concatenated in order
+// until R rays are accepted, then the blocks write their share of the output in parallel.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "ray_sampler.h"
+
+namespace dali_nerf {
+
+namespace {
+
+constexpr int64_t kChunk = 16384;  // rays per thread-pool task
+constexpr int64_t kBlock = 16384;  // routed: candidates per speculative block
+
+// float(u8) / 255.f, exactly as numpy computes it
+struct RgbTable {
+  float v[256];
+  RgbTable() { for (int i = 0; i < 256; i++) v[i] = static_cast<float>(i) / 255.f; }
+};
+const RgbTable kRgb;
+
+struct Image {
+  uint64_t off, W;
+  double invW;
+  const float *cam;
+  int64_t index;  // camera index in the split (layout[:, 3])
+};
+
+/// One sample's cache: pixel id -> (image, row, col) -> ray, and the outputs it writes.
+struct Cache {
+  const uint8_t *pixels = nullptr;
+  uint64_t P = 0;
+  std::vector<Image> imgs;
+  std::vector<uint64_t> offs;  // offs[i] = imgs[i].off
+  bool uniform = false;        // all images the same size: no binary search
+  uint64_t WH = 0;
+  double invWH = 0;
+
+  void init(const uint8_t *px, int64_t P_, const float *cams, const int64_t *lay, int64_t N) {
+    pixels = px;
+    P = static_cast<uint64_t>(P_);
+    imgs.resize(N);
+    offs.resize(N);
+    uint64_t expect = 0;
+    uniform = true;
+    for (int64_t i = 0; i < N; i++) {
+      const int64_t *l = lay + 4 * i;
+      DALI_ENFORCE(l[1] > 0 && l[2] > 0, "dali_nerf ray_sampler: `layout` width/height must be > 0");
+      DALI_ENFORCE(static_cast<uint64_t>(l[0]) == expect,
+                   "dali_nerf ray_sampler: `layout` offsets must be contiguous from 0 "
+                   "(offset[i+1] = offset[i] + width[i] * height[i])");
+      const float *c = cams + 18 * i;
+      DALI_ENFORCE(c[12] != 0.f && c[13] != 0.f, "dali_nerf ray_sampler: `cameras` fx/fy must be non-zero");
+      imgs[i] = {expect, static_cast<uint64_t>(l[1]), 1.0 / static_cast<double>(l[1]), c, l[3]};
+      offs[i] = expect;
+      expect += static_cast<uint64_t>(l[1]) * static_cast<uint64_t>(l[2]);
+      if (l[1] != lay[1] || l[2] != lay[2]) uniform = false;
+    }
+    DALI_ENFORCE(expect == P, "dali_nerf ray_sampler: `layout` covers " + std::to_string(expect) +
+                              " pixels but `pixels` has " + std::to_string(P));
+    WH = static_cast<uint64_t>(lay[1]) * static_cast<uint64_t>(lay[2]);
+    invWH = 1.0 / static_cast<double>(WH);
+  }
+
+  inline const Image &locate(uint64_t pix, uint64_t &row, uint64_t &col) const {
+    size_t img;
+    if (uniform) {
+      img = detail::fast_div(pix, WH, invWH);
+    } else {
+      img = std::upper_bound(offs.begin(), offs.end(), pix) - offs.begin() - 1;
+    }
+    const Image &im = imgs[img];
+    uint64_t rem = pix - im.off;
+    row = detail::fast_div(rem, im.W, im.invW);
+    col = rem - row * im.W;
+    return im;
+  }
+};
+
+struct Outputs {
+  float *o, *d, *rgb, *nr, *fr;
+  int64_t *idx;
+
+  inline void write(const Cache &c, int64_t i, uint64_t pix) const {
+    uint64_t row, col;
+    const Image &im = c.locate(pix, row, col);
+    detail::pixel_ray(im.cam, row, col, o + 3 * i, d + 3 * i);
+    const uint8_t *p = c.pixels + 3 * pix;
+    rgb[3 * i] = kRgb.v[p[0]]; rgb[3 * i + 1] = kRgb.v[p[1]]; rgb[3 * i + 2] = kRgb.v[p[2]];
+    idx[3 * i] = im.index; idx[3 * i + 1] = row; idx[3 * i + 2] = col;
+    nr[i] = im.cam[16]; fr[i] = im.cam[17];
+  }
+};
+
+/// Pixel ids of stream positions s0, s0+1, ... in order; one division at construction only.
+template <int Mode>
+struct Stream;
+
+template <>
+struct Stream<kRandom> {
+  uint64_t key, P, s;
+  Stream(uint64_t key_, uint64_t P_, uint64_t s0) : key(key_), P(P_), s(s0) {}
+  inline uint64_t next() { return detail::random_pixel(key, s++, P); }
+};
+
+template <>
+struct Stream<kEpoch> {
+  uint64_t key, P, e, j;
+  detail::EpochPerm perm;
+  Stream(uint64_t key_, uint64_t P_, uint64_t s0) : key(key_), P(P_), e(s0 / P_), j(s0 % P_) {
+    perm.init(key, e, P);
+  }
+  inline uint64_t next() {
+    if (j == P) { j = 0; e++; perm.init(key, e, P); }
+    return perm(j++);
+  }
+};
+
+template <int Mode>
+void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, int64_t i0, int64_t n) {
+  Stream<Mode> st(key, c.P, s0);
+  for (int64_t i = i0; i < i0 + n; i++) out.write(c, i, st.next());
+}
+
+struct Accepted {
+  std::vector<uint64_t> pix;  // pixel ids of accepted candidates, in stream order
+  std::vector<uint32_t> pos;  // their offsets inside the block
+};
+
+template <int Mode>
+void eval_block(const Cache &c, const detail::RouteParams &rp, uint64_t key, uint64_t s0,
+                int64_t n, Accepted &acc) {
+  acc.pix.clear();
+  acc.pos.clear();
+  Stream<Mode> st(key, c.P, s0);
+  for (int64_t i = 0; i < n; i++) {
+    uint64_t pix = st.next(), row, col;
+    const Image &im = c.locate(pix, row, col);
+    float o[3], d[3];
+    detail::pixel_ray(im.cam, row, col, o, d);
+    if (detail::route_accept(rp, o, d, im.cam[16], im.cam[17])) {
+      acc.pix.push_back(pix);
+      acc.pos.push_back(static_cast<uint32_t>(i));
+    }
+  }
+}
+
+}  // namespace
+
+template <>
+void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
+  using ::dali::CPUBackend;
+  const auto &pix_in = ws.Input<CPUBackend>(0);
+  const auto &cam_in = ws.Input<CPUBackend>(1);
+  const auto &lay_in = ws.Input<CPUBackend>(2);
+  auto &tp = ws.GetThreadPool();
+  int nsamples = pix_in.num_samples();
+  int nthreads = tp.NumThreads();
+  const int64_t R = rays_;
+  std::vector<Cache> caches(nsamples);
+  std::vector<Outputs> outs(nsamples);
+  for (int s = 0; s < nsamples; s++) {
+    caches[s].init(pix_in.tensor<uint8_t>(s), pix_in.tensor_shape(s)[0], cam_in.tensor<float>(s),
+                   lay_in.tensor<int64_t>(s), cam_in.tensor_shape(s)[0]);
+    outs[s] = {ws.Output<CPUBackend>(0).mutable_tensor<float>(s),
+               ws.Output<CPUBackend>(1).mutable_tensor<float>(s),
+               ws.Output<CPUBackend>(2).mutable_tensor<float>(s),
+               ws.Output<CPUBackend>(4).mutable_tensor<float>(s),
+               ws.Output<CPUBackend>(5).mutable_tensor<float>(s),
+               ws.Output<CPUBackend>(3).mutable_tensor<int64_t>(s)};
+  }
+  auto &consumed_out = ws.Output<CPUBackend>(6);
+
+  if (cell_ < 0) {
+    for (int s = 0; s < nsamples; s++) {
+      uint64_t s0 = static_cast<uint64_t>(starts_[s]);
+      for (int64_t i0 = 0; i0 < R; i0 += kChunk) {
+        int64_t n = std::min(kChunk, R - i0);
+        tp.AddWork([&, s, s0, i0, n](int) {
+          if (mode_ == kEpoch) run_chunk<kEpoch>(caches[s], outs[s], key_, s0 + i0, i0, n);
+          else run_chunk<kRandom>(caches[s], outs[s], key_, s0 + i0, i0, n);
+        }, n);
+      }
+      consumed_out.mutable_tensor<int64_t>(s)[0] = R;
+    }
+    tp.RunAll();
+    return;
+  }
+
+  // routed: speculative rounds of candidate blocks
+  const auto &cen_in = ws.Input<CPUBackend>(3);
+  std::vector<Accepted> blocks;
+  for (int s = 0; s < nsamples; s++) {
+    const Cache &c = caches[s];
+    detail::RouteParams rp = route_params(cen_in.tensor<float>(s),
+                                          static_cast<int>(cen_in.tensor_shape(s)[0]));
+    uint64_t s0 = static_cast<uint64_t>(starts_[s]);
+    int64_t accepted = 0;
+    uint64_t examined = 0;  // candidates evaluated so far = next round's offset from s0
+    int64_t consumed = -1;
+    while (consumed < 0) {
+      int64_t need = R - accepted;
+      double est = std::max(accept_estimate_, 1e-3);
+      int64_t cand = static_cast<int64_t>(need / est * 1.1) + 256;
+      int64_t nb = std::max<int64_t>((cand + kBlock - 1) / kBlock, nthreads);
+      nb = std::min<int64_t>(nb, 4096);
+      if (static_cast<int64_t>(blocks.size()) < nb) blocks.resize(nb);
+      for (int64_t b = 0; b < nb; b++) {
+        uint64_t bs = s0 + examined + b * kBlock;
+        tp.AddWork([&, b, bs](int) {
+          if (mode_ == kEpoch) eval_block<kEpoch>(c, rp, key_, bs, kBlock, blocks[b]);
+          else eval_block<kRandom>(c, rp, key_, bs, kBlock, blocks[b]);
+        }, kBlock);
+      }
+      tp.RunAll();
+      int64_t round_acc = 0;
+      std::vector<std::pair<int64_t, int64_t>> round_writes;  // (block, slot) this round
+      for (int64_t b = 0; b < nb; b++) round_acc += static_cast<int64_t>(blocks[b].pix.size());
+      for (int64_t b = 0; b < nb && consumed < 0; b++) {
+        int64_t n = static_cast<int64_t>(blocks[b].pix.size());
+        if (n == 0) continue;
+        round_writes.push_back({b, accepted});
+        if (accepted + n >= R) {
+          consumed = static_cast<int64_t>(examined + b * kBlock + blocks[b].pos[R - accepted - 1]) + 1;
+        }
+        accepted += n;
+      }
+      // write this round's accepted rays (block b writes slots [slot, min(slot + n, R)))
+      for (auto &w : round_writes) {
+        int64_t b = w.first, slot = w.second;
+        tp.AddWork([&, b, slot](int) {
+          const Accepted &a = blocks[b];
+          int64_t n = std::min<int64_t>(a.pix.size(), R - slot);
+          for (int64_t i = 0; i < n; i++) outs[s].write(c, slot + i, a.pix[i]);
+        }, static_cast<int64_t>(blocks[b].pix.size()));
+      }
+      tp.RunAll();
+      uint64_t round_cand = static_cast<uint64_t>(nb) * kBlock;
+      accept_estimate_ = std::max(1e-4, static_cast<double>(round_acc) / round_cand);
+      examined += round_cand;
+      if (consumed < 0 && accepted == 0 && examined >= (uint64_t(1) << 26) + 64ull * R) {
+        DALI_FAIL("dali_nerf ray_sampler: cell " + std::to_string(cell_) + " accepted no ray in " +
+                  std::to_string(examined) + " candidates: check `centroids`, `margin` and near/far");
+      }
+    }
+    consumed_out.mutable_tensor<int64_t>(s)[0] = consumed;
+  }
+}
+
+}  // namespace dali_nerf
+
+DALI_REGISTER_OPERATOR(dali_nerf__RaySampler, ::dali_nerf::RaySampler<::dali::CPUBackend>, ::dali::CPU);
+
+DALI_SCHEMA(dali_nerf__RaySampler)
+    .DocStr(R"(Samples training rays from an in-memory image cache (dali_nerf).
+
+Each output sample holds ``rays`` rays taken from a deterministic stream of pixel ids that starts
+at stream position ``start``: ``random`` mode hashes (seed, rank, world_size, position), ``epoch``
+mode visits every pixel of the cache exactly once per block of P positions (keyed Feistel
+bijection). With ``cell >= 0`` only rays whose [near, far] segment meets the (margin-extended)
+Voronoi cell ``cell`` of ``centroids`` are emitted, in stream order; ``consumed`` tells how many
+stream positions were used, so the next run starts at ``start + consumed``.
+
+Outputs: origins (R,3) f32, directions (R,3) f32 unit, rgb (R,3) f32 = pixel / 255,
+indices (R,3) int64 (camera index in split, row, col), near (R,1) f32, far (R,1) f32,
+consumed (1,) int64.)")
+    .NumInput(3, 4)
+    .NumOutput(7)
+    .InputDox(0, "pixels", "TensorList (P, 3) uint8", "All images of the cache, row-major, concatenated.")
+    .InputDox(1, "cameras", "TensorList (N, 18) float32",
+              "Per image: camera-to-world 3x4 row-major (12), fx, fy, cx, cy, near, far.")
+    .InputDox(2, "layout", "TensorList (N, 4) int64",
+              "Per image: pixel offset into `pixels`, width, height, camera index in the split.")
+    .InputDox(3, "centroids", "TensorList (C, 3) float32",
+              "Optional: cell centroids for spatial routing (needs `cell` >= 0).")
+    .AddArg("rays", "Rays per output sample.", DALI_INT32)
+    .AddOptionalArg("mode", "\"random\" (iid hash of the position) or \"epoch\" (a permutation "
+                    "of all P pixels per block of P positions).", std::string("random"))
+    .AddOptionalArg<int64_t>("seed", "Stream seed.", 0)
+    .AddOptionalArg("rank", "Rank of this process (part of the stream key).", 0)
+    .AddOptionalArg("world_size", "Number of ranks (part of the stream key).", 1)
+    .AddOptionalArg<int64_t>("start", "Stream position of the first candidate ray "
+                             "(argument input allowed: one int64 per sample).", 0, true)
+    .AddOptionalArg("cell", "Cell to route to (index into `centroids`); -1: no routing.", -1)
+    .AddOptionalArg("margin", "Routing margin m: keep a ray if some point p of its segment has "
+                    "|p - c_cell| <= m |p - c_k| for all k.", 1.15f)
+    .AddOptionalArg("up", "World up vector; with dims == 2 routing ignores this axis.",
+                    std::vector<float>{0.f, 1.f, 0.f})
+    .AddOptionalArg("dims", "Routing distances: 2 (perpendicular to `up`) or 3.", 2);
