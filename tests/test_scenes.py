@@ -189,3 +189,139 @@ def test_blender_errors(tmp_path):
     with pytest.raises(SceneError) as e:
         load_scene(tmp_path / "nothing", "train")
     assert_one_line(e, "nothing")
+
+
+# ---------------------------------------------------------------- nerfstudio ---------------------
+NS_K = (20.0, 21.0, 11.3, 9.4)  # fl_x, fl_y, cx, cy for 24x18 images
+
+
+def make_nerfstudio(root: Path, n=12, prescaled=False, extra=None, frame_extra=None):
+    """transforms.json with shared intrinsics for 24x18 images; frame 5 overrides them (26x20)."""
+    cams = blender_cams(n, 7)
+    frames = []
+    for j, c in enumerate(cams):
+        w, h = (26, 20) if j == 5 else (24, 18)
+        write_png(root / "images" / f"frame_{j:05d}.png", w, h)
+        if prescaled:
+            write_png(root / "images_2" / f"frame_{j:05d}.png", (w + 1) // 2, (h + 1) // 2)  # ceil: 12x9, 13x10
+        m = np.eye(4)
+        m[:3] = c
+        fr = {"file_path": f"images/frame_{j:05d}.png", "transform_matrix": m.tolist()}
+        if j == 5:
+            fr.update({"w": 26, "h": 20, "fl_x": 22.0, "cx": 13.1})
+        fr.update((frame_extra or {}).get(j, {}))
+        frames.append(fr)
+    frames = frames[::-1]  # nerfstudio sorts frames by file name
+    meta = {"camera_model": "OPENCV", "fl_x": NS_K[0], "fl_y": NS_K[1], "cx": NS_K[2], "cy": NS_K[3],
+            "w": 24, "h": 18, "k1": 0.0, "k2": 0.0, "p1": 0.0, "p2": 0.0, "frames": frames, **(extra or {})}
+    (root / "transforms.json").write_text(json.dumps(meta, indent=1))
+    return cams
+
+
+def ns_source_camera(j):
+    if j == 5:
+        return np.array([22.0, 21.0, 13.1, 9.4]), (26, 20)
+    return np.array(NS_K), (24, 18)
+
+
+@pytest.mark.parametrize("downscale,prescaled", [(1, False), (2, False), (2, True)])
+def test_nerfstudio_rays_hit_points(tmp_path, downscale, prescaled):
+    cams = make_nerfstudio(tmp_path, prescaled=prescaled)
+    assert detect_format(tmp_path) == "nerfstudio"
+    scene = load_scene(tmp_path, "train", downscale=downscale)
+    # nerfstudio's fraction rule: ceil(0.9 * 12) = 11 train at linspace(0, 11, 11).astype(int)
+    train = np.linspace(0, 11, 11, dtype=int)
+    assert scene.num_images == 11
+    assert [Path(p).name for p in scene.image_paths] == [f"frame_{j:05d}.png" for j in train]
+    assert scene.near is None and scene.aabb is None
+    for i, j in enumerate(train):
+        k_src, (w, h) = ns_source_camera(j)
+        if downscale == 1:
+            w2, h2 = w, h
+        elif prescaled:
+            w2, h2 = (w + 1) // 2, (h + 1) // 2
+        else:
+            w2, h2 = w // 2, h // 2
+        assert (scene.width[i], scene.height[i]) == (w2, h2)
+        assert tuple(scene.file_wh[i]) == ((w2, h2) if prescaled or downscale == 1 else (w, h))
+        assert ("images_2" in scene.image_paths[i]) == prescaled
+        for x in POINTS:
+            u, v = project_gl(cams[j], k_src, x)
+            assert ray_miss(scene, i, u * w2 / w, v * h2 / h, to_world(scene, x)) < 1e-4
+    ev = load_scene(tmp_path, "test")
+    assert ev.num_images == 1 and ev.image_paths[0].endswith("frame_00010.png")
+    assert load_scene(tmp_path, "val").image_paths == ev.image_paths
+
+
+def test_nerfstudio_split_files_bounds_aabb(tmp_path):
+    extra = {"train_filenames": [f"images/frame_{j:05d}.png" for j in (0, 1, 2)],
+             "test_filenames": ["./images/frame_00003.png"], "near": 0.1, "far": 9.0,
+             "aabb": [[-2, -2, -1], [2, 2, 1]], "up": [0, 0, 2]}
+    make_nerfstudio(tmp_path, extra=extra, frame_extra={1: {"near": 0.2}})
+    tr = load_scene(tmp_path, "train")
+    assert tr.num_images == 3
+    np.testing.assert_allclose(tr.near, [0.1, 0.2, 0.1], rtol=1e-6)
+    np.testing.assert_allclose(tr.far, 9.0)
+    np.testing.assert_allclose(tr.up, [0, 0, 1])
+    np.testing.assert_allclose(tr.aabb, [[-2, -2, -1], [2, 2, 1]])
+    assert load_scene(tmp_path, "val").image_paths[0].endswith("frame_00003.png")  # val -> test list
+
+
+def test_nerfstudio_ngp_aabb_scale_and_angle(tmp_path):
+    make_nerfstudio(tmp_path)
+    tj = tmp_path / "transforms.json"
+
+    def ngp(m):
+        for k in ("fl_x", "fl_y", "camera_model"):
+            m.pop(k)
+        m["camera_angle_x"] = 1.0
+        m["aabb_scale"] = 4
+        for fr in m["frames"]:
+            fr.pop("fl_x", None)
+    _edit_json(tj, ngp)
+    s = load_scene(tmp_path, "train")
+    f = 0.5 * 24 / math.tan(0.5)
+    np.testing.assert_allclose(s.intrinsics[0], [f, f, 11.3, 9.4], rtol=1e-6)
+    np.testing.assert_allclose(s.aabb, [[-2 / 0.33] * 3, [2 / 0.33] * 3], rtol=1e-6)
+
+
+def test_nerfstudio_distortion_refused(tmp_path):
+    make_nerfstudio(tmp_path)
+    tj = tmp_path / "transforms.json"
+    good = tj.read_text()
+    assert load_scene(tmp_path, "train").num_images == 11  # all-zero distortion accepted
+    for edit, needles in [
+        (lambda m: m.__setitem__("k1", 0.01), ("k1", "undistort", "transforms.json")),
+        (lambda m: m["frames"][2].__setitem__("p2", -0.001), ("p2", "undistort")),
+        (lambda m: m.__setitem__("camera_model", "OPENCV_FISHEYE"), ("OPENCV_FISHEYE", "transforms.json")),
+    ]:
+        tj.write_text(good)
+        _edit_json(tj, edit)
+        with pytest.raises(SceneError) as e:
+            load_scene(tmp_path, "train")
+        assert_one_line(e, *needles)
+
+
+def test_nerfstudio_errors(tmp_path):
+    make_nerfstudio(tmp_path)
+    tj = tmp_path / "transforms.json"
+    good = tj.read_text()
+
+    def expect(fn, *needles, split="train"):
+        tj.write_text(good)
+        _edit_json(tj, fn)
+        with pytest.raises(SceneError) as e:
+            load_scene(tmp_path, split)
+        assert_one_line(e, *needles)
+
+    def no_focal(m):
+        m.pop("fl_x")
+        m["frames"][0].pop("fl_x", None)
+    expect(no_focal, "fl_x", "transforms.json")
+    expect(lambda m: m.__setitem__("fl_y", 0.0), "fy=0", "focal")
+    expect(lambda m: m["frames"][0].pop("transform_matrix"), "transform_matrix", "frame_00011")
+    expect(lambda m: m["frames"][0]["transform_matrix"][1].__setitem__(2, float("inf")), "non-finite", "frame_00011")
+    expect(lambda m: m["frames"][3].__setitem__("file_path", "images/gone.png"), "missing", "gone.png")
+    expect(lambda m: m.__setitem__("train_filenames", ["images/frame_00000.png"]), "test_filenames", split="test")
+    expect(lambda m: m.__setitem__("train_filenames", ["images/what.png"]), "what.png")
+    expect(lambda m: m.__setitem__("train_filenames", []), "no images")

@@ -1,1 +1,208 @@
-"""(being written)"""
+"""nerfstudio / instant-ngp scenes: one ``transforms.json``.
+
+Keys (top level = shared by all frames; the same keys inside a frame override them):
+``fl_x``, ``fl_y`` (or instant-ngp's ``camera_angle_x`` / ``camera_angle_y``), ``cx``, ``cy`` (default
+w/2, h/2), ``w``, ``h`` (default: the first image's header), ``camera_model``, distortion ``k1..k4``,
+``p1``, ``p2``; ``frames: [{"file_path": "images/frame_00001.png", "transform_matrix": 4x4}, ...]``
+with ``file_path`` relative to the scene folder. Poses are OpenGL camera-to-world in the dataset's
+own world frame; we keep that frame (``world_from_source`` = identity; nerfstudio's optional
+``applied_transform`` only describes how that frame was made from COLMAP's and is not reapplied).
+
+* Distortion: we train pinhole cameras only. Fisheye / equirectangular camera models and any
+  non-zero distortion coefficient are refused with one line naming the file (undistort first:
+  ``ns-process-data`` or COLMAP ``image_undistorter``). Zero distortion is fine.
+* Splits: ``{train,val,test}_filenames`` when present (``val`` falls back to ``test_filenames`` and
+  back, both being nerfstudio's eval set); otherwise nerfstudio's fraction rule on the frames
+  sorted by file name: ``ceil(0.9 N)`` train images at ``linspace(0, N-1, n_train).astype(int)``, the
+  rest eval (``val`` = ``test``).
+* Bounds: ``near`` / ``far`` per frame or at the top level, else none. Box: ``aabb`` [[min], [max]]
+  when present, else from instant-ngp's ``aabb_scale`` (box of side ``aabb_scale`` centred at
+  ``offset`` in ngp's unit cube, mapped back with ngp's ``scale`` / ``offset``, defaults 0.33 and
+  0.5), else none. World up: ``up`` when present, else the mean camera up vector (nerfstudio's
+  ``auto_orient`` "up" rule).
+* ``downscale`` d: the ``images_d/`` copies (same names, nerfstudio's layout) when all exist, with
+  their header sizes; else sizes floor(w/d), images resized at decode. Intrinsics are scaled by
+  the exact size ratio.
+
+>>> scene = load_scene("data/city", split="train", format="nerfstudio")
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import SceneError
+from ..imageio import read_header
+from .base import Scene, register_format
+from ._util import (as_float, as_matrix, check_bounds, check_focal, check_images_exist, check_poses,
+                    check_sizes, load_json, mean_up, parse_aabb, require, resolve_downscale)
+
+__all__ = ["detect", "parse", "train_eval_split", "TRAIN_SPLIT_FRACTION"]
+
+TRAIN_SPLIT_FRACTION = 0.9
+_DISTORTION = ("k1", "k2", "k3", "k4", "k5", "k6", "p1", "p2")
+_PINHOLE = {"OPENCV", "PINHOLE", "SIMPLE_PINHOLE", "SIMPLE_RADIAL", "RADIAL", "FULL_OPENCV", "PERSPECTIVE"}
+_NGP_SCALE, _NGP_OFFSET = 0.33, (0.5, 0.5, 0.5)
+
+
+def detect(root: Path) -> bool:
+    """A nerfstudio / instant-ngp scene has ``transforms.json``."""
+    return (Path(root) / "transforms.json").is_file()
+
+
+def train_eval_split(n: int, fraction: float = TRAIN_SPLIT_FRACTION):
+    """nerfstudio's ``get_train_eval_split_fraction``: (train indices, eval indices), each sorted."""
+    n_train = math.ceil(n * fraction)
+    i_train = np.linspace(0, n - 1, n_train, dtype=int)
+    i_eval = np.setdiff1d(np.arange(n), i_train)
+    return i_train, i_eval
+
+
+def _norm(rel: str) -> str:
+    return os.path.normpath(rel.replace("\\", "/"))
+
+
+def _split_indices(meta: dict, rels: list, split: str, path) -> np.ndarray:
+    keys = [f"{s}_filenames" for s in ("train", "val", "test")]
+    if any(k in meta for k in keys):
+        key = f"{split}_filenames"
+        if key not in meta and split in ("val", "test"):
+            key = "test_filenames" if split == "val" else "val_filenames"
+        if key not in meta:
+            raise SceneError(f"{path}: has {', '.join(k for k in keys if k in meta)} but no {split}_filenames; add it")
+        names = meta[key]
+        if not isinstance(names, list):
+            raise SceneError(f"{path}: {key} must be a list of file paths")
+        wanted = {_norm(str(x)) for x in names}
+        idx = np.array([i for i, r in enumerate(rels) if _norm(r) in wanted], np.int64)
+        found = {_norm(rels[i]) for i in idx}
+        unknown = sorted(wanted - found)
+        if unknown:
+            raise SceneError(f"{path}: {key} names {len(unknown)} file(s) that no frame has: {', '.join(unknown[:3])}")
+        return idx
+    i_train, i_eval = train_eval_split(len(rels))
+    return i_train if split == "train" else i_eval
+
+
+def _camera(meta: dict, fr: dict, path, where: str, first_image: str):
+    """fx, fy, cx, cy, w, h of one frame (frame keys override shared ones); refuses distortion."""
+    get = lambda k, d=None: fr.get(k, meta.get(k, d))  # noqa: E731
+    model = get("camera_model", "OPENCV")
+    if str(model).upper() not in _PINHOLE:
+        raise SceneError(
+            f"{path}: camera_model {model!r} ({where}) is not a pinhole model; undistort the images to "
+            f"pinhole first (ns-process-data or COLMAP image_undistorter)"
+        )
+    for k in _DISTORTION:
+        v = get(k, 0.0)
+        if as_float(v, k, path, where) != 0.0:
+            raise SceneError(
+                f"{path}: non-zero distortion {k}={v} ({where}); undistort the images first "
+                f"(ns-process-data or COLMAP image_undistorter) and write zero distortion"
+            )
+    w, h = get("w"), get("h")
+    if w is None or h is None:
+        hd = read_header(first_image)
+        w, h = (hd.width if w is None else w), (hd.height if h is None else h)
+    w, h = as_float(w, "w", path, where), as_float(h, "h", path, where)
+    if get("fl_x") is not None:
+        fx = as_float(get("fl_x"), "fl_x", path, where)
+    elif get("camera_angle_x") is not None:
+        fx = 0.5 * w / math.tan(0.5 * as_float(get("camera_angle_x"), "camera_angle_x", path, where))
+    else:
+        raise SceneError(f"{path}: missing key 'fl_x' (or 'camera_angle_x') in {where} and at the top level")
+    if get("fl_y") is not None:
+        fy = as_float(get("fl_y"), "fl_y", path, where)
+    elif get("camera_angle_y") is not None:
+        fy = 0.5 * h / math.tan(0.5 * as_float(get("camera_angle_y"), "camera_angle_y", path, where))
+    else:
+        fy = fx
+    cx = as_float(get("cx", w / 2), "cx", path, where)
+    cy = as_float(get("cy", h / 2), "cy", path, where)
+    if w != int(w) or h != int(h):
+        raise SceneError(f"{path}: w, h ({where}) must be integers, got {w:g}, {h:g}")
+    return (fx, fy, cx, cy), (int(w), int(h))
+
+
+def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1.0)) -> Scene:
+    """Parse one split of ``root/transforms.json``.
+
+    Returns:
+        Scene with c2w (N, 3, 4), intrinsics (N, 4), sizes (N,), optional near/far (N,).
+    """
+    root = Path(root).resolve()
+    path = root / "transforms.json"
+    meta = load_json(path)
+    frames = require(meta, "frames", path)
+    if not isinstance(frames, list) or not frames:
+        raise SceneError(f"{path}: 'frames' is empty; the scene has no images")
+    for i, fr in enumerate(frames):
+        rel = require(fr, "file_path", path, f"frames[{i}]")
+        if not isinstance(rel, str) or not rel:
+            raise SceneError(f"{path}: frames[{i}].file_path must be a non-empty string")
+    order = sorted(range(len(frames)), key=lambda i: _norm(frames[i]["file_path"]))  # nerfstudio sorts by name
+    frames = [frames[i] for i in order]
+    rels = [fr["file_path"] for fr in frames]
+    idx = _split_indices(meta, rels, split, path)
+    if len(idx) == 0:
+        raise SceneError(f"{path}: split {split!r} has no images ({len(frames)} frames in all)")
+
+    paths, poses, ks, whs, names, nears, fars = [], [], [], [], [], [], []
+    for i in idx:
+        fr, rel = frames[i], rels[i]
+        where = f"frame {rel!r}"
+        m = as_matrix(require(fr, "transform_matrix", path, where), (4, 4), "transform_matrix", path, where)
+        p = str((root / rel).resolve()) if not os.path.isabs(rel) else rel
+        k, wh = _camera(meta, fr, path, where, p)
+        paths.append(p)
+        poses.append(m[:3])
+        ks.append(k)
+        whs.append(wh)
+        names.append(rel)
+        nears.append(fr.get("near", meta.get("near")))
+        fars.append(fr.get("far", meta.get("far")))
+    c2w = np.stack(poses)
+    k_full = np.array(ks, np.float64)
+    wh_full = np.array(whs, np.int64)
+    check_poses(c2w, names, path)
+    check_sizes(wh_full, names, path)
+    check_focal(k_full, names, path)
+    check_images_exist(paths, path)
+    paths, k, wh, file_wh = resolve_downscale(paths, k_full, wh_full, downscale)
+
+    near = far = None
+    if any(v is not None for v in nears + fars):
+        if any(v is None for v in nears + fars):
+            raise SceneError(f"{path}: 'near'/'far' given for some frames of split {split!r} but not all; give both everywhere or at the top level")
+        near = np.array([as_float(v, "near", path) for v in nears])
+        far = np.array([as_float(v, "far", path) for v in fars])
+        check_bounds(near, far, names, path)
+
+    if "aabb" in meta:
+        aabb = parse_aabb(meta["aabb"], path)
+    elif "aabb_scale" in meta:
+        a = as_float(meta["aabb_scale"], "aabb_scale", path)
+        scale = as_float(meta.get("scale", _NGP_SCALE), "scale", path)
+        offset = as_matrix(meta.get("offset", _NGP_OFFSET), (3,), "offset", path)
+        # ngp: x_ngp = x * scale + offset; its box is offset +- a/2 (a = 1: the unit cube)
+        aabb = np.stack([(-0.5 * a) / scale * np.ones(3), (0.5 * a) / scale * np.ones(3)])
+        aabb = aabb + (np.asarray(_NGP_OFFSET) - offset) / scale
+    else:
+        aabb = None
+    up = as_matrix(meta["up"], (3,), "up", path) if "up" in meta else mean_up(c2w)
+    if not np.isfinite(up).all() or np.linalg.norm(up) == 0:
+        raise SceneError(f"{path}: key 'up' must be a non-zero 3-vector")
+
+    return Scene(
+        image_paths=paths, c2w=c2w, intrinsics=k, width=wh[:, 0], height=wh[:, 1],
+        split=split, format="nerfstudio", root=str(root), near=near, far=far,
+        background=background, downscale=downscale, world_from_source=np.eye(4),
+        up=up, aabb=aabb, file_wh=file_wh,
+    )
+
+
+register_format("nerfstudio", detect, parse)
