@@ -325,3 +325,90 @@ def test_nerfstudio_errors(tmp_path):
     expect(lambda m: m.__setitem__("train_filenames", ["images/frame_00000.png"]), "test_filenames", split="test")
     expect(lambda m: m.__setitem__("train_filenames", ["images/what.png"]), "what.png")
     expect(lambda m: m.__setitem__("train_filenames", []), "no images")
+
+
+# ---------------------------------------------------------------- LLFF ---------------------------
+def make_llff(root: Path, n=10, w=24, h=18, f=20.0, prescaled=None):
+    """Forward-facing cameras written as LLFF [down, right, back, t | H, W, f] rows."""
+    rng = np.random.default_rng(3)
+    rows, cams = [], []
+    for j in range(n):
+        pos = np.array([rng.uniform(-0.6, 0.6), rng.uniform(-0.4, 0.4), 5.0 + rng.uniform(-0.3, 0.3)])
+        gl = look_at_gl(pos, rng.uniform(-0.1, 0.1, 3), [0, 1, 0])
+        right, up, back = gl[:, 0], gl[:, 1], gl[:, 2]
+        drb = np.stack([-up, right, back, pos], axis=1)  # LLFF's own convention
+        cams.append(drb)
+        m = np.concatenate([drb, np.array([[h], [w], [f]], np.float64)], axis=1)
+        rows.append(np.concatenate([m.ravel(), [3.0 + 0.1 * j, 9.0 + 0.2 * j]]))
+        write_png(root / "images" / f"IMG_{j:04d}.JPG.png", w, h)
+        if prescaled:
+            write_png(root / f"images_{prescaled}" / f"image{j:03d}.png", -(-w // prescaled), -(-h // prescaled))
+    np.save(root / "poses_bounds.npy", np.array(rows))
+    return cams
+
+
+@pytest.mark.parametrize("downscale,prescaled,w", [(1, None, 24), (2, None, 25), (2, 2, 25)])
+def test_llff_rays_hit_points(tmp_path, downscale, prescaled, w):
+    h, f = 18, 20.0
+    cams = make_llff(tmp_path, w=w, prescaled=prescaled)
+    assert detect_format(tmp_path) == "llff"
+    tr = load_scene(tmp_path, "train", downscale=downscale)
+    te = load_scene(tmp_path, "test", downscale=downscale)
+    assert te.num_images == 2 and tr.num_images == 8  # i % 8 == 0 -> test: 0, 8
+    assert load_scene(tmp_path, "val").image_paths == load_scene(tmp_path, "test").image_paths
+    if prescaled:
+        w2, h2 = -(-w // 2), -(-h // 2)
+        assert "images_2" in tr.image_paths[0] and tuple(tr.file_wh[0]) == (w2, h2)
+    else:
+        w2, h2 = w // downscale, h // downscale
+        assert tuple(tr.file_wh[0]) == (w, h)
+    assert (tr.width == w2).all() and (tr.height == h2).all()
+    k_src = np.array([f, f, w / 2, h / 2])
+    # NeRF's normalisation: min near -> 1 / 0.75, mean camera position -> origin
+    sc = 1 / (3.0 * 0.75)
+    np.testing.assert_allclose(min(tr.near.min(), te.near.min()), 1 / 0.75, rtol=1e-6)
+    np.testing.assert_allclose(te.near, np.array([3.0, 3.8]) * sc, rtol=1e-6)
+    np.testing.assert_allclose(np.concatenate([tr.c2w, te.c2w])[:, :, 3].mean(0), 0, atol=1e-5)
+    np.testing.assert_allclose(te.world_from_source[:3, :3] @ te.world_from_source[:3, :3].T, np.eye(3) * sc**2, atol=1e-9)
+    assert tr.up[1] > 0.99
+    for scene, js in ((tr, [j for j in range(10) if j % 8]), (te, [0, 8])):
+        for i, j in enumerate(js):
+            for x in POINTS:
+                u, v = project_drb(cams[j], k_src, x)
+                assert ray_miss(scene, i, u * w2 / w, v * h2 / h, to_world(scene, x)) < 1e-4
+
+
+def test_llff_errors(tmp_path):
+    make_llff(tmp_path)
+    pb = tmp_path / "poses_bounds.npy"
+    good = np.load(pb)
+
+    def expect(arr, *needles):
+        np.save(pb, arr)
+        with pytest.raises(SceneError) as e:
+            load_scene(tmp_path, "train")
+        assert_one_line(e, *needles)
+
+    expect(good[:, :15], "(10, 15)", "(N, 17)", "poses_bounds.npy")
+    expect(good[:9], "9 poses", "10 images")
+    bad = good.copy()
+    bad[4, 0] = np.nan
+    expect(bad, "non-finite", "IMG_0004")
+    bad = good.copy()
+    bad[2, [0, 5, 10]] *= 1.1
+    expect(bad, "non-orthonormal", "IMG_0002")
+    bad = good.copy()
+    bad[1, 14] = -3
+    expect(bad, "invalid intrinsics", "IMG_0001")
+    bad = good.copy()
+    bad[3, 16] = 1.0
+    expect(bad, "invalid bounds", "IMG_0003")
+    pb.write_bytes(b"not numpy")
+    with pytest.raises(SceneError) as e:
+        load_scene(tmp_path, "train", format="llff")
+    assert_one_line(e, "poses_bounds.npy")
+    np.save(pb, good)
+    (tmp_path / "images_4").mkdir()
+    with pytest.raises(SceneError) as e:
+        load_scene(tmp_path, "train", downscale=4)
+    assert_one_line(e, "images_4", "0 images")
