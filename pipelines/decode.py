@@ -302,8 +302,13 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
 
     resize_to = None
     if scene.downscale > 1:
-        hs = _header_size(scene.image_paths[int(want[0])])
-        if hs is None or hs != (int(widths[want[0]]), int(heights[want[0]])):
+        fwh = getattr(scene, "file_wh", None)
+        if fwh is not None:
+            larger = bool(np.any(fwh[want] != np.stack([widths[want], heights[want]], 1)))
+        else:
+            hs = _header_size(scene.image_paths[int(want[0])])
+            larger = hs is None or hs != (int(widths[want[0]]), int(heights[want[0]]))
+        if larger:
             # labels are split indices in both modes; the lookup tables are keyed by them
             lab_list = [int(x) for x in labels]
             resize_to = ([int(widths[i]) for i in lab_list], [int(heights[i]) for i in lab_list])

@@ -1,0 +1,95 @@
+"""The DDP ray pipeline: ``external_source(cache, no_copy=True)`` -> ``fn.dali_nerf.ray_sampler``.
+
+The cache arrays are fed as the same (immutable) buffers every run, without a copy; the stream
+position of each run's first ray (``start``) is fed per run by a second external source that DALI
+calls in iteration order, so the pipeline can run ``prefetch_queue_depth`` runs ahead of the
+consumer in its own threads (``exec_async`` / ``exec_pipelined``).
+
+Run ``j`` of a pipeline built with ``first_start=s0`` samples stream positions
+``[s0 + j * rays_per_run, s0 + (j + 1) * rays_per_run)``; its outputs (one sample each) are
+
+=========== ========= ======= ==============================================
+origins     (R, 3)    float32 world ray origins
+directions  (R, 3)    float32 unit directions
+rgb         (R, 3)    float32 target colour in [0, 1]
+indices     (R, 3)    int64   (camera index in split, row, col)
+near, far   (R, 1)    float32 per-ray bounds (0, 1e10 when the scene has none)
+consumed    (1,)      int64   stream positions used (R: no routing here)
+=========== ========= ======= ==============================================
+
+>>> pipe = ray_pipeline(cache, rays_per_run=262144, mode="random", seed=0, rank=0, world_size=1)
+>>> origins, directions, rgb, indices, near, far, consumed = pipe.run()
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["ray_pipeline", "RAY_OUTPUTS"]
+
+RAY_OUTPUTS = ("origins", "directions", "rgb", "indices", "near", "far", "consumed")
+"""Output names of :func:`ray_pipeline`, in order."""
+
+
+class _StartFeed:
+    """Per-run ``start`` values: ``first + j * step`` for the j-th call (DALI calls in run order)."""
+
+    def __init__(self, first: int, step: int):
+        self.next = int(first)
+        self.step = int(step)
+
+    def __call__(self):
+        v = np.array(self.next, dtype=np.int64)
+        self.next += self.step
+        return [v]
+
+
+def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, world_size: int, *,
+                 first_start: int = 0, device: str = "cpu", num_threads: int = 2, prefetch: int = 2,
+                 device_id=None):
+    """Build the ray pipeline over an :class:`~dali_nerf.pipelines.decode.ImageCache`.
+
+    Args:
+        cache: pixels (P, 3) u8, cameras (N, 18) f32, layout (N, 4) i64 (kept alive by the caller;
+            fed with ``no_copy=True`` — they must not change while the pipeline exists).
+        rays_per_run: R, rays per run (one output sample).
+        mode: "random" | "epoch"; seed, rank, world_size: the stream's key.
+        first_start: stream position of run 0's first ray.
+        device: "cpu" or "cuda" (GPU backend of the op; ``cache.pixels`` on the GPU).
+        prefetch: runs DALI computes ahead (0 = synchronous, no async executor).
+    Returns:
+        A built pipeline whose ``run()`` gives the 7 outputs of :data:`RAY_OUTPUTS`.
+    """
+    from nvidia.dali import fn, pipeline_def, types
+
+    from dali_nerf.ops import load_plugin
+
+    load_plugin()
+    gpu = device == "cuda"
+    feed = _StartFeed(first_start, rays_per_run)
+    pixels_src, cameras_src, layout_src = [cache.pixels], [cache.cameras], [cache.layout]
+
+    @pipeline_def
+    def _rays():
+        dev = "gpu" if gpu else "cpu"
+        pixels = fn.external_source(source=lambda: pixels_src, batch=True, no_copy=True, device=dev,
+                                    dtype=types.UINT8, ndim=2, name="pixels")
+        cameras = fn.external_source(source=lambda: cameras_src, batch=True, no_copy=True, device="cpu",
+                                     dtype=types.FLOAT, ndim=2, name="cameras")
+        layout = fn.external_source(source=lambda: layout_src, batch=True, no_copy=True, device="cpu",
+                                    dtype=types.INT64, ndim=2, name="layout")
+        start = fn.external_source(source=feed, batch=True, device="cpu", dtype=types.INT64, ndim=0,
+                                   name="start")
+        if gpu:
+            cameras, layout = cameras.gpu(), layout.gpu()
+        return tuple(fn.dali_nerf.ray_sampler(
+            pixels, cameras, layout, rays=int(rays_per_run), mode=mode, seed=int(seed), rank=int(rank),
+            world_size=int(world_size), start=start, device=dev,
+        ))
+
+    sync = prefetch <= 0
+    pipe = _rays(batch_size=1, num_threads=num_threads, device_id=device_id,
+                 prefetch_queue_depth=max(1, int(prefetch)), exec_async=not sync, exec_pipelined=not sync)
+    pipe.build()
+    pipe._dali_nerf_feed = feed  # the consumer can read the next start for checks
+    return pipe

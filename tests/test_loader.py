@@ -1,0 +1,162 @@
+"""RayLoader: batch contract, determinism, resume, prefetch/rays_per_run invariance, stats, shutdown."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from _tiny_scene import tiny_scene
+from dali_nerf.errors import ConfigError
+from dali_nerf.loader import RayLoader
+from dali_nerf.pipelines.decode import decode_cache
+
+
+@pytest.fixture(scope="module")
+def scene(tmp_path_factory):
+    return tiny_scene(tmp_path_factory.mktemp("ld"), n=4, width=24, height=16, kinds=("png_rgba", "jpg"))
+
+
+@pytest.fixture(scope="module")
+def cache(scene):
+    return decode_cache(scene, 0, 1)
+
+
+def _take(loader, n):
+    return [{k: v.clone() for k, v in next(loader).items()} for _ in range(n)]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+
+
+def _ref_rays(scene, idx):
+    """Independent numpy (float64) ray reference for (cam, row, col)."""
+    idx = idx.numpy()
+    c2w = scene.c2w[idx[:, 0]].astype(np.float64)
+    K = scene.intrinsics[idx[:, 0]].astype(np.float64)
+    d_cam = np.stack([(idx[:, 2] + 0.5 - K[:, 2]) / K[:, 0], -(idx[:, 1] + 0.5 - K[:, 3]) / K[:, 1],
+                      -np.ones(len(idx))], -1)
+    d = np.einsum("bij,bj->bi", c2w[:, :, :3], d_cam)
+    return c2w[:, :, 3], d / np.linalg.norm(d, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("mode", ["random", "epoch"])
+def test_batch_contract(scene, cache, mode):
+    B = 200
+    with RayLoader(scene, rays_per_batch=B, rays_per_run=700, cache=cache, mode=mode, prefetch=2) as L:
+        assert L.steps_per_run == 4 and L.rays_per_run == 800
+        for _ in range(6):
+            b = next(L)
+            assert set(b) == {"origins", "directions", "rgb", "indices", "near", "far"}
+            for k in ("origins", "directions", "rgb"):
+                assert b[k].shape == (B, 3) and b[k].dtype == torch.float32
+            assert b["indices"].shape == (B, 3) and b["indices"].dtype == torch.int64
+            assert b["near"].shape == (B, 1) and b["far"].shape == (B, 1)
+            torch.testing.assert_close(torch.linalg.norm(b["directions"], dim=-1), torch.ones(B), atol=1e-5, rtol=0)
+            cam, row, col = b["indices"].T.numpy()
+            assert np.all(row < scene.height[cam]) and np.all(col < scene.width[cam])
+            pid = cache.layout[cam, 0] + row * cache.layout[cam, 1] + col
+            np.testing.assert_array_equal(b["rgb"].numpy(), cache.pixels[pid].astype(np.float32) / 255.0)
+            o, d = _ref_rays(scene, b["indices"])
+            np.testing.assert_allclose(b["origins"].numpy(), o, atol=1e-5)
+            np.testing.assert_allclose(b["directions"].numpy(), d, atol=1e-5)
+            np.testing.assert_array_equal(b["near"].numpy()[:, 0], scene.near[cam])
+            np.testing.assert_array_equal(b["far"].numpy()[:, 0], scene.far[cam])
+
+
+def test_no_bounds_no_near_far(tmp_path):
+    sc = tiny_scene(tmp_path, n=2, kinds=("png_rgb",), bounds=False)
+    with RayLoader(sc, rays_per_batch=64, rays_per_run=128) as L:
+        assert set(next(L)) == {"origins", "directions", "rgb", "indices"}
+
+
+def test_determinism_and_keys(scene, cache):
+    a = _take(RayLoader(scene, rays_per_batch=128, rays_per_run=512, cache=cache, seed=3), 5)
+    b = _take(RayLoader(scene, rays_per_batch=128, rays_per_run=512, cache=cache, seed=3), 5)
+    c = _take(RayLoader(scene, rays_per_batch=128, rays_per_run=512, cache=cache, seed=4), 5)
+    assert _same(a, b)
+    assert not torch.equal(a[0]["indices"], c[0]["indices"])
+    # consecutive steps differ (stream advances)
+    assert not torch.equal(a[0]["indices"], a[1]["indices"])
+
+
+@pytest.mark.parametrize("mode", ["random", "epoch"])
+def test_prefetch_and_rays_per_run_do_not_change_stream(scene, cache, mode):
+    ref = _take(RayLoader(scene, rays_per_batch=96, rays_per_run=96, cache=cache, prefetch=0, mode=mode), 12)
+    for prefetch, rpr in ((2, 96), (2, 500), (0, 1000), (3, 96 * 12)):
+        got = _take(RayLoader(scene, rays_per_batch=96, rays_per_run=rpr, cache=cache, prefetch=prefetch, mode=mode), 12)
+        assert _same(ref, got), (prefetch, rpr)
+
+
+@pytest.mark.parametrize("mode", ["random", "epoch"])
+def test_resume_exactly(scene, cache, mode):
+    full = RayLoader(scene, rays_per_batch=100, rays_per_run=300, cache=cache, seed=1, mode=mode)
+    ref = _take(full, 9)
+    part = RayLoader(scene, rays_per_batch=100, rays_per_run=300, cache=cache, seed=1, mode=mode)
+    _take(part, 4)  # stops in the middle of run 1
+    state = part.state_dict()
+    assert state["position"] == 400 and {"position", "epoch"} <= set(state)
+    part.close()
+    resumed = RayLoader(scene, rays_per_batch=100, rays_per_run=700, cache=cache, seed=1, mode=mode)
+    resumed.load_state_dict(state)
+    assert _same(ref[4:], _take(resumed, 5))
+    with pytest.raises(ConfigError, match="seed"):
+        RayLoader(scene, rays_per_batch=100, cache=cache, seed=2, mode=mode).load_state_dict(state)
+
+
+def test_epoch_mode_permutations_and_set_epoch(scene, cache):
+    P = cache.num_pixels
+    B = 500
+    L = RayLoader(scene, rays_per_batch=B, rays_per_run=1500, cache=cache, mode="epoch")
+    assert len(L) == -(-P // B)
+    orders = []
+    for e in range(2):
+        L.set_epoch(e)
+        idx = torch.cat([next(L)["indices"] for _ in range(len(L))])[:P]
+        cam, row, col = idx.T.numpy()
+        pid = cache.layout[cam, 0] + row * cache.layout[cam, 1] + col
+        assert np.array_equal(np.sort(pid), np.arange(P))  # every pixel exactly once
+        orders.append(pid)
+    assert not np.array_equal(orders[0], orders[1])
+    with pytest.raises(TypeError):
+        len(RayLoader(scene, rays_per_batch=B, cache=cache))
+
+
+def test_stats_and_amortisation(scene, cache):
+    L = RayLoader(scene, rays_per_batch=64, rays_per_run=640, cache=cache)
+    assert L.steps_per_run == 10
+    _take(L, 25)
+    s = L.stats()
+    assert {"steps", "wait_s", "stall_fraction", "rays_per_s", "elapsed_s", "runs"} <= set(s)
+    assert s["steps"] == 25 and s["runs"] == 3
+    assert 0 <= s["wait_s"] <= s["elapsed_s"] and 0 <= s["stall_fraction"] <= 1 and s["rays_per_s"] > 0
+
+
+def test_batches_stay_valid_after_later_runs(scene, cache):
+    """Zero-copy step views must not be overwritten by later DALI runs."""
+    L = RayLoader(scene, rays_per_batch=64, rays_per_run=128, cache=cache, prefetch=2)
+    held = [next(L) for _ in range(4)]
+    copies = [{k: v.clone() for k, v in b.items()} for b in held]
+    _take(L, 30)
+    assert _same(held, copies)
+
+
+def test_close_leaves_no_threads(scene, cache):
+    before = set(threading.enumerate())
+    L = RayLoader(scene, rays_per_batch=64, rays_per_run=256, cache=cache, prefetch=2)
+    _take(L, 5)
+    L.close()
+    L.close()
+    assert set(threading.enumerate()) <= before
+    with pytest.raises(RuntimeError, match="closed"):
+        next(L)
+
+
+def test_bad_arguments_one_line(scene, cache):
+    for kw, key in ((dict(rays_per_batch=0), "rays_per_batch"), (dict(rank=2, world_size=2), "rank"),
+                    (dict(mode="shuffle"), "mode"), (dict(prefetch=-1), "prefetch"),
+                    (dict(output_map=("rgb", "depth")), "output_map")):
+        with pytest.raises(ConfigError, match=key) as e:
+            RayLoader(scene, **{"cache": cache, **kw})
+        assert "\n" not in str(e.value)
