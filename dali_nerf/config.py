@@ -204,10 +204,39 @@ class BenchConfig:
     """Batch sources of the study grid."""
     out: str = "docs/study"
     """Report folder (a per-machine subfolder is created)."""
+    scene_kind: str = "objects"
+    """Scene generated at scene.path when it is missing (dali-nerf make-scene kind)."""
+    scene_images: int = 100
+    """Training images of the generated scene."""
+    scene_resolution: int = 200
+    """Width = height in pixels of the generated scene."""
+    sampling_sizes: List[int] = field(default_factory=lambda: [1024, 4096, 16384])
+    """Batch sizes at which sampling is timed on its own for the cost model ([] skips it)."""
+    allreduce_latency_s: float = 1e-4
+    """All-reduce latency assumed by the cost model when only one multi-rank world size is measured."""
+    gpu_step_ms: float = 0.0
+    """Projection: GPU compute ms per step at pipeline.rays_per_batch (0 = measured CPU / gpu_cpu_ratio)."""
+    gpu_cpu_ratio: float = 50.0
+    """Projection: GPU compute speed over one CPU core (used when gpu_step_ms is 0)."""
+    cores_per_gpu: float = 8.0
+    """Projection: host CPU cores per GPU available for sampling."""
+    regime: str = ""
+    """Free text for the report: why these knobs (image count, resolution, rays, model size)."""
 
     def validate(self, key: str):
         _positive(f"{key}.steps", self.steps)
         _nonneg(f"{key}.warmup", self.warmup)
+        _choice(f"{key}.scene_kind", self.scene_kind, ("objects", "city"))
+        _positive(f"{key}.scene_images", self.scene_images)
+        _positive(f"{key}.scene_resolution", self.scene_resolution)
+        for i, b in enumerate(self.sampling_sizes):
+            _positive(f"{key}.sampling_sizes[{i}]", b)
+        _nonneg(f"{key}.allreduce_latency_s", self.allreduce_latency_s)
+        _nonneg(f"{key}.gpu_step_ms", self.gpu_step_ms)
+        if not self.gpu_cpu_ratio > 0:
+            raise ConfigError(f"{key}.gpu_cpu_ratio: must be > 0, got {self.gpu_cpu_ratio}")
+        if not self.cores_per_gpu > 0:
+            raise ConfigError(f"{key}.cores_per_gpu: must be > 0, got {self.cores_per_gpu}")
         if not self.ranks or min(self.ranks) < 1:
             raise ConfigError(f"{key}.ranks: must be a non-empty list of integers >= 1, got {self.ranks}")
         for m in self.methods:

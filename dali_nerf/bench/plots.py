@@ -1,0 +1,124 @@
+"""PNG plots of the study (matplotlib, Agg backend; imported only when a report is written).
+
+* :func:`plot_phases`      stacked bars of the per-phase breakdown per configuration (ms per step);
+* :func:`plot_speedups`    measured speedup of the pipelined loader against the ideal 1/(1-stall);
+* :func:`plot_model_check` measured vs cost-model step time;
+* :func:`plot_projection`  projected stall and speedup to many GPUs per node and several nodes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Sequence
+
+__all__ = ["plot_phases", "plot_speedups", "plot_model_check", "plot_projection", "PHASE_COLORS"]
+
+PHASE_COLORS = {"wait": "#d62728", "h2d": "#9467bd", "forward": "#1f77b4", "backward": "#2ca02c",
+                "sync": "#ff7f0e", "optimizer": "#8c564b"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_phases(runs: Sequence[dict], path: Path) -> Path:
+    """Stacked bars, one per run (``derive()["runs"]``): mean ms per step of each phase."""
+    plt = _plt()
+    labels = [f"{r['method']}\n{r['sampler']}\nx{r['ranks']}" for r in runs]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(runs) + 2), 4.5))
+    bottom = [0.0] * len(runs)
+    for ph, color in PHASE_COLORS.items():
+        vals = [r["phases_s"][ph] * 1e3 for r in runs]
+        ax.bar(range(len(runs)), vals, bottom=bottom, color=color, label=ph)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, r in enumerate(runs):
+        ax.text(i, bottom[i], f"{100 * r['stall']:.0f}%", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(runs)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("ms per step (mean over ranks)")
+    ax.set_title("Phase breakdown per configuration (label: data-wait share)")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
+    """Bars of measured speedup with the ideal 1/(1 - stall_baseline) beside each."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.8 * len(speedups) + 2), 4.0))
+    x = list(range(len(speedups)))
+    ax.bar([i - 0.2 for i in x], [s["speedup"] for s in speedups], width=0.4, label="measured", color="#1f77b4")
+    ax.bar([i + 0.2 for i in x], [s["ideal_speedup"] for s in speedups], width=0.4, label="ideal 1/(1-stall)",
+           color="#aec7e8")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{s['method']} x{s['ranks']}\nvs {s['baseline']}" for s in speedups], fontsize=7)
+    ax.set_ylabel("step-time speedup of pipelined sampling")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_model_check(rows: Sequence[dict], path: Path) -> Path:
+    """Measured vs predicted step time (ms), one point per configuration, y = x line."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(4.8, 4.5))
+    meas = [r["step_measured_s"] * 1e3 for r in rows]
+    pred = [r["step_predicted_s"] * 1e3 for r in rows]
+    markers = {"sync_global": "o", "sync_local": "s", "rays": "^"}
+    for r, m, p in zip(rows, meas, pred):
+        ax.scatter([m], [p], marker=markers.get(r["sampler"], "x"), color="#1f77b4" if r["ranks"] == 1 else "#d62728")
+    hi = max(meas + pred + [1e-3]) * 1.1
+    ax.plot([0, hi], [0, hi], color="gray", lw=0.8)
+    ax.plot([0, hi], [0, 1.15 * hi], color="gray", lw=0.5, ls="--")
+    ax.plot([0, hi], [0, hi / 1.15], color="gray", lw=0.5, ls="--")
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
+    ax.set_xlabel("measured ms per step")
+    ax.set_ylabel("cost model ms per step")
+    ax.set_title("Cost model check (o global, s local, ^ pipelined;\nblue 1 rank, red 2; dashed +-15%)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_projection(rows: Sequence[dict], assumptions: List[str], path: Path) -> Path:
+    """Two panels over GPUs per node (log2 x): stall fraction per sampler, and speedup of the
+    pipelined loader over each baseline; one line style per node count; assumptions printed below."""
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 5.6))
+    colors = {"sync_global": "#d62728", "sync_local": "#ff7f0e", "rays": "#2ca02c"}
+    styles = ["-", "--", ":", "-."]
+    nodes = sorted({r["nodes"] for r in rows})
+    for ni, n in enumerate(nodes):
+        for s, c in colors.items():
+            pts = sorted((r["gpus_per_node"], r) for r in rows if r["nodes"] == n and r["sampler"] == s)
+            xs = [p[0] for p in pts]
+            a1.plot(xs, [100 * p[1]["stall"] for p in pts], color=c, ls=styles[ni % 4], marker=".",
+                    label=f"{s}, {n} node{'s' if n > 1 else ''}")
+            if s != "rays":
+                a2.plot(xs, [p[1]["speedup_of_rays"] for p in pts], color=c, ls=styles[ni % 4], marker=".",
+                        label=f"vs {s}, {n} node{'s' if n > 1 else ''}")
+    for a in (a1, a2):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("GPUs per node")
+        a.grid(alpha=0.3)
+    a1.set_ylabel("projected stall (% of step)")
+    a2.set_ylabel("projected speedup of pipelined sampling")
+    a1.legend(fontsize=6, ncol=2)
+    a2.legend(fontsize=6, ncol=2)
+    fig.text(0.01, 0.01, "Assumptions: " + "; ".join(assumptions), fontsize=6, wrap=True, va="bottom")
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,217 @@
+"""The study: derivation from hand-written metrics (known answers), the cost-model fit on synthetic
+measurements (recovers its parameters), report generation, the GPU script's CPU mode, and a
+smoke run of the real grid (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from dali_nerf.bench import costmodel as cm
+from dali_nerf.bench import study
+from dali_nerf.errors import DaliNerfError
+
+REPO = Path(__file__).resolve().parents[1]
+PH = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
+
+
+def _write_run(root: Path, method, sampler, ranks, phases_per_rank, steps=8, warmup=3, rays=1024,
+               warm_phases=None, summary=None) -> Path:
+    """A run folder with config.yaml and metrics*.jsonl: steps <= warmup use ``warm_phases``
+    (large values that must be ignored), later steps ``phases_per_rank[r]`` (dict phase -> s)."""
+    d = root / f"study_{method}_{sampler}_{ranks}"
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"name": d.name, "method": method,
+                                                   "pipeline": {"name": sampler, "rays_per_batch": rays},
+                                                   "bench": {"warmup": warmup}}))
+    for r in range(ranks):
+        lines = []
+        for s in range(1, steps + 1):
+            ph = phases_per_rank[r] if s > warmup else (warm_phases or {k: 1.0 for k in PH})
+            rec = {"step": s, "loss": 0.1, "psnr": 10.0, "rays": rays}
+            rec.update({f"{k}_s": float(ph.get(k, 0.0)) for k in PH})
+            rec["step_s"] = float(sum(ph.get(k, 0.0) for k in PH))
+            lines.append(json.dumps(rec))
+        name = "metrics.jsonl" if r == 0 else f"metrics.rank{r}.jsonl"
+        (d / name).write_text("\n".join(lines) + "\n")
+    if summary is not None:
+        (d / "summary.json").write_text(json.dumps(summary))
+    return d
+
+
+def _ph(wait, compute, sync=0.0):
+    return {"wait": wait, "h2d": 0.0, "forward": compute * 0.4, "backward": compute * 0.4, "sync": sync,
+            "optimizer": compute * 0.2}
+
+
+def test_derive_known_values(tmp_path):
+    # sync_global x2: rank waits 0.04 and 0.06 (mean 0.05), compute 0.04, sync 0.01 -> step 0.1
+    g = _write_run(tmp_path, "ddp", "sync_global", 2, [_ph(0.04, 0.04, 0.01), _ph(0.06, 0.04, 0.01)])
+    # pipelined x2: wait 0.002, compute 0.04, sync 0.008 -> step 0.05
+    p = _write_run(tmp_path, "ddp", "rays", 2, [_ph(0.002, 0.04, 0.008)] * 2)
+    # sync_local x2: wait 0.025 compute 0.04 sync 0.01 -> 0.075
+    l = _write_run(tmp_path, "ddp", "sync_local", 2, [_ph(0.025, 0.04, 0.01)] * 2,
+                   summary={"test_psnr": 21.5, "fusion_overhead": 0.3})
+    d = study.derive([g, p, l])  # warm-up read from config.yaml (3): the 1.0 s steps are skipped
+    runs = {r["sampler"]: r for r in d["runs"]}
+    assert runs["sync_global"]["ranks"] == 2
+    assert runs["sync_global"]["steps_used"] == 5
+    assert runs["sync_global"]["phases_s"]["wait"] == pytest.approx(0.05)
+    assert runs["sync_global"]["step_s"] == pytest.approx(0.1)
+    assert runs["sync_global"]["stall"] == pytest.approx(0.5)
+    assert runs["rays"]["stall"] == pytest.approx(0.002 / 0.05)
+    assert runs["sync_global"]["rays_per_s"] == pytest.approx(2 * 1024 / 0.1)
+    assert runs["sync_local"]["test_psnr"] == 21.5
+    assert runs["sync_local"]["fusion"] == {"fusion_overhead": 0.3}
+    sp = {s["baseline"]: s for s in d["speedups"]}
+    assert sp["sync_global"]["speedup"] == pytest.approx(0.1 / 0.05)
+    assert sp["sync_global"]["ideal_speedup"] == pytest.approx(1 / (1 - 0.5))
+    assert sp["sync_local"]["speedup"] == pytest.approx(0.075 / 0.05)
+    assert sp["sync_local"]["ideal_speedup"] == pytest.approx(1 / (1 - 0.025 / 0.075))
+    assert d["summary"]["max_speedup"] == pytest.approx(2.0)
+    assert d["summary"]["mean_speedup"] == pytest.approx((2.0 + 1.5) / 2)
+    assert d["summary"]["max_stall_sync"] == pytest.approx(0.5)
+    # an explicit warm-up overrides config.yaml: including step 3 (1.0 s phases) changes the means
+    d0 = study.derive([g], warmup=2)
+    assert d0["runs"][0]["steps_used"] == 6
+    assert d0["runs"][0]["phases_s"]["wait"] == pytest.approx((1.0 + 5 * 0.05) / 6)
+
+
+def test_derive_pairs_by_method_and_ranks(tmp_path):
+    a = _write_run(tmp_path / "a", "ddp", "sync_local", 1, [_ph(0.03, 0.03)])
+    b = _write_run(tmp_path / "b", "ss", "rays", 1, [_ph(0.0, 0.03)])
+    d = study.derive([a, b])
+    assert d["speedups"] == []  # different methods are never compared
+
+
+def test_derive_user_errors(tmp_path):
+    with pytest.raises(DaliNerfError, match="config.yaml: missing"):
+        study.derive([tmp_path / "nope"])
+    d = _write_run(tmp_path, "ddp", "rays", 1, [_ph(0.0, 0.03)], steps=3, warmup=3)
+    with pytest.raises(DaliNerfError, match="no steps after the 3 warm-up steps"):
+        study.derive([d])
+    (d / "metrics.jsonl").write_text("{bad json\n")
+    with pytest.raises(DaliNerfError, match=r"metrics.jsonl:1: not a JSON line"):
+        study.derive([d], warmup=0)
+
+
+def test_fit_linear():
+    a, b = cm.fit_linear([1, 2, 4], [3, 5, 9])
+    assert (a, b) == (pytest.approx(1.0), pytest.approx(2.0))
+    assert cm.fit_linear([2, 2], [4, 4]) == (0.0, pytest.approx(2.0))
+
+
+def _truth():
+    return cm.CostModel(compute_fixed_s=0.004, compute_per_ray_core_s=2e-6, sample_fixed_s=0.001,
+                        sample_per_ray_core_s=5e-6, scatter_per_byte_s=2e-10, allreduce_latency_s=3e-4,
+                        allreduce_per_byte_s=1e-9, loader_fixed_s=0.0005, loader_per_ray_core_s=1e-6,
+                        grad_bytes=8_000_000)
+
+
+def test_costmodel_fit_recovers_parameters():
+    true = _truth()
+    obs = []
+    for B in (1024, 4096):
+        for W in (1, 2, 4):
+            c = max(1, 4 // W)
+            for s in ("sync_global", "sync_local", "rays"):
+                p = true.predict(s, W, B, c)
+                obs.append(cm.Observation("ddp", s, W, B, c, p["wait"], p["compute"], p["sync"], p["step"]))
+    prof = cm.SamplingProfile(true.sample_fixed_s, true.sample_per_ray_core_s, true.loader_fixed_s,
+                              true.loader_per_ray_core_s)
+    m = cm.fit(obs, sampling=prof, grad_bytes=true.grad_bytes)
+    for k in ("compute_fixed_s", "compute_per_ray_core_s", "scatter_per_byte_s", "allreduce_latency_s",
+              "allreduce_per_byte_s"):
+        assert getattr(m, k) == pytest.approx(getattr(true, k), rel=1e-6), k
+    rows = cm.validate(m, obs)
+    assert max(abs(r["step_error"]) for r in rows) < 1e-9
+    # without a separate sampling profile, sync_local waits give the sampling terms
+    m2 = cm.fit(obs, sampling=None, grad_bytes=true.grad_bytes)
+    assert m2.sample_fixed_s == pytest.approx(true.sample_fixed_s, rel=1e-6)
+    assert m2.sample_per_ray_core_s == pytest.approx(true.sample_per_ray_core_s, rel=1e-6)
+    assert m2.scatter_per_byte_s == pytest.approx(true.scatter_per_byte_s, rel=1e-6)
+
+
+def test_costmodel_single_world_size_uses_stated_latency():
+    true = _truth()
+    obs = []
+    for B in (1024, 2048):
+        p = true.predict("sync_local", 2, B, 1)
+        obs.append(cm.Observation("ddp", "sync_local", 2, B, 1, p["wait"], p["compute"], p["sync"], p["step"]))
+    m = cm.fit(obs, grad_bytes=true.grad_bytes, allreduce_latency_s=true.allreduce_latency_s)
+    assert m.allreduce_per_byte_s == pytest.approx(true.allreduce_per_byte_s, rel=1e-6)
+    assert any("stated" in n for n in m.notes)
+
+
+def test_costmodel_formulas():
+    m = _truth()
+    # ring all-reduce: 2 (n-1)/n bytes
+    assert m.sync_s(1) == 0.0
+    assert m.sync_s(4) == pytest.approx(3e-4 + 1.5 * 8e6 * 1e-9)
+    # pipelined: hidden when the loader is faster than compute, exposed remainder otherwise
+    p = m.predict("rays", 1, 4096, 1)
+    assert p["wait"] == pytest.approx(max(0.0, 0.0005 + 4096e-6 - p["compute"]))
+    slow = cm.CostModel(**{**m.to_dict(), "loader_per_ray_core_s": 1e-4, "notes": ()})
+    q = slow.predict("rays", 1, 4096, 1)
+    assert q["wait"] == pytest.approx(0.0005 + 0.4096 - q["compute"])
+    assert q["step"] == pytest.approx(0.0005 + 0.4096)
+    g = m.predict("sync_global", 4, 1000, 2)
+    assert g["wait"] == pytest.approx(0.001 + 5e-6 * 4000 / 2 + 2e-10 * 3 * 1000 * cm.RAY_BYTES)
+
+
+def test_projection_rows():
+    m = _truth()
+    a = cm.ProjectionAssumptions(gpu_compute_s=0.002, gpu_compute_source="test", rays_per_rank=4096,
+                                 gpus_per_node=(1, 8), nodes=(1, 2))
+    rows = cm.project(m, a)
+    assert len(rows) == 2 * 2 * 3
+    by = {(r["nodes"], r["gpus_per_node"], r["sampler"]): r for r in rows}
+    # global sampling grows with the job's GPU count; local does not
+    assert by[(2, 8, "sync_global")]["stall"] > by[(1, 8, "sync_global")]["stall"] > by[(1, 1, "sync_global")]["stall"]
+    assert by[(1, 1, "rays")]["speedup_of_rays"] == pytest.approx(1.0)
+    assert all(r["speedup_of_rays"] >= 1.0 - 1e-12 for r in rows)
+    assert any("GPU compute per step" in line for line in a.lines())
+
+
+def test_report_from_hand_written_runs(tmp_path):
+    dirs = []
+    for method in ("ddp", "ss"):
+        for W in (1, 2):
+            sync = 0.004 if (method == "ddp" and W == 2) else 0.0
+            comp = 0.02 * (2 // (3 - W))  # slower per rank with fewer cores
+            dirs.append(_write_run(tmp_path / "runs", method, "sync_global", W, [_ph(0.01 * W, comp, sync)] * W))
+            dirs.append(_write_run(tmp_path / "runs", method, "sync_local", W, [_ph(0.01, comp, sync)] * W))
+            dirs.append(_write_run(tmp_path / "runs", method, "rays", W, [_ph(0.0005, comp * 1.05, sync)] * W))
+    d = study.derive(dirs)
+    obs = study.observations(d, cores=2)
+    model = cm.fit(obs, grad_bytes=1_000_000)
+    val = cm.validate(model, obs)
+    a = cm.ProjectionAssumptions(gpu_compute_s=0.001, gpu_compute_source="test", rays_per_rank=1024)
+    proj = cm.project(model, a)
+    meta = {"machine": "cpu-2core-test", "machine_desc": "test", "command": "dali-nerf bench study --config X",
+            "commit": "abc123-dirty", "date": "now", "wall_s": 1.0, "steps": 5, "warmup": 3, "workload": "w",
+            "regime": "tiny"}
+    out = study.write_report(tmp_path / "out", d, model, val, proj, a, meta)
+    text = out.read_text()
+    assert "dali-nerf bench study --config X" in text and "abc123-dirty" in text
+    for png in ("phases.png", "speedup.png", "model_check.png", "projection.png"):
+        assert (tmp_path / "out" / png).stat().st_size > 1000
+        assert (tmp_path / "out" / png).read_bytes()[:4] == b"\x89PNG"
+    raw = json.loads((tmp_path / "out" / "derived.json").read_text())
+    assert raw["derived"]["summary"]["max_speedup"] == pytest.approx(d["summary"]["max_speedup"])
+    assert len(raw["projection"]) == len(proj)
+
+
+def test_machine_slug_and_commit():
+    slug = study.machine_slug()
+    assert slug.endswith(f"{os.cpu_count()}core-{__import__('platform').machine()}")
+    assert " " not in slug
+    c = study.git_commit(REPO)
+    assert c == "unknown" or len(c.split("-")[0]) == 40
