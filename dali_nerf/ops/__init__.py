@@ -109,10 +109,13 @@ def _pip_nvidia_dirs(sub: str) -> list[Path]:
     return [Path(p) / sub for p in getattr(nvidia, "__path__", []) if (Path(p) / sub).is_dir()]
 
 
+def _system_cuda_roots() -> list[str]:
+    return [r for r in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if r]
+
+
 def _cuda_includes() -> list[str]:
     """Include folders providing cuda_runtime.h (system toolkit first, else pip packages)."""
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    for root in roots:
+    for root in _system_cuda_roots():
         if root and (Path(root) / "include" / "cuda_runtime.h").is_file():
             return [str(Path(root) / "include")]
     dirs = []
