@@ -412,3 +412,99 @@ def test_llff_errors(tmp_path):
     with pytest.raises(SceneError) as e:
         load_scene(tmp_path, "train", downscale=4)
     assert_one_line(e, "images_4", "0 images")
+
+
+# ---------------------------------------------------------------- Mega-NeRF ----------------------
+MN_ORIGIN, MN_PSF = np.array([100.0, -50.0, 20.0]), 50.0
+
+
+class NotATensorDict:  # torch.load(weights_only=True) must refuse this
+    def __init__(self):
+        self.x = 1
+
+
+def make_mega_nerf(root: Path, n_train=5, n_val=2, w=25, h=18, coords_extra=None, meta_extra=None):
+    """Aerial cameras in Mega-NeRF's DRB world (x down), stored normalised as Mega-NeRF does."""
+    rng = np.random.default_rng(5)
+    k = np.array([21.0, 20.0, 12.2, 8.7])
+    torch.save({"origin_drb": torch.tensor(MN_ORIGIN), "pose_scale_factor": MN_PSF, **(coords_extra or {})},
+               root / "coordinates.pt")
+    cams = {}
+    for split, n in (("train", n_train), ("val", n_val)):
+        cams[split] = []
+        for j in range(n):
+            # metric DRB: altitude 60 m above the origin (x = -60), looking down at it
+            pos = MN_ORIGIN + np.array([-60.0, rng.uniform(-30, 30), rng.uniform(-30, 30)])
+            gl = look_at_gl(pos, MN_ORIGIN + rng.uniform(-2, 2, 3), [0.0, 0.0, 1.0])
+            drb = np.stack([-gl[:, 1], gl[:, 0], gl[:, 2], (pos - MN_ORIGIN) / MN_PSF], axis=1)
+            cams[split].append(drb)
+            name = f"{j:06d}"
+            write_png(root / split / "rgbs" / f"{name}.png", w, h)
+            md = {"W": w, "H": h, "intrinsics": torch.tensor(k), "c2w": torch.tensor(drb, dtype=torch.float32),
+                  **(meta_extra or {})}
+            (root / split / "metadata").mkdir(parents=True, exist_ok=True)
+            torch.save(md, root / split / "metadata" / f"{name}.pt")
+    return cams, k
+
+
+@pytest.mark.parametrize("downscale", [1, 2])
+def test_mega_nerf_rays_hit_points(tmp_path, downscale):
+    w, h = 25, 18
+    cams, k_src = make_mega_nerf(tmp_path, w=w, h=h)
+    assert detect_format(tmp_path) == "mega_nerf"
+    w2, h2 = w // downscale, h // downscale
+    for split, key in (("train", "train"), ("val", "val"), ("test", "val")):
+        scene = load_scene(tmp_path, split, downscale=downscale)
+        assert scene.num_images == len(cams[key]) and (scene.width == w2).all() and (scene.height == h2).all()
+        assert (scene.file_wh == [w, h]).all()
+        np.testing.assert_allclose(scene.up, [-1, 0, 0])
+        assert scene.has_bounds and (scene.near > 0).all() and (scene.far > scene.near).all()
+        for i, c in enumerate(cams[key]):
+            for p in POINTS:
+                x_src = MN_ORIGIN + MN_PSF * p  # metric DRB point
+                # project in Mega-NeRF's own (normalised) frame with its DRB camera convention
+                u, v = project_drb(c.astype(np.float32).astype(np.float64), k_src, p)
+                assert ray_miss(scene, i, u * w2 / w, v * h2 / h, to_world(scene, x_src)) < 1e-4
+
+
+def test_mega_nerf_bounds_and_aabb(tmp_path):
+    make_mega_nerf(tmp_path, coords_extra={"near": 0.05, "far": 3.0, "aabb": torch.tensor([[-1.0] * 3, [1.0] * 3])})
+    s = load_scene(tmp_path, "train")
+    np.testing.assert_allclose(s.near, 0.05)
+    np.testing.assert_allclose(s.far, 3.0)
+    np.testing.assert_allclose(s.aabb, [[-1] * 3, [1] * 3])
+    make_mega_nerf(tmp_path, meta_extra={"near": 0.1, "far": 2.5})
+    s = load_scene(tmp_path, "val")
+    np.testing.assert_allclose(s.far, 2.5)
+
+
+def test_mega_nerf_errors(tmp_path):
+    make_mega_nerf(tmp_path)
+    md = tmp_path / "train" / "metadata" / "000002.pt"
+    good = torch.load(md, weights_only=True)
+
+    def expect(obj, *needles, path=md):
+        torch.save(obj, path)
+        with pytest.raises(SceneError) as e:
+            load_scene(tmp_path, "train")
+        assert_one_line(e, *needles)
+
+    expect(NotATensorDict(), "refusing to unpickle", "000002.pt")
+    expect({**good, "distortion": torch.tensor([0.1, 0, 0, 0])}, "distortion", "000002.pt")
+    expect({k: v for k, v in good.items() if k != "c2w"}, "'c2w'", "000002.pt")
+    expect({**good, "c2w": good["c2w"] * 1.1}, "non-orthonormal", "000002")
+    expect({**good, "intrinsics": torch.tensor([0.0, 20, 12, 9])}, "invalid intrinsics", "000002")
+    expect({**good, "W": 0}, "'W'", "000002.pt")
+    torch.save(good, md)
+    (tmp_path / "train" / "rgbs" / "000003.png").unlink()
+    with pytest.raises(SceneError) as e:
+        load_scene(tmp_path, "train")
+    assert_one_line(e, "rgbs", "000003")
+    md.write_bytes(b"garbage")
+    with pytest.raises(SceneError) as e:
+        load_scene(tmp_path, "train")
+    assert_one_line(e, "000002.pt", "cannot read")
+    torch.save({"origin_drb": torch.zeros(3)}, tmp_path / "coordinates.pt")
+    with pytest.raises(SceneError) as e:
+        load_scene(tmp_path, "train")
+    assert_one_line(e, "pose_scale_factor", "coordinates.pt")
