@@ -1,0 +1,396 @@
+"""The study's baselines: same interface, batch contract and ``stats()`` as :class:`~dali_nerf.loader.RayLoader`.
+
+Honest, vectorised torch implementations over the same decoded cache (``decode_cache``):
+
+* :class:`SyncLocalSampler` — each rank samples its own batch in the training thread:
+  ``torch.randint`` pixel ids over its shard -> uint8 gather -> :func:`dali_nerf.rays.rays_from_indices`.
+* :class:`SyncGlobalSampler` — the paper's setting: rank 0 holds ALL images, samples the global
+  batch (B * world_size) inside the training step and ``torch.distributed.scatter``-s one slice to
+  each rank (needs an initialised process group when world_size > 1).
+* :class:`TorchWorkersSampler` — a ``torch.utils.data.DataLoader`` over an ``IterableDataset`` whose
+  ``workers`` processes each produce whole batches (nerfstudio's parallel data manager).
+
+Streams are position-based like RayLoader's (step k = positions [k*B, (k+1)*B)): random mode
+draws position block k with a generator seeded from (seed, rank, k); epoch mode maps position s
+through ``torch.randperm(P)`` of epoch ``s // P`` seeded from (seed, rank, epoch). They are
+deterministic and resumable but are not the same random stream as the operator's.
+
+>>> src = SyncLocalSampler(scene, rays_per_batch=4096, rank=0, world_size=1)
+>>> next(src)["rgb"].shape
+torch.Size([4096, 3])
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+from .loader import BatchStats, check_common, resolve_device, scene_from_config
+from .rays import rays_from_indices
+
+__all__ = ["SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "PixelSampler"]
+
+_FLOAT_KEYS = ("origins", "directions", "rgb")
+
+
+def _mix(*vals: int) -> int:
+    """64-bit mix of integers -> a non-negative 63-bit seed (splitmix64 steps)."""
+    x = 0x9E3779B97F4A7C15
+    m = (1 << 64) - 1
+    for v in vals:
+        x = (x ^ (int(v) & m)) & m
+        x = (x + 0x9E3779B97F4A7C15) & m
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+        x ^= x >> 31
+    return x & ((1 << 63) - 1)
+
+
+class PixelSampler:
+    """Pixel ids -> batch dicts over one ImageCache, in torch (picklable; used in worker processes).
+
+    Args:
+        cache: ImageCache (pixels (P, 3) u8, cameras (N, 18), layout (N, 4)).
+        scene: the split (c2w, intrinsics, near/far by split camera index).
+        seed, rank: stream key; mode: "random" | "epoch"; device: "cpu" | "cuda".
+    """
+
+    def __init__(self, cache, scene, seed: int, rank: int, mode: str, device: str = "cpu"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only cache arrays: we never write
+            px = cache.pixels if isinstance(cache.pixels, torch.Tensor) else torch.from_numpy(cache.pixels)
+        self.device = device
+        self.pixels = px.to(device)
+        lay = torch.from_numpy(np.array(cache.layout))
+        self.offsets = lay[:, 0].contiguous().to(device)
+        self.widths = lay[:, 1].contiguous().to(device)
+        self.cams = lay[:, 3].contiguous().to(device)
+        self.c2w = torch.from_numpy(np.array(scene.c2w)).to(device)
+        self.intrinsics = torch.from_numpy(np.array(scene.intrinsics)).to(device)
+        self.near = torch.from_numpy(np.array(scene.near)).to(device) if scene.has_bounds else None
+        self.far = torch.from_numpy(np.array(scene.far)).to(device) if scene.has_bounds else None
+        self.P = int(cache.num_pixels)
+        self.seed, self.rank, self.mode = int(seed), int(rank), mode
+        self._perms: dict = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        p = self._perms.get(epoch)
+        if p is None:
+            g = torch.Generator().manual_seed(_mix(self.seed, self.rank, epoch, 1))
+            p = torch.randperm(self.P, generator=g).to(self.device)
+            self._perms = {k: v for k, v in self._perms.items() if k >= epoch - 1}
+            self._perms[epoch] = p
+        return p
+
+    def pixel_ids(self, position: int, n: int) -> torch.Tensor:
+        """(n,) int64 pixel ids of stream positions [position, position + n)."""
+        if self.mode == "random":
+            g = torch.Generator().manual_seed(_mix(self.seed, self.rank, position, 0))
+            return torch.randint(0, self.P, (n,), generator=g).to(self.device)
+        parts, s, end = [], position, position + n
+        while s < end:
+            e, off = divmod(s, self.P)
+            take = min(end - s, self.P - off)
+            parts.append(self._perm(e)[off:off + take])
+            s += take
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def batch(self, pid: torch.Tensor) -> dict:
+        """Batch dict (origins, directions, rgb (B, 3) f32, indices (B, 3) i64, near/far (B, 1)) of pixel ids (B,)."""
+        img = torch.searchsorted(self.offsets, pid, right=True) - 1
+        local = pid - self.offsets[img]
+        w = self.widths[img]
+        row = torch.div(local, w, rounding_mode="floor")
+        col = local - row * w
+        cam = self.cams[img]
+        indices = torch.stack([cam, row, col], dim=-1)
+        rgb = self.pixels[pid].to(torch.float32).div_(255.0)
+        o, d = rays_from_indices(self.c2w, self.intrinsics, indices)
+        out = {"origins": o, "directions": d, "rgb": rgb, "indices": indices}
+        if self.near is not None:
+            out["near"] = self.near[cam][:, None]
+            out["far"] = self.far[cam][:, None]
+        return out
+
+    def sample(self, position: int, n: int) -> dict:
+        return self.batch(self.pixel_ids(position, n))
+
+
+class _Source:
+    """Common state of a batch source: position/epoch/state_dict/stats/close/context manager."""
+
+    _global = False
+
+    def _init_common(self, scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device):
+        check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode)
+        self.scene = scene
+        self.rays_per_batch = int(rays_per_batch)
+        self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
+        self.prefetch, self.mode = int(prefetch), mode
+        self.device = resolve_device(device)
+        self.position = 0
+        self.epoch = 0
+        self._stats = BatchStats()
+        self._closed = False
+
+    # rays this rank's stream advances per step, and pixels per stream epoch
+    def _stride(self) -> int:
+        return self.rays_per_batch
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        if self.mode != "epoch":
+            raise TypeError(f"{type(self).__name__} in random mode is an infinite stream and has no len()")
+        return self._epoch_steps()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch mode: move to the start of permutation ``epoch``; random mode: recorded only."""
+        if not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ConfigError(f"set_epoch({epoch!r}): epoch must be an integer >= 0")
+        self.epoch = int(epoch)
+        if self.mode == "epoch":
+            self._seek(self.epoch * self._epoch_pixels())
+
+    def _seek(self, position: int) -> None:
+        self.position = int(position)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "epoch": self.epoch, "steps": self._stats.steps, "mode": self.mode,
+                "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
+                "rays_per_batch": self.rays_per_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("mode", "seed", "rank", "world_size", "rays_per_batch"):
+            if k in state and state[k] != getattr(self, k):
+                raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this sampler has {getattr(self, k)!r}; "
+                                  f"resume with the same settings")
+        self.epoch = int(state.get("epoch", 0))
+        self._seek(int(state["position"]))
+
+    def stats(self) -> dict:
+        """{"steps", "wait_s", "stall_fraction", "rays_per_s", "elapsed_s", "runs"}."""
+        return self._stats.as_dict()
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @classmethod
+    def from_config(cls, cfg, rank: int = 0, world_size: int = 1, scene=None):
+        """Build from a :class:`~dali_nerf.config.Config` (``cfg.pipeline``)."""
+        if scene is None:
+            scene = scene_from_config(cfg)
+        p = cfg.pipeline
+        kw = dict(rays_per_batch=p.rays_per_batch, rank=rank, world_size=world_size, seed=p.seed,
+                  prefetch=p.prefetch, mode=p.mode, device=cfg.train.device, num_threads=p.num_threads)
+        if cls is TorchWorkersSampler:
+            kw["workers"] = p.workers
+        return cls(scene, **kw)
+
+
+class SyncLocalSampler(_Source):
+    """Each rank samples its own batch over its DALI shard, synchronously in ``__next__``.
+
+    Args: as RayLoader (``prefetch`` is accepted and ignored: nothing runs ahead).
+    Yields: the batch contract dict, B = rays_per_batch.
+    """
+
+    def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 prefetch: int = 0, mode: str = "random", device: str = "cpu", num_threads: int = 2, cache=None):
+        from dali_nerf.pipelines.decode import decode_cache
+
+        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device)
+        if cache is None:
+            cache = decode_cache(scene, self.rank, self.world_size, num_threads=num_threads)
+        self.cache = cache
+        self.sampler = PixelSampler(cache, scene, self.seed, self.rank, mode, self.device)
+
+    def _epoch_pixels(self) -> int:
+        return self.sampler.P
+
+    def _epoch_steps(self) -> int:
+        from dali_nerf.pipelines.decode import shard_sizes
+
+        return math.ceil(int(shard_sizes(self.scene, self.world_size).max()) / self.rays_per_batch)
+
+    def __next__(self) -> dict:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        t = self._stats.start()
+        b = self.sampler.sample(self.position, self.rays_per_batch)
+        self.position += self.rays_per_batch
+        self._stats.stop(t, self.rays_per_batch)
+        return b
+
+
+class SyncGlobalSampler(_Source):
+    """Rank 0 holds all images, samples the global batch B * world_size and scatters it.
+
+    Every rank must call ``next()`` each step (a collective). Rank r receives rows
+    ``[r * B, (r + 1) * B)`` of rank 0's global batch. The stream is the global one
+    (key: seed, rank 0), so ``position`` advances by ``B * world_size`` per step.
+    """
+
+    _global = True
+
+    def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 prefetch: int = 0, mode: str = "random", device: str = "cpu", num_threads: int = 2, cache=None):
+        from dali_nerf.pipelines.decode import decode_cache
+
+        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            if not dist.is_available() or not dist.is_initialized():
+                raise ConfigError("pipeline.name=sync_global with world_size > 1 needs an initialised "
+                                  "torch.distributed process group; run under torchrun")
+        self.has_bounds = scene.has_bounds
+        self._nf = 11 if self.has_bounds else 9
+        self.sampler = None
+        if self.rank == 0:
+            if cache is None:
+                cache = decode_cache(scene, 0, 1, num_threads=num_threads)
+            self.cache = cache
+            self.sampler = PixelSampler(cache, scene, self.seed, 0, mode, self.device)
+        self._P = scene.num_pixels
+
+    def _epoch_pixels(self) -> int:
+        return self._P
+
+    def _epoch_steps(self) -> int:
+        return math.ceil(self._P / (self.rays_per_batch * self.world_size))
+
+    def __next__(self) -> dict:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        t = self._stats.start()
+        B, W = self.rays_per_batch, self.world_size
+        if W == 1:
+            b = self.sampler.sample(self.position, B)
+        else:
+            import torch.distributed as dist
+
+            fl = torch.empty((B, self._nf), dtype=torch.float32, device=self.device)
+            ix = torch.empty((B, 3), dtype=torch.int64, device=self.device)
+            if self.rank == 0:
+                g = self.sampler.sample(self.position, B * W)
+                keys = _FLOAT_KEYS + (("near", "far") if self.has_bounds else ())
+                packed = torch.cat([g[k] for k in keys], dim=1)
+                dist.scatter(fl, list(packed.chunk(W)), src=0)
+                dist.scatter(ix, list(g["indices"].contiguous().chunk(W)), src=0)
+            else:
+                dist.scatter(fl, None, src=0)
+                dist.scatter(ix, None, src=0)
+            b = {"origins": fl[:, 0:3], "directions": fl[:, 3:6], "rgb": fl[:, 6:9], "indices": ix}
+            if self.has_bounds:
+                b["near"], b["far"] = fl[:, 9:10], fl[:, 10:11]
+        self.position += B * W
+        self._stats.stop(t, B)
+        return b
+
+
+class _WorkerStream(torch.utils.data.IterableDataset):
+    """Worker w of n yields the batches of steps w, w + n, w + 2n, ... from ``base`` (whole batches)."""
+
+    def __init__(self, sampler: PixelSampler, base: int, B: int):
+        self.sampler, self.base, self.B = sampler, base, B
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, n = (0, 1) if info is None else (info.id, info.num_workers)
+        j = w
+        while True:
+            yield self.sampler.sample(self.base + j * self.B, self.B)
+            j += n
+
+
+def _worker_init(_):
+    torch.set_num_threads(1)
+
+
+class TorchWorkersSampler(_Source):
+    """A torch DataLoader with ``workers`` processes, each producing whole batches of this rank's shard.
+
+    Batches arrive in step order (DataLoader's round-robin over workers), so the stream equals
+    SyncLocalSampler's for the same arguments. ``workers=0`` samples in-process.
+    """
+
+    def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 prefetch: int = 2, mode: str = "random", device: str = "cpu", num_threads: int = 2,
+                 workers: int = 2, cache=None):
+        from dali_nerf.pipelines.decode import decode_cache
+
+        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device)
+        if not isinstance(workers, (int, np.integer)) or workers < 0:
+            raise ConfigError(f"workers={workers!r}: must be an integer >= 0")
+        self.workers = int(workers)
+        if cache is None:
+            cache = decode_cache(scene, self.rank, self.world_size, num_threads=num_threads)
+        self.cache = cache
+        # workers sample on the CPU; batches are pinned and moved to the GPU by the consumer side
+        self.sampler = PixelSampler(cache, scene, self.seed, self.rank, mode, "cpu")
+        self._it = None
+        self._dl = None
+
+    def _epoch_pixels(self) -> int:
+        return self.sampler.P
+
+    def _epoch_steps(self) -> int:
+        from dali_nerf.pipelines.decode import shard_sizes
+
+        return math.ceil(int(shard_sizes(self.scene, self.world_size).max()) / self.rays_per_batch)
+
+    def _seek(self, position: int) -> None:
+        if int(position) != self.position:
+            self._shutdown()
+        self.position = int(position)
+
+    def _start(self):
+        ds = _WorkerStream(self.sampler, self.position, self.rays_per_batch)
+        kw = {}
+        if self.workers > 0:
+            kw = dict(persistent_workers=True, prefetch_factor=max(1, self.prefetch), worker_init_fn=_worker_init)
+        self._dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.workers,
+                                               pin_memory=self.device == "cuda", **kw)
+        self._it = iter(self._dl)
+
+    def __next__(self) -> dict:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        t = self._stats.start()
+        if self._it is None:
+            self._start()
+        b = next(self._it)
+        if self.device == "cuda":  # pragma: no cover - needs a GPU
+            b = {k: v.to("cuda", non_blocking=True) for k, v in b.items()}
+        self.position += self.rays_per_batch
+        self._stats.stop(t, self.rays_per_batch)
+        return b
+
+    def _shutdown(self):
+        it, self._it = self._it, None
+        self._dl = None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._shutdown()
