@@ -424,7 +424,8 @@ class NotATensorDict:  # torch.load(weights_only=True) must refuse this
 
 
 def make_mega_nerf(root: Path, n_train=5, n_val=2, w=25, h=18, coords_extra=None, meta_extra=None):
-    """Aerial cameras in Mega-NeRF's DRB world (x down), stored normalised as Mega-NeRF does."""
+    """Aerial cameras in Mega-NeRF's DRB world (x down), stored normalised and with the column
+    transformation Mega-NeRF's README prescribes; projected in the tests with the DRB camera."""
     rng = np.random.default_rng(5)
     k = np.array([21.0, 20.0, 12.2, 8.7])
     torch.save({"origin_drb": torch.tensor(MN_ORIGIN), "pose_scale_factor": MN_PSF, **(coords_extra or {})},
@@ -436,11 +437,13 @@ def make_mega_nerf(root: Path, n_train=5, n_val=2, w=25, h=18, coords_extra=None
             # metric DRB: altitude 60 m above the origin (x = -60), looking down at it
             pos = MN_ORIGIN + np.array([-60.0, rng.uniform(-30, 30), rng.uniform(-30, 30)])
             gl = look_at_gl(pos, MN_ORIGIN + rng.uniform(-2, 2, 3), [0.0, 0.0, 1.0])
-            drb = np.stack([-gl[:, 1], gl[:, 0], gl[:, 2], (pos - MN_ORIGIN) / MN_PSF], axis=1)
+            drb = np.stack([-gl[:, 1], gl[:, 0], gl[:, 2], (pos - MN_ORIGIN) / MN_PSF], axis=1)  # camera_in_drb
             cams[split].append(drb)
+            # Mega-NeRF README: c2w = torch.cat([camera_in_drb[:, 1:2], -camera_in_drb[:, :1], camera_in_drb[:, 2:4]], -1)
+            stored = torch.cat([torch.tensor(drb)[:, 1:2], -torch.tensor(drb)[:, :1], torch.tensor(drb)[:, 2:4]], -1)
             name = f"{j:06d}"
             write_png(root / split / "rgbs" / f"{name}.png", w, h)
-            md = {"W": w, "H": h, "intrinsics": torch.tensor(k), "c2w": torch.tensor(drb, dtype=torch.float32),
+            md = {"W": w, "H": h, "intrinsics": torch.tensor(k), "c2w": stored.to(torch.float32),
                   **(meta_extra or {})}
             (root / split / "metadata").mkdir(parents=True, exist_ok=True)
             torch.save(md, root / split / "metadata" / f"{name}.pt")

@@ -10,8 +10,14 @@ Files::
 Mega-NeRF's world is DRB (x down, y right, z back) and metadata ``c2w`` is already normalised:
 x_world = (x_source - origin_drb) / pose_scale_factor. We keep that normalised world (so a
 checkpoint matches Mega-NeRF's own) and record ``world_from_source`` = that affine map from the
-metric DRB frame. Camera axes: metadata ``c2w`` columns are [down, right, back]; we convert to
-OpenGL [right, up, back] = [col1, -col0, col2]. World up is -x: ``up`` = (-1, 0, 0).
+metric DRB frame. World up is -x: ``up`` = (-1, 0, 0).
+
+Camera axes (:data:`CAMERA_COLUMNS`): Mega-NeRF's README specifies the stored ``c2w`` as the
+camera-in-DRB pose (columns [down, right, back]) *followed by*
+``torch.cat([c[:, 1:2], -c[:, :1], c[:, 2:4]], -1)``, and its ``get_rays`` multiplies OpenGL
+directions ((u - cx) / fx, -(v - cy) / fy, -1) by ``c2w[:, :3]``. So the stored columns are already
+OpenGL [right, up, back] (in the DRB world) and are used as they are; applying the
+[col1, -col0, col2] conversion again would rotate every camera by 90 degrees about its axis.
 
 * Splits: ``train``; ``val`` and ``test`` both read ``val/`` (Mega-NeRF has only train/val).
 * Bounds: ``near`` / ``far`` from each metadata file, else from ``coordinates.pt``, else derived:
@@ -40,10 +46,13 @@ import numpy as np
 from ..errors import SceneError
 from ..imageio import IMAGE_EXTENSIONS
 from .base import Scene, register_format
-from ._util import (DRB_TO_GL, check_bounds, check_focal, check_poses, check_sizes, downscaled_size,
+from ._util import (check_bounds, check_focal, check_poses, check_sizes, downscaled_size,
                     parse_aabb, scale_intrinsics)
 
-__all__ = ["detect", "parse", "load_pt"]
+__all__ = ["detect", "parse", "load_pt", "CAMERA_COLUMNS"]
+
+#: Camera axes of the stored metadata ``c2w`` columns (Mega-NeRF's documented layout).
+CAMERA_COLUMNS = "right,up,back"
 
 
 def detect(root: Path) -> bool:
@@ -154,10 +163,8 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
         shown = ", ".join(missing[:3]) + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else "")
         raise SceneError(f"{rgb_dir}: {len(missing)} of {len(metas)} images missing for metadata/*.pt: {shown}")
 
-    src = np.stack(poses)
-    check_poses(src, names, meta_dir)
-    c2w = src.copy()
-    c2w[:, :, :3] = src[:, :, :3] @ DRB_TO_GL
+    c2w = np.stack(poses)  # already OpenGL camera axes (see CAMERA_COLUMNS)
+    check_poses(c2w, names, meta_dir)
     k_full = np.stack(ks)
     wh_full = np.array(whs, np.int64)
     check_sizes(wh_full, names, meta_dir)
