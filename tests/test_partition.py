@@ -1,0 +1,296 @@
+"""Spatial-segmentation partitions: construction, exact routing vs brute force, weights, I/O."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dali_nerf.config import PartitionConfig
+from dali_nerf.errors import ConfigError, SceneError
+from dali_nerf.partition import (
+    Partition, assign_rank, cell_fraction, export_megannerf, import_megannerf, load_masks,
+    plane_axes, point_weights, ray_cells, ray_cells_dense,
+)
+from dali_nerf.scenes.base import Scene
+
+
+def lawnmower_scene(nx=6, nz=4, up="y", w=16, h=12, near=0.5, far=4.0):
+    """Cameras on an nx x nz lawnmower grid over x in [-2, 2], z in [-1, 1] at altitude 2, looking
+    straight down (OpenGL y up). ``up="-x"`` rotates the world into Mega-NeRF's DRB frame."""
+    xs, zs = np.meshgrid(np.linspace(-2, 2, nx), np.linspace(-1, 1, nz), indexing="ij")
+    pos = np.stack([xs.ravel(), np.full(xs.size, 2.0), zs.ravel()], 1)
+    rot = np.stack([[1, 0, 0], [0, 0, -1], [0, 1, 0]], 1).astype(float)  # columns: cam x, y, z
+    c2w = np.concatenate([np.repeat(rot[None], len(pos), 0), pos[:, :, None]], 2)
+    upv = np.array([0.0, 1.0, 0.0])
+    if up == "-x":  # world_drb = Q world_gl: down = -y_gl -> x, right = x_gl -> y, back = z_gl -> z
+        Q = np.array([[0, -1, 0], [1, 0, 0], [0, 0, 1]], float)
+        c2w = np.einsum("ij,njk->nik", Q, c2w)
+        upv = Q @ upv
+    n = len(pos)
+    return Scene(
+        image_paths=[f"/nowhere/img_{i:03d}.png" for i in range(n)], c2w=c2w,
+        intrinsics=np.tile([w * 0.8, w * 0.8, w / 2, h / 2], (n, 1)), width=np.full(n, w),
+        height=np.full(n, h), split="train", format="blender", root="/nowhere",
+        near=np.full(n, near), far=np.full(n, far), up=upv,
+    )
+
+
+def random_rays(n, seed, box=3.0):
+    rng = np.random.default_rng(seed)
+    o = rng.uniform(-box, box, (n, 3))
+    d = rng.normal(size=(n, 3))
+    d /= np.linalg.norm(d, axis=1, keepdims=True)
+    near = rng.uniform(0, 1, n)
+    far = near + rng.uniform(1e-3, 5, n)
+    return o, d, near, far
+
+
+def point_condition(part, p, j):
+    """Independent check of the point rule at points p (n, 3) for cells j (n,)."""
+    P = np.eye(3) if part.dims == 3 else np.eye(3) - np.outer(part.up, part.up)
+    dist = np.linalg.norm((p[:, None, :] - part.centroids[None].astype(np.float64)) @ P, axis=-1)
+    return dist[np.arange(len(p)), j] <= part.margin * dist.min(1)
+
+
+# ---- construction ---------------------------------------------------------------------------
+
+
+def test_grid_2x2_over_lawnmower():
+    scene = lawnmower_scene()
+    part = Partition.from_config(PartitionConfig(kind="grid", grid=[2, 2]), scene)
+    assert part.num_cells == 4 and part.dims == 2 and part.grid == (2, 2)
+    # grid cell centres of the extent x in [-2, 2], z in [-1, 1]; altitude = the cameras' (2)
+    expect = [[-1, 2, -0.5], [-1, 2, 0.5], [1, 2, -0.5], [1, 2, 0.5]]
+    np.testing.assert_allclose(part.centroids, expect, atol=1e-6)
+    # the same layout in Mega-NeRF's DRB frame: grid along y (right) then z (back)
+    drb = lawnmower_scene(up="-x")
+    pd = Partition.from_config(PartitionConfig(grid=[2, 2]), drb)
+    np.testing.assert_allclose(pd.up, [-1, 0, 0])
+    np.testing.assert_allclose(plane_axes(pd.up), [[0, 1, 0], [0, 0, 1]], atol=1e-12)
+    np.testing.assert_allclose(pd.centroids, [[-2, -1, -0.5], [-2, -1, 0.5], [-2, 1, -0.5], [-2, 1, 0.5]], atol=1e-6)
+
+
+def test_grid_degenerate_axis_is_a_config_error():
+    scene = lawnmower_scene(nx=5, nz=1)  # all cameras on one line
+    with pytest.raises(ConfigError, match="partition.grid"):
+        Partition.from_config(PartitionConfig(grid=[2, 2]), scene)
+    assert Partition.from_config(PartitionConfig(grid=[3, 1]), scene).num_cells == 3
+
+
+def test_kmeans_deterministic_and_sensible():
+    scene = lawnmower_scene()
+    cfg = PartitionConfig(kind="kmeans", cells=4)
+    a = Partition.from_config(cfg, scene)
+    b = Partition.from_config(cfg, scene)
+    assert a == b and a.kind == "kmeans"
+    pos = scene.c2w[:, :, 3].astype(np.float64)
+    # every centroid at camera altitude, inside the camera extent, and distinct
+    np.testing.assert_allclose(a.centroids[:, 1], 2.0, atol=1e-6)
+    assert np.all(a.centroids.min(0)[[0, 2]] >= pos.min(0)[[0, 2]] - 1e-6)
+    assert np.all(a.centroids.max(0)[[0, 2]] <= pos.max(0)[[0, 2]] + 1e-6)
+    assert len(np.unique(np.round(a.centroids, 5), axis=0)) == 4
+    # it is a fixed point of Lloyd's iteration: each centroid is the mean of its cameras
+    lab = np.argmin(((pos[:, None, [0, 2]] - a.centroids[None][:, :, [0, 2]]) ** 2).sum(-1), 1)
+    for j in range(4):
+        np.testing.assert_allclose(a.centroids[j, [0, 2]], pos[lab == j][:, [0, 2]].mean(0), atol=1e-5)
+    a3 = Partition.from_config(PartitionConfig(kind="kmeans", cells=3, dims=3), scene)
+    assert a3.dims == 3 and a3.num_cells == 3
+    with pytest.raises(ConfigError, match="partition.cells"):
+        Partition.from_config(PartitionConfig(kind="kmeans", cells=25), scene)
+
+
+def test_save_load_round_trip(tmp_path):
+    part = Partition.from_config(PartitionConfig(grid=[3, 2], margin=1.2), lawnmower_scene())
+    f = tmp_path / "partition.json"
+    part.save(f)
+    json.loads(f.read_text())  # plain JSON
+    back = Partition.load(f)
+    assert back == part and back.margin == 1.2 and back.grid == (3, 2)
+    f.write_text("{not json")
+    with pytest.raises(ConfigError, match="partition.json"):
+        Partition.load(f)
+    f.write_text(json.dumps({"format": "dali_nerf.partition", "margin": 1.1}))
+    with pytest.raises(ConfigError, match="partition.json"):
+        Partition.load(f)
+    with pytest.raises(ConfigError, match="not found"):
+        Partition.load(tmp_path / "missing.json")
+
+
+def test_assign_rank():
+    assert assign_rank(4, 4) == [[0], [1], [2], [3]]
+    assert assign_rank(5, 2) == [[0, 2, 4], [1, 3]]
+    assert assign_rank(6, 1) == [[0, 1, 2, 3, 4, 5]]
+    with pytest.raises(ConfigError) as e:
+        assign_rank(4, 8)
+    msg = str(e.value)
+    assert "partition.grid" in msg and "world size 8" in msg and "\n" not in msg
+
+
+# ---- exact routing --------------------------------------------------------------------------
+
+
+def test_exact_vs_dense_1e5_rays_2d():
+    part = Partition.from_config(PartitionConfig(grid=[2, 2]), lawnmower_scene())
+    o, d, near, far = random_rays(100_000, seed=0)
+    exact, t = ray_cells(part, o, d, near, far, return_t=True)
+    dense, ratio = ray_cells_dense(part, o, d, near, far, samples=200, return_ratio=True)
+    agree = (exact == dense).all(1).mean()
+    assert agree >= 0.999, agree
+    # every ray is in >= 1 cell; exact has a witness t in [near, far] for every membership
+    assert exact.sum(1).min() >= 1
+    b, j = np.nonzero(exact)
+    tw = t[b, j]
+    assert np.all((tw >= near[b] - 1e-12) & (tw <= far[b] + 1e-12))
+    assert np.all(point_condition(part, o[b] + tw[:, None] * d[b], j))
+    assert np.isnan(t[~exact]).all()
+    # dense may miss short stretches but never finds what exact rejects (except ties)
+    fp = dense & ~exact
+    assert np.all(np.abs(ratio[fp] - part.margin) < 1e-9)
+    # a disagreement, explained: the exact witness satisfies the point rule, dense missed it
+    miss = np.argwhere(exact & ~dense)
+    assert len(miss) > 0, "expected dense sampling at 200 points to miss a short stretch"
+    rb, rj = miss[0]
+    p = o[rb] + t[rb, rj] * d[rb]
+    assert point_condition(part, p[None], np.array([rj]))[0]
+    assert ratio[rb, rj] > part.margin  # every dense sample was outside cell rj
+
+
+def test_exact_vs_dense_3d_and_kmeans():
+    part = Partition.from_config(PartitionConfig(kind="kmeans", cells=5, dims=3), lawnmower_scene())
+    o, d, near, far = random_rays(20_000, seed=1)
+    exact, t = ray_cells(part, o, d, near, far, return_t=True)
+    dense = ray_cells_dense(part, o, d, near, far, samples=400)
+    assert (exact == dense).all(1).mean() >= 0.999
+    assert not (dense & ~exact).any()
+    b, j = np.nonzero(exact)
+    assert np.all(point_condition(part, o[b] + t[b, j][:, None] * d[b], j))
+
+
+def test_grazing_ray_dense_misses():
+    # 3 cells in the plane perpendicular to up = z; cell 2's region has a corner at (0, y_b)
+    m = 1.15
+    part = Partition(np.array([[-1, 0, 5], [1, 0, -3], [0, 1, 0]], np.float32), m, 2, [0, 0, 1])
+    # bottom corner of cell 2 on x = 0: (1 - y)^2 = m^2 (1 + y^2), the root in (-1, 0)
+    A, Bq, Cq = 1 - m * m, -2.0, 1 - m * m
+    y_b = (-Bq - math.sqrt(Bq * Bq - 4 * A * Cq)) / (2 * A)
+    assert -1 < y_b < 0
+    eps = 1e-6
+    o = np.array([[-2.0, y_b + eps, 0.3]])
+    d = np.array([[1.0, 0.0, 0.7]]) / math.sqrt(1.49)  # the z part is ignored in 2-D
+    near, far = np.array([0.0]), np.array([4.0 * math.sqrt(1.49)])
+    exact, t = ray_cells(part, o, d, near, far, return_t=True)
+    dense = ray_cells_dense(part, o, d, near, far, samples=1000)
+    assert exact[0, 2] and not dense[0, 2]
+    p = o[0] + t[0, 2] * d[0]
+    assert abs(p[0]) < 1e-3 and point_condition(part, p[None], np.array([2]))[0]
+    # just below the corner the ray never enters cell 2
+    o2 = o.copy()
+    o2[0, 1] = y_b - 1e-4
+    assert not ray_cells(part, o2, d, near, far)[0, 2]
+
+
+def test_degenerate_rays():
+    part = Partition(np.array([[-1, 0, 0], [1, 0, 0], [0, 0, 3]], np.float32), 1.15, 2, [0, 1, 0])
+    # a ray straight along up: in the plane it is a point -> same cells as that point
+    o = np.array([[-0.9, -5, 0.0], [0.1, 3, 0.0], [5.0, 0, 5.0]])
+    d = np.array([[0, 1.0, 0], [0, -1.0, 0], [0, 1.0, 0]])
+    near, far = np.zeros(3), np.full(3, 10.0)
+    got = ray_cells(part, o, d, near, far)
+    want = point_weights(part, o) > 0
+    np.testing.assert_array_equal(got, want)
+    # zero-length segments: the cells of the point
+    o, d, _, _ = random_rays(2000, seed=3)
+    t0 = np.random.default_rng(4).uniform(0, 2, 2000)
+    got = ray_cells(part, o, d, t0, t0)
+    np.testing.assert_array_equal(got, point_weights(part, o + t0[:, None] * d) > 0)
+    # margin 1 and a ray parallel to a Voronoi boundary (linear coefficient b == 0 case)
+    p1 = Partition(part.centroids, 1.0, 3, [0, 1, 0])
+    o = np.array([[0.0, 0.0, -1.0], [0.2, 0, -1.0]])
+    d = np.array([[0, 0, 1.0], [0, 0, 1.0]])
+    got = ray_cells(p1, o, d, np.zeros(2), np.full(2, 1.5))
+    np.testing.assert_array_equal(got, [[True, True, False], [False, True, False]])
+
+
+def test_margin_one_cells_disjoint():
+    scene = lawnmower_scene()
+    part = Partition.from_config(PartitionConfig(grid=[2, 2], margin=1.0), scene)
+    o, d, near, far = random_rays(20_000, seed=5)
+    got = ray_cells(part, o, d, near, far)
+    # a ray is entirely inside one Voronoi region iff both ends are (the regions are convex)
+    a = point_weights(part, o + near[:, None] * d)
+    b = point_weights(part, o + far[:, None] * d)
+    one = ((a > 0).sum(1) == 1) & ((b > 0).sum(1) == 1) & (np.argmax(a, 1) == np.argmax(b, 1))
+    assert one.mean() > 0.2
+    np.testing.assert_array_equal(got[one].sum(1), 1)
+    assert np.all(got[one, np.argmax(a[one], 1)])
+    # rays that cross a boundary are in both sides' cells
+    crossing = ~one & ((a > 0).sum(1) == 1) & ((b > 0).sum(1) == 1)
+    assert np.all(got[crossing, np.argmax(a[crossing], 1)]) and np.all(got[crossing, np.argmax(b[crossing], 1)])
+
+
+# ---- point weights --------------------------------------------------------------------------
+
+
+def test_point_weights_margin_one_and_blend():
+    part = Partition(np.array([[-1, 0, 0], [1, 0, 0], [0, 0, 2]], np.float32), 1.0, 2, [0, 1, 0])
+    x = np.random.default_rng(6).uniform(-3, 3, (5000, 3))
+    w = point_weights(part, x)
+    np.testing.assert_allclose(w.sum(1), 1)
+    assert np.all((w > 0).sum(1) == 1)  # random points are not on boundaries
+    # exactly on the x = 0 boundary (equidistant from cells 0 and 1, farther from cell 2)
+    wb = point_weights(part, np.array([[0.0, 7.0, -1.0]]))
+    np.testing.assert_allclose(wb, [[0.5, 0.5, 0.0]])
+    # margin band: inverse-distance weights, checked by hand
+    pm = Partition(part.centroids, 1.15, 2, [0, 1, 0])
+    xq = np.array([[0.05, 3.0, 0.0]])  # dist 1.05 to c0, 0.95 to c1, sqrt(0.05^2+4) to c2
+    wq = point_weights(pm, xq)[0]
+    expect = np.array([1 / 1.05, 1 / 0.95, 0.0])
+    np.testing.assert_allclose(wq, expect / expect.sum(), rtol=1e-12)
+    # torch in, torch out; at a centroid all weight goes there
+    wt = point_weights(pm, torch.tensor([[1.0, 5.0, 0.0]]))
+    assert isinstance(wt, torch.Tensor)
+    torch.testing.assert_close(wt, torch.tensor([[0.0, 1.0, 0.0]]))
+
+
+# ---- scenes, Mega-NeRF interop --------------------------------------------------------------
+
+
+def test_cell_fraction():
+    scene = lawnmower_scene()
+    part = Partition.from_config(PartitionConfig(grid=[2, 2]), scene)
+    f = cell_fraction(part, scene, samples=4000)
+    assert f.shape == (4,) and f.sum() >= 1.0 and np.all(f > 0.15)
+    np.testing.assert_allclose(f, f[::-1], atol=0.06)  # the layout is symmetric
+    f1 = cell_fraction(Partition(part.centroids, 1.0, 2, part.up), scene, samples=4000)
+    assert np.all(f1 <= f + 1e-12)
+
+
+@pytest.mark.parametrize("up", ["y", "-x"])
+def test_megannerf_export_import(tmp_path, up):
+    scene = lawnmower_scene(nx=3, nz=2, up=up, w=20, h=10)
+    part = Partition.from_config(PartitionConfig(grid=[2, 2], margin=1.15), scene)
+    out = export_megannerf(part, scene, tmp_path / "masks")
+    assert (out / "params.pt").is_file() and (out / "3" / "img_005.pt").is_file()
+    params = torch.load(out / "params.pt", weights_only=True)
+    for k in ("origin_drb", "pose_scale_factor", "ray_altitude_range", "near", "far", "centroids",
+              "grid_dim", "min_position", "max_position", "cluster_2d"):
+        assert k in params
+    assert params["cluster_2d"] is True and params["centroids"].shape == (4, 3)
+    if up == "-x":  # Mega-NeRF's own frame: written as is
+        np.testing.assert_array_equal(params["centroids"].numpy(), part.centroids)
+    back = import_megannerf(out)
+    assert back == part
+    masks = load_masks(out)
+    assert sorted(masks) == [f"img_{i:03d}" for i in range(6)]
+    from dali_nerf.rays import image_rays
+    for i, stem in enumerate(sorted(masks)):
+        m = masks[stem]
+        assert m.shape == (4, 10, 20) and m.dtype == bool
+        o, d = image_rays(torch.as_tensor(scene.c2w[i]), torch.as_tensor(scene.intrinsics[i]), 20, 10)
+        want = ray_cells(back, o.numpy(), d.numpy(), np.full(200, 0.5), np.full(200, 4.0))
+        np.testing.assert_array_equal(m.reshape(4, -1).T, want)
+        assert m.any(0).all()
+    with pytest.raises(SceneError, match="params.pt"):
+        import_megannerf(tmp_path / "nothing")
