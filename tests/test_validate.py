@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import struct
 import zlib
-from pathlib import Path
 
 import cv2
 import numpy as np
