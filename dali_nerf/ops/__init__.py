@@ -173,7 +173,7 @@ def _build_plan(cuda: bool) -> dict:
             raise PluginBuildError("nvcc not found for the CUDA operator: install the CUDA toolkit "
                                    "(or put nvcc on PATH / set CUDA_HOME), or build without --cuda")
         compiler = nvcc
-        flags = ["-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
+        flags = ["-std=c++20", "-O3", "-shared", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
                  "-Xcompiler", "-Wno-free-nonheap-object", *_cuda_archs()]
         sources = _CUDA_SOURCES
     else:
