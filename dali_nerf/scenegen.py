@@ -25,9 +25,9 @@ Kinds:
 ``city`` (the spatial-segmentation workload) -- Mega-NeRF layout AND a nerfstudio transforms.json::
 
     out/coordinates.pt                     {'origin_drb': (3,) f32, 'pose_scale_factor': float,
-                                            'near': float, 'far': float}  (near/far in the
-                                            normalised frame of the stored c2w; Mega-NeRF's own
-                                            files have only the first two keys)
+                                            'near': float, 'far': float, 'aabb': (2,3) f32}
+                                            (near/far/aabb in the normalised frame of the stored
+                                            c2w; Mega-NeRF's own files have only the first two)
     out/{train,val}/rgbs/<global id>.png   RGBA (alpha 0 = sky; its RGB is white), ids unique
                                            across splits as Mega-NeRF expects
     out/{train,val}/metadata/<id>.pt       {'W': int, 'H': int, 'intrinsics': (4,) f32 fx fy cx cy,
@@ -52,8 +52,8 @@ Frames. ``render_scene_rays`` works in each kind's SCENE frame:
       p_drb_metres = CITY_METRES_PER_UNIT * DRB_FROM_SCENE @ p_scene + CITY_DRB_OFFSET
       p_stored     = (p_drb_metres - origin_drb) / pose_scale_factor
 
-  and the camera axes of the stored c2w are (down, right, back) -- the column order this
-  project's mega_nerf parser reads (``_MEGA_NERF_CAMERA_COLUMNS``; see the note there).
+  and the columns of the stored c2w rotation are the OpenGL camera axes (right, up, back) in that
+  DRB world, as Mega-NeRF's own ray code uses them (``_MEGA_NERF_CAMERA_COLUMNS``).
 
 >>> from dali_nerf.scenegen import make_scene
 >>> make_scene("objects", "data/default")                       # doctest: +SKIP
@@ -106,11 +106,11 @@ CITY_TILT_DEG = 30.0         # off nadir, towards the heading
 CITY_HFOV_DEG = 60.0
 CITY_AABB = ((-CITY_GROUND, -CITY_GROUND, -0.05), (CITY_GROUND, CITY_GROUND, 0.55))
 
-# Mega-NeRF c2w camera columns written here. This project's contract (ARCHITECTURE.md / the
-# mega_nerf parser) reads them as (down, right, back): OpenGL [right, up, back] = [c1, -c0, c2].
-# NOTE: Mega-NeRF's own ray code (mega_nerf/ray_utils.py get_rays) multiplies OpenGL-style
-# directions by c2w[:, :3] directly, i.e. treats the columns as (right, up, back) in the DRB world.
-_MEGA_NERF_CAMERA_COLUMNS = "down,right,back"
+# Mega-NeRF c2w camera columns written here: OpenGL (right, up, back) axes expressed in the DRB
+# world -- what Mega-NeRF's own get_rays (mega_nerf/ray_utils.py: OpenGL-style directions times
+# c2w[:, :3]) and its README's conversion (DRB camera pose, then cat([c1, -c0, c2, t])) produce,
+# and what our mega_nerf parser reads (its CAMERA_COLUMNS).
+_MEGA_NERF_CAMERA_COLUMNS = "right,up,back"
 
 _EPS = 1e-9
 _LIGHT = np.array([0.45, 0.3, 1.0]) / np.linalg.norm([0.45, 0.3, 1.0])
@@ -727,7 +727,7 @@ def _write_objects(tmp: Path, seed, width, height, cams, image_format):
 
 def _drb_c2w(c2w_scene):
     """(3,4) OpenGL c2w in the scene frame -> (3,4) c2w in Mega-NeRF's DRB world (metres),
-    camera columns per ``_MEGA_NERF_CAMERA_COLUMNS``."""
+    camera columns per ``_MEGA_NERF_CAMERA_COLUMNS`` ("down,right,back" kept for experiments)."""
     r = DRB_FROM_SCENE @ c2w_scene[:, :3]        # OpenGL axes (right, up, back) in the DRB world
     if _MEGA_NERF_CAMERA_COLUMNS == "down,right,back":
         rot = np.stack([-r[:, 1], r[:, 0], r[:, 2]], axis=1)
@@ -756,8 +756,12 @@ def _write_city(tmp: Path, seed, width, height, cams, image_format):
     pos = np.concatenate([drb[s][:, :, 3] for s in ("train", "val")])
     origin = 0.5 * (pos.max(0) + pos.min(0))                 # as Mega-NeRF's colmap converter
     scale = float(np.linalg.norm(pos - origin, axis=1).max())
+    corners = np.array([[x, y, z] for x in (CITY_AABB[0][0], CITY_AABB[1][0]) for y in (CITY_AABB[0][1], CITY_AABB[1][1])
+                        for z in (CITY_AABB[0][2], CITY_AABB[1][2])])
+    c_drb = (CITY_METRES_PER_UNIT * corners @ DRB_FROM_SCENE.T + CITY_DRB_OFFSET - origin) / scale
     torch.save({"origin_drb": torch.tensor(origin, dtype=torch.float32), "pose_scale_factor": scale,
-                "near": near * CITY_METRES_PER_UNIT / scale, "far": far * CITY_METRES_PER_UNIT / scale},
+                "near": near * CITY_METRES_PER_UNIT / scale, "far": far * CITY_METRES_PER_UNIT / scale,
+                "aabb": torch.tensor(np.stack([c_drb.min(0), c_drb.max(0)]), dtype=torch.float32)},
                tmp / "coordinates.pt")
     frames, names = [], {"train": [], "val": [], "test": []}
     gid = 0
