@@ -388,16 +388,22 @@ def _ray_cells_chunk(o, d, near, far, cp, m2, P):
     start = np.maximum(reach, nb)  # (B, C, C+1): M_i, the first point not yet known covered
     end = np.concatenate([lo_s, np.broadcast_to(np.inf, (B, C, 1))], -1)  # next forbidden start
     end = np.minimum(end, far[:, None, None])
-    width = np.where(end >= start, end - start, -1.0)  # feasible [start, end] when >= 0
+    with np.errstate(invalid="ignore"):
+        width = np.where((end >= start) & np.isfinite(start), end - start, -1.0)  # [start, end] feasible
     best = np.argmax(width, -1)[..., None]  # widest gap (robust witness)
     bw = np.take_along_axis(width, best, -1)[..., 0]
     inside = bw >= 0
-    t = np.where(inside, np.take_along_axis(start, best, -1)[..., 0] + 0.5 * np.maximum(bw, 0), np.nan)
-    # exact anchors: the nearest cell of each end point satisfies its own condition
-    rows = np.arange(B)
+    bs = np.take_along_axis(start, best, -1)[..., 0]
+    half = np.where(np.isfinite(bw), 0.5 * np.maximum(bw, 0), 1.0 + np.abs(bs))  # far = inf: any t >= start
+    t = np.where(inside, bs + half, np.nan)
+    # exact anchors: the nearest cell of each (finite) end point satisfies its own condition
     for tt in (far, near):
-        j = _nearest(((o + tt[:, None] * d) @ P), cp @ P)
-        t[rows, j] = np.where(inside[rows, j], t[rows, j], tt)
+        ok = np.isfinite(tt)
+        if not ok.any():
+            continue
+        rows = np.nonzero(ok)[0]
+        j = _nearest(((o[rows] + tt[rows, None] * d[rows]) @ P), cp @ P)
+        t[rows, j] = np.where(inside[rows, j], t[rows, j], tt[rows])
         inside[rows, j] = True
     return inside, t
 

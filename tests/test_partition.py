@@ -205,6 +205,10 @@ def test_degenerate_rays():
     t0 = np.random.default_rng(4).uniform(0, 2, 2000)
     got = ray_cells(part, o, d, t0, t0)
     np.testing.assert_array_equal(got, point_weights(part, o + t0[:, None] * d) > 0)
+    # unbounded rays (far = inf) are handled; far away every cell is within the margin
+    o, d, near, _ = random_rays(500, seed=7)
+    got, t = ray_cells(part, o, d, near, np.full(500, np.inf), return_t=True)
+    assert got.all() and np.isfinite(t).all()
     # margin 1 and a ray parallel to a Voronoi boundary (linear coefficient b == 0 case)
     p1 = Partition(part.centroids, 1.0, 3, [0, 1, 0])
     o = np.array([[0.0, 0.0, -1.0], [0.2, 0, -1.0]])
@@ -288,7 +292,7 @@ def test_megannerf_export_import(tmp_path, up):
     for i, stem in enumerate(sorted(masks)):
         m = masks[stem]
         assert m.shape == (4, 10, 20) and m.dtype == bool
-        o, d = image_rays(torch.as_tensor(scene.c2w[i]), torch.as_tensor(scene.intrinsics[i]), 20, 10)
+        o, d = image_rays(torch.tensor(scene.c2w[i]), torch.tensor(scene.intrinsics[i]), 20, 10)
         want = ray_cells(back, o.numpy(), d.numpy(), np.full(200, 0.5), np.full(200, 4.0))
         np.testing.assert_array_equal(m.reshape(4, -1).T, want)
         assert m.any(0).all()
