@@ -1,0 +1,23 @@
+"""``dali-nerf bench sampler|study`` (docs/BENCHMARKS.md).
+
+* ``sampler``: one table of delivered rays/s of RayLoader and the baselines at several batch
+  sizes, plus decode images/s (:mod:`dali_nerf.bench.sampler`).
+* ``study``: the characterization study grid (:mod:`dali_nerf.bench.study`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["main"]
+
+
+def main(args) -> int:
+    """Dispatch on ``args.bench`` ("sampler" | "study")."""
+    if args.bench == "sampler":
+        return importlib.import_module("dali_nerf.bench.sampler").main(args)
+    if args.bench == "study":
+        return importlib.import_module("dali_nerf.bench.study").main(args)
+    from dali_nerf.errors import ConfigError
+
+    raise ConfigError(f"bench {args.bench!r}: use sampler or study")

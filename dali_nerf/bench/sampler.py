@@ -1,0 +1,238 @@
+"""``dali-nerf bench sampler``: delivered rays/s of every batch source, and decode images/s.
+
+One run measures, at each batch size (``--batches``, default 4096 and 65536 rays per step):
+
+* ``rays``: RayLoader (our DALI pipeline + C++ operator, prefetch 2, 262144 rays per run);
+* ``sync_local``: SyncLocalSampler (sampling in the training thread);
+* ``sync_global``: SyncGlobalSampler with 2 real gloo ranks on 127.0.0.1; rank 0's delivered
+  rays/s of the *global* batch (2 B rays per step: sample + scatter);
+* ``torch_workers``: TorchWorkersSampler with 2 worker processes;
+* ``torch_gather``: a plain in-memory torch loop (iid pixel ids over all images, uint8 gather +
+  ``rays_from_indices``), the simplest fast thing one would write;
+
+each with the ratio of ours to it. The consumer loop only touches the batch, so the numbers are
+the sampler's. Also decode images/s of DALI's decoder (JPEG and PNG RGBA, 800x800, 2 threads)
+through :func:`~dali_nerf.pipelines.decode.decode_cache`.
+
+Default scene (no ``--scene``): a 100-image 400x400 ``objects`` scene generated once into
+``~/.cache/dali_nerf/bench/objects_400x400_100``.
+
+    dali-nerf bench sampler --seconds 2 --out docs/sampler.md
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dali_nerf.errors import ConfigError
+
+__all__ = ["main", "measure", "default_scene", "decode_rate", "torch_gather_source"]
+
+
+def default_scene_dir() -> Path:
+    base = os.environ.get("DALI_NERF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dali_nerf")
+    return Path(base) / "bench" / "objects_400x400_100"
+
+
+def default_scene():
+    """The 100-image 400x400 objects scene (generated once, under a file lock)."""
+    from filelock import FileLock
+
+    from dali_nerf.scenegen import make_scene
+    from dali_nerf.scenes import load_scene
+
+    out = default_scene_dir()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "transforms_train.json").is_file():
+            print(f"generating the benchmark scene in {out} (once) ...", flush=True)
+            make_scene("objects", out, width=400, height=400, n_train=100, n_val=1, n_test=1, seed=0, force=True)
+    return load_scene(out, split="train")
+
+
+def torch_gather_source(cache, scene, B: int, seed: int = 0):
+    """Infinite generator of batches: iid pixel ids over all of ``cache``, uint8 gather, rays_from_indices."""
+    from dali_nerf.rays import rays_from_indices
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        pixels = torch.from_numpy(cache.pixels)
+    lay = torch.from_numpy(np.array(cache.layout))
+    off, wid, cams = lay[:, 0].contiguous(), lay[:, 1].contiguous(), lay[:, 3].contiguous()
+    c2w, K = torch.from_numpy(np.array(scene.c2w)), torch.from_numpy(np.array(scene.intrinsics))
+    g = torch.Generator().manual_seed(seed)
+    P = cache.num_pixels
+    while True:
+        pid = torch.randint(0, P, (B,), generator=g)
+        img = torch.searchsorted(off, pid, right=True) - 1
+        local = pid - off[img]
+        w = wid[img]
+        row = torch.div(local, w, rounding_mode="floor")
+        idx = torch.stack([cams[img], row, local - row * w], -1)
+        o, d = rays_from_indices(c2w, K, idx)
+        yield {"origins": o, "directions": d, "rgb": pixels[pid].float().div_(255.0), "indices": idx}
+
+
+def _touch(b) -> float:
+    return float(b["rgb"][-1, 0]) + float(b["directions"][0, 0])
+
+
+def measure(it, rays_per_step: int, seconds: float, warmup: int = 3) -> float:
+    """Rays/s delivered by iterator ``it`` (a consumer that only touches each batch)."""
+    for _ in range(warmup):
+        _touch(next(it))
+    n = 0
+    t0 = time.perf_counter()
+    while True:
+        _touch(next(it))
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= seconds and n >= 3:
+            return n * rays_per_step / dt
+
+
+def _best_threads(fn) -> float:
+    """max(fn() with torch's current thread count, fn() with 1 thread)."""
+    n = torch.get_num_threads()
+    best = fn()
+    if n > 1:
+        torch.set_num_threads(1)
+        try:
+            best = max(best, fn())
+        finally:
+            torch.set_num_threads(n)
+    return best
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _global_worker(rank, scene, cache, B, seconds, port, out):
+    import torch.distributed as dist
+
+    from dali_nerf.baseline import SyncGlobalSampler
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        src = SyncGlobalSampler(scene, rays_per_batch=B, rank=rank, world_size=2, cache=cache if rank == 0 else None)
+        for _ in range(3):
+            _touch(next(src))
+        # both ranks run the same number of steps: rank 0 decides it from a short probe
+        t0 = time.perf_counter()
+        _touch(next(src))
+        steps = torch.tensor([max(3, int(seconds / max(time.perf_counter() - t0, 1e-6)))])
+        dist.broadcast(steps, 0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(int(steps)):
+            _touch(next(src))
+        dt = time.perf_counter() - t0
+        if rank == 0:
+            Path(out).write_text(str(int(steps) * 2 * B / dt))
+    finally:
+        dist.destroy_process_group()
+
+
+def sync_global_rate(scene, cache, B: int, seconds: float) -> float:
+    """Rank 0's delivered global-batch rays/s with 2 gloo ranks (spawned processes)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rate")
+        mp.start_processes(_global_worker, args=(scene, cache, B, seconds, _free_port(), out), nprocs=2,
+                           join=True, start_method="spawn")
+        return float(Path(out).read_text())
+
+
+def decode_rate(fmt: str, n: int = 32, size: int = 800, threads: int = 2) -> float:
+    """Images/s of decode_cache on ``n`` synthetic ``size``^2 images (jpg RGB q95 | png RGBA)."""
+    import cv2
+
+    from dali_nerf.pipelines.decode import decode_cache
+    from dali_nerf.scenes.base import Scene
+
+    with tempfile.TemporaryDirectory() as d:
+        yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+        paths = []
+        for i in range(n):
+            img = np.stack([np.sin(xx / (17 + i)) * 110 + 128, np.cos(yy / 23) * 110 + 128,
+                            (xx + yy + 9 * i) % 256], -1).astype(np.uint8)
+            if fmt == "png":
+                a = (((xx // 50 + yy // 50 + i) % 3 > 0) * 255).astype(np.uint8)[..., None]
+                img = np.concatenate([img, a], -1)
+            p = os.path.join(d, f"{i:03d}.{fmt}")
+            cv2.imwrite(p, img, [cv2.IMWRITE_JPEG_QUALITY, 95] if fmt == "jpg" else [])
+            paths.append(p)
+        sc = Scene(image_paths=paths, c2w=np.tile(np.eye(4)[:3], (n, 1, 1)),
+                   intrinsics=np.tile([size, size, size / 2, size / 2], (n, 1)), width=[size] * n,
+                   height=[size] * n, split="train", format="blender", root=d)
+        decode_cache(sc, num_threads=threads)  # warm (page cache, first pipeline)
+        t0 = time.perf_counter()
+        decode_cache(sc, num_threads=threads)
+        return n / (time.perf_counter() - t0)
+
+
+def main(args) -> int:
+    from dali_nerf.baseline import SyncLocalSampler, TorchWorkersSampler
+    from dali_nerf.loader import RayLoader
+    from dali_nerf.pipelines.decode import decode_cache
+    from dali_nerf.scenes import load_scene
+
+    try:
+        batches = [int(b) for b in str(args.batches).split(",") if b.strip()]
+    except ValueError:
+        raise ConfigError(f"--batches {args.batches!r}: use comma-separated integers, e.g. 4096,65536") from None
+    if not batches or min(batches) <= 0:
+        raise ConfigError(f"--batches {args.batches!r}: batch sizes must be > 0")
+    seconds = float(args.seconds)
+    if not seconds > 0:
+        raise ConfigError(f"--seconds {args.seconds}: must be > 0")
+    scene = load_scene(args.scene, split="train") if args.scene else default_scene()
+    cache = decode_cache(scene, 0, 1)
+    print(f"scene: {scene}  ({cache.num_pixels / 1e6:.1f} M pixels cached, {seconds:g} s per measurement)", flush=True)
+
+    rows = []
+    for B in batches:
+        r = {}
+        with RayLoader(scene, rays_per_batch=B, cache=cache, prefetch=2, rays_per_run=max(262144, B)) as L:
+            r["rays"] = measure(L, B, seconds)
+        # training-thread torch samplers: best of torch's default intra-op threads and 1 thread (on a
+        # shared/oversubscribed machine 2 OpenMP threads can be 10x slower than 1)
+        r["torch_gather"] = _best_threads(lambda: measure(torch_gather_source(cache, scene, B), B, seconds))
+        r["sync_local"] = _best_threads(lambda: measure(SyncLocalSampler(scene, rays_per_batch=B, cache=cache), B, seconds))
+        with TorchWorkersSampler(scene, rays_per_batch=B, cache=cache, workers=2) as tw:
+            r["torch_workers"] = measure(tw, B, seconds)
+        r["sync_global"] = sync_global_rate(scene, cache, B, seconds)
+        rows.append((B, r))
+        print(f"B={B}: " + ", ".join(f"{k} {v / 1e6:.2f} M/s" for k, v in r.items()), flush=True)
+
+    jpg, png = decode_rate("jpg"), decode_rate("png")
+    names = ["rays", "torch_gather", "sync_local", "sync_global", "torch_workers"]
+    lines = ["| rays/step | " + " | ".join(f"{n} Mrays/s" for n in names) + " |",
+             "|---:|" + "---:|" * len(names)]
+    for B, r in rows:
+        cells = [f"{r['rays'] / 1e6:.1f}"] + [f"{r[n] / 1e6:.2f} ({r['rays'] / r[n]:.1f}x)" for n in names[1:]]
+        lines.append(f"| {B} | " + " | ".join(cells) + " |")
+    lines += ["", f"Decode (DALI CPU decoder, 2 threads, 800x800, into the ImageCache): JPEG {jpg:.0f} images/s, "
+              f"PNG RGBA {png:.0f} images/s.", "",
+              f"Scene: {scene.num_images} images, {cache.num_pixels / 1e6:.1f} M pixels; {os.cpu_count()} CPU cores; "
+              f"(Nx) = RayLoader's rate / that source's; torch_gather and sync_local: best of 1 and the default torch threads; sync_global = rank 0's global batch (2 ranks, gloo)."]
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("# dali-nerf bench sampler\n\n" + table + "\n")
+    return 0
