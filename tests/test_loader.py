@@ -160,3 +160,19 @@ def test_bad_arguments_one_line(scene, cache):
         with pytest.raises(ConfigError, match=key) as e:
             RayLoader(scene, **{"cache": cache, **kw})
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["rays", "sync_local", "sync_global", "torch_workers"])
+def test_build_batch_source_from_config(scene, name):
+    from dali_nerf.config import load_config
+    from dali_nerf.pipelines.builder import build_batch_source
+
+    cfg = load_config(None, [f"pipeline.name={name}", "pipeline.rays_per_batch=128", "pipeline.workers=0",
+                             "train.device=cpu"], check_paths=False)
+    src = build_batch_source(cfg, scene, 0, 1)
+    try:
+        b = next(src)
+        assert b["rgb"].shape == (128, 3) and b["indices"].dtype == torch.int64
+        assert {"steps", "wait_s", "stall_fraction", "rays_per_s", "elapsed_s"} <= set(src.stats())
+    finally:
+        src.close()
