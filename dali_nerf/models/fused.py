@@ -28,12 +28,11 @@ import torch
 from torch import nn
 
 from ..partition import Partition, _point_weights_t
-from .field import RadianceField
 
 __all__ = ["FusedField"]
 
 
-class FusedField(RadianceField):
+class FusedField(nn.Module):
     """One radiance field made of per-cell sub-fields.
 
     Args:
