@@ -419,3 +419,22 @@ def test_bad_inputs_raise():
         run_op(bad_layout, 10, [0])
     with pytest.raises(RuntimeError, match="centroids"):
         run_op(cache, 10, [0], cell=0)
+
+
+def test_defaults_without_start():
+    """`start` defaults to 0. (`seed` is always passed: when it is omitted DALI fills it from the
+    pipeline's seed, like for its own random operators.)"""
+    cache = make_cache(np.random.default_rng(9))
+    pixels, cams, lay = cache
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None)
+    def pipe():
+        p = fn.external_source(source=lambda: [pixels], batch=True)
+        c = fn.external_source(source=lambda: [cams], batch=True)
+        l = fn.external_source(source=lambda: [lay], batch=True)
+        return fn.dali_nerf.ray_sampler(p, c, l, rays=50, seed=0)[3]
+
+    pp = pipe()
+    pp.build()
+    idx = np.array(pp.run()[0][0])
+    assert np.array_equal(pixel_ids(cache, idx), ref_random_pixels(0, 0, 1, 0, 50, len(pixels)))

@@ -281,11 +281,11 @@ consumed (1,) int64.)")
     .AddArg("rays", "Rays per output sample.", DALI_INT32)
     .AddOptionalArg("mode", "\"random\" (iid hash of the position) or \"epoch\" (a permutation "
                     "of all P pixels per block of P positions).", std::string("random"))
-    .AddOptionalArg<int64_t>("seed", "Stream seed.", 0)
+    .AddOptionalArg("seed", "Stream seed.", int64_t{0})
     .AddOptionalArg("rank", "Rank of this process (part of the stream key).", 0)
     .AddOptionalArg("world_size", "Number of ranks (part of the stream key).", 1)
-    .AddOptionalArg<int64_t>("start", "Stream position of the first candidate ray "
-                             "(argument input allowed: one int64 per sample).", 0, true)
+    .AddOptionalArg("start", "Stream position of the first candidate ray "
+                             "(argument input allowed: one int64 per sample).", int64_t{0}, true)
     .AddOptionalArg("cell", "Cell to route to (index into `centroids`); -1: no routing.", -1)
     .AddOptionalArg("margin", "Routing margin m: keep a ray if some point p of its segment has "
                     "|p - c_cell| <= m |p - c_k| for all k.", 1.15f)
