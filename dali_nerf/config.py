@@ -222,6 +222,8 @@ class BenchConfig:
     """Projection: host CPU cores per GPU available for sampling."""
     regime: str = ""
     """Free text for the report: why these knobs (image count, resolution, rays, model size)."""
+    sampler_seconds: float = 1.0
+    """Seconds per measurement of the `bench sampler` table in the report (0 skips the table)."""
 
     def validate(self, key: str):
         _positive(f"{key}.steps", self.steps)
@@ -237,6 +239,7 @@ class BenchConfig:
             raise ConfigError(f"{key}.gpu_cpu_ratio: must be > 0, got {self.gpu_cpu_ratio}")
         if not self.cores_per_gpu > 0:
             raise ConfigError(f"{key}.cores_per_gpu: must be > 0, got {self.cores_per_gpu}")
+        _nonneg(f"{key}.sampler_seconds", self.sampler_seconds)
         if not self.ranks or min(self.ranks) < 1:
             raise ConfigError(f"{key}.ranks: must be a non-empty list of integers >= 1, got {self.ranks}")
         for m in self.methods:

@@ -215,3 +215,32 @@ def test_machine_slug_and_commit():
     assert " " not in slug
     c = study.git_commit(REPO)
     assert c == "unknown" or len(c.split("-")[0]) == 40
+
+
+@pytest.mark.slow
+def test_study_smoke_end_to_end(tmp_path, monkeypatch):
+    """The real grid at tiny size: trainer processes (1 and 2 ranks), derive, cost model, report."""
+    import argparse
+
+    from dali_nerf.scenegen import make_scene
+
+    monkeypatch.chdir(tmp_path)
+    make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=6, n_val=1, n_test=1)
+    ov = [f"scene.path={tmp_path / 'scene'}", f"train.runs_dir={tmp_path / 'runs'}", f"bench.out={tmp_path / 'docs'}",
+          "bench.steps=4", "bench.warmup=1", "pipeline.rays_per_batch=128", "pipeline.rays_per_run=512",
+          "bench.sampling_sizes=[128,256]", "bench.sampler_seconds=0", "bench.methods=[ddp,ss]",
+          "model.samples_per_ray=4", "model.resolution=8"]
+    rc = study.main(argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
+    assert rc == 0
+    out = tmp_path / "docs" / study.machine_slug()
+    text = (out / "report.md").read_text()
+    assert "dali-nerf bench study --config" in text and study.git_commit(REPO) in text
+    for png in ("phases.png", "speedup.png", "model_check.png", "projection.png"):
+        assert (out / png).stat().st_size > 1000
+    raw = json.loads((out / "derived.json").read_text())
+    done = {(r["method"], r["sampler"], r["ranks"]) for r in raw["derived"]["runs"]}
+    assert {("ddp", s, w) for s in ("sync_global", "sync_local", "rays") for w in (1, 2)} <= done
+    # the derived numbers are those of the metrics files on disk
+    again = study.derive([r["dir"] for r in raw["derived"]["runs"]], warmup=1)
+    assert again["summary"]["mean_speedup"] == pytest.approx(raw["derived"]["summary"]["mean_speedup"])
+    assert all(r["steps_used"] == 4 for r in raw["derived"]["runs"])

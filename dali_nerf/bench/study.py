@@ -132,7 +132,9 @@ def read_run(run_dir, warmup: Optional[int] = None) -> dict:
         "step_s": step, "stall": ph["wait"] / step if step > 0 else 0.0,
         "rays_per_s": rays_per_step / step if step > 0 else 0.0,
         "test_psnr": summary.get("test_psnr"),
-        "fusion": {k: v for k, v in summary.items() if k.startswith("fusion")},
+        "torch_threads": int((cfg.get("train") or {}).get("torch_threads", 0) or 0),
+        "fusion": {k: v for k, v in summary.items()
+                   if k in ("fusion_overhead", "fused_render_s", "single_render_s", "fused_psnr")},
     }
 
 
@@ -174,9 +176,11 @@ def derive(run_dirs: Sequence, warmup: Optional[int] = None) -> dict:
 
 
 def observations(derived: dict, cores: Optional[int] = None) -> List[cm.Observation]:
-    """Cost-model observations from :func:`derive`'s runs (cores per rank = cores // ranks)."""
+    """Cost-model observations from :func:`derive`'s runs (cores per rank = the run's
+    train.torch_threads, else cores // ranks as the trainer sets it)."""
     cores = cores or os.cpu_count() or 1
-    return [cm.Observation(r["method"], r["sampler"], r["ranks"], r["rays_per_rank"], max(1, cores // r["ranks"]),
+    return [cm.Observation(r["method"], r["sampler"], r["ranks"], r["rays_per_rank"],
+                           r.get("torch_threads") or max(1, cores // r["ranks"]),
                            r["phases_s"]["wait"], r["compute_s"], r["phases_s"]["sync"], r["step_s"])
             for r in derived["runs"] if r["sampler"] in cm.SAMPLERS]
 
@@ -243,13 +247,16 @@ def _cell_name(method: str, sampler: str, ranks: int) -> str:
     return f"study_{method}_{sampler}_{ranks}"
 
 
-def run_grid(cfg: Config, config_path: str, overrides: Sequence[str], log=print) -> List[Path]:
-    """Run every (method, sampler, ranks) cell of ``cfg.bench`` as a trainer process; returns the
-    run folders. A failed cell raises :class:`DaliNerfError` naming its log file."""
+def run_grid(cfg: Config, config_path: str, overrides: Sequence[str], log=print):
+    """Run every (method, sampler, ranks) cell of ``cfg.bench`` as a trainer process.
+
+    Returns (run folders of the cells that finished, [(cell name, one-line reason, log file)] of
+    those that failed); the report lists the failed ones. Every cell failing raises
+    :class:`DaliNerfError` naming the first log file."""
     b = cfg.bench
     root = Path(cfg.train.runs_dir)
     root.mkdir(parents=True, exist_ok=True)
-    dirs = []
+    dirs, failed = [], []
     cells = [(m, s, r) for m in b.methods for s in b.samplers for r in b.ranks]
     for i, (m, s, r) in enumerate(cells):
         name = _cell_name(m, s, r)
@@ -271,11 +278,16 @@ def run_grid(cfg: Config, config_path: str, overrides: Sequence[str], log=print)
             f.flush()
             rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc != 0:
-            tail = [l for l in logf.read_text().splitlines() if l.strip()][-1:]
-            raise DaliNerfError(f"study cell {name} failed (exit {rc}): {tail[0] if tail else ''} — full log: {logf}")
+            tail = [l for l in logf.read_text().splitlines() if l.strip() and not l.startswith(("W", "[W"))][-1:]
+            reason = f"exit {rc}: {tail[0][:300] if tail else 'no output'}"
+            failed.append((name, reason, str(logf)))
+            log(f"[{i + 1}/{len(cells)}] {name}: FAILED ({reason}); log {logf}")
+            continue
         log(f"[{i + 1}/{len(cells)}] {name}: {time.perf_counter() - t0:.1f} s")
         dirs.append(root / name)
-    return dirs
+    if not dirs and failed:
+        raise DaliNerfError(f"every study cell failed; first: {failed[0][0]} ({failed[0][1]}) — log: {failed[0][2]}")
+    return dirs, failed
 
 
 def _grad_bytes(cfg: Config) -> int:
@@ -290,19 +302,25 @@ def _grad_bytes(cfg: Config) -> int:
 
 
 def _sampler_table(cfg: Config) -> Optional[str]:
-    """The loader engineer's ``bench sampler`` table (markdown) when that function exists."""
+    """The ``dali-nerf bench sampler`` table (markdown) on the study's scene, at the study's batch
+    size and 65536 (``bench.sampler_seconds`` per measurement; 0 skips it)."""
+    import argparse
+    import tempfile
+
+    if cfg.bench.sampler_seconds <= 0:
+        return None
     try:
         from . import sampler as sb
     except ImportError:
         return None
-    fn = getattr(sb, "sampler_table", None) or getattr(sb, "run_sampler_bench", None)
-    if fn is None:
-        return None
-    try:
-        res = fn(scene=cfg.scene.path, batches=(cfg.pipeline.rays_per_batch, 65536), seconds=1.0)
-    except TypeError:
-        return None
-    return res if isinstance(res, str) else res.get("markdown") if isinstance(res, dict) else None
+    with tempfile.TemporaryDirectory() as td:
+        out = Path(td) / "sampler.md"
+        ns = argparse.Namespace(scene=cfg.scene.path, batches=f"{cfg.pipeline.rays_per_batch},65536",
+                                seconds=cfg.bench.sampler_seconds, out=str(out))
+        sb.main(ns)
+        text = out.read_text()
+    cmd = (f"dali-nerf bench sampler --scene {cfg.scene.path} --batches {ns.batches} --seconds {ns.seconds:g}")
+    return f"`{cmd}` (run by the study):\n\n" + text.split("\n", 2)[-1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,10 +349,15 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
          f"- command: `{meta['command']}`",
          f"- commit: `{meta['commit']}`",
          f"- machine: {meta['machine_desc']}",
-         f"- date: {meta['date']}, study wall time {meta['wall_s']:.0f} s",
+         f"- date: {meta['date']}, study wall time {meta['wall_s']:.0f} s"
+         + (f"; 1-min load average {meta['load_avg_start']:.1f} at start, {meta['load_avg_end']:.1f} at end "
+            f"(above the core count = other processes shared the cores and inflated the timings)"
+            if "load_avg_start" in meta else ""),
          f"- workload: {meta['workload']}",
          f"- timing: {meta['steps']} timed steps per configuration after {meta['warmup']} warm-up steps "
          f"(means per step and rank; stall = data wait / step time)", ""]
+    if meta.get("failed"):
+        L += ["## Cells that did not run", ""] + [f"- {n}: {r} (log `{lg}`)" for n, r, lg in meta["failed"]] + [""]
     if meta.get("regime"):
         L += ["## Regime", "", meta["regime"], ""]
     if s["mean_speedup"] is not None:
@@ -441,12 +464,14 @@ def main(args) -> int:
     cfg = load_config(config_path, overrides, check_paths=False)
     b = cfg.bench
     t_start = time.perf_counter()
+    load0 = os.getloadavg()[0]
     if not Path(cfg.scene.path).exists():
         from ..scenegen import make_scene
 
         print(f"generating the study scene ({b.scene_kind}, {b.scene_images} images, {b.scene_resolution} px) into {cfg.scene.path}", flush=True)
-        make_scene(b.scene_kind, Path(cfg.scene.path), resolution=b.scene_resolution, images=b.scene_images)
-    dirs = run_grid(cfg, config_path, overrides)
+        make_scene(b.scene_kind, Path(cfg.scene.path), width=b.scene_resolution, height=b.scene_resolution,
+                   n_train=b.scene_images)
+    dirs, failed = run_grid(cfg, config_path, overrides)
     derived = derive(dirs, warmup=b.warmup)
 
     sampling = None
@@ -473,11 +498,12 @@ def main(args) -> int:
     meta = {
         "machine": machine, "machine_desc": _machine_desc(), "command": cmd, "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": time.perf_counter() - t_start,
+        "load_avg_start": load0, "load_avg_end": os.getloadavg()[0],
         "steps": b.steps, "warmup": b.warmup, "grad_bytes": grad_bytes,
         "workload": (f"scene {cfg.scene.path}, {B} rays per rank per step, model "
                      + " ".join(f"{k}={v}" for k, v in config_to_dict(cfg.model).items())
                      + f", {grad_bytes / 1e6:.2f} MB of gradients"),
-        "regime": b.regime,
+        "regime": b.regime, "failed": failed,
     }
     out = Path(b.out) / machine
     report = write_report(out, derived, model, validation, projection, assumptions, meta, sampling, _sampler_table(cfg))
