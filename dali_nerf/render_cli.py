@@ -1,0 +1,136 @@
+"""``dali-nerf render``: render a split (beside ground truth, with PSNR) or an orbit from a run.
+
+    dali-nerf render --checkpoint runs/ddp_objects --out renders/ --split test
+    dali-nerf render --checkpoint runs/ss_city/checkpoints/step_0002000 --out renders/ --orbit 24
+
+``--checkpoint`` is a run folder (its ``checkpoints/latest`` is used) or a checkpoint step folder.
+DDP runs render the one model; SS runs the fused sub-models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from .checkpoint import latest_checkpoint, load_rank_state
+from .config import _build, Config
+from .errors import DaliNerfError
+
+__all__ = ["load_run", "orbit_poses", "main"]
+
+
+def _resolve(path: Path):
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        folder = latest_checkpoint(path / "checkpoints")
+        run_dir = path
+    elif path.name.startswith("step_") and path.is_dir():
+        folder, run_dir = path, path.parent.parent
+    else:
+        raise DaliNerfError(f"{path}: not a run folder or checkpoint step folder; pass runs/<name> or runs/<name>/checkpoints/step_N")
+    if folder is None:
+        raise DaliNerfError(f"{path}: run has no complete checkpoint yet")
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise DaliNerfError(f"{cfg_path}: missing; the run folder is incomplete")
+    cfg = _build(Config, yaml.safe_load(cfg_path.read_text()))
+    return cfg, folder, run_dir
+
+
+def load_run(path, device="cpu"):
+    """(cfg, field, occupancy, scene_train) of a run: DDP's model or SS's fused sub-models."""
+    from .models import build_field, build_occupancy
+    from .scenes import load_scene
+
+    cfg, folder, run_dir = _resolve(Path(path))
+    sc = cfg.scene
+    scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
+    aabb = torch.as_tensor(scene.aabb if scene.aabb is not None else [[-1.5] * 3, [1.5] * 3], dtype=torch.float32)
+    st0 = load_rank_state(folder, 0)
+    if cfg.method == "ddp":
+        field = build_field(cfg.model, aabb)
+        field.load_state_dict(st0["tasks"]["ddp"]["field"])
+        occ = build_occupancy(cfg.model, aabb)
+        if occ is not None:
+            occ.load_state_dict(st0["tasks"]["ddp"]["occupancy"])
+        return cfg, field.to(device).eval(), occ.to(device) if occ is not None else None, scene
+    from .partition import Partition
+    from .trainers.spatial import build_fused
+
+    partition = Partition.load(run_dir / "partition.json")
+    states = {}
+    for r in range(int(st0["world_size"])):
+        st = st0 if r == 0 else load_rank_state(folder, r)
+        for name, t in st["tasks"].items():
+            states[int(name[4:])] = t
+    field, occ = build_fused(cfg, partition, aabb, states, device)
+    return cfg, field, occ, scene
+
+
+def orbit_poses(scene, n: int) -> np.ndarray:
+    """(n, 3, 4) c2w on a circle around the scene's up axis through the mean camera height,
+    looking at the point the cameras look at on average (OpenGL axes)."""
+    up = scene.up.astype(np.float64)
+    pos = scene.c2w[:, :, 3].astype(np.float64)
+    fwd = -scene.c2w[:, :, 2].astype(np.float64)
+    # least-squares point closest to all optical axes
+    A = np.zeros((3, 3)); b = np.zeros(3)
+    for p, f in zip(pos, fwd):
+        P = np.eye(3) - np.outer(f, f)
+        A += P; b += P @ p
+    target = np.linalg.lstsq(A, b, rcond=None)[0]
+    rel = pos - target
+    h = float(np.mean(rel @ up))
+    radial = rel - np.outer(rel @ up, up)
+    r = float(np.mean(np.linalg.norm(radial, axis=1)))
+    e1 = radial[0] / max(np.linalg.norm(radial[0]), 1e-9)
+    e2 = np.cross(up, e1)
+    poses = []
+    for k in range(n):
+        a = 2 * math.pi * k / n
+        p = target + h * up + r * (math.cos(a) * e1 + math.sin(a) * e2)
+        z = p - target; z /= np.linalg.norm(z)              # camera looks down -z
+        x = np.cross(up, z); x /= max(np.linalg.norm(x), 1e-9)
+        y = np.cross(z, x)
+        poses.append(np.stack([x, y, z, p], axis=1))
+    return np.asarray(poses, np.float32)
+
+
+def main(args) -> int:
+    from .models import psnr, render_image
+    from .scenes import load_scene
+    from .training import evaluate_field, write_renders
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg, field, occ, train_scene = load_run(args.checkpoint, device)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DaliNerfError(f"{out}: cannot create output folder ({e.strerror}); choose a writable --out") from None
+    sc = cfg.scene
+    if args.orbit > 0:
+        poses = orbit_poses(train_scene, args.orbit)
+        K = torch.as_tensor(train_scene.intrinsics[0], device=device)
+        w, h = int(train_scene.width[0]), int(train_scene.height[0])
+        near = float(train_scene.near[0]) if train_scene.near is not None else 0.0
+        far = float(train_scene.far[0]) if train_scene.far is not None else 1e3
+        bg = torch.as_tensor(train_scene.background, device=device)
+        pairs = []
+        for p in poses:
+            img = render_image(field, torch.as_tensor(p, device=device), K, w, h, near, far, bg, occupancy=occ,
+                               samples=cfg.model.samples_per_ray).cpu()
+            pairs.append((img, None))
+        names = write_renders(pairs, out, prefix="orbit")
+        print(f"wrote {len(names)} orbit views to {out}/")
+        return 0
+    scene = load_scene(sc.path, split=args.split, format=sc.format, downscale=sc.downscale, background=sc.background)
+    pairs, p, s, secs = evaluate_field(field, occ, scene, cfg, device, args.max_images)
+    names = write_renders(pairs, out, prefix=args.split)
+    print(json.dumps({"split": args.split, "images": len(names), "psnr": p, "ssim": s, "render_s": secs, "out": str(out)}))
+    return 0

@@ -1,0 +1,419 @@
+"""Spatial segmentation: the ray sampler op routed to one cell, and the routed baselines.
+
+Our source, :class:`SpatialRayLoader`, runs the same operator as the DDP pipeline with the
+partition's centroids as a 4th input and ``cell=j``: each run emits exactly ``K * B`` rays that
+cross cell j (exact closed-form test inside the op, no mask precompute) and reports how many
+stream positions it consumed. Because the next run's ``start`` depends on that count, DALI cannot
+be left to prefetch on its own; a producer thread runs the (synchronous) pipeline ahead of the
+consumer into a bounded queue instead (clean shutdown: an event, timeouts). Every rank holds all
+images of the split — a ray of any image may cross its cell.
+
+The stream of cell j is keyed by (seed, rank=j, world_size=C): identical whichever rank trains the
+cell. ``state_dict()`` = {"run_start", "offset"}: the run's first stream position and the rays of
+it already handed out; the op is deterministic given ``start``, so resume is exact.
+
+Baselines (the study's SS settings, same interface): :class:`RoutedSyncLocal` samples candidate
+rays in the training thread with :class:`~dali_nerf.baseline.PixelSampler` and keeps those that
+cross the cell (:func:`dali_nerf.partition.ray_cells`, vectorised numpy); :class:`RoutedSyncGlobal`
+has rank 0 do that for every rank's cell and scatter the batches.
+
+>>> src = spatial_loader(cfg, scene, partition, cell=0)
+>>> next(src)["origins"].shape
+torch.Size([4096, 3])
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from typing import Optional
+
+import numpy as np
+import torch
+
+from dali_nerf.errors import ConfigError
+from dali_nerf.loader import BatchStats, resolve_device
+
+__all__ = ["SpatialRayLoader", "RoutedSyncLocal", "RoutedSyncGlobal", "spatial_loader", "spatial_pipeline"]
+
+_NAMES = ("origins", "directions", "rgb", "indices", "near", "far", "consumed")
+
+
+class _Holder:
+    def __init__(self):
+        self.value = 0
+
+    def __call__(self):
+        return [np.array(self.value, dtype=np.int64)]
+
+
+def spatial_pipeline(cache, partition, cell: int, rays_per_run: int, mode: str, seed: int, *,
+                     device: str = "cpu", num_threads: int = 2, device_id=None):
+    """Synchronous DALI pipeline: op routed to ``cell``; returns (pipe, start_holder).
+
+    Set ``holder.value`` to the stream position of the run's first candidate before ``run()``.
+    Outputs: origins/directions/rgb (R, 3) f32, indices (R, 3) i64, near/far (R, 1), consumed (1,).
+    """
+    from nvidia.dali import fn, pipeline_def, types
+
+    from dali_nerf.ops import load_plugin
+
+    load_plugin()
+    gpu = device == "cuda"
+    holder = _Holder()
+    srcs = {"pixels": [cache.pixels], "cameras": [cache.cameras], "layout": [cache.layout],
+            "centroids": [np.ascontiguousarray(partition.centroids, np.float32)]}
+
+    @pipeline_def
+    def _routed():
+        dev = "gpu" if gpu else "cpu"
+        pixels = fn.external_source(source=lambda: srcs["pixels"], batch=True, no_copy=True, device=dev,
+                                    dtype=types.UINT8, ndim=2, name="pixels")
+        cameras = fn.external_source(source=lambda: srcs["cameras"], batch=True, no_copy=True, dtype=types.FLOAT, ndim=2)
+        layout = fn.external_source(source=lambda: srcs["layout"], batch=True, no_copy=True, dtype=types.INT64, ndim=2)
+        cents = fn.external_source(source=lambda: srcs["centroids"], batch=True, no_copy=True, dtype=types.FLOAT, ndim=2)
+        start = fn.external_source(source=holder, batch=True, dtype=types.INT64, ndim=0, name="start")
+        if gpu:
+            cameras, layout, cents = cameras.gpu(), layout.gpu(), cents.gpu()
+        return tuple(fn.dali_nerf.ray_sampler(
+            pixels, cameras, layout, cents, rays=int(rays_per_run), mode=mode, seed=int(seed), rank=int(cell),
+            world_size=int(partition.num_cells), start=start, cell=int(cell), margin=float(partition.margin),
+            up=[float(u) for u in partition.up], dims=int(partition.dims), device=dev))
+
+    pipe = _routed(batch_size=1, num_threads=num_threads, device_id=device_id, prefetch_queue_depth=1,
+                   exec_async=False, exec_pipelined=False)
+    pipe.build()
+    return pipe, holder
+
+
+class SpatialRayLoader:
+    """Batches of rays crossing one cell, sampled ahead by a producer thread.
+
+    Args:
+        scene: the split; cache: its ImageCache (all images, world_size 1) or None to decode.
+        partition: :class:`~dali_nerf.partition.Partition`; cell: the cell j.
+        rays_per_batch: B; rays_per_run: rounded up to K * B accepted rays per op run.
+        prefetch: runs queued ahead (0: run in ``__next__``).
+    Yields:
+        the batch dict (origins, directions, rgb, indices, near, far), B rays of cell j.
+    """
+
+    def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, prefetch: int = 2,
+                 mode: str = "random", device: str = "cpu", num_threads: int = 2, rays_per_run: int = 262144,
+                 cache=None, decode_batch: int = 8):
+        from dali_nerf.pipelines.decode import decode_cache
+
+        if not 0 <= cell < partition.num_cells:
+            raise ConfigError(f"cell={cell}: partition has {partition.num_cells} cells")
+        if not scene.has_bounds:
+            raise ConfigError(f"{scene.root}: spatial routing needs per-image near/far bounds; use a scene format that defines them")
+        self.scene, self.partition, self.cell = scene, partition, int(cell)
+        self.rays_per_batch, self.seed, self.mode = int(rays_per_batch), int(seed), mode
+        self.prefetch = int(prefetch)
+        self.device = resolve_device(device)
+        self.num_threads = int(num_threads)
+        self.steps_per_run = max(1, math.ceil(int(rays_per_run) / self.rays_per_batch))
+        self.rays_per_run = self.steps_per_run * self.rays_per_batch
+        self.cache = cache if cache is not None else decode_cache(scene, 0, 1, device=self.device,
+                                                                  num_threads=self.num_threads, batch=decode_batch)
+        self.run_start, self.offset = 0, 0
+        self._run = None
+        self._consumed_total = 0
+        self._accepted_total = 0
+        self._stats = BatchStats()
+        self._pipe = self._holder = None
+        self._thread: Optional[threading.Thread] = None
+        self._queue: Optional[queue.Queue] = None
+        self._stop = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._closed = False
+
+    # ---- producing ---------------------------------------------------------------------------
+    def _ensure_pipe(self):
+        if self._pipe is None:
+            device_id = torch.cuda.current_device() if self.device == "cuda" else None
+            self._pipe, self._holder = spatial_pipeline(self.cache, self.partition, self.cell, self.rays_per_run,
+                                                        self.mode, self.seed, device=self.device,
+                                                        num_threads=self.num_threads, device_id=device_id)
+
+    def _run_at(self, start: int):
+        self._holder.value = int(start)
+        outs = dict(zip(_NAMES, self._pipe.run()))
+        if self.device == "cuda":  # pragma: no cover - needs a GPU
+            from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
+
+            run = {}
+            for k in _NAMES[:-1]:
+                t = outs[k][0]
+                dst = torch.empty(tuple(t.shape()), dtype=to_torch_type[t.dtype], device="cuda")
+                feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream())
+                run[k] = dst
+            consumed = int(np.asarray(outs["consumed"].as_cpu()[0]).reshape(-1)[0])
+        else:
+            run = {k: torch.from_numpy(np.asarray(outs[k][0])) for k in _NAMES[:-1]}
+            consumed = int(np.asarray(outs["consumed"][0]).reshape(-1)[0])
+        return start, consumed, run
+
+    def _producer(self, start: int):
+        try:
+            s = start
+            while not self._stop.is_set():
+                item = self._run_at(s)
+                s += item[1]
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # surfaced in __next__
+            self._error = e
+            self._queue.put(None)
+
+    def _next_run(self, start: int):
+        self._ensure_pipe()
+        if self.prefetch <= 0:
+            return self._run_at(start)
+        if self._thread is None:
+            self._queue = queue.Queue(maxsize=self.prefetch)
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._producer, args=(start,), name=f"dali_nerf-cell{self.cell}", daemon=True)
+            self._thread.start()
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("SpatialRayLoader producer thread died") from self._error
+                continue
+            if item is None:
+                raise RuntimeError(f"SpatialRayLoader producer failed: {self._error}") from self._error
+            return item
+
+    def _stop_producer(self):
+        if self._thread is not None:
+            self._stop.set()
+            try:
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=30)
+            self._thread = None
+            self._queue = None
+
+    # ---- iteration ---------------------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._closed:
+            raise RuntimeError("SpatialRayLoader is closed")
+        t = self._stats.start()
+        B = self.rays_per_batch
+        if self._run is None or self.offset + B > self.rays_per_run:
+            nxt = self.run_start + self._run[1] if self._run is not None else self.run_start
+            start, consumed, run = self._next_run(nxt)
+            if start != nxt:
+                raise RuntimeError(f"SpatialRayLoader: expected run at {nxt}, got {start}")
+            if self._run is not None:
+                self.offset = 0
+            self._run = (start, consumed, run)
+            self.run_start = start
+            self._stats.runs += 1
+            self._consumed_total += consumed
+            self._accepted_total += self.rays_per_run
+        run = self._run[2]
+        batch = {k: v[self.offset:self.offset + B] for k, v in run.items()}
+        self.offset += B
+        self._stats.stop(t, B)
+        return batch
+
+    def state_dict(self) -> dict:
+        start, off = self.run_start, self.offset
+        if self._run is not None and off >= self.rays_per_run:
+            start, off = start + self._run[1], 0
+        return {"run_start": int(start), "offset": int(off), "cell": self.cell, "seed": self.seed,
+                "mode": self.mode, "rays_per_batch": self.rays_per_batch, "rays_per_run": self.rays_per_run}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("cell", "seed", "mode", "rays_per_batch", "rays_per_run"):
+            if k in state and state[k] != getattr(self, k):
+                raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this loader has {getattr(self, k)!r}")
+        self._stop_producer()
+        self._run = None
+        self.run_start, self.offset = int(state["run_start"]), int(state["offset"])
+
+    def stats(self) -> dict:
+        d = self._stats.as_dict()
+        d["acceptance"] = self._accepted_total / self._consumed_total if self._consumed_total else None
+        return d
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._stop_producer()
+            self._pipe = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# routed baselines
+
+
+class _RoutedSampler:
+    """Candidate blocks from a PixelSampler, kept if they cross ``cell`` (numpy exact routing)."""
+
+    def __init__(self, cache, scene, partition, seed: int, key: int, block: int):
+        from dali_nerf.baseline import PixelSampler
+
+        self.sampler = PixelSampler(cache, scene, seed, key, "random")
+        self.partition, self.block = partition, int(block)
+
+    def sample(self, position: int, cell: int, n: int):
+        """(batch of n rays of ``cell``, next position, candidates used)."""
+        from dali_nerf.partition import ray_cells
+
+        parts, got, pos = [], 0, position
+        while got < n:
+            b = self.sampler.sample(pos, self.block)
+            pos += self.block
+            keep = ray_cells(self.partition, b["origins"].numpy(), b["directions"].numpy(),
+                             b["near"].numpy()[:, 0], b["far"].numpy()[:, 0])[:, cell]
+            idx = torch.from_numpy(np.nonzero(keep)[0])
+            parts.append({k: v[idx] for k, v in b.items()})
+            got += len(idx)
+        out = {k: torch.cat([p[k] for p in parts])[:n] for k in parts[0]}
+        return out, pos
+
+
+class RoutedSyncLocal:
+    """SS ``sync_local``: the rank samples its cell's batch in the training thread."""
+
+    def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, cache=None, num_threads: int = 2):
+        from dali_nerf.pipelines.decode import decode_cache
+
+        cache = cache if cache is not None else decode_cache(scene, 0, 1, num_threads=num_threads)
+        self.cell, self.rays_per_batch = int(cell), int(rays_per_batch)
+        self._s = _RoutedSampler(cache, scene, partition, seed, cell, 2 * rays_per_batch)
+        self.position = 0
+        self._stats = BatchStats()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t = self._stats.start()
+        b, self.position = self._s.sample(self.position, self.cell, self.rays_per_batch)
+        self._stats.stop(t, self.rays_per_batch)
+        return b
+
+    def state_dict(self):
+        return {"position": self.position, "cell": self.cell}
+
+    def load_state_dict(self, s):
+        self.position = int(s["position"])
+
+    def stats(self):
+        return self._stats.as_dict()
+
+    def close(self):
+        pass
+
+
+class RoutedSyncGlobal:
+    """SS ``sync_global`` (the study's setting): rank 0 samples the batches of every rank's
+    ``slot``-th cell in the training step and scatters them. A collective: every rank calls
+    ``next()`` on its slot-th source in the same order."""
+
+    _KEYS = ("origins", "directions", "rgb", "near", "far")
+
+    def __init__(self, scene, partition, cells_per_rank, rank: int, slot: int, rays_per_batch: int = 4096,
+                 seed: int = 0, cache=None, num_threads: int = 2):
+        import torch.distributed as dist
+        from dali_nerf.pipelines.decode import decode_cache
+
+        self.world_size = len(cells_per_rank)
+        if len({len(c) for c in cells_per_rank}) != 1:
+            raise ConfigError(f"pipeline.name=sync_global with method ss needs the same number of cells on every rank "
+                              f"({[len(c) for c in cells_per_rank]}); make partition cells a multiple of the world size")
+        if self.world_size > 1 and not dist.is_initialized():
+            raise ConfigError("pipeline.name=sync_global with world_size > 1 needs torchrun (an initialised process group)")
+        self.rank, self.slot, self.rays_per_batch = int(rank), int(slot), int(rays_per_batch)
+        self.cells = [c[slot] for c in cells_per_rank]
+        self.position = [0] * self.world_size
+        self._s = None
+        if self.rank == 0:
+            cache = cache if cache is not None else decode_cache(scene, 0, 1, num_threads=num_threads)
+            self._s = _RoutedSampler(cache, scene, partition, seed, 10_000 + slot, 2 * rays_per_batch)
+        self._stats = BatchStats()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        import torch.distributed as dist
+
+        t = self._stats.start()
+        B, W = self.rays_per_batch, self.world_size
+        if W == 1:
+            b, self.position[0] = self._s.sample(self.position[0], self.cells[0], B)
+        else:
+            fl = torch.empty((B, 11), dtype=torch.float32)
+            ix = torch.empty((B, 3), dtype=torch.int64)
+            if self.rank == 0:
+                fls, ixs = [], []
+                for r in range(W):
+                    g, self.position[r] = self._s.sample(self.position[r], self.cells[r], B)
+                    fls.append(torch.cat([g[k] for k in self._KEYS], dim=1).contiguous())
+                    ixs.append(g["indices"].contiguous())
+                dist.scatter(fl, fls, src=0)
+                dist.scatter(ix, ixs, src=0)
+            else:
+                dist.scatter(fl, None, src=0)
+                dist.scatter(ix, None, src=0)
+            b = {"origins": fl[:, 0:3], "directions": fl[:, 3:6], "rgb": fl[:, 6:9], "near": fl[:, 9:10],
+                 "far": fl[:, 10:11], "indices": ix}
+        self._stats.stop(t, B)
+        return b
+
+    def state_dict(self):
+        return {"position": list(self.position), "slot": self.slot}
+
+    def load_state_dict(self, s):
+        self.position = [int(p) for p in s["position"]]
+
+    def stats(self):
+        return self._stats.as_dict()
+
+    def close(self):
+        pass
+
+
+def spatial_loader(cfg, scene, partition, cell: int, *, cache=None, cells_per_rank=None, rank: int = 0, slot: int = 0):
+    """The SS batch source of ``cell`` named by ``cfg.pipeline.name`` (rays | sync_local | sync_global)."""
+    p = cfg.pipeline
+    if p.name == "rays":
+        return SpatialRayLoader(scene, partition, cell, rays_per_batch=p.rays_per_batch, seed=p.seed, prefetch=p.prefetch,
+                                mode=p.mode, device=cfg.train.device, num_threads=p.num_threads,
+                                rays_per_run=p.rays_per_run, cache=cache, decode_batch=cfg.cache.decode_batch)
+    if p.mode != "random":
+        raise ConfigError(f"pipeline.mode={p.mode}: the SS baselines sample iid rays only; use pipeline.mode=random")
+    if p.name == "sync_local":
+        return RoutedSyncLocal(scene, partition, cell, p.rays_per_batch, p.seed, cache=cache, num_threads=p.num_threads)
+    if p.name == "sync_global":
+        return RoutedSyncGlobal(scene, partition, cells_per_rank or [[cell]], rank, slot, p.rays_per_batch, p.seed,
+                                cache=cache, num_threads=p.num_threads)
+    raise ConfigError(f"pipeline.name={p.name}: method ss supports rays, sync_local, sync_global")
