@@ -355,6 +355,9 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
     tasks = method.build_tasks(cfg, scene, env)
 
     start_step = 0
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and latest_checkpoint(run_dir / "checkpoints") is not None:
+        resume = True  # torchrun --max-restarts brought us back: continue from the last checkpoint
     if resume:
         folder = latest_checkpoint(run_dir / "checkpoints")
         if folder is None:
@@ -378,6 +381,7 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
     bg = torch.as_tensor(scene.background, device=env.device)
     totals = {p: 0.0 for p in PHASES}
     totals["step"] = 0.0
+    first_step_wait = None
     rays_total = 0
     sync_timers = getattr(method, "sync_timers", {})
     t_start = time.perf_counter()
@@ -430,6 +434,8 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
             rec.update({f"{p}_s": ph[p] for p in PHASES})
             rec["step_s"] = step_s
             writer.write(rec)
+            if first_step_wait is None:
+                first_step_wait = (ph["wait"], step_s)
             for p in PHASES:
                 totals[p] += ph[p]
             totals["step"] += step_s
@@ -479,6 +485,9 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
             "final_train_loss": last.get("loss"),
             "phase_totals_s": {p_: totals[p_] for p_ in PHASES} | {"step": totals["step"]},
             "stall_fraction": totals["wait"] / max(totals["step"], 1e-9),
+            # the first step includes building the DALI pipeline and the first sampling run
+            "stall_fraction_after_first_step": (totals["wait"] - first_step_wait[0]) / max(totals["step"] - first_step_wait[1], 1e-9)
+            if first_step_wait is not None and steps_run > 1 else None,
             "rays_per_s": rays_total * env.world_size / max(totals["step"], 1e-9),
             "wall_s": wall,
             "source_stats": source_stats[0] if len(source_stats) == 1 else source_stats,
