@@ -123,8 +123,19 @@ struct Stream<kEpoch> {
 
 template <int Mode>
 void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, int64_t i0, int64_t n) {
+  // pixel ids of a small group first, prefetching their pixels (a large cache is random-access
+  // DRAM-latency bound), then the rays of the group
+  constexpr int kGroup = 64;
+  uint64_t pix[kGroup];
   Stream<Mode> st(key, c.P, s0);
-  for (int64_t i = i0; i < i0 + n; i++) out.write(c, i, st.next());
+  for (int64_t g = i0; g < i0 + n; g += kGroup) {
+    int m = static_cast<int>(std::min<int64_t>(kGroup, i0 + n - g));
+    for (int k = 0; k < m; k++) {
+      pix[k] = st.next();
+      __builtin_prefetch(c.pixels + 3 * pix[k]);
+    }
+    for (int k = 0; k < m; k++) out.write(c, g + k, pix[k]);
+  }
 }
 
 struct Accepted {
@@ -207,15 +218,16 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
       int64_t need = R - accepted;
       double est = std::max(accept_estimate_, 1e-3);
       int64_t cand = static_cast<int64_t>(need / est * 1.1) + 256;
-      int64_t nb = std::max<int64_t>((cand + kBlock - 1) / kBlock, nthreads);
-      nb = std::min<int64_t>(nb, 4096);
+      // blocks of at most kBlock candidates, at least one per thread, at least 1024 each
+      int64_t bsz = std::min<int64_t>(kBlock, std::max<int64_t>(1024, (cand + nthreads - 1) / nthreads));
+      int64_t nb = std::min<int64_t>((cand + bsz - 1) / bsz, 4096);
       if (static_cast<int64_t>(blocks.size()) < nb) blocks.resize(nb);
       for (int64_t b = 0; b < nb; b++) {
-        uint64_t bs = s0 + examined + b * kBlock;
-        tp.AddWork([&, b, bs](int) {
-          if (mode_ == kEpoch) eval_block<kEpoch>(c, rp, key_, bs, kBlock, blocks[b]);
-          else eval_block<kRandom>(c, rp, key_, bs, kBlock, blocks[b]);
-        }, kBlock);
+        uint64_t bs = s0 + examined + b * bsz;
+        tp.AddWork([&, b, bs, bsz](int) {
+          if (mode_ == kEpoch) eval_block<kEpoch>(c, rp, key_, bs, bsz, blocks[b]);
+          else eval_block<kRandom>(c, rp, key_, bs, bsz, blocks[b]);
+        }, bsz);
       }
       tp.RunAll();
       int64_t round_acc = 0;
@@ -226,7 +238,7 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
         if (n == 0) continue;
         round_writes.push_back({b, accepted});
         if (accepted + n >= R) {
-          consumed = static_cast<int64_t>(examined + b * kBlock + blocks[b].pos[R - accepted - 1]) + 1;
+          consumed = static_cast<int64_t>(examined + b * bsz + blocks[b].pos[R - accepted - 1]) + 1;
         }
         accepted += n;
       }
@@ -240,7 +252,7 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
         }, static_cast<int64_t>(blocks[b].pix.size()));
       }
       tp.RunAll();
-      uint64_t round_cand = static_cast<uint64_t>(nb) * kBlock;
+      uint64_t round_cand = static_cast<uint64_t>(nb) * bsz;
       accept_estimate_ = std::max(1e-4, static_cast<double>(round_acc) / round_cand);
       examined += round_cand;
       if (consumed < 0 && accepted == 0 && examined >= (uint64_t(1) << 26) + 64ull * R) {

@@ -1,0 +1,116 @@
+"""Throughput of the dali_nerf ray-sampler op (CPU backend, or GPU with --gpu), in Mrays/s.
+
+Cache: ``--images`` random-content images of ``--res`` x ``--res`` pixels (default 100 x 400x400,
+a Blender-scene-sized cache), cameras on a sphere of radius 4 looking at the origin, near 2,
+far 6. Modes: random, epoch, and routed (random stream routed to cell 0 of a 2x2 grid of
+centroids at (+-1.5, 0, +-1.5), margin 1.15, dims 2). Each pipeline run samples ``rays``.
+
+    python benchmarks/op_throughput.py --rays 4096,262144 --seconds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+
+def make_cache(n_images: int, res: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    P = n_images * res * res
+    pixels = rng.integers(0, 256, size=(P, 3), dtype=np.uint8)
+    cams = np.zeros((n_images, 18), np.float32)
+    for i in range(n_images):
+        z = rng.normal(size=3)
+        z[1] = abs(z[1]) * 0.5
+        z /= np.linalg.norm(z)                     # camera backward axis (looks at the origin)
+        x = np.cross([0.0, 1.0, 0.0], z)
+        x /= np.linalg.norm(x)
+        y = np.cross(z, x)
+        c2w = np.stack([x, y, z, 4.0 * z], axis=1)  # (3, 4)
+        cams[i, :12] = c2w.ravel()
+        cams[i, 12:18] = [res * 1.1, res * 1.1, res / 2, res / 2, 2.0, 6.0]
+    lay = np.stack([np.arange(n_images) * res * res, np.full(n_images, res), np.full(n_images, res),
+                    np.arange(n_images)], axis=1).astype(np.int64)
+    return pixels, cams, lay
+
+
+CENTROIDS = np.array([[-1.5, 0, -1.5], [1.5, 0, -1.5], [-1.5, 0, 1.5], [1.5, 0, 1.5]], np.float32)
+
+
+def measure(cache, rays: int, mode: str, routed: bool, seconds: float, threads: int, gpu: bool):
+    from nvidia.dali import fn, pipeline_def
+
+    pixels, cams, lay = cache
+    state = {"start": 0}
+
+    def next_start():
+        return [np.array(state["start"], np.int64)]
+
+    @pipeline_def(batch_size=1, num_threads=threads, device_id=0 if gpu else None,
+                  prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
+    def pipe():
+        def const(a):
+            return lambda: [a]
+
+        ins = [fn.external_source(source=const(a), batch=True, no_copy=True,
+                                  device="gpu" if gpu else "cpu") for a in (pixels, cams, lay)]
+        if routed:
+            ins.append(fn.external_source(source=lambda: [CENTROIDS], batch=True, no_copy=True,
+                                          device="gpu" if gpu else "cpu"))
+        s = fn.external_source(source=next_start, batch=True)
+        kw = dict(cell=0, margin=1.15) if routed else {}
+        out = fn.dali_nerf.ray_sampler(*ins, rays=rays, mode=mode, seed=1, start=s,
+                                       device="gpu" if gpu else "cpu", **kw)
+        return tuple(out)
+
+    pp = pipe()
+    pp.build()
+
+    def step():
+        out = pp.run()
+        consumed = out[6].as_cpu() if gpu else out[6]
+        c = int(np.array(consumed[0])[0])
+        state["start"] += c
+        return c
+
+    for _ in range(3):
+        step()
+    n, used, t0 = 0, 0, time.perf_counter()
+    while True:
+        used += step()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= seconds and n >= 3:
+            break
+    del pp
+    return n * rays / dt / 1e6, n * rays / used
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rays", default="4096,262144")
+    ap.add_argument("--images", type=int, default=100)
+    ap.add_argument("--res", type=int, default=400)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gpu", action="store_true", help="GPU backend (needs the CUDA plugin)")
+    args = ap.parse_args(argv)
+
+    from dali_nerf.ops import load_plugin
+
+    path = load_plugin(cuda=True if args.gpu else None)
+    cache = make_cache(args.images, args.res)
+    print(f"plugin {path}\ncache {args.images} x {args.res}x{args.res} = {len(cache[0])} pixels, "
+          f"threads {args.threads}, backend {'gpu' if args.gpu else 'cpu'}")
+    print("| mode | rays/run | Mrays/s | acceptance |\n|---|---|---|---|")
+    for rays in [int(r) for r in args.rays.split(",")]:
+        for mode, routed in (("random", False), ("epoch", False), ("random", True)):
+            mrays, acc = measure(cache, rays, mode, routed, args.seconds, args.threads, args.gpu)
+            name = "routed 2x2 (cell 0)" if routed else mode
+            print(f"| {name} | {rays} | {mrays:.1f} | {acc:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
