@@ -101,33 +101,44 @@ class PipelineConfig:
 
 @dataclass
 class ModelConfig:
-    kind: str = "grid"
-    """Radiance field: grid (multi-resolution grid + small MLP, see docs/MODEL.md)."""
-    levels: int = 8
-    """Resolution levels of the feature grid."""
-    features_per_level: int = 2
-    """Features stored per level."""
-    base_resolution: int = 16
-    """Coarsest grid resolution."""
-    max_resolution: int = 256
-    """Finest grid resolution."""
-    log2_hashmap_size: int = 17
-    """Entries per hashed level (levels finer than this are hashed)."""
+    kind: str = "vm"
+    """Radiance field: vm (TensoRF vector-matrix factorised grid + tiny colour MLP, see docs/MODEL.md)."""
+    resolution: int = 128
+    """Plane and line resolution per axis of the factorised grid."""
+    density_components: int = 8
+    """Vector-matrix components of the density."""
+    color_components: int = 12
+    """Vector-matrix components of the appearance features."""
     hidden: int = 32
-    """Width of the MLP."""
-    samples_per_ray: int = 64
-    """Ray-marching samples per ray (before occupancy culling)."""
+    """Width of the colour MLP."""
+    view_dependent: bool = False
+    """Feed the view direction to the colour MLP (off: Lambertian scenes)."""
+    sigma_init: float = 0.1
+    """Density of the untrained field (per world unit): a faint fog."""
+    samples_per_ray: int = 192
+    """Ray-marching samples per ray inside the aabb (before occupancy culling)."""
     occupancy_resolution: int = 64
     """Occupancy grid resolution for empty-space skipping (0 disables)."""
+    occupancy_every: int = 16
+    """Steps between occupancy-grid updates."""
+    occupancy_warmup: int = 64
+    """First step at which the occupancy grid is updated (all cells occupied before)."""
+    occupancy_threshold: float = 0.005
+    """A cell is occupied while its decayed max density gives alpha above this over one sample step."""
 
     def validate(self, key: str):
-        _choice(f"{key}.kind", self.kind, ("grid",))
-        for k in ("levels", "features_per_level", "base_resolution", "max_resolution",
-                  "log2_hashmap_size", "hidden", "samples_per_ray"):
+        _choice(f"{key}.kind", self.kind, ("vm",))
+        for k in ("resolution", "density_components", "color_components", "hidden", "samples_per_ray",
+                  "occupancy_every"):
             _positive(f"{key}.{k}", getattr(self, k))
-        _nonneg(f"{key}.occupancy_resolution", self.occupancy_resolution)
-        if self.max_resolution < self.base_resolution:
-            raise ConfigError(f"{key}.max_resolution: must be >= base_resolution ({self.base_resolution}), got {self.max_resolution}")
+        if self.resolution < 2:
+            raise ConfigError(f"{key}.resolution: must be >= 2, got {self.resolution}")
+        for k in ("occupancy_resolution", "occupancy_warmup"):
+            _nonneg(f"{key}.{k}", getattr(self, k))
+        if not self.sigma_init > 0:
+            raise ConfigError(f"{key}.sigma_init: must be > 0, got {self.sigma_init}")
+        if not 0.0 < self.occupancy_threshold < 1.0:
+            raise ConfigError(f"{key}.occupancy_threshold: must be in (0, 1), got {self.occupancy_threshold}")
 
 
 @dataclass
@@ -152,13 +163,16 @@ class TrainConfig:
     """auto (cuda when available) | cpu | cuda."""
     torch_threads: int = 0
     """Intra-op threads per rank for torch (0 = cores / ranks)."""
+    stop_after: int = 0
+    """Stop this run after this step (0 = run to train.steps), checkpointing there; continue later
+    with --resume (e.g. to fit a cluster job's time limit). The schedule still spans train.steps."""
 
     def validate(self, key: str):
         _positive(f"{key}.steps", self.steps)
         if not self.lr > 0:
             raise ConfigError(f"{key}.lr: must be > 0, got {self.lr}")
         _positive(f"{key}.log_every", self.log_every)
-        for k in ("eval_every", "checkpoint_every", "eval_images", "torch_threads"):
+        for k in ("eval_every", "checkpoint_every", "eval_images", "torch_threads", "stop_after"):
             _nonneg(f"{key}.{k}", getattr(self, k))
         _choice(f"{key}.device", self.device, ("auto", "cpu", "cuda"))
 

@@ -1,0 +1,15 @@
+"""Radiance field (TensoRF-VM grid + tiny MLP), occupancy grid, volume renderer, image metrics.
+
+See docs/MODEL.md for the choice and its measurements.
+"""
+
+from .field import RadianceField, TensorVMField, build_field
+from .metrics import mse, psnr, ssim
+from .occupancy import OccupancyGrid, build_occupancy
+from .optim import lr_lambda, make_optimizer
+from .render import ray_aabb, render_image, render_rays
+
+__all__ = [
+    "RadianceField", "TensorVMField", "build_field", "OccupancyGrid", "build_occupancy",
+    "render_rays", "render_image", "ray_aabb", "psnr", "ssim", "mse", "make_optimizer", "lr_lambda",
+]
