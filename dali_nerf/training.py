@@ -344,13 +344,19 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
             (run_dir / ".write_test").unlink()
         except OSError as e:
             raise DaliNerfError(f"{run_dir}: output folder is not writable ({e.strerror}); set train.runs_dir to a writable folder") from None
-        import yaml
-
-        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     env.barrier()
+
+    # every check a scan can do happens before training (and before anything in run_dir is
+    # rewritten): both splits parsed, every image header of both checked (no decoding)
+    from .validate import scan_images
 
     sc = cfg.scene
     scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
+    eval_scene = load_scene(sc.path, split=sc.eval_split, format=sc.format, downscale=sc.downscale, background=sc.background)
+    show = env.rank == 0 and sys.stderr.isatty()
+    scan_images(scene, progress=show)
+    if eval_scene.image_paths != scene.image_paths:
+        scan_images(eval_scene, progress=show)
     seed_everything(cfg.pipeline.seed, env.rank)
     tasks = method.build_tasks(cfg, scene, env)
 
@@ -369,6 +375,10 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
             _load_task_state(t, st["tasks"][t.name])
         _set_rng_state(st["rng"])
         start_step = int(st["step"])
+    if env.rank == 0:
+        import yaml
+
+        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
     metrics_name = "metrics.jsonl" if env.rank == 0 else f"metrics.rank{env.rank}.jsonl"
     writer = _MetricsWriter(run_dir / metrics_name, start_step)
@@ -388,7 +398,8 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
     device_sync = (lambda: torch.cuda.synchronize()) if env.device.type == "cuda" else (lambda: None)
     last = {}
     try:
-        for step in range(start_step + 1, cfg.train.steps + 1):
+        end_step = min(cfg.train.stop_after or cfg.train.steps, cfg.train.steps)
+        for step in range(start_step + 1, end_step + 1):
             ph = {p: 0.0 for p in PHASES}
             t_step = time.perf_counter()
             loss_sum, nrays = 0.0, 0
@@ -451,13 +462,13 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
                 writer.flush()
                 if bar is None and env.rank == 0:
                     print(f"step {step}/{cfg.train.steps} loss {loss_v:.5f} psnr {rec['psnr']:.2f}", flush=True)
-            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step != cfg.train.steps:
+            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step != end_step:
                 writer.flush()
                 _save_checkpoint(run_dir, step, tasks, env, cfg)
         wall = time.perf_counter() - t_start
         writer.flush()
-        if cfg.train.steps > start_step or resume:
-            _save_checkpoint(run_dir, cfg.train.steps, tasks, env, cfg)
+        if end_step > start_step or resume:
+            _save_checkpoint(run_dir, end_step, tasks, env, cfg)
     finally:
         writer.close()
         if bar is not None:
@@ -471,14 +482,13 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
     field, occupancy = method.eval_field(cfg, tasks, env)
     summary = {}
     if env.rank == 0:
-        eval_scene = load_scene(sc.path, split=sc.eval_split, format=sc.format, downscale=sc.downscale, background=sc.background)
         field.eval()
         pairs, p, s, seconds = evaluate_field(field, occupancy, eval_scene, cfg, env.device, cfg.train.eval_images)
         renders = write_renders(pairs, run_dir / "renders", prefix=sc.eval_split)
-        steps_run = cfg.train.steps - start_step
+        steps_run = end_step - start_step
         summary = {
             "name": cfg.name, "method": method.name, "world_size": env.world_size, "device": str(env.device),
-            "steps": cfg.train.steps, "steps_this_run": steps_run, "resumed_from": start_step,
+            "steps": end_step, "steps_planned": cfg.train.steps, "steps_this_run": steps_run, "resumed_from": start_step,
             "rays_per_batch": cfg.pipeline.rays_per_batch, "pipeline": cfg.pipeline.name,
             "test_psnr": p, "test_ssim": s, "eval_split": sc.eval_split, "eval_images": len(pairs),
             "eval_render_s": seconds,
