@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import DaliNerfError
@@ -99,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    # DALI's bundled OpenCV logs decoder warnings to stderr; our errors say it in one line
+    os.environ.setdefault("OPENCV_LOG_LEVEL", "ERROR")
     mod, fn = _COMMANDS[args.command].split(":")
 
     def call():

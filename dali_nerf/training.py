@@ -526,6 +526,8 @@ def trainer_main(method_factory: Callable[[], Method], default_config: str, argv
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/checkpoints/latest")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. train.steps=200")
     args = p.parse_args(argv)
+    # DALI's bundled OpenCV logs decoder warnings to stderr; our errors say it in one line
+    os.environ.setdefault("OPENCV_LOG_LEVEL", "ERROR")
 
     def go():
         cfg = load_config(args.config, args.overrides)

@@ -20,7 +20,7 @@ from .errors import SceneError
 from .imageio import MAX_PIXELS, check_image
 from .scenes import SPLITS, FORMATS, detect_format, load_scene
 
-__all__ = ["validate_scene", "main", "PROGRESS_MIN_IMAGES"]
+__all__ = ["validate_scene", "scan_images", "main", "PROGRESS_MIN_IMAGES"]
 
 #: A progress bar is shown when a split has more images than this.
 PROGRESS_MIN_IMAGES = 200
@@ -70,16 +70,31 @@ def validate_scene(root, format: str = "auto", splits: Optional[Sequence[str]] =
     scenes = []
     for split in splits:
         scene = load_scene(root, split, format=name)
-        sizes = scene.file_wh if scene.file_wh is not None else list(zip(scene.width, scene.height))
-        items = list(zip(scene.image_paths, sizes))
-        if progress and len(items) > PROGRESS_MIN_IMAGES:
-            from tqdm import tqdm
-
-            items = tqdm(items, desc=f"validate {split}", unit="img", leave=False)
-        for path, wh in items:
-            check_image(path, expected_wh=wh, max_pixels=max_pixels)
+        scan_images(scene, progress=progress, max_pixels=max_pixels)
         scenes.append(scene)
     return scenes
+
+
+def scan_images(scene, progress: bool = True, max_pixels: int = MAX_PIXELS) -> None:
+    """Check every image of a parsed split from its header and last bytes (no decoding): readable
+    PNG/JPEG, not truncated, at most ``max_pixels`` pixels, on-disk size equal to ``Scene.file_wh``
+    (or width/height). About 50 us per image; the trainers call it before training starts.
+
+    Args:
+        scene: a :class:`~dali_nerf.scenes.Scene` (N images).
+        progress: show a tqdm bar when N > :data:`PROGRESS_MIN_IMAGES`.
+        max_pixels: decompression-bomb limit per image.
+    Raises:
+        DataError: the first bad image, one line naming the file.
+    """
+    sizes = scene.file_wh if scene.file_wh is not None else list(zip(scene.width, scene.height))
+    items = list(zip(scene.image_paths, sizes))
+    if progress and len(items) > PROGRESS_MIN_IMAGES:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc=f"check {scene.split} images", unit="img", leave=False)
+    for path, wh in items:
+        check_image(path, expected_wh=wh, max_pixels=max_pixels)
 
 
 def _summary(scene) -> str:
