@@ -344,7 +344,8 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
             try:
                 imgs, labs = pipe.run()
             except RuntimeError as e:
-                msg = str(e).splitlines()[0]
+                lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+                msg = next((l for l in lines if l.startswith("Failed to decode")), lines[0] if lines else type(e).__name__)
                 bad = next((p for p in (scene.image_paths[i] for i in want[~done]) if os.path.basename(p) in str(e)), None)
                 where = bad or f"one of {scene.root}'s {scene.split} images"
                 raise DataError(f"{where}: cannot be decoded ({msg}); re-export it as PNG or JPEG") from None
