@@ -39,21 +39,46 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class _WriteGuard:
+    """File wrapper that remembers the first OSError of a ``write`` (disk full, file too large):
+    ``torch.save``'s zip writer reports it only as a RuntimeError ("unexpected pos")."""
+
+    def __init__(self, f):
+        self.f = f
+        self.error: Optional[OSError] = None
+
+    def write(self, b):
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            if self.error is None:
+                self.error = e
+            raise
+
+    def flush(self):
+        return self.f.flush()
+
+
 def _atomic_write(path: Path, write) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    guard = None
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            guard = _WriteGuard(f)
+            write(guard)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except Exception as e:
         try:
             tmp.unlink()
         except OSError:
             pass
-        raise DaliNerfError(f"{path}: cannot write ({e.strerror or e}); free disk space or choose a writable train.runs_dir") from None
+        err = e if isinstance(e, OSError) else (guard.error if guard is not None else None)
+        if err is None:
+            raise
+        raise DaliNerfError(f"{path}: cannot write ({err.strerror or err}); free disk space or choose a writable train.runs_dir") from None
     except BaseException:
         try:
             tmp.unlink()
