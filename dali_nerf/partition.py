@@ -55,7 +55,7 @@ from .errors import ConfigError, SceneError
 
 __all__ = [
     "Partition", "assign_rank", "ray_cells", "ray_cells_dense", "point_weights", "scene_ray_bounds",
-    "cell_fraction", "export_megannerf", "import_megannerf", "load_masks", "plane_axes",
+    "cell_fraction", "export_megannerf", "import_megannerf", "load_masks", "plane_axes", "clip_to_bounds",
 ]
 
 _FORMAT = "dali_nerf.partition"
@@ -110,6 +110,10 @@ class Partition:
         axes: (2, 3) float32 orthonormal in-plane axes (see :func:`plane_axes`); grid rows run
             along axes[0], columns along axes[1].
         grid: (gx, gy) for the grid kind (cell index = i * gy + j, i along axes[0]), else None.
+        bounds: (2, 3) float32 routing box or None: only the part of a ray's [near, far] inside it
+            decides its cells (the role of Mega-NeRF's ``ray_altitude_range``: without it an
+            oblique aerial ray starting at the camera crosses every cell in the plane); a ray
+            that misses the box keeps its whole segment. ``from_config`` uses the scene's aabb.
 
     Example:
         >>> part = Partition.from_config(PartitionConfig(grid=[2, 2]), scene)
@@ -124,6 +128,7 @@ class Partition:
     kind: str = "grid"
     axes: Optional[np.ndarray] = None
     grid: Optional[Tuple[int, int]] = None
+    bounds: Optional[np.ndarray] = None
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
@@ -138,6 +143,8 @@ class Partition:
         set_("dims", int(self.dims))
         if self.grid is not None:
             set_("grid", (int(self.grid[0]), int(self.grid[1])))
+        if self.bounds is not None:
+            set_("bounds", _ro(self.bounds, np.float32, (2, 3)))
         if not self.margin >= 1.0:
             raise ValueError(f"Partition.margin must be >= 1, got {self.margin}")
         if self.dims not in (2, 3):
@@ -159,7 +166,9 @@ class Partition:
             return NotImplemented
         return (self.margin == other.margin and self.dims == other.dims and self.kind == other.kind
                 and self.grid == other.grid and np.array_equal(self.centroids, other.centroids)
-                and np.array_equal(self.up, other.up) and np.array_equal(self.axes, other.axes))
+                and np.array_equal(self.up, other.up) and np.array_equal(self.axes, other.axes)
+                and (self.bounds is None) == (other.bounds is None)
+                and (self.bounds is None or np.array_equal(self.bounds, other.bounds)))
 
     __hash__ = None
 
@@ -203,7 +212,7 @@ class Partition:
             sj = lo[1] + (np.arange(gy) + 0.5) * ext[1] / gy
             ii, jj = np.meshgrid(si, sj, indexing="ij")
             cents = alt * up + ii.reshape(-1, 1) * axes[0] + jj.reshape(-1, 1) * axes[1]
-            return cls(cents, cfg.margin, cfg.dims, up, "grid", axes, (gx, gy))
+            return cls(cents, cfg.margin, cfg.dims, up, "grid", axes, (gx, gy), scene.aabb)
         k = int(cfg.cells)
         data = plane if cfg.dims == 2 else pos
         n_distinct = len(np.unique(np.round(data, 9), axis=0))
@@ -216,7 +225,7 @@ class Partition:
             cents = alt * up + centers[:, :1] * axes[0] + centers[:, 1:2] * axes[1]
         else:
             cents = centers
-        return cls(cents, cfg.margin, cfg.dims, up, "kmeans", axes, None)
+        return cls(cents, cfg.margin, cfg.dims, up, "kmeans", axes, None, scene.aabb)
 
     # ---- persistence -----------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -226,6 +235,7 @@ class Partition:
             "dims": self.dims, "up": self.up.tolist(), "axes": self.axes.tolist(),
             "grid": list(self.grid) if self.grid is not None else None,
             "centroids": self.centroids.tolist(),
+            "bounds": self.bounds.tolist() if self.bounds is not None else None,
         }
 
     @classmethod
@@ -235,7 +245,8 @@ class Partition:
                 raise ValueError(f"not a {_FORMAT} file")
             return cls(np.asarray(d["centroids"], np.float32), float(d["margin"]), int(d["dims"]),
                        np.asarray(d["up"], np.float32), str(d["kind"]),
-                       np.asarray(d["axes"], np.float32), None if d.get("grid") is None else tuple(d["grid"]))
+                       np.asarray(d["axes"], np.float32), None if d.get("grid") is None else tuple(d["grid"]),
+                       None if d.get("bounds") is None else np.asarray(d["bounds"], np.float32))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"{where}: not a valid partition file ({e}); write it with Partition.save") from None
 
@@ -408,6 +419,23 @@ def _ray_cells_chunk(o, d, near, far, cp, m2, P):
     return inside, t
 
 
+def clip_to_bounds(bounds, o, d, near, far):
+    """Clip segments [near, far] of rays o + t d (B, 3) to the box ``bounds`` (2, 3) (slab
+    test); rays that miss the box keep their segment. Returns (near, far) (B,) float64."""
+    o = np.asarray(o, np.float64); d = np.asarray(d, np.float64)
+    lo_b, hi_b = np.asarray(bounds, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t0, t1 = (lo_b - o) / d, (hi_b - o) / d
+    tmin, tmax = np.minimum(t0, t1), np.maximum(t0, t1)
+    par = d == 0  # parallel to a slab: inside it or missing the box
+    outside = par & ((o < lo_b) | (o > hi_b))
+    tmin = np.where(par, -np.inf, tmin); tmax = np.where(par, np.inf, tmax)
+    a = np.maximum(np.asarray(near, np.float64), tmin.max(1))
+    b = np.minimum(np.asarray(far, np.float64), tmax.min(1))
+    hit = (a <= b) & ~outside.any(1)
+    return np.where(hit, a, near), np.where(hit, b, far)
+
+
 def ray_cells(partition: Partition, origins, directions, near, far, chunk: int = 0,
               return_t: bool = False):
     """Exact cell membership of rays (closed form, see the module docstring).
@@ -431,6 +459,8 @@ def ray_cells(partition: Partition, origins, directions, near, far, chunk: int =
     d = _as2d(directions, "directions")
     n = o.shape[0]
     nr, fr = _as1d(near, n, "near"), _as1d(far, n, "far")
+    if partition.bounds is not None:
+        nr, fr = clip_to_bounds(partition.bounds, o, d, nr, fr)
     cp = partition.centroids.astype(np.float64)
     C = cp.shape[0]
     P = partition.projector()
@@ -466,8 +496,11 @@ def ray_cells_dense(partition: Partition, origins, directions, near, far, sample
     o = torch.as_tensor(_as2d(origins, "origins"))
     d = torch.as_tensor(_as2d(directions, "directions"))
     n = o.shape[0]
-    nr = torch.as_tensor(_as1d(near, n, "near"))
-    fr = torch.as_tensor(_as1d(far, n, "far"))
+    nr, fr = _as1d(near, n, "near"), _as1d(far, n, "far")
+    if partition.bounds is not None:
+        nr, fr = clip_to_bounds(partition.bounds, np.asarray(origins), np.asarray(directions), nr, fr)
+    nr = torch.as_tensor(nr)
+    fr = torch.as_tensor(fr)
     P = torch.as_tensor(partition.projector())
     cp = torch.as_tensor(partition.centroids.astype(np.float64)) @ P
     C = cp.shape[0]

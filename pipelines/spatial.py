@@ -79,7 +79,9 @@ def spatial_pipeline(cache, partition, cell: int, rays_per_run: int, mode: str, 
         return tuple(fn.dali_nerf.ray_sampler(
             pixels, cameras, layout, cents, rays=int(rays_per_run), mode=mode, seed=int(seed), rank=int(cell),
             world_size=int(partition.num_cells), start=start, cell=int(cell), margin=float(partition.margin),
-            up=[float(u) for u in partition.up], dims=int(partition.dims), device=dev))
+            up=[float(u) for u in partition.up], dims=int(partition.dims),
+            bounds=[] if partition.bounds is None else [float(v) for v in np.asarray(partition.bounds).ravel()],
+            device=dev))
 
     pipe = _routed(batch_size=1, num_threads=num_threads, device_id=device_id, prefetch_queue_depth=1,
                    exec_async=False, exec_pipelined=False)

@@ -438,3 +438,25 @@ def test_defaults_without_start():
     pp.build()
     idx = np.array(pp.run()[0][0])
     assert np.array_equal(pixel_ids(cache, idx), ref_random_pixels(0, 0, 1, 0, 50, len(pixels)))
+
+
+def test_routing_with_bounds_matches_partition_reference():
+    """With a routing box, only the part of the segment inside it decides (rays missing the box
+    keep their whole segment); the op agrees with dali_nerf.partition.ray_cells (float64 numpy)."""
+    from dali_nerf.partition import Partition, ray_cells
+
+    cache = routing_cache()
+    bounds = np.array([[-1.0, -0.4, -1.0], [1.0, 0.4, 1.0]], np.float32)
+    part = Partition(CENTROIDS, margin=1.15, dims=2, up=UP, kind="grid", bounds=bounds)
+    n_cand, cell = 8000, 1
+    cand = run_op(cache, n_cand, [0], mode="random", seed=2)[0]
+    routed = run_op(cache, 1500, [0], centroids=CENTROIDS, cell=cell, mode="random", seed=2, margin=1.15, dims=2,
+                    up=UP.tolist(), bounds=bounds.ravel().tolist())[0]
+    consumed = int(routed["consumed"][0])
+    op = routed_mask(cand, routed)[:consumed]
+    ref = ray_cells(part, cand["origins"][:consumed], cand["directions"][:consumed],
+                    cand["near"][:consumed, 0], cand["far"][:consumed, 0])[:, cell]
+    assert (ref == op).mean() >= 0.999
+    unclipped = run_op(cache, 1500, [0], centroids=CENTROIDS, cell=cell, mode="random", seed=2, margin=1.15, dims=2,
+                       up=UP.tolist())[0]
+    assert int(unclipped["consumed"][0]) != consumed  # the box changes which rays are routed here

@@ -303,4 +303,8 @@ consumed (1,) int64.)")
                     "|p - c_cell| <= m |p - c_k| for all k.", 1.15f)
     .AddOptionalArg("up", "World up vector; with dims == 2 routing ignores this axis.",
                     std::vector<float>{0.f, 1.f, 0.f})
-    .AddOptionalArg("dims", "Routing distances: 2 (perpendicular to `up`) or 3.", 2);
+    .AddOptionalArg("dims", "Routing distances: 2 (perpendicular to `up`) or 3.", 2)
+    .AddOptionalArg("bounds", "Routing box (min x, y, z, max x, y, z): only the part of a ray's "
+                    "[near, far] segment inside it decides its cells (like Mega-NeRF's ray altitude "
+                    "range); rays that miss the box keep their whole segment. Empty: no box.",
+                    std::vector<float>{});

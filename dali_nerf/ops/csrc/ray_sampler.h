@@ -121,7 +121,29 @@ struct RouteParams {
   double m2;               // margin^2
   double up[3];            // unit
   int dims;                // 2: ignore the component along `up`; 3: full 3-D distances
+  bool has_bounds = false; // clip the segment to this box before routing (Mega-NeRF's altitude band)
+  double bmin[3], bmax[3];
 };
+
+/// Clip [lo, hi] of the ray o + t d to the box (slab test). Returns false if the ray misses it.
+DN_HD bool clip_to_box(const double *bmin, const double *bmax, const float *o, const float *d,
+                       double &lo, double &hi) {
+  double a = lo, b = hi;
+  for (int i = 0; i < 3; i++) {
+    double di = d[i], oi = o[i];
+    if (di == 0.0) {
+      if (oi < bmin[i] || oi > bmax[i]) return false;
+      continue;
+    }
+    double t0 = (bmin[i] - oi) / di, t1 = (bmax[i] - oi) / di;
+    if (t0 > t1) { double t = t0; t0 = t1; t1 = t; }
+    a = t0 > a ? t0 : a;
+    b = t1 < b ? t1 : b;
+  }
+  if (!(a <= b)) return false;
+  lo = a; hi = b;
+  return true;
+}
 
 /// Exact membership of the segment o + t d, t in [near, far], in cell `rp.cell`:
 /// true iff some t satisfies |p - c_cell|^2 <= m^2 |p - c_k|^2 for every k != cell.
@@ -132,6 +154,9 @@ struct RouteParams {
 DN_HD bool route_accept(const RouteParams &rp, const float *of, const float *df,
                         double lo, double hi) {
   if (!(lo <= hi)) return false;
+  // With bounds, only the part of the segment inside the box decides; a ray that misses the box
+  // (sky, background) keeps its whole [near, far] so that it still belongs to some cell.
+  if (rp.has_bounds) clip_to_box(rp.bmin, rp.bmax, of, df, lo, hi);
   double o[3] = {of[0], of[1], of[2]}, d[3] = {df[0], df[1], df[2]};
   if (rp.dims == 2) {
     double od = o[0] * rp.up[0] + o[1] * rp.up[1] + o[2] * rp.up[2];
@@ -225,6 +250,11 @@ class RaySampler : public ::dali::Operator<Backend> {
         cell_(spec.GetArgument<int>("cell")),
         margin_(spec.GetArgument<float>("margin")),
         dims_(spec.GetArgument<int>("dims")) {
+    std::vector<float> bounds = spec.GetRepeatedArgument<float>("bounds");
+    DALI_ENFORCE(bounds.empty() || bounds.size() == 6,
+                 "dali_nerf ray_sampler: `bounds` must be empty or 6 values (min xyz, max xyz)");
+    has_bounds_ = bounds.size() == 6;
+    for (int i = 0; i < 6 && has_bounds_; i++) bounds_[i] = bounds[i];
     std::string mode = spec.GetArgument<std::string>("mode");
     DALI_ENFORCE(mode == "random" || mode == "epoch",
                  "dali_nerf ray_sampler: `mode` must be \"random\" or \"epoch\", got \"" + mode + "\"");
@@ -306,6 +336,8 @@ class RaySampler : public ::dali::Operator<Backend> {
     rp.m2 = double(margin_) * double(margin_);
     for (int i = 0; i < 3; i++) rp.up[i] = up_[i];
     rp.dims = dims_;
+    rp.has_bounds = has_bounds_;
+    for (int i = 0; i < 3; i++) { rp.bmin[i] = bounds_[i]; rp.bmax[i] = bounds_[3 + i]; }
     return rp;
   }
 
@@ -316,6 +348,8 @@ class RaySampler : public ::dali::Operator<Backend> {
   int dims_;
   int mode_;
   double up_[3];
+  bool has_bounds_ = false;
+  double bounds_[6] = {0, 0, 0, 0, 0, 0};
   uint64_t key_;
   std::vector<int64_t> starts_;
   double accept_estimate_ = 0.5;  // routed runs: running acceptance rate, sizes speculative rounds
