@@ -67,13 +67,16 @@ def main(args) -> int:
     from .validate import validate_scene
 
     data = Path(args.data)
+    config = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
+    overrides = [f"scene.path={data}"] + list(args.overrides)
+    load_config(config, overrides, check_paths=False)  # config errors before any work
+    if args.nproc < 1:
+        raise DaliNerfError(f"--nproc={args.nproc}: use 1 or more ranks")
     if not data.exists():
         print(f"[1/4] generating the default objects scene into {data}", flush=True)
         make_scene("objects", data)
     else:
         print(f"[1/4] using the existing scene in {data}", flush=True)
-    config = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
-    overrides = [f"scene.path={data}"] + list(args.overrides)
     cfg = load_config(config, overrides)
     print("[2/4] validating the scene", flush=True)
     validate_scene(cfg.scene.path, format=cfg.scene.format, progress=False)
