@@ -62,10 +62,17 @@ class CacheConfig:
     double-buffered window of decoded images instead of being cached whole."""
     decode_batch: int = 8
     """Images per decode-pipeline run."""
+    window_images: int = 0
+    """Streaming only: images per decoded window (0 = the most for which two windows fit in max_bytes)."""
+    rays_per_window: int = 0
+    """Streaming, random mode only: rays sampled from a window before switching to the next
+    (0 = the window's pixel count; epoch mode always uses the pixel count)."""
 
     def validate(self, key: str):
         _positive(f"{key}.max_bytes", self.max_bytes)
         _positive(f"{key}.decode_batch", self.decode_batch)
+        _nonneg(f"{key}.window_images", self.window_images)
+        _nonneg(f"{key}.rays_per_window", self.rays_per_window)
 
 
 @dataclass

@@ -41,11 +41,15 @@ from dali_nerf.errors import DataError, SceneError
 
 __all__ = [
     "ImageCache", "decode_pipeline", "decode_cache", "shard_range", "shard_sizes",
-    "pack_cameras", "composite", "background_u8", "FAR_UNKNOWN",
+    "pack_cameras", "composite", "background_u8", "FAR_UNKNOWN", "DecodeCancelled",
 ]
 
 FAR_UNKNOWN = 1e10
 """``far`` written to ``cameras`` when the scene defines no bounds (``near`` is then 0)."""
+
+
+class DecodeCancelled(Exception):
+    """:func:`decode_cache` stopped because its ``stop`` event was set (not a user error)."""
 
 
 def shard_range(num_items: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -261,7 +265,8 @@ def decode_pipeline(files, labels, shard_id, num_shards, *, device="cpu", resize
 
 
 def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cpu", num_threads: int = 2,
-                 batch: int = 8, background=None, indices: Optional[Sequence[int]] = None) -> ImageCache:
+                 batch: int = 8, background=None, indices: Optional[Sequence[int]] = None,
+                 stop=None) -> ImageCache:
     """Decode exactly DALI's shard ``rank`` of ``world_size`` of ``scene`` into an :class:`ImageCache`.
 
     Args:
@@ -272,6 +277,8 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
         background: (3,) RGB in [0, 1] (default ``scene.background``).
         indices: decode these split indices instead of the shard (streaming windows); they are
             read as one unsharded list in the given order.
+        stop: optional ``threading.Event``; checked before each decode run, and when set the decode
+            ends with :class:`DecodeCancelled` (a background window decode stopping on ``close()``).
     Returns:
         ImageCache with pixels (P, 3) u8, cameras (N, 18) f32, layout (N, 4) i64.
     Raises:
@@ -341,6 +348,8 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
     done = np.zeros(n, bool)
     try:
         for _ in range(math.ceil(n / pipe.max_batch_size)):
+            if stop is not None and stop.is_set():
+                raise DecodeCancelled(f"decode of {n} images of {scene.root} cancelled")
             try:
                 imgs, labs = pipe.run()
             except RuntimeError as e:

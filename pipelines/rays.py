@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ray_pipeline", "RAY_OUTPUTS"]
+__all__ = ["ray_pipeline", "release_pipeline", "RAY_OUTPUTS"]
 
 RAY_OUTPUTS = ("origins", "directions", "rgb", "indices", "near", "far", "consumed")
 """Output names of :func:`ray_pipeline`, in order."""
@@ -92,4 +92,19 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, worl
                  prefetch_queue_depth=max(1, int(prefetch)), exec_async=not sync, exec_pipelined=not sync)
     pipe.build()
     pipe._dali_nerf_feed = feed  # the consumer can read the next start for checks
+    pipe._dali_nerf_sources = (pixels_src, cameras_src, layout_src)
     return pipe
+
+
+def release_pipeline(pipe) -> None:
+    """Destroy a pipeline from :func:`ray_pipeline` and drop its references to the cache arrays now.
+
+    DALI's graph objects (operators <-> data nodes) form reference cycles that hold the external
+    sources' closures until the garbage collector runs; clearing the source lists after the
+    pipeline is gone frees the cache's buffers immediately (streaming windows rely on this to keep
+    decoded memory bounded). The caller must not use ``pipe`` afterwards.
+    """
+    sources = getattr(pipe, "_dali_nerf_sources", ())
+    del pipe  # the Pipeline object itself is not in a cycle: its executor stops here
+    for lst in sources:
+        lst.clear()
