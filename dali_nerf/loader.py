@@ -15,6 +15,32 @@ continuous; without ``set_epoch`` it simply continues). The first ``P_r`` rays a
 visit every pixel of rank r's shard exactly once; shards are disjoint, so across ranks every pixel
 of the split is visited exactly once.
 
+Streaming (``max_bytes`` smaller than the rank's decoded shard, ``cache.max_bytes`` in configs):
+the shard's N images are sampled through *windows* of at most ``W`` images, ``W`` the largest
+count for which two windows of the shard's ``W`` largest images fit in ``max_bytes``
+(:func:`plan_window_images`; a ConfigError if not even one image per window fits). Cycle ``c`` is
+a (seed, rank, c) hash shuffle of the shard's images cut into ``m = ceil(N / W)`` windows of
+near-equal size (:func:`window_plan`), so every cycle groups the images differently. Window
+``j`` of cycle ``c`` owns a contiguous block of stream positions: its pixel count ``P_j`` (epoch
+mode, and random mode by default) or ``rays_per_window`` (random mode), so a cycle is ``P``
+positions (or ``m * rays_per_window``) and position ``s`` maps to (cycle, window, local offset)
+with no state. Within a window the operator runs over that window's ImageCache with the window
+key ``mix(seed, rank, c, j)`` as its seed and the local offset as ``start``: epoch mode visits
+each of the window's pixels once (one Feistel permutation of ``P_j``), so cycle ``e`` = epoch
+``e`` still visits every pixel of the shard exactly once (``set_epoch``/``len`` unchanged).
+Double buffering: while rays come from window ``w`` a background thread decodes its successor
+with the DALI decode pipeline (``decode_cache(indices=...)``); when ``w``'s last run is sampled,
+``w`` (cache + ray pipeline) is freed, the successor becomes current and the decode of the one
+after it starts, so at most two windows are decoded at any time (``stats()["peak_bytes"]``).
+A step may straddle two windows (its rays are concatenated). Each window gets its own ray
+pipeline with ``ceil(rest / rays_per_run)`` runs of near-equal size and at most ``runs - 1``
+prefetched, so nothing is sampled past a window's end. The stream depends only on (seed, rank,
+world_size, W, rays_per_window, position): ``prefetch`` / ``rays_per_run`` do not change it,
+``state_dict()`` adds ``window_images`` / ``rays_per_window``, and resuming decodes the window
+holding the saved position synchronously. ``close()`` cancels an in-flight decode (between
+decode runs) and joins the thread. The budget counts window caches (pixels + camera rows);
+DALI's transient decode buffers (``decode_batch`` images) come on top.
+
 >>> loader = RayLoader(scene, rays_per_batch=4096, rank=0, world_size=1, seed=0, prefetch=2)
 >>> batch = next(loader)
 >>> batch["origins"].shape, batch["indices"].dtype
