@@ -126,7 +126,7 @@ def read_run(run_dir, warmup: Optional[int] = None) -> dict:
     return {
         "name": cfg.get("name", run_dir.name), "dir": str(run_dir), "method": cfg.get("method", "ddp"),
         "sampler": pipe.get("name", "rays"), "ranks": len(files),
-        "rays_per_rank": int(pipe.get("rays_per_batch", round(rays_per_step / len(files)))),
+        "rays_per_rank": int(round(rays_per_step / len(files))) if rays_per_step > 0 else int(pipe.get("rays_per_batch", 0)),
         "steps_used": min(r["n"] for r in per_rank), "warmup": warmup,
         "phases_s": ph, "compute_s": ph["h2d"] + ph["forward"] + ph["backward"] + ph["optimizer"],
         "step_s": step, "stall": ph["wait"] / step if step > 0 else 0.0,
@@ -192,6 +192,9 @@ def observations(derived: dict, cores: Optional[int] = None) -> List[cm.Observat
 def _time_source(cfg: Config, scene, batches: int) -> float:
     from ..pipelines.builder import build_batch_source
 
+    if cfg.pipeline.name == "rays":  # cover several DALI runs, not just pops of one prefetched run
+        per_run = -(-cfg.pipeline.rays_per_run // cfg.pipeline.rays_per_batch)
+        batches = max(batches, 3 * per_run)
     src = build_batch_source(cfg, scene, 0, 1)
     try:
         it = iter(src)
@@ -207,7 +210,7 @@ def _time_source(cfg: Config, scene, batches: int) -> float:
 
 
 def measure_sampling(cfg: Config, sizes: Sequence[int], batches: int = 20) -> dict:
-    """Seconds per batch of the synchronous sampler (sync_local, world size 1) and of our
+    """Seconds per batch of the synchronous sampler (sync_local, world size 1, train.torch_threads) and of our
     pipelined loader with no consumer (its production rate), at each batch size.
 
     Returns {"sizes", "sync_s" [...], "loader_s" [...], "sync_cores", "loader_cores", "profile"
@@ -221,7 +224,8 @@ def measure_sampling(cfg: Config, sizes: Sequence[int], batches: int = 20) -> di
     sc = cfg.scene
     scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
     cores = os.cpu_count() or 1
-    torch.set_num_threads(cores)
+    threads = cfg.train.torch_threads or cores  # as the trainer's rank would run it
+    torch.set_num_threads(threads)
     out = {"sizes": list(sizes), "sync_s": [], "loader_s": []}
     for b in sizes:
         c = copy.deepcopy(cfg)
@@ -230,7 +234,7 @@ def measure_sampling(cfg: Config, sizes: Sequence[int], batches: int = 20) -> di
         out["sync_s"].append(_time_source(c, scene, batches))
         c.pipeline.name = "rays"
         out["loader_s"].append(_time_source(c, scene, batches))
-    sync_cores = cores
+    sync_cores = threads
     loader_cores = min(cfg.pipeline.num_threads, cores)
     s0, ks = cm.fit_linear(sizes, out["sync_s"])
     p0, kp = cm.fit_linear(sizes, out["loader_s"])
