@@ -357,28 +357,45 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
     scan_images(scene, progress=show)
     if eval_scene.image_paths != scene.image_paths:
         scan_images(eval_scene, progress=show)
-    seed_everything(cfg.pipeline.seed, env.rank)
-    tasks = method.build_tasks(cfg, scene, env)
-
-    start_step = 0
+    start_step, st, folder = 0, None, None
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if restarted and latest_checkpoint(run_dir / "checkpoints") is not None:
         resume = True  # torchrun --max-restarts brought us back: continue from the last checkpoint
-    if resume:
+    if resume:  # read (weights_only) and check the checkpoint before the expensive setup
         folder = latest_checkpoint(run_dir / "checkpoints")
         if folder is None:
             raise DaliNerfError(f"{run_dir / 'checkpoints'}: no checkpoint to resume from; run without --resume")
         st = load_rank_state(folder, env.rank)
+        missing = [k for k in ("step", "world_size", "tasks", "rng") if not isinstance(st, dict) or k not in st]
+        if missing:
+            raise DaliNerfError(f"{folder / f'rank{env.rank}.pt'}: not a dali_nerf training checkpoint (no {', '.join(missing)}); "
+                                f"delete it or resume from an older step")
         if st["world_size"] != env.world_size:
             raise DaliNerfError(f"{folder}: saved with world size {st['world_size']}, now {env.world_size}; resume with the same number of ranks")
-        for t in tasks:
-            _load_task_state(t, st["tasks"][t.name])
-        _set_rng_state(st["rng"])
-        start_step = int(st["step"])
-    if env.rank == 0:
-        import yaml
+    seed_everything(cfg.pipeline.seed, env.rank)
+    tasks = method.build_tasks(cfg, scene, env)
+    try:
+        if st is not None:
+            try:
+                for t in tasks:
+                    _load_task_state(t, st["tasks"][t.name])
+                _set_rng_state(st["rng"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+                what = next((l for l in lines if l.startswith(("size mismatch", "Missing key", "Unexpected key"))),
+                            lines[0] if lines else "")[:200]
+                raise DaliNerfError(f"{folder / f'rank{env.rank}.pt'}: does not match this run's config ({type(e).__name__}: {what}); "
+                                    f"resume with the config the run was saved with") from None
+            start_step = int(st["step"])
+        if env.rank == 0:
+            import yaml
 
-        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+            atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    except BaseException:
+        for t in tasks:
+            if hasattr(t.source, "close"):
+                t.source.close()
+        raise
 
     metrics_name = "metrics.jsonl" if env.rank == 0 else f"metrics.rank{env.rank}.jsonl"
     writer = _MetricsWriter(run_dir / metrics_name, start_step)
