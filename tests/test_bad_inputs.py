@@ -275,6 +275,26 @@ def test_grayscale_and_16bit_train(scenes, tmp_path, capsys):
     assert summary["steps"] == 2 and np.isfinite(summary["final_train_loss"])
 
 
+def test_resume_with_a_checkpoint_that_does_not_fit(scenes, tmp_path, capsys):
+    """--resume after a config change, with another program's checkpoint, or with none: one line,
+    and the run's checkpoint is left as it was."""
+    s = scene_copy(scenes, tmp_path)
+    cfg = write_config(tmp_path, s)
+    needles(trainer_error(capsys, cfg, "--resume"), "checkpoints", "no checkpoint to resume from", "without --resume")
+    capsys.readouterr()
+    assert ddp_main(["--config", str(cfg), "train.steps=2"]) == 0, capsys.readouterr().err
+    ck = tmp_path / "runs" / "run" / "checkpoints"
+    files = {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()}
+    msg = trainer_error(capsys, cfg, "--resume", "train.steps=4", "model.resolution=12")
+    needles(msg, "step_0000002/rank0.pt", "does not match this run's config", "size mismatch", "saved with")
+    assert {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()} == files
+    torch.save({"weights": torch.ones(3)}, ck / "step_0000002" / "rank0.pt")  # someone else's file
+    needles(trainer_error(capsys, cfg, "--resume", "train.steps=4"), "rank0.pt", "not a dali_nerf training checkpoint",
+            "no step, world_size, tasks, rng")
+    (ck / "step_0000002" / "rank0.pt").write_bytes(b"PK\x03\x04 truncated zip")
+    needles(trainer_error(capsys, cfg, "--resume", "train.steps=4"), "rank0.pt", "not a readable dali_nerf checkpoint")
+
+
 # ------------------------------------------------------------------------------- poses, intrinsics, bounds
 
 def test_nan_or_inf_in_pose(scenes, tmp_path, capsys):
