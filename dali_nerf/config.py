@@ -112,25 +112,25 @@ class ModelConfig:
     """Radiance field: vm (TensoRF vector-matrix factorised grid + tiny colour MLP, see docs/MODEL.md)."""
     resolution: int = 128
     """Plane and line resolution per axis of the factorised grid."""
-    density_components: int = 8
+    density_components: int = 4
     """Vector-matrix components of the density."""
-    color_components: int = 12
+    color_components: int = 8
     """Vector-matrix components of the appearance features."""
     hidden: int = 32
     """Width of the colour MLP."""
     view_dependent: bool = False
     """Feed the view direction to the colour MLP (off: Lambertian scenes)."""
-    sigma_init: float = 0.1
+    sigma_init: float = 0.01
     """Density of the untrained field (per world unit): a faint fog."""
-    samples_per_ray: int = 192
+    samples_per_ray: int = 96
     """Ray-marching samples per ray inside the aabb (before occupancy culling)."""
     occupancy_resolution: int = 64
     """Occupancy grid resolution for empty-space skipping (0 disables)."""
     occupancy_every: int = 16
     """Steps between occupancy-grid updates."""
-    occupancy_warmup: int = 64
+    occupancy_warmup: int = 48
     """First step at which the occupancy grid is updated (all cells occupied before)."""
-    occupancy_threshold: float = 0.005
+    occupancy_threshold: float = 0.01
     """A cell is occupied while its decayed max density gives alpha above this over one sample step."""
 
     def validate(self, key: str):

@@ -140,7 +140,8 @@ def test_occupancy_update_is_deterministic():
 def _fit(steps, seed, cfg=None, n_rays=256):
     """Fit a small field to rays rendered from SphereField; returns (losses, field)."""
     cfg = cfg or ModelConfig(resolution=24, density_components=4, color_components=4, hidden=16,
-                             samples_per_ray=24, occupancy_resolution=16, occupancy_warmup=20, occupancy_every=10)
+                             samples_per_ray=24, occupancy_resolution=16, occupancy_warmup=20, occupancy_every=10,
+                             sigma_init=0.1)
     g = torch.Generator().manual_seed(123)
     eye = nn.functional.normalize(torch.randn(n_rays, 3, generator=g), dim=-1) * 4.0
     target = nn.functional.normalize(torch.randn(n_rays, 3, generator=g), dim=-1) * 0.4 * torch.rand(n_rays, 1, generator=g)
