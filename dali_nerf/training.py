@@ -83,6 +83,12 @@ def setup_distributed(device_pref: str = "auto", torch_threads: int = 0) -> Dist
         threads = torch_threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
         torch.set_num_threads(threads)
     if world > 1 and not dist.is_initialized():
+        if (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and rank == 0
+                and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+            # torchrun shares its rendezvous store with the process group and does not isolate its
+            # keys per restart (pytorch/pytorch#135712): the new group may read a dead rank's address
+            print("warning: restarted by torchrun with its shared TCPStore; if the process group does not form, "
+                  "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/RELIABILITY.md)", file=sys.stderr, flush=True)
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     return DistEnv(rank, world, local_rank, device)
 

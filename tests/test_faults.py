@@ -112,6 +112,10 @@ def _env():
     env = dict(os.environ)
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
     env["OMP_NUM_THREADS"] = "1"
+    # torch 2.x shares the rendezvous TCPStore with the workers' process group by default; its keys
+    # are not isolated per restart, so a restarted gloo group may read the dead rank's stale
+    # address (connection refused / hang; pytorch/pytorch#135712). A fresh store per restart:
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
@@ -175,7 +179,11 @@ def test_rank_sigkill_restarts_from_checkpoint_and_matches_uninterrupted(scene_d
         assert gf.keys() == wf.keys()
         for k in wf:
             assert torch.equal(gf[k], wf[k]), (rank, k)
-        assert got[rank]["tasks"]["ddp"]["source"] == want[rank]["tasks"]["ddp"]["source"]
+        # the loader's stream state (position, epoch, seed, ...) is the same; "steps" counts the
+        # steps this process served (a statistic), which restarts with the process
+        gs, ws = (dict(x[rank]["tasks"]["ddp"]["source"]) for x in (got, want))
+        gs.pop("steps", None), ws.pop("steps", None)
+        assert gs == ws and gs["position"] == 12 * 256, (gs, ws)
         go, wo = got[rank]["tasks"]["ddp"]["optimizer"]["state"], want[rank]["tasks"]["ddp"]["optimizer"]["state"]
         for k in wo:
             for kk in wo[k]:
