@@ -17,7 +17,9 @@ from dali_nerf.checkpoint import latest_checkpoint, load_rank_state
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = ["model.resolution=24", "model.samples_per_ray=32", "model.occupancy_resolution=16",
-              "model.occupancy_warmup=8", "model.occupancy_every=8", "model.hidden=16"]
+              "model.occupancy_warmup=8", "model.occupancy_every=8", "model.hidden=16",
+              "model.sigma_init=0.1", "model.occupancy_threshold=0.005",
+              "model.density_components=8", "model.color_components=12"]
 
 
 def _env():

@@ -111,8 +111,11 @@ class OccupancyGrid(nn.Module):
         old = self.density
         new = torch.where(torch.isinf(old), sigma, torch.maximum(old * self.decay, sigma))
         self.density.copy_(new)
-        # alpha > threshold  <=>  density > -log(1 - threshold) / step_size
-        occ = new > (-math.log1p(-self.threshold) / self.step_size)
+        # alpha > threshold  <=>  density > -log(1 - threshold) / step_size; like instant-NGP and
+        # nerfacc the cut is never above the grid's mean density, so an untrained (or uniformly
+        # faint) field is never culled to nothing, which would stop all gradients for good
+        cut = min(-math.log1p(-self.threshold) / self.step_size, float(new.mean()))
+        occ = new > cut
         occ = F.max_pool3d(occ[None, None].float(), kernel_size=3, stride=1, padding=1)[0, 0] > 0
         self.bits.copy_(occ)
         self.updates += 1
