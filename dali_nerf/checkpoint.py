@@ -15,6 +15,7 @@ numbers, strings, lists and dicts only, so a crafted pickle cannot run code.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -136,5 +137,10 @@ def load_rank_state(folder, rank: int, map_location="cpu") -> dict:
         raise DaliNerfError(f"{path}: checkpoint file missing; resume with the world size the run was saved with")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "global" in str(e).lower():  # weights_only refused a class / function reference
+            raise DaliNerfError(f"{path}: refusing to unpickle: it references Python objects beyond tensors and plain data "
+                                f"(possibly crafted); only load checkpoints written by dali_nerf") from None
+        raise DaliNerfError(f"{path}: not a readable dali_nerf checkpoint (UnpicklingError); delete it or resume from an older step") from None
     except Exception as e:  # corrupt file or a pickle that is not plain data
         raise DaliNerfError(f"{path}: not a readable dali_nerf checkpoint ({type(e).__name__}); delete it or resume from an older step") from None

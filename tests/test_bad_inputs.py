@@ -160,7 +160,7 @@ def test_frame_image_missing(scenes, tmp_path, capsys):
     s = scene_copy(scenes, tmp_path)
     (s / "train" / "r_4.png").unlink()
     msg = trainer_error(capsys, write_config(tmp_path, s), files=previous_run(tmp_path))
-    needles(msg, "transforms_train.json", "1 of 6 images missing", "r_4.png")
+    needles(msg, "transforms_train.json", "1 of 6 images missing", "r_4.png", "restore them")
 
 
 def test_empty_split(scenes, tmp_path, capsys):

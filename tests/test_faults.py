@@ -497,12 +497,12 @@ def test_crafted_checkpoint_refused_by_resume_and_render(scene_dir, tmp_path, ca
     err = capsys.readouterr().err
     lines = [l for l in err.splitlines() if l.strip()]
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert "rank0.pt" in lines[0] and "not a readable dali_nerf checkpoint" in lines[0]
+    assert "rank0.pt" in lines[0] and "refusing to unpickle" in lines[0] and "only load checkpoints written by dali_nerf" in lines[0]
     assert not marker.exists()
 
     rc = cli_main(["render", "--checkpoint", str(run), "--out", str(tmp_path / "renders")])
     err = capsys.readouterr().err
     lines = [l for l in err.splitlines() if l.strip()]
-    assert rc == 2 and len(lines) == 1 and "rank0.pt" in lines[0], err
+    assert rc == 2 and len(lines) == 1 and "rank0.pt" in lines[0] and "refusing to unpickle" in lines[0], err
     assert not marker.exists()
     assert not (run / "metrics.jsonl").exists()  # the refused resume wrote nothing

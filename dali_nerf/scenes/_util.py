@@ -122,7 +122,7 @@ def check_images_exist(paths: Sequence[str], source, what: str = "images") -> No
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         shown = ", ".join(str(m) for m in missing[:3]) + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else "")
-        raise SceneError(f"{source}: {len(missing)} of {len(paths)} {what} missing: {shown}")
+        raise SceneError(f"{source}: {len(missing)} of {len(paths)} {what} missing: {shown}; restore them or fix the file list")
 
 
 def check_sizes(wh: np.ndarray, names: Sequence[str], path) -> None:
