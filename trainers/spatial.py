@@ -66,9 +66,9 @@ class SpatialMethod(Method):
         from dali_nerf.pipelines.spatial import spatial_loader
 
         self.partition = Partition.from_config(cfg.partition, scene)
+        cells_per_rank = assign_rank(self.partition.num_cells, env.world_size)  # checked before writing
         if env.rank == 0:
             self.partition.save(cfg.run_dir / "partition.json")
-        cells_per_rank = assign_rank(self.partition.num_cells, env.world_size)
         self.cells = cells_per_rank[env.rank]
         self.aabb = _aabb(scene)
         cache = decode_cache(scene, 0, 1, num_threads=cfg.pipeline.num_threads, batch=cfg.cache.decode_batch)
