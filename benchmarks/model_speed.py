@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from dali_nerf.config import Config, apply_overrides, _build, config_to_dict
+from dali_nerf.training import scene_aabb
 from dali_nerf.models import build_field, build_occupancy, make_optimizer, psnr, render_image, render_rays, ssim
 from dali_nerf.rays import rays_from_indices
 from dali_nerf.scenes import load_scene
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     near = float(train.near[0]) if train.near is not None else 2.0
     far = float(train.far[0]) if train.far is not None else 6.0
     bg = torch.as_tensor(train.background, dtype=torch.float32)
-    aabb = torch.as_tensor(train.aabb if train.aabb is not None else [[-1.5] * 3, [1.5] * 3], dtype=torch.float32)
+    aabb = scene_aabb(train)
     test_imgs = load_images(test)[: a.eval_images]
 
     torch.manual_seed(a.seed)

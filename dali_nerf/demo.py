@@ -34,7 +34,10 @@ def launch_trainer(module: str, nproc: int, config: str | None, overrides, resum
     if resume:
         cmd.append("--resume")
     cmd += list(overrides)
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: a restarted worker group must not inherit the launcher's
+    # store (stale keys; pytorch/pytorch#135712) — see docs/RELIABILITY.md
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), DALI_NERF_PROGRESS="1")
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return subprocess.call(cmd, env=env)
 
 

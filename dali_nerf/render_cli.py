@@ -46,11 +46,12 @@ def load_run(path, device="cpu"):
     """(cfg, field, occupancy, scene_train) of a run: DDP's model or SS's fused sub-models."""
     from .models import build_field, build_occupancy
     from .scenes import load_scene
+    from .training import scene_aabb
 
     cfg, folder, run_dir = _resolve(Path(path))
     sc = cfg.scene
     scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
-    aabb = torch.as_tensor(scene.aabb if scene.aabb is not None else [[-1.5] * 3, [1.5] * 3], dtype=torch.float32)
+    aabb = scene_aabb(scene)
     st0 = load_rank_state(folder, 0)
     if cfg.method == "ddp":
         field = build_field(cfg.model, aabb)

@@ -39,7 +39,7 @@ from .config import Config, config_to_dict, load_config
 from .errors import ConfigError, DaliNerfError
 
 __all__ = ["Task", "Method", "DistEnv", "setup_distributed", "train", "trainer_main", "PHASES",
-           "evaluate_field", "write_renders"]
+           "evaluate_field", "write_renders", "scene_aabb"]
 
 PHASES = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
 
@@ -91,6 +91,20 @@ def setup_distributed(device_pref: str = "auto", torch_threads: int = 0) -> Dist
                   "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/RELIABILITY.md)", file=sys.stderr, flush=True)
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     return DistEnv(rank, world, local_rank, device)
+
+
+def scene_aabb(scene) -> torch.Tensor:
+    """(2, 3) float32 box the radiance field covers: the scene's ``aabb`` when it has one, else
+    the box around every camera's optical axis between its near and far bound, else the Blender
+    box [-1.5, 1.5]^3."""
+    if scene.aabb is not None:
+        return torch.tensor(np.array(scene.aabb, np.float32))
+    if scene.has_bounds:
+        pos = np.asarray(scene.c2w[:, :, 3], np.float64)
+        fwd = -np.asarray(scene.c2w[:, :, 2], np.float64)
+        pts = np.concatenate([pos + fwd * np.asarray(scene.near)[:, None], pos + fwd * np.asarray(scene.far)[:, None]])
+        return torch.tensor(np.stack([pts.min(0), pts.max(0)]).astype(np.float32))
+    return torch.tensor([[-1.5] * 3, [1.5] * 3])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,8 +177,12 @@ def wrap_ddp(field: torch.nn.Module, env: DistEnv):
         return field, timer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(field, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-              broadcast_buffers=False)
+    import warnings
+
+    with warnings.catch_warnings():  # torch 2.13 deprecates the name; its successor still syncs at init
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        ddp = DDP(field, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                  broadcast_buffers=False)
     ddp.register_comm_hook(timer, _timed_allreduce_hook)
     return ddp, timer
 
@@ -409,7 +427,8 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
     if env.rank == 0 and sys.stderr.isatty() or os.environ.get("DALI_NERF_PROGRESS") == "1" and env.rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.train.steps, initial=start_step, desc=f"{method.name} x{env.world_size}", dynamic_ncols=True)
+        bar = tqdm(total=cfg.train.steps, initial=start_step, desc=f"{method.name} x{env.world_size}", dynamic_ncols=True,
+                   mininterval=0.5 if sys.stderr.isatty() else 15.0)
 
     bg = torch.as_tensor(scene.background, device=env.device)
     totals = {p: 0.0 for p in PHASES}

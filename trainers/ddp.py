@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from dali_nerf.training import DistEnv, Method, Task, trainer_main, wrap_ddp
+from dali_nerf.training import DistEnv, Method, Task, scene_aabb, trainer_main, wrap_ddp
 
 __all__ = ["DDPMethod", "main"]
 
@@ -30,7 +30,7 @@ class DDPMethod(Method):
         from dali_nerf.pipelines.builder import build_batch_source
 
         source = build_batch_source(cfg, scene, env.rank, env.world_size)
-        aabb = torch.as_tensor(scene.aabb if scene.aabb is not None else [[-1.5] * 3, [1.5] * 3], dtype=torch.float32)
+        aabb = scene_aabb(scene)
         torch.manual_seed(cfg.pipeline.seed)  # identical initial replicas (DDP also broadcasts)
         field = build_field(cfg.model, aabb).to(env.device)
         occupancy = build_occupancy(cfg.model, aabb)

@@ -19,13 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dali_nerf.training import DistEnv, Method, Task, evaluate_field, trainer_main
+from dali_nerf.training import DistEnv, Method, Task, evaluate_field, scene_aabb, trainer_main
 
 __all__ = ["SpatialMethod", "build_fused", "main"]
-
-
-def _aabb(scene) -> torch.Tensor:
-    return torch.as_tensor(scene.aabb if scene.aabb is not None else [[-1.5] * 3, [1.5] * 3], dtype=torch.float32)
 
 
 def build_fused(cfg, partition, aabb, cell_states: dict, device):
@@ -70,7 +66,7 @@ class SpatialMethod(Method):
         if env.rank == 0:
             self.partition.save(cfg.run_dir / "partition.json")
         self.cells = cells_per_rank[env.rank]
-        self.aabb = _aabb(scene)
+        self.aabb = scene_aabb(scene)
         cache = decode_cache(scene, 0, 1, num_threads=cfg.pipeline.num_threads, batch=cfg.cache.decode_batch)
         tasks = []
         for slot, c in enumerate(self.cells):
