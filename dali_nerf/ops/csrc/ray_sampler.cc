@@ -138,6 +138,17 @@ void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, in
   }
 }
 
+/// Write the rays of pixel ids pix[0..n) to output slots [slot, slot + n), prefetching each
+/// group's pixels first (random reads from a large cache are DRAM-latency bound).
+inline void write_prefetched(const Cache &c, const Outputs &out, int64_t slot, const uint64_t *pix, int64_t n) {
+  constexpr int kGroup = 64;
+  for (int64_t g = 0; g < n; g += kGroup) {
+    int64_t m = std::min<int64_t>(kGroup, n - g);
+    for (int64_t k = 0; k < m; k++) __builtin_prefetch(c.pixels + 3 * pix[g + k]);
+    for (int64_t k = 0; k < m; k++) out.write(c, slot + g + k, pix[g + k]);
+  }
+}
+
 struct Accepted {
   std::vector<uint64_t> pix;  // pixel ids of accepted candidates, in stream order
   std::vector<uint32_t> pos;  // their offsets inside the block
@@ -248,7 +259,7 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
         tp.AddWork([&, b, slot](int) {
           const Accepted &a = blocks[b];
           int64_t n = std::min<int64_t>(a.pix.size(), R - slot);
-          for (int64_t i = 0; i < n; i++) outs[s].write(c, slot + i, a.pix[i]);
+          write_prefetched(c, outs[s], slot, a.pix.data(), n);
         }, static_cast<int64_t>(blocks[b].pix.size()));
       }
       tp.RunAll();

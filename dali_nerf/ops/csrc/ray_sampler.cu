@@ -18,6 +18,8 @@
 
 #include "dali/core/cuda_error.h"
 #include "dali/kernels/dynamic_scratchpad.h"
+#include <vector>
+
 #include "ray_sampler.h"
 
 namespace dali_nerf {
@@ -159,7 +161,13 @@ void RaySampler<::dali::GPUBackend>::RunImpl(::dali::Workspace &ws) {
     }
 
     const auto &cen_in = ws.Input<GPUBackend>(3);
-    RouteParams rp = route_params(cen_in.tensor<float>(s), static_cast<int>(cen_in.tensor_shape(s)[0]));
+    // the few centroids are projected on the host into RouteParams (passed by value to kernels)
+    const int C = static_cast<int>(cen_in.tensor_shape(s)[0]);
+    std::vector<float> host_centroids(3 * static_cast<size_t>(C));
+    CUDA_CALL(cudaMemcpyAsync(host_centroids.data(), cen_in.tensor<float>(s), host_centroids.size() * sizeof(float),
+                              cudaMemcpyDeviceToHost, stream));
+    CUDA_CALL(cudaStreamSynchronize(stream));
+    RouteParams rp = route_params(host_centroids.data(), C);
     ::dali::kernels::DynamicScratchpad scratch{::dali::AccessOrder(stream)};
     int64_t *accepted = scratch.AllocateGPU<int64_t>(1);
     int64_t *host_accepted = scratch.AllocatePinned<int64_t>(1);

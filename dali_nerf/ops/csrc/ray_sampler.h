@@ -115,12 +115,12 @@ DN_HD void pixel_ray(const float *cam, int64_t row, int64_t col, float *o, float
 
 /// Routing parameters shared by both backends.
 struct RouteParams {
-  const float *centroids;  // (C, 3)
   int C;
   int cell;
   double m2;               // margin^2
   double up[3];            // unit
   int dims;                // 2: ignore the component along `up`; 3: full 3-D distances
+  double cproj[3 * kMaxCells];  // centroids, projected like the rays (dims == 2), in double
   bool has_bounds = false; // clip the segment to this box before routing (Mega-NeRF's altitude band)
   double bmin[3], bmax[3];
 };
@@ -158,36 +158,36 @@ DN_HD bool route_accept(const RouteParams &rp, const float *of, const float *df,
   // (sky, background) keeps its whole [near, far] so that it still belongs to some cell.
   if (rp.has_bounds) clip_to_box(rp.bmin, rp.bmax, of, df, lo, hi);
   double o[3] = {of[0], of[1], of[2]}, d[3] = {df[0], df[1], df[2]};
-  if (rp.dims == 2) {
+  if (rp.dims == 2) {  // project on the plane perpendicular to `up` (centroids already are)
     double od = o[0] * rp.up[0] + o[1] * rp.up[1] + o[2] * rp.up[2];
     double dd = d[0] * rp.up[0] + d[1] * rp.up[1] + d[2] * rp.up[2];
     for (int i = 0; i < 3; i++) { o[i] -= od * rp.up[i]; d[i] -= dd * rp.up[i]; }
   }
-  auto proj = [&](int k, double *q) {  // q = o' - c_k'
-    const float *c = rp.centroids + 3 * k;
-    double cc[3] = {c[0], c[1], c[2]};
-    if (rp.dims == 2) {
-      double cu = cc[0] * rp.up[0] + cc[1] * rp.up[1] + cc[2] * rp.up[2];
-      for (int i = 0; i < 3; i++) cc[i] -= cu * rp.up[i];
-    }
-    for (int i = 0; i < 3; i++) q[i] = o[i] - cc[i];
-  };
-  double qj[3];
-  proj(rp.cell, qj);
+  // f_k(t) = |q_j + t d|^2 - m^2 |q_k + t d|^2 = a t^2 + b_k t + c_k, with q_k = o - c_k
+  const double *cj = rp.cproj + 3 * rp.cell;
+  double qj[3] = {o[0] - cj[0], o[1] - cj[1], o[2] - cj[2]};
   double dd = d[0] * d[0] + d[1] * d[1] + d[2] * d[2];
   double dqj = d[0] * qj[0] + d[1] * qj[1] + d[2] * qj[2];
   double qqj = qj[0] * qj[0] + qj[1] * qj[1] + qj[2] * qj[2];
-  double fs[kMaxCells], fe[kMaxCells];
-  int nf = 0;
+  double a = dd * (1.0 - rp.m2);
+  double bs[kMaxCells], cs[kMaxCells];
+  int n = 0;
+  bool in_lo = true, in_hi = true;  // exact shortcut: an end point satisfies every condition
   for (int k = 0; k < rp.C; k++) {
     if (k == rp.cell) continue;
-    double qk[3];
-    proj(k, qk);
-    double dqk = d[0] * qk[0] + d[1] * qk[1] + d[2] * qk[2];
-    double qqk = qk[0] * qk[0] + qk[1] * qk[1] + qk[2] * qk[2];
-    double a = dd * (1.0 - rp.m2);
-    double b = 2.0 * (dqj - rp.m2 * dqk);
-    double c = qqj - rp.m2 * qqk;
+    const double *ck = rp.cproj + 3 * k;
+    double qk[3] = {o[0] - ck[0], o[1] - ck[1], o[2] - ck[2]};
+    double b = 2.0 * (dqj - rp.m2 * (d[0] * qk[0] + d[1] * qk[1] + d[2] * qk[2]));
+    double c = qqj - rp.m2 * (qk[0] * qk[0] + qk[1] * qk[1] + qk[2] * qk[2]);
+    in_lo = in_lo && (a * lo + b) * lo + c <= 0.0;
+    in_hi = in_hi && (a * hi + b) * hi + c <= 0.0;
+    bs[n] = b; cs[n] = c; n++;
+  }
+  if (in_lo || in_hi) return true;
+  double fs[kMaxCells], fe[kMaxCells];
+  int nf = 0;
+  for (int k = 0; k < n; k++) {
+    double b = bs[k], c = cs[k];
     if (a == 0.0) {
       if (b == 0.0) {
         if (c > 0.0) return false;
@@ -330,12 +330,19 @@ class RaySampler : public ::dali::Operator<Backend> {
 
   detail::RouteParams route_params(const float *centroids, int C) const {
     detail::RouteParams rp;
-    rp.centroids = centroids;
     rp.C = C;
     rp.cell = cell_;
     rp.m2 = double(margin_) * double(margin_);
     for (int i = 0; i < 3; i++) rp.up[i] = up_[i];
     rp.dims = dims_;
+    for (int k = 0; k < C && k < detail::kMaxCells; k++) {
+      double cc[3] = {centroids[3 * k], centroids[3 * k + 1], centroids[3 * k + 2]};
+      if (dims_ == 2) {
+        double cu = cc[0] * up_[0] + cc[1] * up_[1] + cc[2] * up_[2];
+        for (int i = 0; i < 3; i++) cc[i] -= cu * up_[i];
+      }
+      for (int i = 0; i < 3; i++) rp.cproj[3 * k + i] = cc[i];
+    }
     rp.has_bounds = has_bounds_;
     for (int i = 0; i < 3; i++) { rp.bmin[i] = bounds_[i]; rp.bmax[i] = bounds_[3 + i]; }
     return rp;
