@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError
-from .loader import BatchStats, check_common, resolve_device, scene_from_config
+from .loader import BatchSource, BatchStats, check_common, resolve_device, scene_from_config
 from .rays import rays_from_indices
 
 __all__ = ["SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "PixelSampler"]
@@ -120,7 +120,7 @@ class PixelSampler:
         return self.batch(self.pixel_ids(position, n))
 
 
-class _Source:
+class _Source(BatchSource):
     """Common state of a batch source: position/epoch/state_dict/stats/close/context manager."""
 
     _global = False
@@ -140,9 +140,6 @@ class _Source:
     # rays this rank's stream advances per step, and pixels per stream epoch
     def _stride(self) -> int:
         return self.rays_per_batch
-
-    def __iter__(self):
-        return self
 
     def __len__(self) -> int:
         if self.mode != "epoch":
@@ -173,24 +170,8 @@ class _Source:
         self.epoch = int(state.get("epoch", 0))
         self._seek(int(state["position"]))
 
-    def stats(self) -> dict:
-        """{"steps", "wait_s", "stall_fraction", "rays_per_s", "elapsed_s", "runs"}."""
-        return self._stats.as_dict()
-
     def close(self) -> None:
         self._closed = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     @classmethod
     def from_config(cls, cfg, rank: int = 0, world_size: int = 1, scene=None):

@@ -134,7 +134,35 @@ def check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode):
         raise ConfigError(f"mode={mode!r}: use random or epoch")
 
 
-class RayLoader:
+class BatchSource:
+    """What every batch source shares (RayLoader, the baselines, the SS sources): iteration,
+    ``stats()`` from a :class:`BatchStats` in ``self._stats``, the context manager, and ``close()``
+    on garbage collection. Subclasses implement ``__next__`` and ``close()`` (idempotent)."""
+
+    def __iter__(self):
+        return self
+
+    def stats(self) -> dict:
+        """{"steps", "wait_s", "stall_fraction", "rays_per_s", "elapsed_s", "runs"} since the first next()."""
+        return self._stats.as_dict()
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class RayLoader(BatchSource):
     """Prefetching iterator of ray batches from our DALI pipeline (infinite; see module doc).
 
     Args:
@@ -239,9 +267,6 @@ class RayLoader:
         return self._stream is not None
 
     # ---- iteration ------------------------------------------------------------------------------
-    def __iter__(self):
-        return self
-
     def __len__(self) -> int:
         """Steps per epoch (epoch mode): ceil(max over ranks of shard pixels / B)."""
         if self.mode != "epoch":
@@ -398,18 +423,6 @@ class RayLoader:
             if self._stream is not None:
                 self._chunks.clear()
                 self._stream.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         return (f"RayLoader(rank={self.rank}/{self.world_size}, B={self.rays_per_batch}, K={self.steps_per_run}, "

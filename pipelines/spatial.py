@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.loader import BatchStats, resolve_device
+from dali_nerf.loader import BatchSource, BatchStats, resolve_device
 
 __all__ = ["SpatialRayLoader", "RoutedSyncLocal", "RoutedSyncGlobal", "spatial_loader", "spatial_pipeline"]
 
@@ -89,7 +89,7 @@ def spatial_pipeline(cache, partition, cell: int, rays_per_run: int, mode: str, 
     return pipe, holder
 
 
-class SpatialRayLoader:
+class SpatialRayLoader(BatchSource):
     """Batches of rays crossing one cell, sampled ahead by a producer thread.
 
     Args:
@@ -206,9 +206,6 @@ class SpatialRayLoader:
             self._queue = None
 
     # ---- iteration ---------------------------------------------------------------------------
-    def __iter__(self):
-        return self
-
     def __next__(self) -> dict:
         if self._closed:
             raise RuntimeError("SpatialRayLoader is closed")
@@ -258,18 +255,6 @@ class SpatialRayLoader:
             self._stop_producer()
             self._pipe = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
 
 # ---------------------------------------------------------------------------------------------
 # routed baselines
@@ -301,7 +286,7 @@ class _RoutedSampler:
         return out, pos
 
 
-class RoutedSyncLocal:
+class RoutedSyncLocal(BatchSource):
     """SS ``sync_local``: the rank samples its cell's batch in the training thread."""
 
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, cache=None, num_threads: int = 2):
@@ -312,9 +297,6 @@ class RoutedSyncLocal:
         self._s = _RoutedSampler(cache, scene, partition, seed, cell, 2 * rays_per_batch)
         self.position = 0
         self._stats = BatchStats()
-
-    def __iter__(self):
-        return self
 
     def __next__(self):
         t = self._stats.start()
@@ -328,14 +310,9 @@ class RoutedSyncLocal:
     def load_state_dict(self, s):
         self.position = int(s["position"])
 
-    def stats(self):
-        return self._stats.as_dict()
-
-    def close(self):
-        pass
 
 
-class RoutedSyncGlobal:
+class RoutedSyncGlobal(BatchSource):
     """SS ``sync_global`` (the study's setting): rank 0 samples the batches of every rank's
     ``slot``-th cell in the training step and scatters them. A collective: every rank calls
     ``next()`` on its slot-th source in the same order."""
@@ -361,9 +338,6 @@ class RoutedSyncGlobal:
             cache = cache if cache is not None else decode_cache(scene, 0, 1, num_threads=num_threads)
             self._s = _RoutedSampler(cache, scene, partition, seed, 10_000 + slot, 2 * rays_per_batch)
         self._stats = BatchStats()
-
-    def __iter__(self):
-        return self
 
     def __next__(self):
         import torch.distributed as dist
@@ -397,11 +371,6 @@ class RoutedSyncGlobal:
     def load_state_dict(self, s):
         self.position = [int(p) for p in s["position"]]
 
-    def stats(self):
-        return self._stats.as_dict()
-
-    def close(self):
-        pass
 
 
 def spatial_loader(cfg, scene, partition, cell: int, *, cache=None, cells_per_rank=None, rank: int = 0, slot: int = 0):
