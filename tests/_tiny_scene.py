@@ -85,3 +85,14 @@ def reference_pixels(scene, i) -> np.ndarray:
     bg = np.round(np.asarray(scene.background, np.float64) * 255.0)
     out = rgb * a + bg * (1.0 - a)
     return np.floor(out + 0.5).astype(np.uint8)
+
+
+def ref_rays(scene, idx):
+    """Independent numpy (float64) ray reference for (cam, row, col) rows of ``idx`` (B, 3)."""
+    idx = idx.numpy() if hasattr(idx, "numpy") else np.asarray(idx)
+    c2w = scene.c2w[idx[:, 0]].astype(np.float64)
+    K = scene.intrinsics[idx[:, 0]].astype(np.float64)
+    d_cam = np.stack([(idx[:, 2] + 0.5 - K[:, 2]) / K[:, 0], -(idx[:, 1] + 0.5 - K[:, 3]) / K[:, 1],
+                      -np.ones(len(idx))], -1)
+    d = np.einsum("bij,bj->bi", c2w[:, :, :3], d_cam)
+    return c2w[:, :, 3], d / np.linalg.norm(d, axis=-1, keepdims=True)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from _tiny_scene import tiny_scene
+from _tiny_scene import ref_rays as _ref_rays, tiny_scene
 from dali_nerf.errors import ConfigError
 from dali_nerf.loader import RayLoader
 from dali_nerf.pipelines.decode import decode_cache
@@ -28,17 +28,6 @@ def _take(loader, n):
 
 def _same(a, b):
     return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
-
-
-def _ref_rays(scene, idx):
-    """Independent numpy (float64) ray reference for (cam, row, col)."""
-    idx = idx.numpy()
-    c2w = scene.c2w[idx[:, 0]].astype(np.float64)
-    K = scene.intrinsics[idx[:, 0]].astype(np.float64)
-    d_cam = np.stack([(idx[:, 2] + 0.5 - K[:, 2]) / K[:, 0], -(idx[:, 1] + 0.5 - K[:, 3]) / K[:, 1],
-                      -np.ones(len(idx))], -1)
-    d = np.einsum("bij,bj->bi", c2w[:, :, :3], d_cam)
-    return c2w[:, :, 3], d / np.linalg.norm(d, axis=-1, keepdims=True)
 
 
 @pytest.mark.parametrize("mode", ["random", "epoch"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from _tiny_scene import tiny_scene
+from _tiny_scene import ref_rays as _ref_rays, tiny_scene
 from dali_nerf.errors import ConfigError, DataError
 from dali_nerf.loader import RayLoader, plan_window_images, window_plan
 from dali_nerf.pipelines import decode as decode_mod
@@ -98,16 +98,6 @@ def test_plan_window_images_and_errors(scene):
     assert [len(w) for w in ws] == [3, 3, 2] and sorted(np.concatenate(ws).tolist()) == list(range(10, 18))
     other = window_plan(np.arange(10, 18), 3, seed=1, rank=0, cycle=1)
     assert not all(np.array_equal(a, b) for a, b in zip(ws, other))
-
-
-def _ref_rays(scene, idx):
-    idx = idx.numpy()
-    c2w = scene.c2w[idx[:, 0]].astype(np.float64)
-    K = scene.intrinsics[idx[:, 0]].astype(np.float64)
-    d_cam = np.stack([(idx[:, 2] + 0.5 - K[:, 2]) / K[:, 0], -(idx[:, 1] + 0.5 - K[:, 3]) / K[:, 1],
-                      -np.ones(len(idx))], -1)
-    d = np.einsum("bij,bj->bi", c2w[:, :, :3], d_cam)
-    return c2w[:, :, 3], d / np.linalg.norm(d, axis=-1, keepdims=True)
 
 
 @pytest.mark.parametrize("mode", ["random", "epoch"])
