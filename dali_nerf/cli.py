@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-scene", help="generate a scene with known cameras")
     m.add_argument("kind", choices=["objects", "city"])
     m.add_argument("--out", required=True, help="output folder")
-    m.add_argument("--resolution", type=int, default=None, help="image width = height in pixels")
+    m.add_argument("--resolution", type=int, default=None, help="image width in pixels (objects: square; city: height = 3/4 width)")
     m.add_argument("--images", type=int, default=None, help="training images")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--jpeg", action="store_true", help="write JPEG instead of PNG")

@@ -298,25 +298,46 @@ def write_renders(pairs, out_dir: Path, prefix: str = "test") -> List[str]:
 
 
 class _MetricsWriter:
+    """Appends one JSON line per step. On resume the lines up to the checkpoint are kept (a line
+    torn by a kill is dropped) and the rest is rewritten identically by the resumed run. A write
+    that fails (disk full) is a one-line error naming the file."""
+
     def __init__(self, path: Path, resume_step: int):
         self.path = path
-        if resume_step > 0 and path.exists():
-            # keep the lines up to the checkpoint; a resumed run rewrites the rest identically
-            lines = [l for l in path.read_text().splitlines() if l.strip()]
-            kept = [l for l in lines if json.loads(l).get("step", 0) <= resume_step]
-            atomic_write_text(path, "".join(k + "\n" for k in kept))
-        elif path.exists():
-            path.unlink()
-        self.f = open(path, "a")
+        try:
+            if resume_step > 0 and path.exists():
+                kept = []
+                for line in path.read_text().splitlines():
+                    try:
+                        if json.loads(line).get("step", 0) <= resume_step:
+                            kept.append(line)
+                    except (json.JSONDecodeError, AttributeError):
+                        continue
+                atomic_write_text(path, "".join(k + "\n" for k in kept))
+            elif path.exists():
+                path.unlink()
+            self.f = open(path, "a")
+        except OSError as e:
+            raise DaliNerfError(f"{path}: cannot write metrics ({e.strerror}); free disk space or choose a writable train.runs_dir") from None
+
+    def _guard(self, fn, *a):
+        try:
+            return fn(*a)
+        except OSError as e:
+            raise DaliNerfError(f"{self.path}: cannot write metrics ({e.strerror}); free disk space or choose a "
+                                f"writable train.runs_dir (the last checkpoint is intact: resume with --resume)") from None
 
     def write(self, rec: dict):
-        self.f.write(json.dumps(rec) + "\n")
+        self._guard(self.f.write, json.dumps(rec) + "\n")
 
     def flush(self):
-        self.f.flush()
+        self._guard(self.f.flush)
 
     def close(self):
-        self.f.close()
+        try:
+            self.f.close()
+        except OSError:
+            pass
 
 
 def _task_state(task: Task) -> dict:
