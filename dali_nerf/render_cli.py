@@ -117,11 +117,11 @@ def main(args) -> int:
     sc = cfg.scene
     if args.orbit > 0:
         poses = orbit_poses(train_scene, args.orbit)
-        K = torch.as_tensor(train_scene.intrinsics[0], device=device)
+        K = torch.as_tensor(np.array(train_scene.intrinsics[0]), device=device)
         w, h = int(train_scene.width[0]), int(train_scene.height[0])
         near = float(train_scene.near[0]) if train_scene.near is not None else 0.0
         far = float(train_scene.far[0]) if train_scene.far is not None else 1e3
-        bg = torch.as_tensor(train_scene.background, device=device)
+        bg = torch.as_tensor(np.array(train_scene.background), device=device)
         pairs = []
         for p in poses:
             img = render_image(field, torch.as_tensor(p, device=device), K, w, h, near, far, bg, occupancy=occ,

@@ -258,15 +258,15 @@ def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int
     n = scene.num_images if max_images <= 0 else min(max_images, scene.num_images)
     sub = scene.subset(np.linspace(0, scene.num_images - 1, n).round().astype(np.int64)) if n < scene.num_images else scene
     cache = decode if decode is not None else decode_cache(sub, 0, 1)
-    bg = torch.as_tensor(scene.background, device=device)
+    bg = torch.as_tensor(np.array(scene.background), device=device)
     pairs, ps, ss = [], [], []
     t0 = time.perf_counter()
     for i in range(sub.num_images):
         off, w, h, _ = (int(v) for v in cache.layout[i])
-        gt = torch.from_numpy(np.asarray(cache.pixels[off:off + w * h])).reshape(h, w, 3).float() / 255.0
+        gt = torch.from_numpy(np.array(cache.pixels[off:off + w * h])).reshape(h, w, 3).float() / 255.0
         near = float(sub.near[i]) if sub.near is not None else 0.0
         far = float(sub.far[i]) if sub.far is not None else 1e3
-        pred = render_image(field, torch.as_tensor(sub.c2w[i], device=device), torch.as_tensor(sub.intrinsics[i], device=device),
+        pred = render_image(field, torch.as_tensor(np.array(sub.c2w[i]), device=device), torch.as_tensor(np.array(sub.intrinsics[i]), device=device),
                             w, h, near, far, bg, occupancy=occupancy, samples=cfg.model.samples_per_ray).cpu().clamp(0, 1)
         pairs.append((pred, gt))
         ps.append(psnr_fn(pred, gt))
@@ -451,7 +451,7 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
         bar = tqdm(total=cfg.train.steps, initial=start_step, desc=f"{method.name} x{env.world_size}", dynamic_ncols=True,
                    mininterval=0.5 if sys.stderr.isatty() else 15.0)
 
-    bg = torch.as_tensor(scene.background, device=env.device)
+    bg = torch.as_tensor(np.array(scene.background), device=env.device)
     totals = {p: 0.0 for p in PHASES}
     totals["step"] = 0.0
     first_step_wait = None
