@@ -77,15 +77,16 @@ def measure(cache, rays: int, mode: str, routed: bool, seconds: float, threads: 
 
     for _ in range(3):
         step()
-    n, used, t0 = 0, 0, time.perf_counter()
+    n, used, t0, c0 = 0, 0, time.perf_counter(), time.process_time()
     while True:
         used += step()
         n += 1
         dt = time.perf_counter() - t0
         if dt >= seconds and n >= 3:
             break
+    cpu = time.process_time() - c0
     del pp
-    return n * rays / dt / 1e6, n * rays / used
+    return n * rays / dt / 1e6, n * rays / used, n * rays / cpu / 1e6
 
 
 def main(argv=None):
@@ -96,6 +97,8 @@ def main(argv=None):
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gpu", action="store_true", help="GPU backend (needs the CUDA plugin)")
+    ap.add_argument("--modes", default="random,epoch,routed",
+                    help="comma-separated subset of random, epoch, routed")
     args = ap.parse_args(argv)
 
     from dali_nerf.ops import load_plugin
@@ -104,12 +107,18 @@ def main(argv=None):
     cache = make_cache(args.images, args.res)
     print(f"plugin {path}\ncache {args.images} x {args.res}x{args.res} = {len(cache[0])} pixels, "
           f"threads {args.threads}, backend {'gpu' if args.gpu else 'cpu'}")
-    print("| mode | rays/run | Mrays/s | acceptance |\n|---|---|---|---|")
+    # Mrays per CPU-second (process time, all threads) is less sensitive to other load than the
+    # wall-clock rate; on an idle machine with --threads 2 it is about half of Mrays/s
+    print("| mode | rays/run | Mrays/s | Mrays/CPU-s | acceptance |\n|---|---|---|---|---|")
+    modes = {"random": ("random", False), "epoch": ("epoch", False), "routed": ("random", True)}
     for rays in [int(r) for r in args.rays.split(",")]:
-        for mode, routed in (("random", False), ("epoch", False), ("random", True)):
-            mrays, acc = measure(cache, rays, mode, routed, args.seconds, args.threads, args.gpu)
+        for key in args.modes.split(","):
+            if key not in modes:
+                raise SystemExit(f"--modes: unknown mode {key!r}: use random, epoch or routed")
+            mode, routed = modes[key]
+            mrays, acc, per_cpu = measure(cache, rays, mode, routed, args.seconds, args.threads, args.gpu)
             name = "routed 2x2 (cell 0)" if routed else mode
-            print(f"| {name} | {rays} | {mrays:.1f} | {acc:.3f} |", flush=True)
+            print(f"| {name} | {rays} | {mrays:.1f} | {per_cpu:.1f} | {acc:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

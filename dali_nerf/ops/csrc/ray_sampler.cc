@@ -138,38 +138,136 @@ void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, in
   }
 }
 
-/// Write the rays of pixel ids pix[0..n) to output slots [slot, slot + n), prefetching each
-/// group's pixels first (random reads from a large cache are DRAM-latency bound).
-inline void write_prefetched(const Cache &c, const Outputs &out, int64_t slot, const uint64_t *pix, int64_t n) {
-  constexpr int kGroup = 64;
-  for (int64_t g = 0; g < n; g += kGroup) {
-    int64_t m = std::min<int64_t>(kGroup, n - g);
-    for (int64_t k = 0; k < m; k++) __builtin_prefetch(c.pixels + 3 * pix[g + k]);
-    for (int64_t k = 0; k < m; k++) out.write(c, slot + g + k, pix[g + k]);
+/// Routing terms that depend only on the camera origin, computed once per image and run with
+/// exactly the arithmetic of detail::route_accept (so every decision is bit-identical to it):
+/// the projected origin's q_j = o' - c_cell, and per other cell k (in increasing k) q_k = o' - c_k
+/// and c_k = |q_j|^2 - m^2 |q_k|^2.
+struct RouteTable {
+  int n = 0;       // conditions per ray (C - 1)
+  int stride = 0;  // doubles per image: 3 (q_j) + 4 n (q_k, c_k)
+  std::vector<double> v;
+
+  void init(const Cache &c, const detail::RouteParams &rp) {
+    n = rp.C - 1;
+    stride = 3 + 4 * n;
+    v.assign(c.imgs.size() * stride, 0.0);
+    for (size_t i = 0; i < c.imgs.size(); i++) {
+      const float *cam = c.imgs[i].cam;
+      double o[3] = {cam[3], cam[7], cam[11]};
+      if (rp.dims == 2) {
+        double od = o[0] * rp.up[0] + o[1] * rp.up[1] + o[2] * rp.up[2];
+        for (int j = 0; j < 3; j++) o[j] -= od * rp.up[j];
+      }
+      const double *cj = rp.cproj + 3 * rp.cell;
+      double *t = v.data() + i * stride;
+      double qj[3] = {o[0] - cj[0], o[1] - cj[1], o[2] - cj[2]};
+      double qqj = qj[0] * qj[0] + qj[1] * qj[1] + qj[2] * qj[2];
+      t[0] = qj[0]; t[1] = qj[1]; t[2] = qj[2];
+      double *q = t + 3;
+      for (int k = 0; k < rp.C; k++) {
+        if (k == rp.cell) continue;
+        const double *ck = rp.cproj + 3 * k;
+        double qk[3] = {o[0] - ck[0], o[1] - ck[1], o[2] - ck[2]};
+        q[0] = qk[0]; q[1] = qk[1]; q[2] = qk[2];
+        q[3] = qqj - rp.m2 * (qk[0] * qk[0] + qk[1] * qk[1] + qk[2] * qk[2]);
+        q += 4;
+      }
+    }
   }
+};
+
+/// detail::route_accept for a ray of image `img` with the per-image terms of `rt`.
+inline bool route_accept_cpu(const detail::RouteParams &rp, const RouteTable &rt, size_t img,
+                             const float *of, const float *df, double lo, double hi) {
+  if (!(lo <= hi)) return false;
+  if (rp.has_bounds) detail::clip_to_box(rp.bmin, rp.bmax, of, df, lo, hi);
+  double d[3] = {df[0], df[1], df[2]};
+  if (rp.dims == 2) {
+    double dd = d[0] * rp.up[0] + d[1] * rp.up[1] + d[2] * rp.up[2];
+    for (int i = 0; i < 3; i++) d[i] -= dd * rp.up[i];
+  }
+  const double *t = rt.v.data() + img * rt.stride;
+  double dd = d[0] * d[0] + d[1] * d[1] + d[2] * d[2];
+  double dqj = d[0] * t[0] + d[1] * t[1] + d[2] * t[2];
+  double a = dd * (1.0 - rp.m2);
+  double bs[detail::kMaxCells];
+  const int n = rt.n;
+  const double *q = t + 3;
+  bool in_lo = true, in_hi = true;  // branch-free: all conditions are evaluated
+  for (int k = 0; k < n; k++, q += 4) {
+    double b = 2.0 * (dqj - rp.m2 * (d[0] * q[0] + d[1] * q[1] + d[2] * q[2]));
+    double c = q[3];
+    in_lo &= (a * lo + b) * lo + c <= 0.0;
+    in_hi &= (a * hi + b) * hi + c <= 0.0;
+    bs[k] = b;
+  }
+  if (in_lo | in_hi) return true;
+  double cs[detail::kMaxCells];
+  for (int k = 0; k < n; k++) cs[k] = t[3 + 4 * k + 3];
+  return detail::route_solve(a, bs, cs, n, lo, hi);
 }
 
+/// One speculative block's accepted rays, staged in the output layout (in stream order).
 struct Accepted {
-  std::vector<uint64_t> pix;  // pixel ids of accepted candidates, in stream order
-  std::vector<uint32_t> pos;  // their offsets inside the block
+  int64_t count = 0;
+  std::vector<uint32_t> pos;  // offsets of the accepted candidates inside the block
+  std::vector<float> o, d, rgb, nr, fr;
+  std::vector<int64_t> idx;
+
+  void reserve(int64_t n) {
+    if (static_cast<int64_t>(pos.size()) >= n) return;
+    pos.resize(n); o.resize(3 * n); d.resize(3 * n); rgb.resize(3 * n);
+    nr.resize(n); fr.resize(n); idx.resize(3 * n);
+  }
+  /// Copy the first n staged rays to output slots [slot, slot + n).
+  void write(const Outputs &out, int64_t slot, int64_t n) const {
+    std::memcpy(out.o + 3 * slot, o.data(), 3 * n * sizeof(float));
+    std::memcpy(out.d + 3 * slot, d.data(), 3 * n * sizeof(float));
+    std::memcpy(out.rgb + 3 * slot, rgb.data(), 3 * n * sizeof(float));
+    std::memcpy(out.idx + 3 * slot, idx.data(), 3 * n * sizeof(int64_t));
+    std::memcpy(out.nr + slot, nr.data(), n * sizeof(float));
+    std::memcpy(out.fr + slot, fr.data(), n * sizeof(float));
+  }
 };
 
 template <int Mode>
-void eval_block(const Cache &c, const detail::RouteParams &rp, uint64_t key, uint64_t s0,
-                int64_t n, Accepted &acc) {
-  acc.pix.clear();
-  acc.pos.clear();
+void eval_block(const Cache &c, const detail::RouteParams &rp, const RouteTable &rt, uint64_t key,
+                uint64_t s0, int64_t n, Accepted &acc) {
+  acc.reserve(n);
+  // pixel ids run kAhead candidates ahead of the evaluation, each prefetched when generated
+  // (a steady prefetch distance; a burst of 64 prefetches stalls on the fill buffers)
+  constexpr int64_t kAhead = 32;
+  uint64_t ring[kAhead];
   Stream<Mode> st(key, c.P, s0);
-  for (int64_t i = 0; i < n; i++) {
-    uint64_t pix = st.next(), row, col;
-    const Image &im = c.locate(pix, row, col);
-    float o[3], d[3];
-    detail::pixel_ray(im.cam, row, col, o, d);
-    if (detail::route_accept(rp, o, d, im.cam[16], im.cam[17])) {
-      acc.pix.push_back(pix);
-      acc.pos.push_back(static_cast<uint32_t>(i));
-    }
+  for (int64_t k = 0; k < std::min(kAhead, n); k++) {
+    ring[k] = st.next();
+    __builtin_prefetch(c.pixels + 3 * ring[k]);
   }
+  int64_t cnt = 0;
+  uint32_t *pos = acc.pos.data();
+  float *o = acc.o.data(), *d = acc.d.data(), *rgb = acc.rgb.data(), *nr = acc.nr.data(),
+        *fr = acc.fr.data();
+  int64_t *idx = acc.idx.data();
+  for (int64_t i = 0; i < n; i++) {
+    uint64_t pix = ring[i & (kAhead - 1)];
+    if (i + kAhead < n) {
+      uint64_t q = st.next();
+      ring[i & (kAhead - 1)] = q;
+      __builtin_prefetch(c.pixels + 3 * q);
+    }
+    uint64_t row, col;
+    const Image &im = c.locate(pix, row, col);
+    // stage every candidate at slot cnt; only an accepted one advances cnt (no branch)
+    float *oc = o + 3 * cnt, *dc = d + 3 * cnt;
+    detail::pixel_ray(im.cam, row, col, oc, dc);
+    const uint8_t *p = c.pixels + 3 * pix;
+    rgb[3 * cnt] = kRgb.v[p[0]]; rgb[3 * cnt + 1] = kRgb.v[p[1]]; rgb[3 * cnt + 2] = kRgb.v[p[2]];
+    idx[3 * cnt] = im.index; idx[3 * cnt + 1] = row; idx[3 * cnt + 2] = col;
+    nr[cnt] = im.cam[16]; fr[cnt] = im.cam[17];
+    pos[cnt] = static_cast<uint32_t>(i);
+    cnt += route_accept_cpu(rp, rt, &im - c.imgs.data(), oc, dc, im.cam[16], im.cam[17]);
+  }
+  acc.count = cnt;
 }
 
 }  // namespace
@@ -216,11 +314,15 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
 
   // routed: speculative rounds of candidate blocks
   const auto &cen_in = ws.Input<CPUBackend>(3);
-  std::vector<Accepted> blocks;
+  // staged blocks live across runs: fresh ~1 MB buffers per block would page-fault every run
+  if (!scratch_) scratch_ = std::make_shared<std::vector<Accepted>>();
+  std::vector<Accepted> &blocks = *std::static_pointer_cast<std::vector<Accepted>>(scratch_);
   for (int s = 0; s < nsamples; s++) {
     const Cache &c = caches[s];
     detail::RouteParams rp = route_params(cen_in.tensor<float>(s),
                                           static_cast<int>(cen_in.tensor_shape(s)[0]));
+    RouteTable rt;
+    rt.init(c, rp);
     uint64_t s0 = static_cast<uint64_t>(starts_[s]);
     int64_t accepted = 0;
     uint64_t examined = 0;  // candidates evaluated so far = next round's offset from s0
@@ -236,16 +338,16 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
       for (int64_t b = 0; b < nb; b++) {
         uint64_t bs = s0 + examined + b * bsz;
         tp.AddWork([&, b, bs, bsz](int) {
-          if (mode_ == kEpoch) eval_block<kEpoch>(c, rp, key_, bs, bsz, blocks[b]);
-          else eval_block<kRandom>(c, rp, key_, bs, bsz, blocks[b]);
+          if (mode_ == kEpoch) eval_block<kEpoch>(c, rp, rt, key_, bs, bsz, blocks[b]);
+          else eval_block<kRandom>(c, rp, rt, key_, bs, bsz, blocks[b]);
         }, bsz);
       }
       tp.RunAll();
       int64_t round_acc = 0;
       std::vector<std::pair<int64_t, int64_t>> round_writes;  // (block, slot) this round
-      for (int64_t b = 0; b < nb; b++) round_acc += static_cast<int64_t>(blocks[b].pix.size());
+      for (int64_t b = 0; b < nb; b++) round_acc += blocks[b].count;
       for (int64_t b = 0; b < nb && consumed < 0; b++) {
-        int64_t n = static_cast<int64_t>(blocks[b].pix.size());
+        int64_t n = blocks[b].count;
         if (n == 0) continue;
         round_writes.push_back({b, accepted});
         if (accepted + n >= R) {
@@ -258,9 +360,8 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
         int64_t b = w.first, slot = w.second;
         tp.AddWork([&, b, slot](int) {
           const Accepted &a = blocks[b];
-          int64_t n = std::min<int64_t>(a.pix.size(), R - slot);
-          write_prefetched(c, outs[s], slot, a.pix.data(), n);
-        }, static_cast<int64_t>(blocks[b].pix.size()));
+          a.write(outs[s], slot, std::min<int64_t>(a.count, R - slot));
+        }, blocks[b].count);
       }
       tp.RunAll();
       uint64_t round_cand = static_cast<uint64_t>(nb) * bsz;

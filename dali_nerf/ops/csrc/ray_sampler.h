@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -145,45 +146,9 @@ DN_HD bool clip_to_box(const double *bmin, const double *bmax, const float *o, c
   return true;
 }
 
-/// Exact membership of the segment o + t d, t in [near, far], in cell `rp.cell`:
-/// true iff some t satisfies |p - c_cell|^2 <= m^2 |p - c_k|^2 for every k != cell.
-/// Each condition is a t^2 + b t + c <= 0 with a = |d'|^2 (1 - m^2); for m > 1 (a < 0) its
-/// feasible set is the outside of the roots (a forbidden open interval), for m < 1 the inside,
-/// for a == 0 a half-line. The allowed set is [lo, hi] minus the union of forbidden intervals; it
-/// is non-empty iff lo or one forbidden interval's right end (inside [lo, hi]) is outside all.
-DN_HD bool route_accept(const RouteParams &rp, const float *of, const float *df,
-                        double lo, double hi) {
-  if (!(lo <= hi)) return false;
-  // With bounds, only the part of the segment inside the box decides; a ray that misses the box
-  // (sky, background) keeps its whole [near, far] so that it still belongs to some cell.
-  if (rp.has_bounds) clip_to_box(rp.bmin, rp.bmax, of, df, lo, hi);
-  double o[3] = {of[0], of[1], of[2]}, d[3] = {df[0], df[1], df[2]};
-  if (rp.dims == 2) {  // project on the plane perpendicular to `up` (centroids already are)
-    double od = o[0] * rp.up[0] + o[1] * rp.up[1] + o[2] * rp.up[2];
-    double dd = d[0] * rp.up[0] + d[1] * rp.up[1] + d[2] * rp.up[2];
-    for (int i = 0; i < 3; i++) { o[i] -= od * rp.up[i]; d[i] -= dd * rp.up[i]; }
-  }
-  // f_k(t) = |q_j + t d|^2 - m^2 |q_k + t d|^2 = a t^2 + b_k t + c_k, with q_k = o - c_k
-  const double *cj = rp.cproj + 3 * rp.cell;
-  double qj[3] = {o[0] - cj[0], o[1] - cj[1], o[2] - cj[2]};
-  double dd = d[0] * d[0] + d[1] * d[1] + d[2] * d[2];
-  double dqj = d[0] * qj[0] + d[1] * qj[1] + d[2] * qj[2];
-  double qqj = qj[0] * qj[0] + qj[1] * qj[1] + qj[2] * qj[2];
-  double a = dd * (1.0 - rp.m2);
-  double bs[kMaxCells], cs[kMaxCells];
-  int n = 0;
-  bool in_lo = true, in_hi = true;  // exact shortcut: an end point satisfies every condition
-  for (int k = 0; k < rp.C; k++) {
-    if (k == rp.cell) continue;
-    const double *ck = rp.cproj + 3 * k;
-    double qk[3] = {o[0] - ck[0], o[1] - ck[1], o[2] - ck[2]};
-    double b = 2.0 * (dqj - rp.m2 * (d[0] * qk[0] + d[1] * qk[1] + d[2] * qk[2]));
-    double c = qqj - rp.m2 * (qk[0] * qk[0] + qk[1] * qk[1] + qk[2] * qk[2]);
-    in_lo = in_lo && (a * lo + b) * lo + c <= 0.0;
-    in_hi = in_hi && (a * hi + b) * hi + c <= 0.0;
-    bs[n] = b; cs[n] = c; n++;
-  }
-  if (in_lo || in_hi) return true;
+/// The exact part of route_accept once the end-point shortcut failed: the n conditions
+/// a t^2 + bs[k] t + cs[k] <= 0 (shared a) on [lo, hi]; true iff some t satisfies all of them.
+DN_HD bool route_solve(double a, const double *bs, const double *cs, int n, double lo, double hi) {
   double fs[kMaxCells], fe[kMaxCells];
   int nf = 0;
   for (int k = 0; k < n; k++) {
@@ -226,6 +191,48 @@ DN_HD bool route_accept(const RouteParams &rp, const float *of, const float *df,
     if (ok) return true;
   }
   return false;
+}
+
+/// Exact membership of the segment o + t d, t in [near, far], in cell `rp.cell`:
+/// true iff some t satisfies |p - c_cell|^2 <= m^2 |p - c_k|^2 for every k != cell.
+/// Each condition is a t^2 + b t + c <= 0 with a = |d'|^2 (1 - m^2); for m > 1 (a < 0) its
+/// feasible set is the outside of the roots (a forbidden open interval), for m < 1 the inside,
+/// for a == 0 a half-line. The allowed set is [lo, hi] minus the union of forbidden intervals; it
+/// is non-empty iff lo or one forbidden interval's right end (inside [lo, hi]) is outside all.
+DN_HD bool route_accept(const RouteParams &rp, const float *of, const float *df,
+                        double lo, double hi) {
+  if (!(lo <= hi)) return false;
+  // With bounds, only the part of the segment inside the box decides; a ray that misses the box
+  // (sky, background) keeps its whole [near, far] so that it still belongs to some cell.
+  if (rp.has_bounds) clip_to_box(rp.bmin, rp.bmax, of, df, lo, hi);
+  double o[3] = {of[0], of[1], of[2]}, d[3] = {df[0], df[1], df[2]};
+  if (rp.dims == 2) {  // project on the plane perpendicular to `up` (centroids already are)
+    double od = o[0] * rp.up[0] + o[1] * rp.up[1] + o[2] * rp.up[2];
+    double dd = d[0] * rp.up[0] + d[1] * rp.up[1] + d[2] * rp.up[2];
+    for (int i = 0; i < 3; i++) { o[i] -= od * rp.up[i]; d[i] -= dd * rp.up[i]; }
+  }
+  // f_k(t) = |q_j + t d|^2 - m^2 |q_k + t d|^2 = a t^2 + b_k t + c_k, with q_k = o - c_k
+  const double *cj = rp.cproj + 3 * rp.cell;
+  double qj[3] = {o[0] - cj[0], o[1] - cj[1], o[2] - cj[2]};
+  double dd = d[0] * d[0] + d[1] * d[1] + d[2] * d[2];
+  double dqj = d[0] * qj[0] + d[1] * qj[1] + d[2] * qj[2];
+  double qqj = qj[0] * qj[0] + qj[1] * qj[1] + qj[2] * qj[2];
+  double a = dd * (1.0 - rp.m2);
+  double bs[kMaxCells], cs[kMaxCells];
+  int n = 0;
+  bool in_lo = true, in_hi = true;  // exact shortcut: an end point satisfies every condition
+  for (int k = 0; k < rp.C; k++) {
+    if (k == rp.cell) continue;
+    const double *ck = rp.cproj + 3 * k;
+    double qk[3] = {o[0] - ck[0], o[1] - ck[1], o[2] - ck[2]};
+    double b = 2.0 * (dqj - rp.m2 * (d[0] * qk[0] + d[1] * qk[1] + d[2] * qk[2]));
+    double c = qqj - rp.m2 * (qk[0] * qk[0] + qk[1] * qk[1] + qk[2] * qk[2]);
+    in_lo = in_lo && (a * lo + b) * lo + c <= 0.0;
+    in_hi = in_hi && (a * hi + b) * hi + c <= 0.0;
+    bs[n] = b; cs[n] = c; n++;
+  }
+  if (in_lo || in_hi) return true;
+  return route_solve(a, bs, cs, n, lo, hi);
 }
 
 }  // namespace detail
@@ -360,6 +367,7 @@ class RaySampler : public ::dali::Operator<Backend> {
   uint64_t key_;
   std::vector<int64_t> starts_;
   double accept_estimate_ = 0.5;  // routed runs: running acceptance rate, sizes speculative rounds
+  std::shared_ptr<void> scratch_;  // backend-specific buffers kept across runs (CPU: staged blocks)
 };
 
 }  // namespace dali_nerf
