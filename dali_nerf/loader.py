@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from time import perf_counter
 from collections import deque
 from typing import Optional, Sequence
 
@@ -245,6 +246,7 @@ class RayLoader(BatchSource):
         self._stats = BatchStats()
         self._pipe = None
         self._run = None  # dict of torch tensors (K*B, ...) of the current run
+        self._steps = None  # K tuples of (B, ...) views of self._run, in output_map order
         self._run_start = 0  # stream position of self._run's first ray
         self._closed = False
 
@@ -292,10 +294,13 @@ class RayLoader(BatchSource):
         consumed = int(np.asarray(out["consumed"].as_cpu()[0] if self.device == "cuda" else out["consumed"][0]).reshape(-1)[0])
         if consumed != self.rays_per_run:
             raise RuntimeError(f"ray_sampler consumed {consumed} positions for {self.rays_per_run} rays")
-        run = {}
-        for k in self.output_map:
-            run[k] = self._to_torch(out[k], copy=self.prefetch == 0)
+        copy = self.prefetch == 0
+        run = {k: self._to_torch(out[k], copy=copy) for k in self.output_map}
         self._run = run
+        # the K step batches as views made in one C++ call per output (unbind: ~0.6 us a view vs
+        # ~3.7 us for a Python slice); __next__ hands out dict(zip(keys, steps[i]))
+        K, B = self.steps_per_run, self.rays_per_batch
+        self._steps = list(zip(*(v.view(K, B, *v.shape[1:]).unbind(0) for v in run.values())))
         self._run_start = self._next_run_start
         self._next_run_start += self.rays_per_run
 
@@ -318,18 +323,27 @@ class RayLoader(BatchSource):
             raise RuntimeError("RayLoader is closed")
         if self._stream is not None:
             return self._next_streaming()
-        t = self._stats.start()
+        st = self._stats
+        t = perf_counter()
+        if st.t0 is None:
+            st.t0 = t
         B = self.rays_per_batch
         off = self.position - self._run_start
         if self._run is None or off < 0 or off + B > self.rays_per_run:
             if self._run is not None and self._pipe is not None and self.position != self._next_run_start:
                 self._drop_pipeline()
-            self._run = None
+            self._run = self._steps = None
             self._fetch_run()
             off = self.position - self._run_start
-        batch = {k: v[off:off + B] for k, v in self._run.items()}
+        k, r = divmod(off, B)
+        if r == 0:  # the usual case: a precomputed step (a fresh dict, so callers may mutate it)
+            batch = dict(zip(self.output_map, self._steps[k]))
+        else:  # a seek landed inside the run off the step grid
+            batch = {k: v[off:off + B] for k, v in self._run.items()}
         self.position += B
-        self._stats.stop(t, B)
+        st.wait_s += perf_counter() - t  # BatchStats.stop, inlined (this is the per-step hot path)
+        st.steps += 1
+        st.rays += B
         return batch
 
     def _next_streaming(self) -> dict:
@@ -382,6 +396,7 @@ class RayLoader(BatchSource):
 
     def _drop_pipeline(self):
         self._run = None
+        self._steps = None
         pipe, self._pipe = self._pipe, None
         del pipe
 

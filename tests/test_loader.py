@@ -94,6 +94,28 @@ def test_resume_exactly(scene, cache, mode):
         RayLoader(scene, rays_per_batch=100, cache=cache, seed=2, mode=mode).load_state_dict(state)
 
 
+def test_seek_off_the_step_grid_and_mutated_batches(scene, cache):
+    """A resume inside the current run at a position that is not a multiple of B (the slicing
+    fallback of __next__) gives the same rays as a loader whose runs start there; batches are
+    fresh dicts, so a caller mutating one does not change later or repeated steps."""
+    B = 64
+    ref = _take(RayLoader(scene, rays_per_batch=B, rays_per_run=B, cache=cache, seed=5, prefetch=0), 8)
+    stream = {k: torch.cat([b[k] for b in ref]) for k in ref[0]}
+    L = RayLoader(scene, rays_per_batch=B, rays_per_run=8 * B, cache=cache, seed=5)
+    first = next(L)
+    first.pop("rgb")  # caller mutation of a handed-out dict
+    state = dict(L.state_dict(), position=B + 37)  # inside run 0, off the grid
+    L.load_state_dict(state)
+    got = _take(L, 3)
+    for i, b in enumerate(got):
+        lo = B + 37 + i * B
+        assert set(b) == set(ref[0])
+        for k in b:
+            assert torch.equal(b[k], stream[k][lo:lo + B]), (i, k)
+    L.load_state_dict(dict(state, position=0))  # back onto the grid of the same run
+    assert _same([next(L)], ref[:1])
+
+
 def test_epoch_mode_permutations_and_set_epoch(scene, cache):
     P = cache.num_pixels
     B = 500
