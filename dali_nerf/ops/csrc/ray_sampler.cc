@@ -1,9 +1,9 @@
 // CPU backend of the dali_nerf ray sampler, and the operator schema (see ray_sampler.h).
 //
 // Unrouted: the R rays of a sample are split into chunks of kChunk rays, run on the DALI thread
-// pool. Routed: rounds of speculative candidate blocks are evaluated in parallel (each block keeps
-// the pixel ids of its accepted candidates, in stream order), the blocks are concatenated in order
-// until R rays are accepted, then the blocks write their share of the output in parallel.
+// pool. Routed: rounds of speculative candidate blocks are evaluated in parallel (each block stages
+// the outputs of its accepted candidates, in stream order), the blocks are concatenated in order
+// until R rays are accepted, then the blocks copy their share into the output in parallel.
 #include <algorithm>
 #include <cstring>
 #include <vector>
