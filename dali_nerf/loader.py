@@ -39,7 +39,7 @@ world_size, W, rays_per_window, position): ``prefetch`` / ``rays_per_run`` do no
 ``state_dict()`` adds ``window_images`` / ``rays_per_window``, and resuming decodes the window
 holding the saved position synchronously. ``close()`` cancels an in-flight decode (between
 decode runs) and joins the thread. The budget counts window caches (pixels + camera rows);
-DALI's transient decode buffers (``decode_batch`` images) come on top.
+DALI's transient decode buffers (two runs of up to ``2 * decode_batch`` images) come on top.
 
 >>> loader = RayLoader(scene, rays_per_batch=4096, rank=0, world_size=1, seed=0, prefetch=2)
 >>> batch = next(loader)

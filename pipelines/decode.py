@@ -264,6 +264,14 @@ def decode_pipeline(files, labels, shard_id, num_shards, *, device="cpu", resize
     return pipe
 
 
+def _batch_size(n: int, batch: int) -> int:
+    """Images per decode run: the size in ``[batch, 2 * batch]`` (at most ``n``) whose last run
+    carries the fewest ``pad_last_batch`` duplicates (each one is decoded for nothing); ties -> the
+    smallest. ``_batch_size(100, 8) == 10``, ``_batch_size(32, 8) == 8``."""
+    batch = max(1, min(int(batch), n))
+    return min(range(batch, min(2 * batch, n) + 1), key=lambda b: (math.ceil(n / b) * b - n, b))
+
+
 def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cpu", num_threads: int = 2,
                  batch: int = 8, background=None, indices: Optional[Sequence[int]] = None,
                  stop=None) -> ImageCache:
@@ -273,7 +281,8 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
         scene: the split (:class:`~dali_nerf.scenes.Scene`).
         rank, world_size: the shard (see :func:`shard_range`); ``world_size`` > images is an error.
         device: "cpu" (DALI CPU decoder) or "cuda" (nvJPEG, ``pixels`` as a CUDA uint8 tensor).
-        num_threads: DALI CPU threads; batch: images per pipeline run.
+        num_threads: DALI CPU threads; batch: images per pipeline run (raised up to ``2 * batch``
+            when that avoids decoding ``pad_last_batch`` duplicates, see :func:`_batch_size`).
         background: (3,) RGB in [0, 1] (default ``scene.background``).
         indices: decode these split indices instead of the shard (streaming windows); they are
             read as one unsharded list in the given order.
@@ -340,18 +349,27 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
     else:
         pixels = np.empty((total, 3), np.uint8)
 
+    bs = _batch_size(n, batch)
+    runs = math.ceil(n / bs)
+    depth = min(2, runs)
     try:
         pipe = decode_pipeline(files, labels, shard_id, num_shards, device=dali_device, resize_to=resize_to,
-                               batch_size=max(1, min(batch, n)), num_threads=num_threads, device_id=dev_id)
+                               batch_size=bs, num_threads=num_threads, device_id=dev_id, prefetch_queue_depth=depth)
     except RuntimeError as e:
         raise DataError(f"{scene.root}: DALI could not build the decode pipeline: {str(e).splitlines()[0]}") from None
     done = np.zeros(n, bool)
+    scheduled = 0
     try:
-        for _ in range(math.ceil(n / pipe.max_batch_size)):
+        for r in range(runs):
             if stop is not None and stop.is_set():
                 raise DecodeCancelled(f"decode of {n} images of {scene.root} cancelled")
             try:
-                imgs, labs = pipe.run()
+                # scheduled API: exactly `runs` batches are decoded (run() would prefetch depth - 1
+                # batches past the shard's end, decoding images nobody uses)
+                if scheduled < runs:
+                    pipe.schedule_run()  # the first call prefetches `depth` runs
+                    scheduled += depth if r == 0 else 1
+                imgs, labs = pipe.outputs()
             except RuntimeError as e:
                 lines = [l.strip() for l in str(e).splitlines() if l.strip()]
                 msg = next((l for l in lines if l.startswith("Failed to decode")), lines[0] if lines else type(e).__name__)
@@ -376,7 +394,11 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
                 if use_gpu:
                     _composite_gpu(imgs[s], bg_t, pixels[dst].view(h, w, 3))
                 else:
-                    composite(np.asarray(imgs[s]), bg, out=pixels[dst].reshape(h, w, 3))
+                    img = np.asarray(imgs[s])
+                    if shape[2] == 3:  # RGB (every colour JPEG): one contiguous memcpy into the cache
+                        np.copyto(pixels[dst], img.reshape(h * w, 3))
+                    else:
+                        composite(img, bg, out=pixels[dst].reshape(h, w, 3))
                 done[k] = True
     finally:
         del pipe
