@@ -1,0 +1,9 @@
+"""torchrun entry points (installed as ``dali_nerf.trainers``):
+
+    torchrun --nproc_per_node=N trainers/ddp.py --config configs/ddp_objects.yaml
+    torchrun --nproc_per_node=N -m dali_nerf.trainers.spatial --config configs/ss_city.yaml
+
+Both are thin method definitions over the one loop in :mod:`dali_nerf.training`.
+"""
+
+__all__ = ["ddp", "spatial"]
