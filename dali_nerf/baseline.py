@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError
-from .loader import BatchSource, BatchStats, check_common, resolve_device, scene_from_config
+from .loader import BatchSource, BatchStats, _mix64, check_common, resolve_device, scene_from_config
 from .rays import rays_from_indices
 
 __all__ = ["SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "PixelSampler"]
@@ -38,16 +38,8 @@ _FLOAT_KEYS = ("origins", "directions", "rgb")
 
 
 def _mix(*vals: int) -> int:
-    """64-bit mix of integers -> a non-negative 63-bit seed (splitmix64 steps)."""
-    x = 0x9E3779B97F4A7C15
-    m = (1 << 64) - 1
-    for v in vals:
-        x = (x ^ (int(v) & m)) & m
-        x = (x + 0x9E3779B97F4A7C15) & m
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
-        x ^= x >> 31
-    return x & ((1 << 63) - 1)
+    """64-bit mix of integers -> a non-negative 63-bit seed (the loader's splitmix64 hash)."""
+    return _mix64(*vals) & ((1 << 63) - 1)
 
 
 class PixelSampler:

@@ -96,3 +96,14 @@ def ref_rays(scene, idx):
                       -np.ones(len(idx))], -1)
     d = np.einsum("bij,bj->bi", c2w[:, :, :3], d_cam)
     return c2w[:, :, 3], d / np.linalg.norm(d, axis=-1, keepdims=True)
+
+
+def assert_batch_contract(b, B):
+    """The batch dict contract of ARCHITECTURE.md for a scene with bounds."""
+    import torch
+
+    assert set(b) == {"origins", "directions", "rgb", "indices", "near", "far"}
+    for k in ("origins", "directions", "rgb"):
+        assert b[k].shape == (B, 3) and b[k].dtype == torch.float32
+    assert b["indices"].shape == (B, 3) and b["indices"].dtype == torch.int64
+    assert b["near"].shape == (B, 1) and b["far"].shape == (B, 1)

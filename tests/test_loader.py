@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from _tiny_scene import ref_rays as _ref_rays, tiny_scene
+from _tiny_scene import assert_batch_contract, ref_rays as _ref_rays, tiny_scene
 from dali_nerf.errors import ConfigError
 from dali_nerf.loader import RayLoader
 from dali_nerf.pipelines.decode import decode_cache
@@ -37,11 +37,7 @@ def test_batch_contract(scene, cache, mode):
         assert L.steps_per_run == 4 and L.rays_per_run == 800
         for _ in range(6):
             b = next(L)
-            assert set(b) == {"origins", "directions", "rgb", "indices", "near", "far"}
-            for k in ("origins", "directions", "rgb"):
-                assert b[k].shape == (B, 3) and b[k].dtype == torch.float32
-            assert b["indices"].shape == (B, 3) and b["indices"].dtype == torch.int64
-            assert b["near"].shape == (B, 1) and b["far"].shape == (B, 1)
+            assert_batch_contract(b, B)
             torch.testing.assert_close(torch.linalg.norm(b["directions"], dim=-1), torch.ones(B), atol=1e-5, rtol=0)
             cam, row, col = b["indices"].T.numpy()
             assert np.all(row < scene.height[cam]) and np.all(col < scene.width[cam])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from _tiny_scene import ref_rays as _ref_rays, tiny_scene
+from _tiny_scene import assert_batch_contract, ref_rays as _ref_rays, tiny_scene
 from dali_nerf.errors import ConfigError, DataError
 from dali_nerf.loader import RayLoader, plan_window_images, window_plan
 from dali_nerf.pipelines import decode as decode_mod
@@ -106,11 +106,7 @@ def test_batch_contract_and_pixels(scene, full, mode):
     with _loader(scene, mode=mode, rays_per_batch=B) as L:
         for _ in range(14):  # crosses window boundaries (windows of 1152 / 768 positions)
             b = next(L)
-            assert set(b) == {"origins", "directions", "rgb", "indices", "near", "far"}
-            for k in ("origins", "directions", "rgb"):
-                assert b[k].shape == (B, 3) and b[k].dtype == torch.float32
-            assert b["indices"].shape == (B, 3) and b["indices"].dtype == torch.int64
-            assert b["near"].shape == (B, 1) and b["far"].shape == (B, 1)
+            assert_batch_contract(b, B)
             np.testing.assert_array_equal(b["rgb"].numpy(), full.pixels[_pid(full, b["indices"])] / np.float32(255))
             o, d = _ref_rays(scene, b["indices"])
             np.testing.assert_allclose(b["origins"].numpy(), o, atol=1e-5)
