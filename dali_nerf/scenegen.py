@@ -786,7 +786,7 @@ def _write_city(tmp: Path, seed, width, height, cams, image_format):
     _write_json(tmp / "transforms.json", {
         "camera_model": "PINHOLE", "fl_x": float(k[0]), "fl_y": float(k[1]), "cx": float(k[2]), "cy": float(k[3]),
         "w": int(width), "h": int(height), "near": near, "far": far,
-        "aabb": [list(CITY_AABB[0]), list(CITY_AABB[1])], "frames": frames,
+        "aabb": [list(CITY_AABB[0]), list(CITY_AABB[1])], "up": [0.0, 0.0, 1.0], "frames": frames,
         "train_filenames": names["train"], "val_filenames": names["val"],
         "test_filenames": names["test"] if names["test"] else names["val"]})
 

@@ -18,8 +18,8 @@ own world frame; we keep that frame (``world_from_source`` = identity; nerfstudi
 * Bounds: ``near`` / ``far`` per frame or at the top level, else none. Box: ``aabb`` [[min], [max]]
   when present, else from instant-ngp's ``aabb_scale`` (box of side ``aabb_scale`` centred at
   ``offset`` in ngp's unit cube, mapped back with ngp's ``scale`` / ``offset``, defaults 0.33 and
-  0.5), else none. World up: ``up`` when present, else the mean camera up vector (nerfstudio's
-  ``auto_orient`` "up" rule).
+  0.5), else none. World up: ``up`` when present, else the mean camera up vector over all frames
+  of every split (nerfstudio's ``auto_orient`` "up" rule), so every split gets the same ``up``.
 * ``downscale`` d: the ``images_d/`` copies (same names, nerfstudio's layout) when all exist, with
   their header sizes; else sizes floor(w/d), images resized at decode. Intrinsics are scaled by
   the exact size ratio.
@@ -193,7 +193,13 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
         aabb = aabb + (np.asarray(_NGP_OFFSET) - offset) / scale
     else:
         aabb = None
-    up = as_matrix(meta["up"], (3,), "up", path) if "up" in meta else mean_up(c2w)
+    if "up" in meta:
+        up = as_matrix(meta["up"], (3,), "up", path)
+    else:  # a property of the scene, not of the split: every frame's camera votes
+        try:
+            up = mean_up(np.stack([np.asarray(f["transform_matrix"], np.float64)[:3] for f in frames]))
+        except (KeyError, TypeError, ValueError):
+            up = mean_up(c2w)
     if not np.isfinite(up).all() or np.linalg.norm(up) == 0:
         raise SceneError(f"{path}: key 'up' must be a non-zero 3-vector")
 
