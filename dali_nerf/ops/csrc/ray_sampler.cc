@@ -5,6 +5,7 @@
 // the outputs of its accepted candidates, in stream order), the blocks are concatenated in order
 // until R rays are accepted, then the blocks copy their share into the output in parallel.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -176,37 +177,6 @@ struct RouteTable {
   }
 };
 
-/// detail::route_accept for a ray of image `img` with the per-image terms of `rt`.
-inline bool route_accept_cpu(const detail::RouteParams &rp, const RouteTable &rt, size_t img,
-                             const float *of, const float *df, double lo, double hi) {
-  if (!(lo <= hi)) return false;
-  if (rp.has_bounds) detail::clip_to_box(rp.bmin, rp.bmax, of, df, lo, hi);
-  double d[3] = {df[0], df[1], df[2]};
-  if (rp.dims == 2) {
-    double dd = d[0] * rp.up[0] + d[1] * rp.up[1] + d[2] * rp.up[2];
-    for (int i = 0; i < 3; i++) d[i] -= dd * rp.up[i];
-  }
-  const double *t = rt.v.data() + img * rt.stride;
-  double dd = d[0] * d[0] + d[1] * d[1] + d[2] * d[2];
-  double dqj = d[0] * t[0] + d[1] * t[1] + d[2] * t[2];
-  double a = dd * (1.0 - rp.m2);
-  double bs[detail::kMaxCells];
-  const int n = rt.n;
-  const double *q = t + 3;
-  bool in_lo = true, in_hi = true;  // branch-free: all conditions are evaluated
-  for (int k = 0; k < n; k++, q += 4) {
-    double b = 2.0 * (dqj - rp.m2 * (d[0] * q[0] + d[1] * q[1] + d[2] * q[2]));
-    double c = q[3];
-    in_lo &= (a * lo + b) * lo + c <= 0.0;
-    in_hi &= (a * hi + b) * hi + c <= 0.0;
-    bs[k] = b;
-  }
-  if (in_lo | in_hi) return true;
-  double cs[detail::kMaxCells];
-  for (int k = 0; k < n; k++) cs[k] = t[3 + 4 * k + 3];
-  return detail::route_solve(a, bs, cs, n, lo, hi);
-}
-
 /// One speculative block's accepted rays, staged in the output layout (in stream order).
 struct Accepted {
   int64_t count = 0;
@@ -230,6 +200,48 @@ struct Accepted {
   }
 };
 
+constexpr int kBatch = 64;  // routed: candidates per structure-of-arrays batch
+
+/// One batch of candidates in structure-of-arrays form: the rays (staged in the output layout),
+/// the projected directions and the per-candidate routing terms of detail::route_accept.
+struct Batch {
+  double dx[kBatch], dy[kBatch], dz[kBatch], lo[kBatch], hi[kBatch], a[kBatch], dqj[kBatch];
+  const double *t[kBatch];  // per-image routing terms (RouteTable row)
+  int32_t in[kBatch];       // end-point shortcut: lo or hi satisfies every condition
+  float o[3 * kBatch], d[3 * kBatch];
+};
+
+/// The branch-free end-point shortcut of detail::route_accept for all m candidates of a batch, with
+/// exactly its arithmetic (k outer, candidates inner: a vectorisable loop).
+template <int Dummy>
+__attribute__((always_inline)) inline void shortcut_body(const detail::RouteParams &rp, int n,
+                                                         Batch &bt, int m) {
+  const double m2 = rp.m2;
+  int32_t inlo[kBatch], inhi[kBatch];
+  for (int j = 0; j < m; j++) { inlo[j] = 1; inhi[j] = 1; }
+  for (int k = 0; k < n; k++) {
+    for (int j = 0; j < m; j++) {
+      const double *q = bt.t[j] + 3 + 4 * k;
+      double b = 2.0 * (bt.dqj[j] - m2 * (bt.dx[j] * q[0] + bt.dy[j] * q[1] + bt.dz[j] * q[2]));
+      double c = q[3], a = bt.a[j], lo = bt.lo[j], hi = bt.hi[j];
+      inlo[j] &= (a * lo + b) * lo + c <= 0.0;
+      inhi[j] &= (a * hi + b) * hi + c <= 0.0;
+    }
+  }
+  for (int j = 0; j < m; j++) bt.in[j] = inlo[j] | inhi[j];
+}
+
+// AVX2 without FMA: GCC contracts a * b + c in C++ when FMA is available, which would change
+// the bits of the decisions; plain AVX2 keeps every operation exactly as in detail::route_accept
+__attribute__((target("avx2"))) void shortcut_avx2(const detail::RouteParams &rp, int n, Batch &bt,
+                                                   int m) {
+  shortcut_body<1>(rp, n, bt, m);
+}
+void shortcut_base(const detail::RouteParams &rp, int n, Batch &bt, int m) {
+  shortcut_body<0>(rp, n, bt, m);
+}
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+
 template <int Mode>
 void eval_block(const Cache &c, const detail::RouteParams &rp, const RouteTable &rt, uint64_t key,
                 uint64_t s0, int64_t n, Accepted &acc) {
@@ -248,24 +260,68 @@ void eval_block(const Cache &c, const detail::RouteParams &rp, const RouteTable 
   float *o = acc.o.data(), *d = acc.d.data(), *rgb = acc.rgb.data(), *nr = acc.nr.data(),
         *fr = acc.fr.data();
   int64_t *idx = acc.idx.data();
-  for (int64_t i = 0; i < n; i++) {
-    uint64_t pix = ring[i & (kAhead - 1)];
-    if (i + kAhead < n) {
-      uint64_t q = st.next();
-      ring[i & (kAhead - 1)] = q;
-      __builtin_prefetch(c.pixels + 3 * q);
+  const int nc = rt.n;
+  Batch bt;
+  uint64_t bpix[kBatch], brow[kBatch], bcol[kBatch];
+  const Image *bim[kBatch];
+  bool valid[kBatch];
+  for (int64_t i0 = 0; i0 < n; i0 += kBatch) {
+    const int m = static_cast<int>(std::min<int64_t>(kBatch, n - i0));
+    // 1. rays and per-candidate routing terms (as detail::route_accept computes them)
+    for (int j = 0; j < m; j++) {
+      int64_t i = i0 + j;
+      uint64_t pix = ring[i & (kAhead - 1)];
+      if (i + kAhead < n) {
+        uint64_t q = st.next();
+        ring[i & (kAhead - 1)] = q;
+        __builtin_prefetch(c.pixels + 3 * q);
+      }
+      const Image &im = c.locate(pix, brow[j], bcol[j]);
+      bpix[j] = pix;
+      bim[j] = &im;
+      float *oc = bt.o + 3 * j, *dc = bt.d + 3 * j;
+      detail::pixel_ray(im.cam, brow[j], bcol[j], oc, dc);
+      double lo = im.cam[16], hi = im.cam[17];
+      valid[j] = lo <= hi;
+      if (rp.has_bounds && valid[j]) detail::clip_to_box(rp.bmin, rp.bmax, oc, dc, lo, hi);
+      double dv[3] = {dc[0], dc[1], dc[2]};
+      if (rp.dims == 2) {
+        double dd = dv[0] * rp.up[0] + dv[1] * rp.up[1] + dv[2] * rp.up[2];
+        for (int k = 0; k < 3; k++) dv[k] -= dd * rp.up[k];
+      }
+      const double *t = rt.v.data() + (&im - c.imgs.data()) * rt.stride;
+      double dd = dv[0] * dv[0] + dv[1] * dv[1] + dv[2] * dv[2];
+      bt.dqj[j] = dv[0] * t[0] + dv[1] * t[1] + dv[2] * t[2];
+      bt.a[j] = dd * (1.0 - rp.m2);
+      bt.dx[j] = dv[0]; bt.dy[j] = dv[1]; bt.dz[j] = dv[2];
+      bt.lo[j] = lo; bt.hi[j] = hi; bt.t[j] = t;
     }
-    uint64_t row, col;
-    const Image &im = c.locate(pix, row, col);
-    // stage every candidate at slot cnt; only an accepted one advances cnt (no branch)
-    float *oc = o + 3 * cnt, *dc = d + 3 * cnt;
-    detail::pixel_ray(im.cam, row, col, oc, dc);
-    const uint8_t *p = c.pixels + 3 * pix;
-    rgb[3 * cnt] = kRgb.v[p[0]]; rgb[3 * cnt + 1] = kRgb.v[p[1]]; rgb[3 * cnt + 2] = kRgb.v[p[2]];
-    idx[3 * cnt] = im.index; idx[3 * cnt + 1] = row; idx[3 * cnt + 2] = col;
-    nr[cnt] = im.cam[16]; fr[cnt] = im.cam[17];
-    pos[cnt] = static_cast<uint32_t>(i);
-    cnt += route_accept_cpu(rp, rt, &im - c.imgs.data(), oc, dc, im.cam[16], im.cam[17]);
+    // 2. the end-point shortcut over the whole batch
+    if (kHasAvx2) shortcut_avx2(rp, nc, bt, m);
+    else shortcut_base(rp, nc, bt, m);
+    // 3. exact root-finding for the survivors, then stage the accepted rays in stream order
+    for (int j = 0; j < m; j++) {
+      bool ok = valid[j] && bt.in[j];
+      if (valid[j] && !bt.in[j]) {
+        double bs[detail::kMaxCells], cs[detail::kMaxCells];
+        const double *q = bt.t[j] + 3;
+        for (int k = 0; k < nc; k++, q += 4) {
+          bs[k] = 2.0 * (bt.dqj[j] - rp.m2 * (bt.dx[j] * q[0] + bt.dy[j] * q[1] + bt.dz[j] * q[2]));
+          cs[k] = q[3];
+        }
+        ok = detail::route_solve(bt.a[j], bs, cs, nc, bt.lo[j], bt.hi[j]);
+      }
+      const Image &im = *bim[j];
+      const uint8_t *p = c.pixels + 3 * bpix[j];
+      float *oc = o + 3 * cnt, *dc = d + 3 * cnt;
+      oc[0] = bt.o[3 * j]; oc[1] = bt.o[3 * j + 1]; oc[2] = bt.o[3 * j + 2];
+      dc[0] = bt.d[3 * j]; dc[1] = bt.d[3 * j + 1]; dc[2] = bt.d[3 * j + 2];
+      rgb[3 * cnt] = kRgb.v[p[0]]; rgb[3 * cnt + 1] = kRgb.v[p[1]]; rgb[3 * cnt + 2] = kRgb.v[p[2]];
+      idx[3 * cnt] = im.index; idx[3 * cnt + 1] = brow[j]; idx[3 * cnt + 2] = bcol[j];
+      nr[cnt] = im.cam[16]; fr[cnt] = im.cam[17];
+      pos[cnt] = static_cast<uint32_t>(i0 + j);
+      cnt += ok;
+    }
   }
   acc.count = cnt;
 }
@@ -330,10 +386,15 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
     while (consumed < 0) {
       int64_t need = R - accepted;
       double est = std::max(accept_estimate_, 1e-3);
-      int64_t cand = static_cast<int64_t>(need / est * 1.1) + 256;
-      // blocks of at most kBlock candidates, at least one per thread, at least 1024 each
+      // expected need / est candidates plus 6 binomial standard deviations (and 1% for the
+      // estimate's own error): a second, small round is rare, and few candidates are wasted
+      int64_t cand = static_cast<int64_t>(need / est * 1.01 +
+                                          6.0 * std::sqrt(need * (1.0 - est)) / est) + 256;
+      // blocks of at most kBlock candidates, at least one per thread, at least 1024 each, sized
+      // so that nb * bsz is just over cand (no partly-needed whole block at the end)
       int64_t bsz = std::min<int64_t>(kBlock, std::max<int64_t>(1024, (cand + nthreads - 1) / nthreads));
       int64_t nb = std::min<int64_t>((cand + bsz - 1) / bsz, 4096);
+      bsz = std::max<int64_t>(1024, std::min<int64_t>(bsz, (cand + nb - 1) / nb));
       if (static_cast<int64_t>(blocks.size()) < nb) blocks.resize(nb);
       for (int64_t b = 0; b < nb; b++) {
         uint64_t bs = s0 + examined + b * bsz;
