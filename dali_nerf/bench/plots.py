@@ -26,6 +26,15 @@ def _plt():
     return plt
 
 
+
+def _save(plt, fig, path, tight: bool = True) -> Path:
+    """Write ``fig`` as a PNG (dpi 110) and free it."""
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
 def plot_phases(runs: Sequence[dict], path: Path) -> Path:
     """Stacked bars, one per run (``derive()["runs"]``): mean ms per step of each phase."""
     plt = _plt()
@@ -43,10 +52,7 @@ def plot_phases(runs: Sequence[dict], path: Path) -> Path:
     ax.set_ylabel("ms per step (mean over ranks)")
     ax.set_title("Phase breakdown per configuration (label: data-wait share)")
     ax.legend(fontsize=8, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
@@ -62,10 +68,7 @@ def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
     ax.set_xticklabels([f"{s['method']} x{s['ranks']}\nvs {s['baseline']}" for s in speedups], fontsize=7)
     ax.set_ylabel("step-time speedup of pipelined sampling")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_model_check(rows: Sequence[dict], path: Path) -> Path:
@@ -86,10 +89,7 @@ def plot_model_check(rows: Sequence[dict], path: Path) -> Path:
     ax.set_xlabel("measured ms per step")
     ax.set_ylabel("cost model ms per step")
     ax.set_title("Cost model check (o global, s local, ^ pipelined;\nblue 1 rank, red 2; dashed +-15%)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_projection(rows: Sequence[dict], assumptions: List[str], path: Path) -> Path:
@@ -119,6 +119,4 @@ def plot_projection(rows: Sequence[dict], assumptions: List[str], path: Path) ->
     a2.legend(fontsize=6, ncol=2)
     fig.text(0.01, 0.01, "Assumptions: " + "; ".join(assumptions), fontsize=6, wrap=True, va="bottom")
     fig.tight_layout(rect=(0, 0.12, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path, tight=False)
