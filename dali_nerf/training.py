@@ -39,7 +39,7 @@ from .config import Config, config_to_dict, load_config
 from .errors import ConfigError, DaliNerfError
 
 __all__ = ["Task", "Method", "DistEnv", "setup_distributed", "train", "trainer_main", "PHASES",
-           "evaluate_field", "write_renders", "scene_aabb"]
+           "evaluate_field", "eval_subset", "write_renders", "scene_aabb"]
 
 PHASES = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
 
@@ -244,6 +244,12 @@ def _near_far(batch: dict, scene):
 # evaluation
 
 
+def eval_subset(scene, max_images: int = 0):
+    """The evaluated views: all of ``scene`` (max_images <= 0) or ``max_images`` evenly spaced."""
+    n = scene.num_images if max_images <= 0 else min(max_images, scene.num_images)
+    return scene.subset(np.linspace(0, scene.num_images - 1, n).round().astype(np.int64)) if n < scene.num_images else scene
+
+
 @torch.no_grad()
 def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int = 0, decode=None):
     """Render held-out views; returns (list of (pred, gt) HxWx3 float tensors, psnr, ssim, seconds).
@@ -255,8 +261,7 @@ def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int
     from .models import psnr as psnr_fn, render_image, ssim as ssim_fn
     from .pipelines.decode import decode_cache
 
-    n = scene.num_images if max_images <= 0 else min(max_images, scene.num_images)
-    sub = scene.subset(np.linspace(0, scene.num_images - 1, n).round().astype(np.int64)) if n < scene.num_images else scene
+    sub = eval_subset(scene, max_images)
     cache = decode if decode is not None else decode_cache(sub, 0, 1)
     bg = torch.as_tensor(np.array(scene.background), device=device)
     pairs, ps, ss = [], [], []

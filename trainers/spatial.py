@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dali_nerf.training import DistEnv, Method, Task, evaluate_field, scene_aabb, trainer_main
+from dali_nerf.training import DistEnv, Method, Task, eval_subset, evaluate_field, scene_aabb, trainer_main
 
 __all__ = ["SpatialMethod", "build_fused", "main"]
 
@@ -104,7 +104,10 @@ class SpatialMethod(Method):
         """Fusion overhead (fused render time / one sub-model's) and each sub-model's PSNR alone."""
         from dali_nerf.models import build_field, build_occupancy
 
+        from dali_nerf.pipelines.decode import decode_cache
+
         n = min(cfg.train.eval_images or eval_scene.num_images, eval_scene.num_images)
+        views = decode_cache(eval_subset(eval_scene, n), 0, 1)  # decoded once for all the renders
         alone = []
         for c in range(self.partition.num_cells):
             f = build_field(cfg.model, self.aabb)
@@ -114,11 +117,11 @@ class SpatialMethod(Method):
             if occ is not None:
                 occ.load_state_dict(self.cell_states[c]["occupancy"])
                 occ = occ.to(env.device)
-            _, p, _, secs = evaluate_field(f, occ, eval_scene, cfg, env.device, n)
+            _, p, _, secs = evaluate_field(f, occ, eval_scene, cfg, env.device, n, decode=views)
             alone.append({"cell": c, "psnr": p, "render_s": secs})
         field.reset_stats() if hasattr(field, "reset_stats") else None
         t0 = time.perf_counter()
-        _, fused_psnr, _, fused_s = evaluate_field(field, occupancy, eval_scene, cfg, env.device, n)
+        _, fused_psnr, _, fused_s = evaluate_field(field, occupancy, eval_scene, cfg, env.device, n, decode=views)
         stats = field.fusion_stats() if hasattr(field, "fusion_stats") else {}
         single_s = float(np.mean([a["render_s"] for a in alone]))
         return {
