@@ -178,7 +178,7 @@ def _build_plan(cuda: bool) -> dict:
         sources = _CUDA_SOURCES
     else:
         compiler = _find_cxx()
-        flags = ["-std=c++20", "-O3", "-shared", "-fPIC", "-Wno-free-nonheap-object"]
+        flags = ["-std=c++20", "-O3", "-fno-math-errno", "-shared", "-fPIC", "-Wno-free-nonheap-object"]
         sources = _CPU_SOURCES
     flags = flags + cflags + incs
     ident = {

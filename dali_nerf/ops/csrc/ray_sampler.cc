@@ -87,10 +87,17 @@ struct Outputs {
   float *o, *d, *rgb, *nr, *fr;
   int64_t *idx;
 
-  inline void write(const Cache &c, int64_t i, uint64_t pix) const {
+  /// Ray i from pixel `pix`; its direction from detail::pixel_ray, or `dir` when given (routed
+  /// rays: the unit direction the decision pass computed).
+  inline void write(const Cache &c, int64_t i, uint64_t pix, const float *dir = nullptr) const {
     uint64_t row, col;
     const Image &im = c.locate(pix, row, col);
-    detail::pixel_ray(im.cam, row, col, o + 3 * i, d + 3 * i);
+    if (dir) {
+      o[3 * i] = im.cam[3]; o[3 * i + 1] = im.cam[7]; o[3 * i + 2] = im.cam[11];
+      d[3 * i] = dir[0]; d[3 * i + 1] = dir[1]; d[3 * i + 2] = dir[2];
+    } else {
+      detail::pixel_ray(im.cam, row, col, o + 3 * i, d + 3 * i);
+    }
     const uint8_t *p = c.pixels + 3 * pix;
     rgb[3 * i] = kRgb.v[p[0]]; rgb[3 * i + 1] = kRgb.v[p[1]]; rgb[3 * i + 2] = kRgb.v[p[2]];
     idx[3 * i] = im.index; idx[3 * i + 1] = row; idx[3 * i + 2] = col;
@@ -123,131 +130,11 @@ struct Stream<kEpoch> {
 };
 
 template <int Mode>
-void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, int64_t i0, int64_t n) {
-  // pixel ids of a small group first, prefetching their pixels (a large cache is random-access
-  // DRAM-latency bound), then the rays of the group
-  constexpr int kGroup = 64;
-  uint64_t pix[kGroup];
-  Stream<Mode> st(key, c.P, s0);
-  for (int64_t g = i0; g < i0 + n; g += kGroup) {
-    int m = static_cast<int>(std::min<int64_t>(kGroup, i0 + n - g));
-    for (int k = 0; k < m; k++) {
-      pix[k] = st.next();
-      __builtin_prefetch(c.pixels + 3 * pix[k]);
-    }
-    for (int k = 0; k < m; k++) out.write(c, g + k, pix[k]);
-  }
-}
-
-/// Routing terms that depend only on the camera origin, computed once per image and run with
-/// exactly the arithmetic of detail::route_accept (so every decision is bit-identical to it):
-/// the projected origin's q_j = o' - c_cell, and per other cell k (in increasing k) q_k = o' - c_k
-/// and c_k = |q_j|^2 - m^2 |q_k|^2.
-struct RouteTable {
-  int n = 0;       // conditions per ray (C - 1)
-  int stride = 0;  // doubles per image: 3 (q_j) + 4 n (q_k, c_k)
-  std::vector<double> v;
-
-  void init(const Cache &c, const detail::RouteParams &rp) {
-    n = rp.C - 1;
-    stride = 3 + 4 * n;
-    v.assign(c.imgs.size() * stride, 0.0);
-    for (size_t i = 0; i < c.imgs.size(); i++) {
-      const float *cam = c.imgs[i].cam;
-      double o[3] = {cam[3], cam[7], cam[11]};
-      if (rp.dims == 2) {
-        double od = o[0] * rp.up[0] + o[1] * rp.up[1] + o[2] * rp.up[2];
-        for (int j = 0; j < 3; j++) o[j] -= od * rp.up[j];
-      }
-      const double *cj = rp.cproj + 3 * rp.cell;
-      double *t = v.data() + i * stride;
-      double qj[3] = {o[0] - cj[0], o[1] - cj[1], o[2] - cj[2]};
-      double qqj = qj[0] * qj[0] + qj[1] * qj[1] + qj[2] * qj[2];
-      t[0] = qj[0]; t[1] = qj[1]; t[2] = qj[2];
-      double *q = t + 3;
-      for (int k = 0; k < rp.C; k++) {
-        if (k == rp.cell) continue;
-        const double *ck = rp.cproj + 3 * k;
-        double qk[3] = {o[0] - ck[0], o[1] - ck[1], o[2] - ck[2]};
-        q[0] = qk[0]; q[1] = qk[1]; q[2] = qk[2];
-        q[3] = qqj - rp.m2 * (qk[0] * qk[0] + qk[1] * qk[1] + qk[2] * qk[2]);
-        q += 4;
-      }
-    }
-  }
-};
-
-/// One speculative block's accepted rays, staged in the output layout (in stream order).
-struct Accepted {
-  int64_t count = 0;
-  std::vector<uint32_t> pos;  // offsets of the accepted candidates inside the block
-  std::vector<float> o, d, rgb, nr, fr;
-  std::vector<int64_t> idx;
-
-  void reserve(int64_t n) {
-    if (static_cast<int64_t>(pos.size()) >= n) return;
-    pos.resize(n); o.resize(3 * n); d.resize(3 * n); rgb.resize(3 * n);
-    nr.resize(n); fr.resize(n); idx.resize(3 * n);
-  }
-  /// Copy the first n staged rays to output slots [slot, slot + n).
-  void write(const Outputs &out, int64_t slot, int64_t n) const {
-    std::memcpy(out.o + 3 * slot, o.data(), 3 * n * sizeof(float));
-    std::memcpy(out.d + 3 * slot, d.data(), 3 * n * sizeof(float));
-    std::memcpy(out.rgb + 3 * slot, rgb.data(), 3 * n * sizeof(float));
-    std::memcpy(out.idx + 3 * slot, idx.data(), 3 * n * sizeof(int64_t));
-    std::memcpy(out.nr + slot, nr.data(), n * sizeof(float));
-    std::memcpy(out.fr + slot, fr.data(), n * sizeof(float));
-  }
-};
-
-constexpr int kBatch = 64;  // routed: candidates per structure-of-arrays batch
-
-/// One batch of candidates in structure-of-arrays form: the rays (staged in the output layout),
-/// the projected directions and the per-candidate routing terms of detail::route_accept.
-struct Batch {
-  double dx[kBatch], dy[kBatch], dz[kBatch], lo[kBatch], hi[kBatch], a[kBatch], dqj[kBatch];
-  const double *t[kBatch];  // per-image routing terms (RouteTable row)
-  int32_t in[kBatch];       // end-point shortcut: lo or hi satisfies every condition
-  float o[3 * kBatch], d[3 * kBatch];
-};
-
-/// The branch-free end-point shortcut of detail::route_accept for all m candidates of a batch, with
-/// exactly its arithmetic (k outer, candidates inner: a vectorisable loop).
-template <int Dummy>
-__attribute__((always_inline)) inline void shortcut_body(const detail::RouteParams &rp, int n,
-                                                         Batch &bt, int m) {
-  const double m2 = rp.m2;
-  int32_t inlo[kBatch], inhi[kBatch];
-  for (int j = 0; j < m; j++) { inlo[j] = 1; inhi[j] = 1; }
-  for (int k = 0; k < n; k++) {
-    for (int j = 0; j < m; j++) {
-      const double *q = bt.t[j] + 3 + 4 * k;
-      double b = 2.0 * (bt.dqj[j] - m2 * (bt.dx[j] * q[0] + bt.dy[j] * q[1] + bt.dz[j] * q[2]));
-      double c = q[3], a = bt.a[j], lo = bt.lo[j], hi = bt.hi[j];
-      inlo[j] &= (a * lo + b) * lo + c <= 0.0;
-      inhi[j] &= (a * hi + b) * hi + c <= 0.0;
-    }
-  }
-  for (int j = 0; j < m; j++) bt.in[j] = inlo[j] | inhi[j];
-}
-
-// AVX2 without FMA: GCC contracts a * b + c in C++ when FMA is available, which would change
-// the bits of the decisions; plain AVX2 keeps every operation exactly as in detail::route_accept
-__attribute__((target("avx2"))) void shortcut_avx2(const detail::RouteParams &rp, int n, Batch &bt,
-                                                   int m) {
-  shortcut_body<1>(rp, n, bt, m);
-}
-void shortcut_base(const detail::RouteParams &rp, int n, Batch &bt, int m) {
-  shortcut_body<0>(rp, n, bt, m);
-}
-const bool kHasAvx2 = __builtin_cpu_supports("avx2");
-
-template <int Mode>
-void eval_block(const Cache &c, const detail::RouteParams &rp, const RouteTable &rt, uint64_t key,
-                uint64_t s0, int64_t n, Accepted &acc) {
-  acc.reserve(n);
-  // pixel ids run kAhead candidates ahead of the evaluation, each prefetched when generated
-  // (a steady prefetch distance; a burst of 64 prefetches stalls on the fill buffers)
+void run_chunk(const Cache &c, const Outputs &out_, uint64_t key, uint64_t s0, int64_t i0, int64_t n) {
+  const Outputs out = out_;  // a local copy: its pointers stay in registers across the stores
+  // pixel ids run kAhead rays ahead of the writes, each prefetched when generated: a large cache
+  // is random-access DRAM-latency bound, and a steady prefetch distance keeps the misses in flight
+  // (a burst of prefetches per group stalls on the fill buffers)
   constexpr int64_t kAhead = 32;
   uint64_t ring[kAhead];
   Stream<Mode> st(key, c.P, s0);
@@ -255,75 +142,259 @@ void eval_block(const Cache &c, const detail::RouteParams &rp, const RouteTable 
     ring[k] = st.next();
     __builtin_prefetch(c.pixels + 3 * ring[k]);
   }
+  for (int64_t i = 0; i < n; i++) {
+    uint64_t pix = ring[i & (kAhead - 1)];
+    if (i + kAhead < n) {
+      uint64_t q = st.next();
+      ring[i & (kAhead - 1)] = q;
+      __builtin_prefetch(c.pixels + 3 * q);
+    }
+    out.write(c, i0 + i, pix);
+  }
+}
+
+/// One speculative block's accepted candidates, in stream order: their offsets inside the block
+/// and their pixel ids (the rest of the rays is written later, straight into the output).
+struct Accepted {
+  int64_t count = 0;
+  std::vector<uint32_t> pos;
+  std::vector<uint64_t> pix;
+  std::vector<float> d;  // unit directions, 3 per ray
+
+  void reserve(int64_t n) {
+    if (static_cast<int64_t>(pos.size()) >= n) return;
+    pos.resize(n); pix.resize(n); d.resize(3 * n);
+  }
+};
+
+/// The CPU decision pass: the exact test of detail::route_accept, arranged so that a batch of
+/// candidates from random images is evaluated with vertical SIMD over global per-cell constants.
+/// With o the (projected) camera origin, D the (projected) unnormalised direction of the pixel,
+/// u = t / |d| (t along the unit ray, d the unprojected unnormalised direction) and j = the cell:
+///   f_k(u) = |o + u D - c_j|^2 - m^2 |o + u D - c_k|^2 = a u^2 + b_k u + c_k,
+///   a = (1 - m^2) |D|^2,  b_k = B0 + 2 m^2 (D . c_k),  c_k = C0 + K_k + 2 m^2 (o . c_k),
+///   B0 = 2 (1 - m^2) (D . o) - 2 (D . c_j),  C0 = |o - c_j|^2 - m^2 |o|^2,  K_k = -m^2 |c_k|^2,
+/// on [near, far] / |d|. It is the same function as route_accept's, rounded differently, so a
+/// decision can differ from it only for rays within rounding of a cell boundary.
+struct RouteTable {
+  int n = 0;  // conditions per ray (C - 1): the other cells, in increasing index
+  // per image: A, B, C (9: the unnormalised direction of pixel (row, col) is A col + B row + C),
+  // world origin (3), projected origin o (3), C0
+  static constexpr int kStride = 16;
+  std::vector<double> img;
+  std::vector<double> ckx, cky, ckz, kk;  // per other cell: projected centroid, K_k
+  double cj[3] = {0, 0, 0}, m2 = 1, two_m2 = 2, one_m2 = 0;
+
+  void init(const Cache &c, const detail::RouteParams &rp) {
+    n = rp.C - 1;
+    m2 = rp.m2; two_m2 = 2.0 * rp.m2; one_m2 = 1.0 - rp.m2;
+    for (int i = 0; i < 3; i++) cj[i] = rp.cproj[3 * rp.cell + i];
+    ckx.clear(); cky.clear(); ckz.clear(); kk.clear();
+    for (int k = 0; k < rp.C; k++) {
+      if (k == rp.cell) continue;
+      const double *ck = rp.cproj + 3 * k;
+      ckx.push_back(ck[0]); cky.push_back(ck[1]); ckz.push_back(ck[2]);
+      kk.push_back(-rp.m2 * (ck[0] * ck[0] + ck[1] * ck[1] + ck[2] * ck[2]));
+    }
+    img.assign(c.imgs.size() * kStride, 0.0);
+    for (size_t i = 0; i < c.imgs.size(); i++) {
+      const float *cam = c.imgs[i].cam;
+      double *t = img.data() + i * kStride;
+      // detail::pixel_ray's x = (col + 0.5 - cx) / fx, y = -(row + 0.5 - cy) / fy,
+      // d = R0 x + R1 y - R2 (R0, R1, R2 the columns of the camera-to-world rotation)
+      double ifx = 1.0 / cam[12], ify = 1.0 / cam[13];
+      double x0 = (0.5 - cam[14]) * ifx, y0 = -(0.5 - cam[15]) * ify;
+      for (int r = 0; r < 3; r++) {
+        double r0 = cam[4 * r], r1 = cam[4 * r + 1], r2 = cam[4 * r + 2];
+        t[r] = r0 * ifx;
+        t[3 + r] = -r1 * ify;
+        t[6 + r] = r0 * x0 + r1 * y0 - r2;
+        t[9 + r] = cam[4 * r + 3];
+      }
+      double o[3] = {t[9], t[10], t[11]};
+      project(rp, o);
+      t[12] = o[0]; t[13] = o[1]; t[14] = o[2];
+      double q[3] = {o[0] - cj[0], o[1] - cj[1], o[2] - cj[2]};
+      t[15] = (q[0] * q[0] + q[1] * q[1] + q[2] * q[2]) - rp.m2 * (o[0] * o[0] + o[1] * o[1] + o[2] * o[2]);
+    }
+  }
+
+  static inline void project(const detail::RouteParams &rp, double *v) {
+    if (rp.dims != 2) return;
+    double vu = v[0] * rp.up[0] + v[1] * rp.up[1] + v[2] * rp.up[2];
+    for (int i = 0; i < 3; i++) v[i] -= vu * rp.up[i];
+  }
+};
+
+constexpr int kBatch = 64;  // routed: candidates per structure-of-arrays batch
+constexpr int kKeep = 8;    // conditions whose b_k, c_k a batch keeps for the exact solve
+
+/// One batch of candidates in structure-of-arrays form (the per-candidate terms above).
+struct Batch {
+  double Dx[kBatch], Dy[kBatch], Dz[kBatch];  // direction (unnormalised; projected in stage 2)
+  double wx[kBatch], wy[kBatch], wz[kBatch];  // world origin (routing box only)
+  double ox[kBatch], oy[kBatch], oz[kBatch], C0[kBatch];  // projected origin, C0
+  double a[kBatch], B0[kBatch], lo[kBatch], hi[kBatch];
+  float ux[kBatch], uy[kBatch], uz[kBatch];   // the unit direction (the ray's output)
+  double b[kKeep * kBatch], c[kKeep * kBatch];  // b_k, c_k of the first kKeep conditions
+  int32_t in[kBatch];  // end points: 1 accept (lo or hi satisfies every condition), -1 reject
+                       // (some condition fails at both ends and m >= 1), 0 undecided
+};
+
+/// Stages 2 and 3 of a batch, branch-free over its m candidates (vectorisable loops): the u range
+/// (near/far over |d|, clipped to the routing box), the projected direction, a and B0, then the
+/// end-point tests (k outer, candidates inner).
+template <int Dummy>
+__attribute__((always_inline)) inline void batch_body(const detail::RouteParams &rp,
+                                                      const RouteTable &rt, Batch &bt, int m) {
+  const double nan = __builtin_nan("");
+  double invs[kBatch];
+  for (int j = 0; j < m; j++)
+    invs[j] = 1.0 / __builtin_sqrt(bt.Dx[j] * bt.Dx[j] + bt.Dy[j] * bt.Dy[j] + bt.Dz[j] * bt.Dz[j]);
+  for (int j = 0; j < m; j++) {
+    bt.ux[j] = static_cast<float>(bt.Dx[j] * invs[j]);
+    bt.uy[j] = static_cast<float>(bt.Dy[j] * invs[j]);
+    bt.uz[j] = static_cast<float>(bt.Dz[j] * invs[j]);
+  }
+  for (int j = 0; j < m; j++) {
+    double lo = bt.lo[j], hi = bt.hi[j];
+    bool ok = lo <= hi;
+    bt.lo[j] = ok ? lo * invs[j] : nan;  // an empty segment is never accepted: NaN fails
+    bt.hi[j] = ok ? hi * invs[j] : nan;  // every test
+  }
+  if (rp.has_bounds) {
+    // slab test on the unprojected ray w + u D; a ray that misses the box keeps its segment
+    // (d == 0: 1 / d = +-inf makes that axis's slab all or nothing, as it should)
+    const double *bmin = rp.bmin, *bmax = rp.bmax;
+    for (int j = 0; j < m; j++) {
+      double lo = bt.lo[j], hi = bt.hi[j];
+      double w[3] = {bt.wx[j], bt.wy[j], bt.wz[j]}, d[3] = {bt.Dx[j], bt.Dy[j], bt.Dz[j]};
+      for (int i = 0; i < 3; i++) {
+        double inv = 1.0 / d[i];
+        double t0 = (bmin[i] - w[i]) * inv, t1 = (bmax[i] - w[i]) * inv;
+        double tn = t0 < t1 ? t0 : t1, tf = t0 < t1 ? t1 : t0;
+        lo = tn > lo ? tn : lo;
+        hi = tf < hi ? tf : hi;
+      }
+      bool hit = lo <= hi;
+      bt.lo[j] = hit ? lo : bt.lo[j];
+      bt.hi[j] = hit ? hi : bt.hi[j];
+    }
+  }
+  const double u0 = rp.up[0], u1 = rp.up[1], u2 = rp.up[2], proj = rp.dims == 2 ? 1.0 : 0.0;
+  const double one_m2 = rt.one_m2, cj0 = rt.cj[0], cj1 = rt.cj[1], cj2 = rt.cj[2];
+  for (int j = 0; j < m; j++) {
+    double du = proj * (bt.Dx[j] * u0 + bt.Dy[j] * u1 + bt.Dz[j] * u2);
+    double dx = bt.Dx[j] - du * u0, dy = bt.Dy[j] - du * u1, dz = bt.Dz[j] - du * u2;
+    bt.Dx[j] = dx; bt.Dy[j] = dy; bt.Dz[j] = dz;
+    bt.a[j] = one_m2 * (dx * dx + dy * dy + dz * dz);
+    bt.B0[j] = 2.0 * one_m2 * (dx * bt.ox[j] + dy * bt.oy[j] + dz * bt.oz[j]) -
+               2.0 * (dx * cj0 + dy * cj1 + dz * cj2);
+  }
+  const int32_t concave = rt.m2 >= 1.0;  // a <= 0: f_k > 0 at both ends means f_k > 0 on [lo, hi]
+  const double two_m2 = rt.two_m2;
+  int32_t inlo[kBatch], inhi[kBatch], out[kBatch];
+  for (int j = 0; j < m; j++) { inlo[j] = 1; inhi[j] = 1; out[j] = 0; }
+  for (int k = 0; k < rt.n; k++) {
+    const double cx = rt.ckx[k], cy = rt.cky[k], cz = rt.ckz[k], K = rt.kk[k];
+    for (int j = 0; j < m; j++) {
+      double b = bt.B0[j] + two_m2 * (bt.Dx[j] * cx + bt.Dy[j] * cy + bt.Dz[j] * cz);
+      double c = (bt.C0[j] + K) + two_m2 * (bt.ox[j] * cx + bt.oy[j] * cy + bt.oz[j] * cz);
+      if (k < kKeep) { bt.b[k * kBatch + j] = b; bt.c[k * kBatch + j] = c; }
+      double a = bt.a[j], lo = bt.lo[j], hi = bt.hi[j];
+      int32_t l = (a * lo + b) * lo + c <= 0.0, h = (a * hi + b) * hi + c <= 0.0;
+      inlo[j] &= l;
+      inhi[j] &= h;
+      out[j] |= (l | h) ^ 1;
+    }
+  }
+  for (int j = 0; j < m; j++) bt.in[j] = (inlo[j] | inhi[j]) ? 1 : -(out[j] & concave);
+}
+
+// AVX2 without FMA: GCC contracts a * b + c when FMA is available; plain AVX2 rounds every
+// operation as the baseline build does, so decisions do not depend on the CPU the op runs on
+__attribute__((target("avx2"))) void batch_avx2(const detail::RouteParams &rp, const RouteTable &rt,
+                                                Batch &bt, int m) {
+  batch_body<1>(rp, rt, bt, m);
+}
+void batch_base(const detail::RouteParams &rp, const RouteTable &rt, Batch &bt, int m) {
+  batch_body<0>(rp, rt, bt, m);
+}
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+
+/// Routing decisions for the n candidates at stream positions s0, s0 + 1, ...: records the
+/// accepted ones (offset and pixel id) in `acc`. Touches no pixel: the colours are read only for
+/// accepted rays, when they are written.
+template <int Mode>
+void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTable &rt, uint64_t key,
+                  uint64_t s0, int64_t n, Accepted &acc) {
+  acc.reserve(n);
+  Stream<Mode> st(key, c.P, s0);
   int64_t cnt = 0;
   uint32_t *pos = acc.pos.data();
-  float *o = acc.o.data(), *d = acc.d.data(), *rgb = acc.rgb.data(), *nr = acc.nr.data(),
-        *fr = acc.fr.data();
-  int64_t *idx = acc.idx.data();
+  uint64_t *apix = acc.pix.data();
+  float *adir = acc.d.data();
   const int nc = rt.n;
   Batch bt;
-  uint64_t bpix[kBatch], brow[kBatch], bcol[kBatch];
-  const Image *bim[kBatch];
-  bool valid[kBatch];
+  uint64_t bpix[kBatch];
   for (int64_t i0 = 0; i0 < n; i0 += kBatch) {
     const int m = static_cast<int>(std::min<int64_t>(kBatch, n - i0));
-    // 1. rays and per-candidate routing terms (as detail::route_accept computes them)
+    // 1. per candidate: pixel, unnormalised direction, near/far and the image's terms (short
+    //    independent iterations without divisions)
     for (int j = 0; j < m; j++) {
-      int64_t i = i0 + j;
-      uint64_t pix = ring[i & (kAhead - 1)];
-      if (i + kAhead < n) {
-        uint64_t q = st.next();
-        ring[i & (kAhead - 1)] = q;
-        __builtin_prefetch(c.pixels + 3 * q);
-      }
-      const Image &im = c.locate(pix, brow[j], bcol[j]);
+      uint64_t pix = st.next(), row, col;
+      const Image &im = c.locate(pix, row, col);
       bpix[j] = pix;
-      bim[j] = &im;
-      float *oc = bt.o + 3 * j, *dc = bt.d + 3 * j;
-      detail::pixel_ray(im.cam, brow[j], bcol[j], oc, dc);
-      double lo = im.cam[16], hi = im.cam[17];
-      valid[j] = lo <= hi;
-      if (rp.has_bounds && valid[j]) detail::clip_to_box(rp.bmin, rp.bmax, oc, dc, lo, hi);
-      double dv[3] = {dc[0], dc[1], dc[2]};
-      if (rp.dims == 2) {
-        double dd = dv[0] * rp.up[0] + dv[1] * rp.up[1] + dv[2] * rp.up[2];
-        for (int k = 0; k < 3; k++) dv[k] -= dd * rp.up[k];
-      }
-      const double *t = rt.v.data() + (&im - c.imgs.data()) * rt.stride;
-      double dd = dv[0] * dv[0] + dv[1] * dv[1] + dv[2] * dv[2];
-      bt.dqj[j] = dv[0] * t[0] + dv[1] * t[1] + dv[2] * t[2];
-      bt.a[j] = dd * (1.0 - rp.m2);
-      bt.dx[j] = dv[0]; bt.dy[j] = dv[1]; bt.dz[j] = dv[2];
-      bt.lo[j] = lo; bt.hi[j] = hi; bt.t[j] = t;
+      const float *cam = im.cam;
+      const double *t = rt.img.data() + (&im - c.imgs.data()) * RouteTable::kStride;
+      double x = static_cast<double>(static_cast<int64_t>(col));
+      double y = static_cast<double>(static_cast<int64_t>(row));
+      bt.Dx[j] = t[0] * x + t[3] * y + t[6];
+      bt.Dy[j] = t[1] * x + t[4] * y + t[7];
+      bt.Dz[j] = t[2] * x + t[5] * y + t[8];
+      if (rp.has_bounds) { bt.wx[j] = t[9]; bt.wy[j] = t[10]; bt.wz[j] = t[11]; }
+      bt.ox[j] = t[12]; bt.oy[j] = t[13]; bt.oz[j] = t[14]; bt.C0[j] = t[15];
+      bt.lo[j] = cam[16]; bt.hi[j] = cam[17];
     }
-    // 2. the end-point shortcut over the whole batch
-    if (kHasAvx2) shortcut_avx2(rp, nc, bt, m);
-    else shortcut_base(rp, nc, bt, m);
-    // 3. exact root-finding for the survivors, then stage the accepted rays in stream order
+    // 2, 3. the rest of the terms and the end-point tests over the whole batch
+    if (kHasAvx2) batch_avx2(rp, rt, bt, m);
+    else batch_base(rp, rt, bt, m);
+    // 4. exact root-finding for the undecided, then record the accepted in stream order
     for (int j = 0; j < m; j++) {
-      bool ok = valid[j] && bt.in[j];
-      if (valid[j] && !bt.in[j]) {
+      bool ok = bt.in[j] > 0;
+      if (bt.in[j] == 0 && bt.lo[j] <= bt.hi[j]) {
         double bs[detail::kMaxCells], cs[detail::kMaxCells];
-        const double *q = bt.t[j] + 3;
-        for (int k = 0; k < nc; k++, q += 4) {
-          bs[k] = 2.0 * (bt.dqj[j] - rp.m2 * (bt.dx[j] * q[0] + bt.dy[j] * q[1] + bt.dz[j] * q[2]));
-          cs[k] = q[3];
+        for (int k = 0; k < std::min(nc, kKeep); k++) {
+          bs[k] = bt.b[k * kBatch + j];
+          cs[k] = bt.c[k * kBatch + j];
+        }
+        for (int k = kKeep; k < nc; k++) {  // the same expressions as in batch_body
+          const double cx = rt.ckx[k], cy = rt.cky[k], cz = rt.ckz[k];
+          bs[k] = bt.B0[j] + rt.two_m2 * (bt.Dx[j] * cx + bt.Dy[j] * cy + bt.Dz[j] * cz);
+          cs[k] = (bt.C0[j] + rt.kk[k]) + rt.two_m2 * (bt.ox[j] * cx + bt.oy[j] * cy + bt.oz[j] * cz);
         }
         ok = detail::route_solve(bt.a[j], bs, cs, nc, bt.lo[j], bt.hi[j]);
       }
-      const Image &im = *bim[j];
-      const uint8_t *p = c.pixels + 3 * bpix[j];
-      float *oc = o + 3 * cnt, *dc = d + 3 * cnt;
-      oc[0] = bt.o[3 * j]; oc[1] = bt.o[3 * j + 1]; oc[2] = bt.o[3 * j + 2];
-      dc[0] = bt.d[3 * j]; dc[1] = bt.d[3 * j + 1]; dc[2] = bt.d[3 * j + 2];
-      rgb[3 * cnt] = kRgb.v[p[0]]; rgb[3 * cnt + 1] = kRgb.v[p[1]]; rgb[3 * cnt + 2] = kRgb.v[p[2]];
-      idx[3 * cnt] = im.index; idx[3 * cnt + 1] = brow[j]; idx[3 * cnt + 2] = bcol[j];
-      nr[cnt] = im.cam[16]; fr[cnt] = im.cam[17];
       pos[cnt] = static_cast<uint32_t>(i0 + j);
+      apix[cnt] = bpix[j];
+      adir[3 * cnt] = bt.ux[j]; adir[3 * cnt + 1] = bt.uy[j]; adir[3 * cnt + 2] = bt.uz[j];
       cnt += ok;
     }
   }
   acc.count = cnt;
+}
+
+/// Writes the rays of the pixel ids pix[0, n), unit directions dir[0, 3 n), to output slots
+/// [slot, slot + n).
+void write_pixels(const Cache &c, const Outputs &out_, const uint64_t *pix, const float *dir,
+                  int64_t slot, int64_t n) {
+  const Outputs out = out_;
+  constexpr int64_t kAhead = 32;
+  for (int64_t k = 0; k < std::min(kAhead, n); k++) __builtin_prefetch(c.pixels + 3 * pix[k]);
+  for (int64_t k = 0; k < n; k++) {
+    if (k + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + kAhead]);
+    out.write(c, slot + k, pix[k], dir + 3 * k);
+  }
 }
 
 }  // namespace
@@ -399,8 +470,8 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
       for (int64_t b = 0; b < nb; b++) {
         uint64_t bs = s0 + examined + b * bsz;
         tp.AddWork([&, b, bs, bsz](int) {
-          if (mode_ == kEpoch) eval_block<kEpoch>(c, rp, rt, key_, bs, bsz, blocks[b]);
-          else eval_block<kRandom>(c, rp, rt, key_, bs, bsz, blocks[b]);
+          if (mode_ == kEpoch) decide_block<kEpoch>(c, rp, rt, key_, bs, bsz, blocks[b]);
+          else decide_block<kRandom>(c, rp, rt, key_, bs, bsz, blocks[b]);
         }, bsz);
       }
       tp.RunAll();
@@ -416,13 +487,18 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
         }
         accepted += n;
       }
-      // write this round's accepted rays (block b writes slots [slot, min(slot + n, R)))
+      // write this round's accepted rays straight into the output, in chunks of about kChunk
+      // rays (block b's accepted candidates go to slots [slot, min(slot + count, R)))
       for (auto &w : round_writes) {
         int64_t b = w.first, slot = w.second;
-        tp.AddWork([&, b, slot](int) {
-          const Accepted &a = blocks[b];
-          a.write(outs[s], slot, std::min<int64_t>(a.count, R - slot));
-        }, blocks[b].count);
+        int64_t n = std::min<int64_t>(blocks[b].count, R - slot);
+        for (int64_t k0 = 0; k0 < n; k0 += kChunk) {
+          int64_t k1 = std::min(n, k0 + kChunk);
+          tp.AddWork([&, b, slot, k0, k1](int) {
+            write_pixels(c, outs[s], blocks[b].pix.data() + k0, blocks[b].d.data() + 3 * k0, slot + k0,
+                         k1 - k0);
+          }, k1 - k0);
+        }
       }
       tp.RunAll();
       uint64_t round_cand = static_cast<uint64_t>(nb) * bsz;

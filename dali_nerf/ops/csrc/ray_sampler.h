@@ -95,11 +95,13 @@ struct EpochPerm {
 };
 
 /// Quotient n / d for n < 2^52 using a precomputed reciprocal inv = 1.0 / d (exact after the fix).
+/// The conversions are signed (one instruction each on x86-64; n < 2^52 fits).
 DN_HD uint64_t fast_div(uint64_t n, uint64_t d, double inv) {
-  uint64_t q = static_cast<uint64_t>(static_cast<double>(n) * inv);
-  if (q * d > n) q--;
-  else if (n - q * d >= d) q++;
-  return q;
+  int64_t sn = static_cast<int64_t>(n), sd = static_cast<int64_t>(d);
+  int64_t q = static_cast<int64_t>(static_cast<double>(sn) * inv);
+  if (q * sd > sn) q--;
+  else if (sn - q * sd >= sd) q++;
+  return static_cast<uint64_t>(q);
 }
 
 /// Ray of pixel (row, col) of camera `cam` (18 floats: c2w row-major 12, fx, fy, cx, cy, near, far).
@@ -220,18 +222,23 @@ DN_HD bool route_accept(const RouteParams &rp, const float *of, const float *df,
   double a = dd * (1.0 - rp.m2);
   double bs[kMaxCells], cs[kMaxCells];
   int n = 0;
-  bool in_lo = true, in_hi = true;  // exact shortcut: an end point satisfies every condition
+  // exact end-point tests: accept if an end point satisfies every condition; reject (m >= 1, so
+  // a <= 0 and each f_k is concave or linear) if some f_k is > 0 at both ends, hence on [lo, hi]
+  bool in_lo = true, in_hi = true, out = false;
   for (int k = 0; k < rp.C; k++) {
     if (k == rp.cell) continue;
     const double *ck = rp.cproj + 3 * k;
     double qk[3] = {o[0] - ck[0], o[1] - ck[1], o[2] - ck[2]};
     double b = 2.0 * (dqj - rp.m2 * (d[0] * qk[0] + d[1] * qk[1] + d[2] * qk[2]));
     double c = qqj - rp.m2 * (qk[0] * qk[0] + qk[1] * qk[1] + qk[2] * qk[2]);
-    in_lo = in_lo && (a * lo + b) * lo + c <= 0.0;
-    in_hi = in_hi && (a * hi + b) * hi + c <= 0.0;
+    bool l = (a * lo + b) * lo + c <= 0.0, h = (a * hi + b) * hi + c <= 0.0;
+    in_lo = in_lo && l;
+    in_hi = in_hi && h;
+    out = out || !(l || h);
     bs[n] = b; cs[n] = c; n++;
   }
   if (in_lo || in_hi) return true;
+  if (out && rp.m2 >= 1.0) return false;
   return route_solve(a, bs, cs, n, lo, hi);
 }
 
