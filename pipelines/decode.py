@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 import cv2
 import numpy as np
 
+from dali_nerf import hostmem
 from dali_nerf.errors import DataError, SceneError
 
 __all__ = [
@@ -347,7 +348,7 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
         pixels = torch.empty((total, 3), dtype=torch.uint8, device="cuda")
         bg_t = torch.as_tensor(background_u8(bg).astype(np.int32), device="cuda")
     else:
-        pixels = np.empty((total, 3), np.uint8)
+        pixels = hostmem.empty((total, 3), np.uint8)  # huge pages: the sampler reads at random
 
     bs = _batch_size(n, batch)
     runs = math.ceil(n / bs)

@@ -30,6 +30,20 @@ struct Image {
   double invW;
   const float *cam;
   int64_t index;  // camera index in the split (layout[:, 3])
+  // the camera formula of detail::pixel_ray folded into d = A col + B row + C (unnormalised),
+  // so that a ray needs no division but the normalisation
+  float A[3], B[3], C[3];
+
+  void fold() {
+    double ifx = 1.0 / cam[12], ify = 1.0 / cam[13];
+    double x0 = (0.5 - cam[14]) * ifx, y0 = -(0.5 - cam[15]) * ify;
+    for (int r = 0; r < 3; r++) {
+      double r0 = cam[4 * r], r1 = cam[4 * r + 1], r2 = cam[4 * r + 2];
+      A[r] = static_cast<float>(r0 * ifx);
+      B[r] = static_cast<float>(-r1 * ify);
+      C[r] = static_cast<float>(r0 * x0 + r1 * y0 - r2);
+    }
+  }
 };
 
 /// One sample's cache: pixel id -> (image, row, col) -> ray, and the outputs it writes.
@@ -57,7 +71,8 @@ struct Cache {
                    "(offset[i+1] = offset[i] + width[i] * height[i])");
       const float *c = cams + 18 * i;
       DALI_ENFORCE(c[12] != 0.f && c[13] != 0.f, "dali_nerf ray_sampler: `cameras` fx/fy must be non-zero");
-      imgs[i] = {expect, static_cast<uint64_t>(l[1]), 1.0 / static_cast<double>(l[1]), c, l[3]};
+      imgs[i] = {expect, static_cast<uint64_t>(l[1]), 1.0 / static_cast<double>(l[1]), c, l[3], {}, {}, {}};
+      imgs[i].fold();
       offs[i] = expect;
       expect += static_cast<uint64_t>(l[1]) * static_cast<uint64_t>(l[2]);
       if (l[1] != lay[1] || l[2] != lay[2]) uniform = false;
@@ -96,7 +111,13 @@ struct Outputs {
       o[3 * i] = im.cam[3]; o[3 * i + 1] = im.cam[7]; o[3 * i + 2] = im.cam[11];
       d[3 * i] = dir[0]; d[3 * i + 1] = dir[1]; d[3 * i + 2] = dir[2];
     } else {
-      detail::pixel_ray(im.cam, row, col, o + 3 * i, d + 3 * i);
+      float x = static_cast<float>(static_cast<int64_t>(col)), y = static_cast<float>(static_cast<int64_t>(row));
+      float dx = im.A[0] * x + im.B[0] * y + im.C[0];
+      float dy = im.A[1] * x + im.B[1] * y + im.C[1];
+      float dz = im.A[2] * x + im.B[2] * y + im.C[2];
+      float inv = 1.0f / __builtin_sqrtf(dx * dx + dy * dy + dz * dz);
+      o[3 * i] = im.cam[3]; o[3 * i + 1] = im.cam[7]; o[3 * i + 2] = im.cam[11];
+      d[3 * i] = dx * inv; d[3 * i + 1] = dy * inv; d[3 * i + 2] = dz * inv;
     }
     const uint8_t *p = c.pixels + 3 * pix;
     rgb[3 * i] = kRgb.v[p[0]]; rgb[3 * i + 1] = kRgb.v[p[1]]; rgb[3 * i + 2] = kRgb.v[p[2]];
