@@ -15,11 +15,14 @@ import time
 
 import numpy as np
 
+from dali_nerf import hostmem
+
 
 def make_cache(n_images: int, res: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     P = n_images * res * res
-    pixels = rng.integers(0, 256, size=(P, 3), dtype=np.uint8)
+    pixels = hostmem.empty((P, 3), np.uint8)  # like the loader's ImageCache (huge pages)
+    pixels[:] = rng.integers(0, 256, size=(P, 3), dtype=np.uint8)
     cams = np.zeros((n_images, 18), np.float32)
     for i in range(n_images):
         z = rng.normal(size=3)
