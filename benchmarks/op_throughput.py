@@ -3,7 +3,9 @@
 Cache: ``--images`` random-content images of ``--res`` x ``--res`` pixels (default 100 x 400x400,
 a Blender-scene-sized cache), cameras on a sphere of radius 4 looking at the origin, near 2,
 far 6. Modes: random, epoch, and routed (random stream routed to cell 0 of a 2x2 grid of
-centroids at (+-1.5, 0, +-1.5), margin 1.15, dims 2). Each pipeline run samples ``rays``.
+centroids at (+-1.5, 0, +-1.5), margin 1.15, dims 2). Each pipeline run samples ``rays``. The
+modes are measured interleaved (8 rounds of ``--seconds / 8`` each), so that their ratios,
+printed last, are not at the mercy of a machine whose speed drifts.
 
     python benchmarks/op_throughput.py --rays 4096,262144 --seconds 2
 """
@@ -42,54 +44,77 @@ def make_cache(n_images: int, res: int, seed: int = 0):
 CENTROIDS = np.array([[-1.5, 0, -1.5], [1.5, 0, -1.5], [-1.5, 0, 1.5], [1.5, 0, 1.5]], np.float32)
 
 
-def measure(cache, rays: int, mode: str, routed: bool, seconds: float, threads: int, gpu: bool):
-    from nvidia.dali import fn, pipeline_def
+class Runner:
+    """One synchronous pipeline of the op in one mode; ``step()`` runs it once."""
 
-    pixels, cams, lay = cache
-    state = {"start": 0}
+    def __init__(self, cache, rays: int, mode: str, routed: bool, threads: int, gpu: bool):
+        from nvidia.dali import fn, pipeline_def
 
-    def next_start():
-        return [np.array(state["start"], np.int64)]
+        pixels, cams, lay = cache
+        self.rays, self.start = rays, 0
+        self.n = self.used = 0
+        self.wall = self.cpu = 0.0
 
-    @pipeline_def(batch_size=1, num_threads=threads, device_id=0 if gpu else None,
-                  prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
-    def pipe():
-        def const(a):
-            return lambda: [a]
+        def next_start():
+            return [np.array(self.start, np.int64)]
 
-        ins = [fn.external_source(source=const(a), batch=True, no_copy=True,
-                                  device="gpu" if gpu else "cpu") for a in (pixels, cams, lay)]
-        if routed:
-            ins.append(fn.external_source(source=lambda: [CENTROIDS], batch=True, no_copy=True,
-                                          device="gpu" if gpu else "cpu"))
-        s = fn.external_source(source=next_start, batch=True)
-        kw = dict(cell=0, margin=1.15) if routed else {}
-        out = fn.dali_nerf.ray_sampler(*ins, rays=rays, mode=mode, seed=1, start=s,
-                                       device="gpu" if gpu else "cpu", **kw)
-        return tuple(out)
+        @pipeline_def(batch_size=1, num_threads=threads, device_id=0 if gpu else None,
+                      prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
+        def pipe():
+            def const(a):
+                return lambda: [a]
 
-    pp = pipe()
-    pp.build()
+            ins = [fn.external_source(source=const(a), batch=True, no_copy=True,
+                                      device="gpu" if gpu else "cpu") for a in (pixels, cams, lay)]
+            if routed:
+                ins.append(fn.external_source(source=lambda: [CENTROIDS], batch=True, no_copy=True,
+                                              device="gpu" if gpu else "cpu"))
+            s = fn.external_source(source=next_start, batch=True)
+            kw = dict(cell=0, margin=1.15) if routed else {}
+            out = fn.dali_nerf.ray_sampler(*ins, rays=rays, mode=mode, seed=1, start=s,
+                                           device="gpu" if gpu else "cpu", **kw)
+            return tuple(out)
 
-    def step():
-        out = pp.run()
-        consumed = out[6].as_cpu() if gpu else out[6]
+        self.gpu = gpu
+        self.pp = pipe()
+        self.pp.build()
+        for _ in range(3):  # warm-up, not counted
+            self._run()
+
+    def _run(self) -> int:
+        out = self.pp.run()
+        consumed = out[6].as_cpu() if self.gpu else out[6]
         c = int(np.array(consumed[0])[0])
-        state["start"] += c
+        self.start += c
         return c
 
-    for _ in range(3):
-        step()
-    n, used, t0, c0 = 0, 0, time.perf_counter(), time.process_time()
-    while True:
-        used += step()
-        n += 1
-        dt = time.perf_counter() - t0
-        if dt >= seconds and n >= 3:
-            break
-    cpu = time.process_time() - c0
-    del pp
-    return n * rays / dt / 1e6, n * rays / used, n * rays / cpu / 1e6
+    def measure(self, seconds: float) -> None:
+        """Run for about ``seconds`` (at least one run) and add to the totals."""
+        t0, c0, n = time.perf_counter(), time.process_time(), 0
+        while n == 0 or time.perf_counter() - t0 < seconds:
+            self.used += self._run()
+            n += 1
+        self.wall += time.perf_counter() - t0
+        self.cpu += time.process_time() - c0
+        self.n += n
+
+    def result(self):
+        """(Mrays/s, acceptance, Mrays per CPU-second)."""
+        rays = self.n * self.rays
+        return rays / self.wall / 1e6, rays / self.used, rays / self.cpu / 1e6
+
+
+def measure(cache, rays: int, modes, seconds: float, threads: int, gpu: bool, rounds: int = 8):
+    """Interleaved measurement of several modes: ``rounds`` rounds, each running every mode for
+    ``seconds / rounds``, so that a slow patch of the machine hits all modes alike and their
+    ratios compare like with like. ``modes``: list of (mode, routed). Returns their results."""
+    runners = [Runner(cache, rays, m, r, threads, gpu) for m, r in modes]
+    for _ in range(rounds):
+        for rn in runners:
+            rn.measure(seconds / rounds)
+    res = [rn.result() for rn in runners]
+    del runners
+    return res
 
 
 def main(argv=None):
@@ -114,14 +139,19 @@ def main(argv=None):
     # wall-clock rate; on an idle machine with --threads 2 it is about half of Mrays/s
     print("| mode | rays/run | Mrays/s | Mrays/CPU-s | acceptance |\n|---|---|---|---|---|")
     modes = {"random": ("random", False), "epoch": ("epoch", False), "routed": ("random", True)}
+    keys = args.modes.split(",")
+    for key in keys:
+        if key not in modes:
+            raise SystemExit(f"--modes: unknown mode {key!r}: use random, epoch or routed")
     for rays in [int(r) for r in args.rays.split(",")]:
-        for key in args.modes.split(","):
-            if key not in modes:
-                raise SystemExit(f"--modes: unknown mode {key!r}: use random, epoch or routed")
-            mode, routed = modes[key]
-            mrays, acc, per_cpu = measure(cache, rays, mode, routed, args.seconds, args.threads, args.gpu)
-            name = "routed 2x2 (cell 0)" if routed else mode
+        results = measure(cache, rays, [modes[k] for k in keys], args.seconds, args.threads, args.gpu)
+        for key, (mrays, acc, per_cpu) in zip(keys, results):
+            name = "routed 2x2 (cell 0)" if key == "routed" else key
             print(f"| {name} | {rays} | {mrays:.1f} | {per_cpu:.1f} | {acc:.3f} |", flush=True)
+        if "routed" in keys and "random" in keys:
+            r = dict(zip(keys, results))
+            print(f"| routed / random | {rays} | {r['routed'][0] / r['random'][0]:.0%} | "
+                  f"{r['routed'][2] / r['random'][2]:.0%} | |", flush=True)
 
 
 if __name__ == "__main__":
