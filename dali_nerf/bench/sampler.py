@@ -3,6 +3,8 @@
 One run measures, at each batch size (``--batches``, default 4096 and 65536 rays per step):
 
 * ``rays``: RayLoader (our DALI pipeline + C++ operator, prefetch 2, 262144 rays per run);
+* SS (scenes with near/far): SpatialRayLoader routed to cell 0 of a 2x2 grid, as a share of
+  ``rays`` (the spatial-segmentation loader's cost of routing);
 * ``sync_local``: SyncLocalSampler (sampling in the training thread);
 * ``sync_global``: SyncGlobalSampler with 2 real gloo ranks on 127.0.0.1; rank 0's delivered
   rays/s of the *global* batch (2 B rays per step: sample + scatter);
@@ -205,15 +207,30 @@ def main(args) -> int:
     seconds = float(args.seconds)
     if not seconds > 0:
         raise ConfigError(f"--seconds {args.seconds}: must be > 0")
+    n_dec = int(getattr(args, "decode_images", 100))
+    if n_dec <= 0:
+        raise ConfigError(f"--decode-images {n_dec}: must be > 0")
     scene = load_scene(args.scene, split="train") if args.scene else default_scene()
     cache = decode_cache(scene, 0, 1)
     print(f"scene: {scene}  ({cache.num_pixels / 1e6:.1f} M pixels cached, {seconds:g} s per measurement)", flush=True)
 
-    rows = []
+    part = None
+    if scene.has_bounds:  # spatial segmentation: a 2x2 grid over the cameras, routed to cell 0
+        from dali_nerf.config import PartitionConfig
+        from dali_nerf.partition import Partition
+
+        part = Partition.from_config(PartitionConfig(kind="grid", grid=[2, 2]), scene)
+    rows, ss = [], {}
     for B in batches:
         r = {}
         with RayLoader(scene, rays_per_batch=B, cache=cache, prefetch=2, rays_per_run=max(262144, B)) as L:
             r["rays"] = measure(L, B, seconds)
+        if part is not None:
+            from dali_nerf.pipelines.spatial import SpatialRayLoader
+
+            with SpatialRayLoader(scene, part, 0, rays_per_batch=B, cache=cache, prefetch=2,
+                                  rays_per_run=max(262144, B)) as S:
+                ss[B] = (measure(S, B, seconds), S.stats()["acceptance"])
         # training-thread torch samplers: best of torch's default intra-op threads and 1 thread (on a
         # shared/oversubscribed machine 2 OpenMP threads can be 10x slower than 1)
         r["torch_gather"] = _best_threads(lambda: measure(torch_gather_source(cache, scene, B), B, seconds))
@@ -224,14 +241,18 @@ def main(args) -> int:
         rows.append((B, r))
         print(f"B={B}: " + ", ".join(f"{k} {v / 1e6:.2f} M/s" for k, v in r.items()), flush=True)
 
-    jpg, png = decode_rate("jpg"), decode_rate("png")
+    jpg, png = decode_rate("jpg", n=n_dec), decode_rate("png", n=n_dec)
     names = ["rays", "torch_gather", "sync_local", "sync_global", "torch_workers"]
     lines = ["| rays/step | " + " | ".join(f"{n} Mrays/s" for n in names) + " |",
              "|---:|" + "---:|" * len(names)]
     for B, r in rows:
         cells = [f"{r['rays'] / 1e6:.1f}"] + [f"{r[n] / 1e6:.2f} ({r['rays'] / r[n]:.1f}x)" for n in names[1:]]
         lines.append(f"| {B} | " + " | ".join(cells) + " |")
-    lines += ["", f"Decode (decode_cache: DALI CPU decoder, 2 threads, 100 images of 800x800 into the ImageCache, "
+    for B, (rate, acc) in ss.items():
+        lines += ["", f"SS at {B} rays/step: SpatialRayLoader (2x2 grid over the cameras, margin 1.15, routing box = "
+                  f"the scene box), cell 0: {rate / 1e6:.1f} Mrays/s = {rate / rows[batches.index(B)][1]['rays']:.0%} "
+                  f"of RayLoader measured just before it (routing acceptance {acc:.2f})."]
+    lines += ["", f"Decode (decode_cache: DALI CPU decoder, 2 threads, {n_dec} images of 800x800 into the ImageCache, "
               f"pipeline build included, best of 2): JPEG {jpg:.0f} images/s, PNG RGBA {png:.0f} images/s.", "",
               f"Scene: {scene.num_images} images, {cache.num_pixels / 1e6:.1f} M pixels; {os.cpu_count()} CPU cores; "
               f"(Nx) = RayLoader's rate / that source's; torch_gather and sync_local: best of 1 and the default torch threads; sync_global = rank 0's global batch (2 ranks, gloo)."]

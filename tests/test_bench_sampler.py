@@ -1,0 +1,25 @@
+"""`dali-nerf bench sampler` end to end on a tiny generated scene (a smoke test of the table: the
+rates themselves are benchmarks, never asserted on)."""
+
+import subprocess
+import sys
+
+from dali_nerf.scenegen import make_scene
+
+
+def test_bench_sampler_table_with_ss_row(tmp_path):
+    make_scene("objects", tmp_path / "s", width=32, height=24, n_train=6, n_val=1, n_test=1, seed=0)
+    out = tmp_path / "table.md"
+    r = subprocess.run([sys.executable, "-m", "dali_nerf", "bench", "sampler", "--scene", str(tmp_path / "s"),
+                        "--batches", "256", "--seconds", "0.05", "--decode-images", "3", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    table = out.read_text()
+    assert "| 256 | " in table and "torch_gather" in table and "JPEG" in table
+    assert "SS at 256 rays/step: SpatialRayLoader" in table and "of RayLoader" in table
+
+
+def test_bench_sampler_bad_flag_is_one_line():
+    r = subprocess.run([sys.executable, "-m", "dali_nerf", "bench", "sampler", "--decode-images", "0",
+                        "--batches", "64"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "--decode-images" in r.stderr and "Traceback" not in r.stderr
