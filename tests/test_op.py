@@ -346,15 +346,18 @@ def routed_mask(candidates, routed):
     return mask
 
 
-def routing_cache():
+def routing_cache(uniform: bool = False):
+    """Four cameras on a sphere of radius 3; images of different sizes, or (``uniform``) all of
+    one size, which the CPU op routes with its 4-wide AVX2 stage (scalar otherwise)."""
     rng = np.random.default_rng(5)
-    return make_cache(rng, sizes=[(40, 30), (31, 23), (50, 20), (16, 16)], radius=3.0,
-                      near=(0.1, 1.0), far=(3.0, 7.0))
+    sizes = [(40, 30)] * 4 if uniform else [(40, 30), (31, 23), (50, 20), (16, 16)]
+    return make_cache(rng, sizes=sizes, radius=3.0, near=(0.1, 1.0), far=(3.0, 7.0))
 
 
-@pytest.mark.parametrize("mode,dims,cell", [("random", 2, 0), ("epoch", 3, 3)])
-def test_routing_matches_brute_force(mode, dims, cell):
-    cache = routing_cache()
+@pytest.mark.parametrize("mode,dims,cell,uniform", [("random", 2, 0, False), ("epoch", 3, 3, False),
+                                                    ("random", 2, 1, True), ("epoch", 2, 2, True)])
+def test_routing_matches_brute_force(mode, dims, cell, uniform):
+    cache = routing_cache(uniform)
     n_cand, s0 = 12_000, 500
     kw = dict(mode=mode, seed=9, margin=1.15, dims=dims, up=UP.tolist())
     cand = run_op(cache, n_cand, [s0], mode=mode, seed=9)[0]
@@ -440,12 +443,13 @@ def test_defaults_without_start():
     assert np.array_equal(pixel_ids(cache, idx), ref_random_pixels(0, 0, 1, 0, 50, len(pixels)))
 
 
-def test_routing_with_bounds_matches_partition_reference():
+@pytest.mark.parametrize("uniform", [False, True])
+def test_routing_with_bounds_matches_partition_reference(uniform):
     """With a routing box, only the part of the segment inside it decides (rays missing the box
     keep their whole segment); the op agrees with dali_nerf.partition.ray_cells (float64 numpy)."""
     from dali_nerf.partition import Partition, ray_cells
 
-    cache = routing_cache()
+    cache = routing_cache(uniform)
     bounds = np.array([[-1.0, -0.4, -1.0], [1.0, 0.4, 1.0]], np.float32)
     part = Partition(CENTROIDS, margin=1.15, dims=2, up=UP, kind="grid", bounds=bounds)
     n_cand, cell = 8000, 1

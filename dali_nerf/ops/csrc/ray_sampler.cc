@@ -9,6 +9,8 @@
 #include <cstring>
 #include <vector>
 
+#include <immintrin.h>
+
 #include "ray_sampler.h"
 
 namespace dali_nerf {
@@ -199,9 +201,10 @@ struct Accepted {
 /// decision can differ from it only for rays within rounding of a cell boundary.
 struct RouteTable {
   int n = 0;  // conditions per ray (C - 1): the other cells, in increasing index
-  // per image: A, B, C (9: the unnormalised direction of pixel (row, col) is A col + B row + C),
-  // world origin (3), projected origin o (3), C0
-  static constexpr int kStride = 16;
+  // per image, in 5 groups of 4 doubles (the AVX2 stage 1 transposes them): A, B, C (9: the
+  // unnormalised direction of pixel (row, col) is A col + B row + C), world origin (3),
+  // projected origin o (3), C0, near, far, 2 unused
+  static constexpr int kStride = 20;
   std::vector<double> img;
   std::vector<double> ckx, cky, ckz, kk;  // per other cell: projected centroid, K_k
   double cj[3] = {0, 0, 0}, m2 = 1, two_m2 = 2, one_m2 = 0;
@@ -237,6 +240,7 @@ struct RouteTable {
       t[12] = o[0]; t[13] = o[1]; t[14] = o[2];
       double q[3] = {o[0] - cj[0], o[1] - cj[1], o[2] - cj[2]};
       t[15] = (q[0] * q[0] + q[1] * q[1] + q[2] * q[2]) - rp.m2 * (o[0] * o[0] + o[1] * o[1] + o[2] * o[2]);
+      t[16] = cam[16]; t[17] = cam[17];
     }
   }
 
@@ -343,6 +347,76 @@ void batch_base(const detail::RouteParams &rp, const RouteTable &rt, Batch &bt, 
 }
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 
+/// 4 x 4 transpose of doubles: rows r0..r3 in, columns out (in place).
+__attribute__((target("avx2"), always_inline)) inline void transpose4(__m256d &r0, __m256d &r1,
+                                                                     __m256d &r2, __m256d &r3) {
+  __m256d t0 = _mm256_unpacklo_pd(r0, r1), t1 = _mm256_unpackhi_pd(r0, r1);
+  __m256d t2 = _mm256_unpacklo_pd(r2, r3), t3 = _mm256_unpackhi_pd(r2, r3);
+  r0 = _mm256_permute2f128_pd(t0, t2, 0x20);
+  r1 = _mm256_permute2f128_pd(t1, t3, 0x20);
+  r2 = _mm256_permute2f128_pd(t0, t2, 0x31);
+  r3 = _mm256_permute2f128_pd(t1, t3, 0x31);
+}
+
+/// Quotient q and remainder of integer-valued doubles n / d (n, d < 2^52; inv = 1 / d).
+__attribute__((target("avx2"), always_inline)) inline __m256d divmod4(__m256d n, __m256d d, __m256d inv,
+                                                                     __m256d &q) {
+  const __m256d one = _mm256_set1_pd(1.0), zero = _mm256_setzero_pd();
+  q = _mm256_floor_pd(_mm256_mul_pd(n, inv));
+  __m256d r = _mm256_sub_pd(n, _mm256_mul_pd(q, d));  // exact: integers below 2^53
+  __m256d lt = _mm256_cmp_pd(r, zero, _CMP_LT_OQ);     // the estimate is off by at most one
+  q = _mm256_sub_pd(q, _mm256_and_pd(lt, one));
+  r = _mm256_add_pd(r, _mm256_and_pd(lt, d));
+  __m256d ge = _mm256_cmp_pd(r, d, _CMP_GE_OQ);
+  q = _mm256_add_pd(q, _mm256_and_pd(ge, one));
+  return _mm256_sub_pd(r, _mm256_and_pd(ge, d));
+}
+
+/// Stage 1 of decide_block for a cache of equal-size images, 4 candidates at a time: pixel id ->
+/// (image, row, col) in exact double arithmetic (ids < 2^52; the quotient estimates are fixed up
+/// by one, as in detail::fast_div), then the image's terms loaded as rows and transposed, and
+/// the same arithmetic as the scalar stage 1 (no FMA). Returns how many candidates it did (a
+/// multiple of 4); the caller does the rest.
+__attribute__((target("avx2"))) int stage1_avx2(const Cache &c, const RouteTable &rt,
+                                                const uint64_t *bpix, Batch &bt, int m) {
+  const __m256d two52 = _mm256_set1_pd(4503599627370496.0);
+  const __m256d WH = _mm256_set1_pd(static_cast<double>(static_cast<int64_t>(c.WH))),
+                iWH = _mm256_set1_pd(c.invWH);
+  const __m256d W = _mm256_set1_pd(static_cast<double>(static_cast<int64_t>(c.imgs[0].W))),
+                iW = _mm256_set1_pd(c.imgs[0].invW);
+  const double *tab = rt.img.data();
+  int j = 0;
+  for (; j + 4 <= m; j += 4) {
+    __m256i pi = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(bpix + j));
+    __m256d pd = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(pi, _mm256_castpd_si256(two52))), two52);
+    __m256d img, row;
+    __m256d rem = divmod4(pd, WH, iWH, img);
+    __m256d col = divmod4(rem, W, iW, row);
+    alignas(16) int32_t ii[4];
+    _mm_store_si128(reinterpret_cast<__m128i *>(ii), _mm256_cvttpd_epi32(img));
+    const double *p0 = tab + ii[0] * RouteTable::kStride, *p1 = tab + ii[1] * RouteTable::kStride,
+                 *p2 = tab + ii[2] * RouteTable::kStride, *p3 = tab + ii[3] * RouteTable::kStride;
+    __m256d g[5][4];
+    for (int k = 0; k < 5; k++) {
+      g[k][0] = _mm256_loadu_pd(p0 + 4 * k); g[k][1] = _mm256_loadu_pd(p1 + 4 * k);
+      g[k][2] = _mm256_loadu_pd(p2 + 4 * k); g[k][3] = _mm256_loadu_pd(p3 + 4 * k);
+      transpose4(g[k][0], g[k][1], g[k][2], g[k][3]);
+    }
+    // g[k][f] = field 4 k + f of the 4 candidates' images (see RouteTable::kStride)
+    const __m256d *A = g[0], B0 = g[0][3], B1 = g[1][0], B2 = g[1][1];
+    __m256d C0 = g[1][2], C1 = g[1][3], C2 = g[2][0];
+    _mm256_storeu_pd(bt.Dx + j, _mm256_add_pd(_mm256_add_pd(_mm256_mul_pd(A[0], col), _mm256_mul_pd(B0, row)), C0));
+    _mm256_storeu_pd(bt.Dy + j, _mm256_add_pd(_mm256_add_pd(_mm256_mul_pd(A[1], col), _mm256_mul_pd(B1, row)), C1));
+    _mm256_storeu_pd(bt.Dz + j, _mm256_add_pd(_mm256_add_pd(_mm256_mul_pd(A[2], col), _mm256_mul_pd(B2, row)), C2));
+    _mm256_storeu_pd(bt.wx + j, g[2][1]); _mm256_storeu_pd(bt.wy + j, g[2][2]);
+    _mm256_storeu_pd(bt.wz + j, g[2][3]);
+    _mm256_storeu_pd(bt.ox + j, g[3][0]); _mm256_storeu_pd(bt.oy + j, g[3][1]);
+    _mm256_storeu_pd(bt.oz + j, g[3][2]); _mm256_storeu_pd(bt.C0 + j, g[3][3]);
+    _mm256_storeu_pd(bt.lo + j, g[4][0]); _mm256_storeu_pd(bt.hi + j, g[4][1]);
+  }
+  return j;
+}
+
 /// Routing decisions for the n candidates at stream positions s0, s0 + 1, ...: records the
 /// accepted ones (offset and pixel id) in `acc`. Touches no pixel: the colours are read only for
 /// accepted rays, when they are written.
@@ -362,8 +436,14 @@ void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTabl
     const int m = static_cast<int>(std::min<int64_t>(kBatch, n - i0));
     // 1. per candidate: pixel, unnormalised direction, near/far and the image's terms (short
     //    independent iterations without divisions)
-    for (int j = 0; j < m; j++) {
-      uint64_t pix = st.next(), row, col;
+    const bool simd = kHasAvx2 && c.uniform;  // equal-size images: 4 candidates at a time
+    int j0 = 0;
+    if (simd) {
+      for (int j = 0; j < m; j++) bpix[j] = st.next();
+      j0 = stage1_avx2(c, rt, bpix, bt, m);
+    }
+    for (int j = j0; j < m; j++) {
+      uint64_t pix = simd ? bpix[j] : st.next(), row, col;
       const Image &im = c.locate(pix, row, col);
       bpix[j] = pix;
       const float *cam = im.cam;
