@@ -76,8 +76,9 @@ def test_streams_with_bounded_memory(scene, monkeypatch):
             assert len(live) <= 2 and sum(nb for _, nb in live) <= MAX_BYTES
         s = L.stats()
     assert s["streaming"] and s["windows_per_cycle"] == 3
-    # 62 steps = 6200 positions: 2 cycles of 3 windows + window 0 of cycle 2, + its prefetched successor
-    assert 7 <= s["windows_decoded"] <= len(alive) == 8
+    # 62 steps = 6200 positions: 2 cycles of 3 windows + window 0 of cycle 2 (7 windows), + its
+    # successor, which the background decode may or may not have reached when the loader closes
+    assert 7 <= s["windows_decoded"] <= len(alive) <= 8
     assert s["peak_bytes"] <= MAX_BYTES and max_live == 2  # double buffered, never more
     assert all(r() is None for r, _ in alive)  # close() frees every window
 
