@@ -367,6 +367,8 @@ def test_routing_matches_brute_force(mode, dims, cell, uniform):
     check_against_reference(cache, routed)
     mask = routed_mask(cand, routed)
     assert mask.sum() == 2500 and mask[consumed - 1] and not mask[consumed:].any()
+    for k in ("origins", "directions", "rgb", "near", "far"):  # a routed ray is the pixel's ray
+        assert np.array_equal(routed[k], cand[k][mask]), k
     o, d = cand["origins"][:consumed].astype(np.float64), cand["directions"][:consumed].astype(np.float64)
     nr, fr = cand["near"][:consumed], cand["far"][:consumed]
     brute = brute_force_membership(o, d, nr, fr, cell, 1.15, dims)

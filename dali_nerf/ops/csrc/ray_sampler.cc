@@ -1,9 +1,10 @@
 // CPU backend of the dali_nerf ray sampler, and the operator schema (see ray_sampler.h).
 //
 // Unrouted: the R rays of a sample are split into chunks of kChunk rays, run on the DALI thread
-// pool. Routed: rounds of speculative candidate blocks are evaluated in parallel (each block stages
-// the outputs of its accepted candidates, in stream order), the blocks are concatenated in order
-// until R rays are accepted, then the blocks copy their share into the output in parallel.
+// pool. Routed: rounds of speculative candidate blocks are decided in parallel (each block records
+// the pixel ids of its accepted candidates, in stream order, without reading a pixel), the blocks
+// are concatenated in order until R rays are accepted, then the accepted rays are written into the
+// output in parallel chunks.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -27,23 +28,32 @@ struct RgbTable {
 };
 const RgbTable kRgb;
 
+/// The camera formula of detail::pixel_ray, x = (col + 0.5 - cx) / fx, y = -(row + 0.5 - cy) / fy,
+/// d = R0 x + R1 y - R2 (R0, R1, R2 the columns of the camera-to-world rotation), folded into
+/// d = A col + B row + C (unnormalised): a ray then needs no division but its normalisation.
+inline void fold_camera(const float *cam, double *A, double *B, double *C) {
+  double ifx = 1.0 / cam[12], ify = 1.0 / cam[13];
+  double x0 = (0.5 - cam[14]) * ifx, y0 = -(0.5 - cam[15]) * ify;
+  for (int r = 0; r < 3; r++) {
+    double r0 = cam[4 * r], r1 = cam[4 * r + 1], r2 = cam[4 * r + 2];
+    A[r] = r0 * ifx;
+    B[r] = -r1 * ify;
+    C[r] = r0 * x0 + r1 * y0 - r2;
+  }
+}
+
 struct Image {
   uint64_t off, W;
   double invW;
   const float *cam;
   int64_t index;  // camera index in the split (layout[:, 3])
-  // the camera formula of detail::pixel_ray folded into d = A col + B row + C (unnormalised),
-  // so that a ray needs no division but the normalisation
-  float A[3], B[3], C[3];
+  float A[3], B[3], C[3];  // fold_camera, in float
 
   void fold() {
-    double ifx = 1.0 / cam[12], ify = 1.0 / cam[13];
-    double x0 = (0.5 - cam[14]) * ifx, y0 = -(0.5 - cam[15]) * ify;
+    double a[3], b[3], c[3];
+    fold_camera(cam, a, b, c);
     for (int r = 0; r < 3; r++) {
-      double r0 = cam[4 * r], r1 = cam[4 * r + 1], r2 = cam[4 * r + 2];
-      A[r] = static_cast<float>(r0 * ifx);
-      B[r] = static_cast<float>(-r1 * ify);
-      C[r] = static_cast<float>(r0 * x0 + r1 * y0 - r2);
+      A[r] = static_cast<float>(a[r]); B[r] = static_cast<float>(b[r]); C[r] = static_cast<float>(c[r]);
     }
   }
 };
@@ -104,23 +114,17 @@ struct Outputs {
   float *o, *d, *rgb, *nr, *fr;
   int64_t *idx;
 
-  /// Ray i from pixel `pix`; its direction from detail::pixel_ray, or `dir` when given (routed
-  /// rays: the unit direction the decision pass computed).
-  inline void write(const Cache &c, int64_t i, uint64_t pix, const float *dir = nullptr) const {
+  /// Ray i from pixel `pix` (the same ray whether or not the run is routed).
+  inline void write(const Cache &c, int64_t i, uint64_t pix) const {
     uint64_t row, col;
     const Image &im = c.locate(pix, row, col);
-    if (dir) {
-      o[3 * i] = im.cam[3]; o[3 * i + 1] = im.cam[7]; o[3 * i + 2] = im.cam[11];
-      d[3 * i] = dir[0]; d[3 * i + 1] = dir[1]; d[3 * i + 2] = dir[2];
-    } else {
-      float x = static_cast<float>(static_cast<int64_t>(col)), y = static_cast<float>(static_cast<int64_t>(row));
-      float dx = im.A[0] * x + im.B[0] * y + im.C[0];
-      float dy = im.A[1] * x + im.B[1] * y + im.C[1];
-      float dz = im.A[2] * x + im.B[2] * y + im.C[2];
-      float inv = 1.0f / __builtin_sqrtf(dx * dx + dy * dy + dz * dz);
-      o[3 * i] = im.cam[3]; o[3 * i + 1] = im.cam[7]; o[3 * i + 2] = im.cam[11];
-      d[3 * i] = dx * inv; d[3 * i + 1] = dy * inv; d[3 * i + 2] = dz * inv;
-    }
+    float x = static_cast<float>(static_cast<int64_t>(col)), y = static_cast<float>(static_cast<int64_t>(row));
+    float dx = im.A[0] * x + im.B[0] * y + im.C[0];
+    float dy = im.A[1] * x + im.B[1] * y + im.C[1];
+    float dz = im.A[2] * x + im.B[2] * y + im.C[2];
+    float inv = 1.0f / __builtin_sqrtf(dx * dx + dy * dy + dz * dz);
+    o[3 * i] = im.cam[3]; o[3 * i + 1] = im.cam[7]; o[3 * i + 2] = im.cam[11];
+    d[3 * i] = dx * inv; d[3 * i + 1] = dy * inv; d[3 * i + 2] = dz * inv;
     const uint8_t *p = c.pixels + 3 * pix;
     rgb[3 * i] = kRgb.v[p[0]]; rgb[3 * i + 1] = kRgb.v[p[1]]; rgb[3 * i + 2] = kRgb.v[p[2]];
     idx[3 * i] = im.index; idx[3 * i + 1] = row; idx[3 * i + 2] = col;
@@ -182,11 +186,10 @@ struct Accepted {
   int64_t count = 0;
   std::vector<uint32_t> pos;
   std::vector<uint64_t> pix;
-  std::vector<float> d;  // unit directions, 3 per ray
 
   void reserve(int64_t n) {
     if (static_cast<int64_t>(pos.size()) >= n) return;
-    pos.resize(n); pix.resize(n); d.resize(3 * n);
+    pos.resize(n); pix.resize(n);
   }
 };
 
@@ -224,17 +227,8 @@ struct RouteTable {
     for (size_t i = 0; i < c.imgs.size(); i++) {
       const float *cam = c.imgs[i].cam;
       double *t = img.data() + i * kStride;
-      // detail::pixel_ray's x = (col + 0.5 - cx) / fx, y = -(row + 0.5 - cy) / fy,
-      // d = R0 x + R1 y - R2 (R0, R1, R2 the columns of the camera-to-world rotation)
-      double ifx = 1.0 / cam[12], ify = 1.0 / cam[13];
-      double x0 = (0.5 - cam[14]) * ifx, y0 = -(0.5 - cam[15]) * ify;
-      for (int r = 0; r < 3; r++) {
-        double r0 = cam[4 * r], r1 = cam[4 * r + 1], r2 = cam[4 * r + 2];
-        t[r] = r0 * ifx;
-        t[3 + r] = -r1 * ify;
-        t[6 + r] = r0 * x0 + r1 * y0 - r2;
-        t[9 + r] = cam[4 * r + 3];
-      }
+      fold_camera(cam, t, t + 3, t + 6);
+      for (int r = 0; r < 3; r++) t[9 + r] = cam[4 * r + 3];
       double o[3] = {t[9], t[10], t[11]};
       project(rp, o);
       t[12] = o[0]; t[13] = o[1]; t[14] = o[2];
@@ -260,7 +254,6 @@ struct Batch {
   double wx[kBatch], wy[kBatch], wz[kBatch];  // world origin (routing box only)
   double ox[kBatch], oy[kBatch], oz[kBatch], C0[kBatch];  // projected origin, C0
   double a[kBatch], B0[kBatch], lo[kBatch], hi[kBatch];
-  float ux[kBatch], uy[kBatch], uz[kBatch];   // the unit direction (the ray's output)
   double b[kKeep * kBatch], c[kKeep * kBatch];  // b_k, c_k of the first kKeep conditions
   int32_t in[kBatch];  // end points: 1 accept (lo or hi satisfies every condition), -1 reject
                        // (some condition fails at both ends and m >= 1), 0 undecided
@@ -269,18 +262,12 @@ struct Batch {
 /// Stages 2 and 3 of a batch, branch-free over its m candidates (vectorisable loops): the u range
 /// (near/far over |d|, clipped to the routing box), the projected direction, a and B0, then the
 /// end-point tests (k outer, candidates inner).
-template <int Dummy>
 __attribute__((always_inline)) inline void batch_body(const detail::RouteParams &rp,
                                                       const RouteTable &rt, Batch &bt, int m) {
   const double nan = __builtin_nan("");
   double invs[kBatch];
   for (int j = 0; j < m; j++)
     invs[j] = 1.0 / __builtin_sqrt(bt.Dx[j] * bt.Dx[j] + bt.Dy[j] * bt.Dy[j] + bt.Dz[j] * bt.Dz[j]);
-  for (int j = 0; j < m; j++) {
-    bt.ux[j] = static_cast<float>(bt.Dx[j] * invs[j]);
-    bt.uy[j] = static_cast<float>(bt.Dy[j] * invs[j]);
-    bt.uz[j] = static_cast<float>(bt.Dz[j] * invs[j]);
-  }
   for (int j = 0; j < m; j++) {
     double lo = bt.lo[j], hi = bt.hi[j];
     bool ok = lo <= hi;
@@ -340,10 +327,10 @@ __attribute__((always_inline)) inline void batch_body(const detail::RouteParams 
 // operation as the baseline build does, so decisions do not depend on the CPU the op runs on
 __attribute__((target("avx2"))) void batch_avx2(const detail::RouteParams &rp, const RouteTable &rt,
                                                 Batch &bt, int m) {
-  batch_body<1>(rp, rt, bt, m);
+  batch_body(rp, rt, bt, m);
 }
 void batch_base(const detail::RouteParams &rp, const RouteTable &rt, Batch &bt, int m) {
-  batch_body<0>(rp, rt, bt, m);
+  batch_body(rp, rt, bt, m);
 }
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 
@@ -428,7 +415,6 @@ void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTabl
   int64_t cnt = 0;
   uint32_t *pos = acc.pos.data();
   uint64_t *apix = acc.pix.data();
-  float *adir = acc.d.data();
   const int nc = rt.n;
   Batch bt;
   uint64_t bpix[kBatch];
@@ -446,7 +432,6 @@ void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTabl
       uint64_t pix = simd ? bpix[j] : st.next(), row, col;
       const Image &im = c.locate(pix, row, col);
       bpix[j] = pix;
-      const float *cam = im.cam;
       const double *t = rt.img.data() + (&im - c.imgs.data()) * RouteTable::kStride;
       double x = static_cast<double>(static_cast<int64_t>(col));
       double y = static_cast<double>(static_cast<int64_t>(row));
@@ -455,7 +440,7 @@ void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTabl
       bt.Dz[j] = t[2] * x + t[5] * y + t[8];
       if (rp.has_bounds) { bt.wx[j] = t[9]; bt.wy[j] = t[10]; bt.wz[j] = t[11]; }
       bt.ox[j] = t[12]; bt.oy[j] = t[13]; bt.oz[j] = t[14]; bt.C0[j] = t[15];
-      bt.lo[j] = cam[16]; bt.hi[j] = cam[17];
+      bt.lo[j] = t[16]; bt.hi[j] = t[17];
     }
     // 2, 3. the rest of the terms and the end-point tests over the whole batch
     if (kHasAvx2) batch_avx2(rp, rt, bt, m);
@@ -478,23 +463,20 @@ void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTabl
       }
       pos[cnt] = static_cast<uint32_t>(i0 + j);
       apix[cnt] = bpix[j];
-      adir[3 * cnt] = bt.ux[j]; adir[3 * cnt + 1] = bt.uy[j]; adir[3 * cnt + 2] = bt.uz[j];
       cnt += ok;
     }
   }
   acc.count = cnt;
 }
 
-/// Writes the rays of the pixel ids pix[0, n), unit directions dir[0, 3 n), to output slots
-/// [slot, slot + n).
-void write_pixels(const Cache &c, const Outputs &out_, const uint64_t *pix, const float *dir,
-                  int64_t slot, int64_t n) {
+/// Writes the rays of the pixel ids pix[0, n) to output slots [slot, slot + n).
+void write_pixels(const Cache &c, const Outputs &out_, const uint64_t *pix, int64_t slot, int64_t n) {
   const Outputs out = out_;
   constexpr int64_t kAhead = 32;
   for (int64_t k = 0; k < std::min(kAhead, n); k++) __builtin_prefetch(c.pixels + 3 * pix[k]);
   for (int64_t k = 0; k < n; k++) {
     if (k + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + kAhead]);
-    out.write(c, slot + k, pix[k], dir + 3 * k);
+    out.write(c, slot + k, pix[k]);
   }
 }
 
@@ -596,8 +578,7 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
         for (int64_t k0 = 0; k0 < n; k0 += kChunk) {
           int64_t k1 = std::min(n, k0 + kChunk);
           tp.AddWork([&, b, slot, k0, k1](int) {
-            write_pixels(c, outs[s], blocks[b].pix.data() + k0, blocks[b].d.data() + 3 * k0, slot + k0,
-                         k1 - k0);
+            write_pixels(c, outs[s], blocks[b].pix.data() + k0, slot + k0, k1 - k0);
           }, k1 - k0);
         }
       }
