@@ -230,7 +230,8 @@ def main(args) -> int:
 
             with SpatialRayLoader(scene, part, 0, rays_per_batch=B, cache=cache, prefetch=2,
                                   rays_per_run=max(262144, B)) as S:
-                ss[B] = (measure(S, B, seconds), S.stats()["acceptance"])
+                rate = measure(S, B, seconds)
+                ss[B] = (rate, rate / r["rays"], S.stats()["acceptance"])
         # training-thread torch samplers: best of torch's default intra-op threads and 1 thread (on a
         # shared/oversubscribed machine 2 OpenMP threads can be 10x slower than 1)
         r["torch_gather"] = _best_threads(lambda: measure(torch_gather_source(cache, scene, B), B, seconds))
@@ -248,9 +249,9 @@ def main(args) -> int:
     for B, r in rows:
         cells = [f"{r['rays'] / 1e6:.1f}"] + [f"{r[n] / 1e6:.2f} ({r['rays'] / r[n]:.1f}x)" for n in names[1:]]
         lines.append(f"| {B} | " + " | ".join(cells) + " |")
-    for B, (rate, acc) in ss.items():
+    for B, (rate, share, acc) in ss.items():
         lines += ["", f"SS at {B} rays/step: SpatialRayLoader (2x2 grid over the cameras, margin 1.15, routing box = "
-                  f"the scene box), cell 0: {rate / 1e6:.1f} Mrays/s = {rate / rows[batches.index(B)][1]['rays']:.0%} "
+                  f"the scene box), cell 0: {rate / 1e6:.1f} Mrays/s = {share:.0%} "
                   f"of RayLoader measured just before it (routing acceptance {acc:.2f})."]
     lines += ["", f"Decode (decode_cache: DALI CPU decoder, 2 threads, {n_dec} images of 800x800 into the ImageCache, "
               f"pipeline build included, best of 2): JPEG {jpg:.0f} images/s, PNG RGBA {png:.0f} images/s.", "",
