@@ -466,3 +466,27 @@ def test_routing_with_bounds_matches_partition_reference(uniform):
     unclipped = run_op(cache, 1500, [0], centroids=CENTROIDS, cell=cell, mode="random", seed=2, margin=1.15, dims=2,
                        up=UP.tolist())[0]
     assert int(unclipped["consumed"][0]) != consumed  # the box changes which rays are routed here
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_routing_tiles_match_per_ray(uniform):
+    """The CPU op decides most candidates from its per-cache tile map (``route_tile``); the rays
+    it emits are exactly those of the per-ray test (``route_tile=0``), for tile sizes, margins
+    below, at and above 1, 2-D and 3-D distances, and a routing box."""
+    rng = np.random.default_rng(21)
+    sizes = [(96, 80)] * 5 if uniform else [(96, 80), (70, 51), (120, 33), (16, 16), (64, 90)]
+    cache = make_cache(rng, sizes=sizes, radius=3.0, near=(0.1, 1.0), far=(3.0, 7.0))
+    box = [-1.0, -0.4, -1.0, 1.0, 0.4, 1.0]
+    cases = [dict(cell=0, margin=1.15), dict(cell=1, margin=1.0), dict(cell=2, margin=0.9),
+             dict(cell=3, margin=1.3, dims=3), dict(cell=1, margin=1.15, bounds=box)]
+    decided = 0
+    for kw in cases:
+        kw = dict(kw, seed=3, up=UP.tolist(), centroids=CENTROIDS)
+        ref = run_op(cache, 6000, [0, 77_777], route_tile=0, **kw)
+        for tile in (4, 8, 64):
+            got = run_op(cache, 6000, [0, 77_777], route_tile=tile, **kw)
+            for r, g in zip(ref, got):
+                for k in r:
+                    assert np.array_equal(r[k], g[k]), (k, tile, kw)
+        decided += int(ref[0]["consumed"][0]) > 6000  # the cell does not take every ray
+    assert decided == len(cases)

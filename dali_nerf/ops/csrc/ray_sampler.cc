@@ -4,7 +4,8 @@
 // pool. Routed: rounds of speculative candidate blocks are decided in parallel (each block records
 // the pixel ids of its accepted candidates, in stream order, without reading a pixel), the blocks
 // are concatenated in order until R rays are accepted, then the accepted rays are written into the
-// output in parallel chunks.
+// output in parallel chunks. A per-cache tile map (TileMap) decides most candidates by a table
+// lookup; the rest get the exact per-ray test.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -204,9 +205,8 @@ struct Accepted {
 /// decision can differ from it only for rays within rounding of a cell boundary.
 struct RouteTable {
   int n = 0;  // conditions per ray (C - 1): the other cells, in increasing index
-  // per image, in 5 groups of 4 doubles (the AVX2 stage 1 transposes them): A, B, C (9: the
-  // unnormalised direction of pixel (row, col) is A col + B row + C), world origin (3),
-  // projected origin o (3), C0, near, far, 2 unused
+  // per image: A, B, C (9: the unnormalised direction of pixel (row, col) is A col + B row + C),
+  // world origin (3), projected origin o (3), C0, near, far, 2 unused
   static constexpr int kStride = 20;
   std::vector<double> img;
   std::vector<double> ckx, cky, ckz, kk;  // per other cell: projected centroid, K_k
@@ -334,17 +334,6 @@ void batch_base(const detail::RouteParams &rp, const RouteTable &rt, Batch &bt, 
 }
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 
-/// 4 x 4 transpose of doubles: rows r0..r3 in, columns out (in place).
-__attribute__((target("avx2"), always_inline)) inline void transpose4(__m256d &r0, __m256d &r1,
-                                                                     __m256d &r2, __m256d &r3) {
-  __m256d t0 = _mm256_unpacklo_pd(r0, r1), t1 = _mm256_unpackhi_pd(r0, r1);
-  __m256d t2 = _mm256_unpacklo_pd(r2, r3), t3 = _mm256_unpackhi_pd(r2, r3);
-  r0 = _mm256_permute2f128_pd(t0, t2, 0x20);
-  r1 = _mm256_permute2f128_pd(t1, t3, 0x20);
-  r2 = _mm256_permute2f128_pd(t0, t2, 0x31);
-  r3 = _mm256_permute2f128_pd(t1, t3, 0x31);
-}
-
 /// Quotient q and remainder of integer-valued doubles n / d (n, d < 2^52; inv = 1 / d).
 __attribute__((target("avx2"), always_inline)) inline __m256d divmod4(__m256d n, __m256d d, __m256d inv,
                                                                      __m256d &q) {
@@ -359,111 +348,262 @@ __attribute__((target("avx2"), always_inline)) inline __m256d divmod4(__m256d n,
   return _mm256_sub_pd(r, _mm256_and_pd(ge, d));
 }
 
-/// Stage 1 of decide_block for a cache of equal-size images, 4 candidates at a time: pixel id ->
-/// (image, row, col) in exact double arithmetic (ids < 2^52; the quotient estimates are fixed up
-/// by one, as in detail::fast_div), then the image's terms loaded as rows and transposed, and
-/// the same arithmetic as the scalar stage 1 (no FMA). Returns how many candidates it did (a
-/// multiple of 4); the caller does the rest.
-__attribute__((target("avx2"))) int stage1_avx2(const Cache &c, const RouteTable &rt,
-                                                const uint64_t *bpix, Batch &bt, int m) {
+/// Pixel id -> (image, row, col) for a cache of equal-size images, 4 candidates at a time, in
+/// exact double arithmetic (ids < 2^52; the quotient estimates are fixed up by one, as in
+/// detail::fast_div). Returns how many candidates it did (a multiple of 4); the caller does the
+/// rest with Cache::locate.
+__attribute__((target("avx2"))) int locate_avx2(const Cache &c, const uint64_t *bpix, int m, int32_t *img,
+                                                int32_t *row, int32_t *col) {
   const __m256d two52 = _mm256_set1_pd(4503599627370496.0);
   const __m256d WH = _mm256_set1_pd(static_cast<double>(static_cast<int64_t>(c.WH))),
                 iWH = _mm256_set1_pd(c.invWH);
   const __m256d W = _mm256_set1_pd(static_cast<double>(static_cast<int64_t>(c.imgs[0].W))),
                 iW = _mm256_set1_pd(c.imgs[0].invW);
-  const double *tab = rt.img.data();
   int j = 0;
   for (; j + 4 <= m; j += 4) {
     __m256i pi = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(bpix + j));
     __m256d pd = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(pi, _mm256_castpd_si256(two52))), two52);
-    __m256d img, row;
-    __m256d rem = divmod4(pd, WH, iWH, img);
-    __m256d col = divmod4(rem, W, iW, row);
-    alignas(16) int32_t ii[4];
-    _mm_store_si128(reinterpret_cast<__m128i *>(ii), _mm256_cvttpd_epi32(img));
-    const double *p0 = tab + ii[0] * RouteTable::kStride, *p1 = tab + ii[1] * RouteTable::kStride,
-                 *p2 = tab + ii[2] * RouteTable::kStride, *p3 = tab + ii[3] * RouteTable::kStride;
-    __m256d g[5][4];
-    for (int k = 0; k < 5; k++) {
-      g[k][0] = _mm256_loadu_pd(p0 + 4 * k); g[k][1] = _mm256_loadu_pd(p1 + 4 * k);
-      g[k][2] = _mm256_loadu_pd(p2 + 4 * k); g[k][3] = _mm256_loadu_pd(p3 + 4 * k);
-      transpose4(g[k][0], g[k][1], g[k][2], g[k][3]);
-    }
-    // g[k][f] = field 4 k + f of the 4 candidates' images (see RouteTable::kStride)
-    const __m256d *A = g[0], B0 = g[0][3], B1 = g[1][0], B2 = g[1][1];
-    __m256d C0 = g[1][2], C1 = g[1][3], C2 = g[2][0];
-    _mm256_storeu_pd(bt.Dx + j, _mm256_add_pd(_mm256_add_pd(_mm256_mul_pd(A[0], col), _mm256_mul_pd(B0, row)), C0));
-    _mm256_storeu_pd(bt.Dy + j, _mm256_add_pd(_mm256_add_pd(_mm256_mul_pd(A[1], col), _mm256_mul_pd(B1, row)), C1));
-    _mm256_storeu_pd(bt.Dz + j, _mm256_add_pd(_mm256_add_pd(_mm256_mul_pd(A[2], col), _mm256_mul_pd(B2, row)), C2));
-    _mm256_storeu_pd(bt.wx + j, g[2][1]); _mm256_storeu_pd(bt.wy + j, g[2][2]);
-    _mm256_storeu_pd(bt.wz + j, g[2][3]);
-    _mm256_storeu_pd(bt.ox + j, g[3][0]); _mm256_storeu_pd(bt.oy + j, g[3][1]);
-    _mm256_storeu_pd(bt.oz + j, g[3][2]); _mm256_storeu_pd(bt.C0 + j, g[3][3]);
-    _mm256_storeu_pd(bt.lo + j, g[4][0]); _mm256_storeu_pd(bt.hi + j, g[4][1]);
+    __m256d im, rw;
+    __m256d rem = divmod4(pd, WH, iWH, im);
+    __m256d cl = divmod4(rem, W, iW, rw);
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(img + j), _mm256_cvttpd_epi32(im));
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(row + j), _mm256_cvttpd_epi32(rw));
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(col + j), _mm256_cvttpd_epi32(cl));
   }
   return j;
 }
 
+enum TileClass : uint8_t { kMixed = 0, kAccept = 1, kReject = 2 };
+constexpr int kTileSamples = 25;  // points along [near, far] at which a tile's rays are bounded
+constexpr int kTileLevels = 3;    // classification starts on squares of 2^3 x 2^3 tiles
+
+/// Per-image tile classification for routing (CPU), built once per cache and routing setup. A
+/// tile of S x S pixels is kAccept when every ray through it provably meets the cell, kReject
+/// when every ray provably misses it, kMixed otherwise (those rays get the exact per-ray test).
+/// Proof: the tile's unit directions lie in the cone spanned by its four corner pixels'
+/// directions, so the point at distance t of any of its rays lies in a ball of radius
+/// r = t * chord around the point at distance t of the tile's central direction (chord = the
+/// largest distance from that direction to a corner's); over a ball B(x, r),
+/// f_k = |p - c_j|^2 - m^2 |p - c_k|^2 lies in
+/// [f_k(x) - |grad| r + min(0, 1 - m^2) r^2, f_k(x) + |grad| r + max(0, 1 - m^2) r^2].
+/// At kTileSamples distances t_i from near to far: accept when at one t_i every f_k < 0 over the
+/// ball; reject (m >= 1, so each f_k is concave along every ray) when every piece [t_i, t_i+1]
+/// has one f_k > 0 over the balls at both of its ends. The bounds must hold with a margin eps far
+/// above rounding, so a classified ray gets the decision the per-ray test gives it. With a
+/// routing box, only tiles whose end-point balls lie inside the box are classified (their
+/// segments are not clipped). Squares of 8 x 8 tiles are tried first and split while undecided.
+struct TileMap {
+  int shift = -1;               // log2 of the tile side; -1: not built
+  std::vector<uint8_t> cls;     // TileClass per tile, images one after the other
+  std::vector<uint64_t> first;  // per image: index of its first tile
+  std::vector<uint32_t> tx;     // per image: tiles per row
+  std::vector<double> key;      // the inputs it was built from (rebuilt when they change)
+
+  static std::vector<double> make_key(const Cache &c, const detail::RouteParams &rp, int shift) {
+    std::vector<double> k = {double(shift), double(rp.C), double(rp.cell), rp.m2, double(rp.dims),
+                             rp.up[0], rp.up[1], rp.up[2], double(rp.has_bounds)};
+    for (int i = 0; i < 3; i++) { k.push_back(rp.bmin[i]); k.push_back(rp.bmax[i]); }
+    for (int i = 0; i < 3 * rp.C; i++) k.push_back(rp.cproj[i]);
+    for (size_t i = 0; i < c.imgs.size(); i++) {
+      const Image &im = c.imgs[i];
+      uint64_t H = (i + 1 < c.imgs.size() ? c.imgs[i + 1].off : c.P) - im.off;
+      k.push_back(double(im.W)); k.push_back(double(H / im.W));
+      for (int f = 0; f < 18; f++) k.push_back(im.cam[f]);
+    }
+    return k;
+  }
+};
+
+uint8_t classify_tile(const detail::RouteParams &rp, const RouteTable &rt, const double *t, double cmax,
+                      double c0, double c1, double r0, double r1) {
+  const double nr = t[16], fr = t[17];
+  if (!(nr <= fr) || !std::isfinite(nr) || !std::isfinite(fr)) return kMixed;
+  const double xs[4] = {c0, c1, c0, c1}, ys[4] = {r0, r0, r1, r1};
+  double n[4][3], mc[3] = {0, 0, 0};
+  for (int q = 0; q < 4; q++) {
+    double v[3];
+    for (int i = 0; i < 3; i++) v[i] = t[i] * xs[q] + t[3 + i] * ys[q] + t[6 + i];
+    double len = std::sqrt(v[0] * v[0] + v[1] * v[1] + v[2] * v[2]);
+    if (!(len > 0) || !std::isfinite(len)) return kMixed;
+    for (int i = 0; i < 3; i++) { n[q][i] = v[i] / len; mc[i] += n[q][i]; }
+  }
+  double ml = std::sqrt(mc[0] * mc[0] + mc[1] * mc[1] + mc[2] * mc[2]);
+  if (!(ml > 0)) return kMixed;
+  for (int i = 0; i < 3; i++) mc[i] /= ml;
+  double chord = 0;
+  for (int q = 0; q < 4; q++) {
+    double e[3] = {n[q][0] - mc[0], n[q][1] - mc[1], n[q][2] - mc[2]};
+    chord = std::max(chord, std::sqrt(e[0] * e[0] + e[1] * e[1] + e[2] * e[2]));
+  }
+  if (!(chord < 0.5)) return kMixed;  // a wide tile (over ~29 degrees): its cone bound is loose
+  chord = chord * (1.0 + 1e-6) + 1e-12;
+  const double *o = t + 9;
+  double olen = std::sqrt(o[0] * o[0] + o[1] * o[1] + o[2] * o[2]);
+  double S = olen + std::max(std::fabs(nr), std::fabs(fr)) + cmax + 1.0;
+  const double eps = 1e-9 * S * S, epsx = 1e-9 * S;  // far above double rounding of the terms
+  const double m2 = rt.m2, one_m2 = 1.0 - m2;
+  if (rp.has_bounds)  // both end balls inside the box: no segment of the tile is clipped
+    for (int e = 0; e < 2; e++) {
+      double tt = e ? fr : nr, r = std::fabs(tt) * chord;
+      for (int i = 0; i < 3; i++) {
+        double x = o[i] + tt * mc[i];
+        if (!(x - r > rp.bmin[i] + epsx && x + r < rp.bmax[i] - epsx)) return kMixed;
+      }
+    }
+  // kTileSamples points t_i from near to far: accept if all conditions hold over the ball at one
+  // of them; reject (m >= 1: each f_k is concave along every ray) if every piece [t_i, t_i+1]
+  // has a condition that fails over the balls at both of its ends
+  bool chain = m2 >= 1.0;
+  bool prev[detail::kMaxCells], cur[detail::kMaxCells];
+  for (int i = 0; i < kTileSamples; i++) {
+    double tt = i == kTileSamples - 1 ? fr : nr + (fr - nr) * (double(i) / (kTileSamples - 1));
+    double r = std::fabs(tt) * chord;
+    double x[3] = {o[0] + tt * mc[0], o[1] + tt * mc[1], o[2] + tt * mc[2]};
+    RouteTable::project(rp, x);
+    double qj[3] = {x[0] - rt.cj[0], x[1] - rt.cj[1], x[2] - rt.cj[2]};
+    double qqj = qj[0] * qj[0] + qj[1] * qj[1] + qj[2] * qj[2];
+    bool all_in = true, covered = false;
+    for (int k = 0; k < rt.n; k++) {
+      double qk[3] = {x[0] - rt.ckx[k], x[1] - rt.cky[k], x[2] - rt.ckz[k]};
+      double g = qqj - m2 * (qk[0] * qk[0] + qk[1] * qk[1] + qk[2] * qk[2]);
+      double gr[3] = {2 * (qj[0] - m2 * qk[0]), 2 * (qj[1] - m2 * qk[1]), 2 * (qj[2] - m2 * qk[2])};
+      double G = std::sqrt(gr[0] * gr[0] + gr[1] * gr[1] + gr[2] * gr[2]);
+      all_in = all_in && g + G * r + std::max(0.0, one_m2) * r * r < -eps;
+      cur[k] = g - G * r + std::min(0.0, one_m2) * r * r > eps;
+      covered = covered || (i > 0 && prev[k] && cur[k]);
+    }
+    if (all_in) return kAccept;
+    chain = chain && (i == 0 || covered);
+    for (int k = 0; k < rt.n; k++) prev[k] = cur[k];
+  }
+  return chain ? kReject : kMixed;
+}
+
+/// Classifies the pixels [cA, cA + side) x [rA, rA + side) of an image (side: S times a power of
+/// two): the whole square when it is decided, else its four quarters, down to S x S tiles. A
+/// decided square proves the decision for every tile inside it.
+void classify_square(const detail::RouteParams &rp, const RouteTable &rt, const double *t, double cmax,
+                     int64_t W, int64_t H, int shift, int64_t cA, int64_t rA, int64_t side, uint8_t *cls,
+                     uint32_t tx) {
+  if (cA >= W || rA >= H) return;
+  int64_t cB = std::min(W, cA + side) - 1, rB = std::min(H, rA + side) - 1;
+  uint8_t k = classify_tile(rp, rt, t, cmax, double(cA), double(cB), double(rA), double(rB));
+  if (k == kMixed && side > (int64_t(1) << shift)) {
+    int64_t h = side / 2;
+    for (int q = 0; q < 4; q++)
+      classify_square(rp, rt, t, cmax, W, H, shift, cA + (q & 1) * h, rA + (q >> 1) * h, h, cls, tx);
+    return;
+  }
+  for (int64_t ty = rA >> shift; ty <= (rB >> shift); ty++)
+    for (int64_t tc = cA >> shift; tc <= (cB >> shift); tc++) cls[ty * tx + tc] = k;
+}
+
+/// Classifies the tiles of images [i0, i1) of `tm` (laid out by the caller), coarse to fine.
+void classify_images(const Cache &c, const detail::RouteParams &rp, const RouteTable &rt, TileMap &tm,
+                     size_t i0, size_t i1) {
+  double cmax = 0;
+  for (int k = 0; k < rp.C; k++) {
+    const double *ck = rp.cproj + 3 * k;
+    cmax = std::max(cmax, std::sqrt(ck[0] * ck[0] + ck[1] * ck[1] + ck[2] * ck[2]));
+  }
+  const int64_t top = int64_t(1) << (tm.shift + kTileLevels);
+  for (size_t i = i0; i < i1; i++) {
+    const Image &im = c.imgs[i];
+    const int64_t W = static_cast<int64_t>(im.W);
+    const int64_t H = static_cast<int64_t>(((i + 1 < c.imgs.size() ? c.imgs[i + 1].off : c.P) - im.off) / im.W);
+    const double *t = rt.img.data() + i * RouteTable::kStride;
+    for (int64_t rA = 0; rA < H; rA += top)
+      for (int64_t cA = 0; cA < W; cA += top)
+        classify_square(rp, rt, t, cmax, W, H, tm.shift, cA, rA, top, tm.cls.data() + tm.first[i], tm.tx[i]);
+  }
+}
+
+/// One candidate's per-ray routing terms into slot q of the batch (stage 1 of the exact test).
+inline void fill_candidate(const detail::RouteParams &rp, const RouteTable &rt, Batch &bt, int q, int64_t img,
+                           int64_t row, int64_t col) {
+  const double *t = rt.img.data() + img * RouteTable::kStride;
+  double x = static_cast<double>(col), y = static_cast<double>(row);
+  bt.Dx[q] = t[0] * x + t[3] * y + t[6];
+  bt.Dy[q] = t[1] * x + t[4] * y + t[7];
+  bt.Dz[q] = t[2] * x + t[5] * y + t[8];
+  if (rp.has_bounds) { bt.wx[q] = t[9]; bt.wy[q] = t[10]; bt.wz[q] = t[11]; }
+  bt.ox[q] = t[12]; bt.oy[q] = t[13]; bt.oz[q] = t[14]; bt.C0[q] = t[15];
+  bt.lo[q] = t[16]; bt.hi[q] = t[17];
+}
+
 /// Routing decisions for the n candidates at stream positions s0, s0 + 1, ...: records the
 /// accepted ones (offset and pixel id) in `acc`. Touches no pixel: the colours are read only for
-/// accepted rays, when they are written.
+/// accepted rays, when they are written. Per batch of candidates: 1. pixel id -> (image, row,
+/// col); 2. the tile class (no tile map: every candidate is mixed); 3. the exact per-ray test of
+/// the mixed ones, batched (batch_body, then route_solve for those the end points leave open);
+/// 4. the accepted, recorded in stream order.
 template <int Mode>
-void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTable &rt, uint64_t key,
-                  uint64_t s0, int64_t n, Accepted &acc) {
+void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTable &rt, const TileMap *tm,
+                  uint64_t key, uint64_t s0, int64_t n, Accepted &acc) {
   acc.reserve(n);
   Stream<Mode> st(key, c.P, s0);
   int64_t cnt = 0;
   uint32_t *pos = acc.pos.data();
   uint64_t *apix = acc.pix.data();
   const int nc = rt.n;
+  const bool simd = kHasAvx2 && c.uniform;  // equal-size images: 4 candidates at a time
   Batch bt;
   uint64_t bpix[kBatch];
+  int32_t bimg[kBatch], brow[kBatch], bcol[kBatch], mixed[kBatch];
+  uint8_t dec[kBatch];
   for (int64_t i0 = 0; i0 < n; i0 += kBatch) {
     const int m = static_cast<int>(std::min<int64_t>(kBatch, n - i0));
-    // 1. per candidate: pixel, unnormalised direction, near/far and the image's terms (short
-    //    independent iterations without divisions)
-    const bool simd = kHasAvx2 && c.uniform;  // equal-size images: 4 candidates at a time
-    int j0 = 0;
-    if (simd) {
-      for (int j = 0; j < m; j++) bpix[j] = st.next();
-      j0 = stage1_avx2(c, rt, bpix, bt, m);
-    }
+    for (int j = 0; j < m; j++) bpix[j] = st.next();
+    int j0 = simd ? locate_avx2(c, bpix, m, bimg, brow, bcol) : 0;
     for (int j = j0; j < m; j++) {
-      uint64_t pix = simd ? bpix[j] : st.next(), row, col;
-      const Image &im = c.locate(pix, row, col);
-      bpix[j] = pix;
-      const double *t = rt.img.data() + (&im - c.imgs.data()) * RouteTable::kStride;
-      double x = static_cast<double>(static_cast<int64_t>(col));
-      double y = static_cast<double>(static_cast<int64_t>(row));
-      bt.Dx[j] = t[0] * x + t[3] * y + t[6];
-      bt.Dy[j] = t[1] * x + t[4] * y + t[7];
-      bt.Dz[j] = t[2] * x + t[5] * y + t[8];
-      if (rp.has_bounds) { bt.wx[j] = t[9]; bt.wy[j] = t[10]; bt.wz[j] = t[11]; }
-      bt.ox[j] = t[12]; bt.oy[j] = t[13]; bt.oz[j] = t[14]; bt.C0[j] = t[15];
-      bt.lo[j] = t[16]; bt.hi[j] = t[17];
+      uint64_t row, col;
+      bimg[j] = static_cast<int32_t>(&c.locate(bpix[j], row, col) - c.imgs.data());
+      brow[j] = static_cast<int32_t>(row);
+      bcol[j] = static_cast<int32_t>(col);
     }
-    // 2, 3. the rest of the terms and the end-point tests over the whole batch
-    if (kHasAvx2) batch_avx2(rp, rt, bt, m);
-    else batch_base(rp, rt, bt, m);
-    // 4. exact root-finding for the undecided, then record the accepted in stream order
-    for (int j = 0; j < m; j++) {
-      bool ok = bt.in[j] > 0;
-      if (bt.in[j] == 0 && bt.lo[j] <= bt.hi[j]) {
-        double bs[detail::kMaxCells], cs[detail::kMaxCells];
-        for (int k = 0; k < std::min(nc, kKeep); k++) {
-          bs[k] = bt.b[k * kBatch + j];
-          cs[k] = bt.c[k * kBatch + j];
-        }
-        for (int k = kKeep; k < nc; k++) {  // the same expressions as in batch_body
-          const double cx = rt.ckx[k], cy = rt.cky[k], cz = rt.ckz[k];
-          bs[k] = bt.B0[j] + rt.two_m2 * (bt.Dx[j] * cx + bt.Dy[j] * cy + bt.Dz[j] * cz);
-          cs[k] = (bt.C0[j] + rt.kk[k]) + rt.two_m2 * (bt.ox[j] * cx + bt.oy[j] * cy + bt.oz[j] * cz);
-        }
-        ok = detail::route_solve(bt.a[j], bs, cs, nc, bt.lo[j], bt.hi[j]);
+    int q = 0;
+    if (tm) {
+      const uint8_t *cls = tm->cls.data();
+      const int sh = tm->shift;
+      for (int j = 0; j < m; j++) {
+        uint8_t k = cls[tm->first[bimg[j]] + (brow[j] >> sh) * tm->tx[bimg[j]] + (bcol[j] >> sh)];
+        dec[j] = k == kAccept;
+        mixed[q] = j;
+        q += k == kMixed;
       }
+    } else {
+      for (int j = 0; j < m; j++) mixed[j] = j;
+      q = m;
+    }
+    if (q > 0) {
+      for (int p = 0; p < q; p++) {
+        int j = mixed[p];
+        fill_candidate(rp, rt, bt, p, bimg[j], brow[j], bcol[j]);
+      }
+      if (kHasAvx2) batch_avx2(rp, rt, bt, q);
+      else batch_base(rp, rt, bt, q);
+      for (int p = 0; p < q; p++) {
+        bool ok = bt.in[p] > 0;
+        if (bt.in[p] == 0 && bt.lo[p] <= bt.hi[p]) {
+          double bs[detail::kMaxCells], cs[detail::kMaxCells];
+          for (int k = 0; k < std::min(nc, kKeep); k++) {
+            bs[k] = bt.b[k * kBatch + p];
+            cs[k] = bt.c[k * kBatch + p];
+          }
+          for (int k = kKeep; k < nc; k++) {  // the same expressions as in batch_body
+            const double cx = rt.ckx[k], cy = rt.cky[k], cz = rt.ckz[k];
+            bs[k] = bt.B0[p] + rt.two_m2 * (bt.Dx[p] * cx + bt.Dy[p] * cy + bt.Dz[p] * cz);
+            cs[k] = (bt.C0[p] + rt.kk[k]) + rt.two_m2 * (bt.ox[p] * cx + bt.oy[p] * cy + bt.oz[p] * cz);
+          }
+          ok = detail::route_solve(bt.a[p], bs, cs, nc, bt.lo[p], bt.hi[p]);
+        }
+        dec[mixed[p]] = ok;
+      }
+    }
+    for (int j = 0; j < m; j++) {
       pos[cnt] = static_cast<uint32_t>(i0 + j);
       apix[cnt] = bpix[j];
-      cnt += ok;
+      cnt += dec[j];
     }
   }
   acc.count = cnt;
@@ -479,6 +619,38 @@ void write_pixels(const Cache &c, const Outputs &out_, const uint64_t *pix, int6
     out.write(c, slot + k, pix[k]);
   }
 }
+
+/// Lays out and classifies the tile map of one cache, images split over the thread pool.
+void build_tiles(const Cache &c, const detail::RouteParams &rp, const RouteTable &rt, int shift,
+                 ::dali::ThreadPool &tp, TileMap &tm) {
+  const uint64_t S = uint64_t(1) << shift;
+  size_t N = c.imgs.size();
+  tm.shift = shift;
+  tm.first.resize(N);
+  tm.tx.resize(N);
+  uint64_t total = 0;
+  for (size_t i = 0; i < N; i++) {
+    const Image &im = c.imgs[i];
+    uint64_t H = ((i + 1 < N ? c.imgs[i + 1].off : c.P) - im.off) / im.W;
+    tm.first[i] = total;
+    tm.tx[i] = static_cast<uint32_t>((im.W + S - 1) / S);
+    total += tm.tx[i] * ((H + S - 1) / S);
+  }
+  tm.cls.assign(total, kMixed);
+  int parts = static_cast<int>(std::min<size_t>(N, 4 * static_cast<size_t>(tp.NumThreads())));
+  for (int p = 0; p < parts; p++) {
+    size_t i0 = N * p / parts, i1 = N * (p + 1) / parts;
+    tp.AddWork([&, i0, i1](int) { classify_images(c, rp, rt, tm, i0, i1); },
+               static_cast<int64_t>(i1 - i0));
+  }
+  tp.RunAll();
+}
+
+/// What a routed CPU run keeps across runs.
+struct RoutedScratch {
+  std::vector<Accepted> blocks;
+  std::vector<TileMap> tiles;  // per sample of the batch
+};
 
 }  // namespace
 
@@ -524,15 +696,27 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
 
   // routed: speculative rounds of candidate blocks
   const auto &cen_in = ws.Input<CPUBackend>(3);
-  // staged blocks live across runs: fresh ~1 MB buffers per block would page-fault every run
-  if (!scratch_) scratch_ = std::make_shared<std::vector<Accepted>>();
-  std::vector<Accepted> &blocks = *std::static_pointer_cast<std::vector<Accepted>>(scratch_);
+  // the accepted-candidate buffers live across runs (fresh ~1 MB buffers per block would
+  // page-fault every run), and so do the tile maps (rebuilt only when the inputs change)
+  if (!scratch_) scratch_ = std::make_shared<RoutedScratch>();
+  RoutedScratch &scratch = *std::static_pointer_cast<RoutedScratch>(scratch_);
+  std::vector<Accepted> &blocks = scratch.blocks;
+  if (static_cast<int>(scratch.tiles.size()) < nsamples) scratch.tiles.resize(nsamples);
   for (int s = 0; s < nsamples; s++) {
     const Cache &c = caches[s];
     detail::RouteParams rp = route_params(cen_in.tensor<float>(s),
                                           static_cast<int>(cen_in.tensor_shape(s)[0]));
     RouteTable rt;
     rt.init(c, rp);
+    const TileMap *tm = nullptr;
+    if (route_tile_ > 0) {
+      TileMap &t = scratch.tiles[s];
+      int shift = __builtin_ctz(static_cast<unsigned>(route_tile_));
+      std::vector<double> key = TileMap::make_key(c, rp, shift);
+      if (t.shift != shift || t.key != key) build_tiles(c, rp, rt, shift, tp, t);
+      t.key.swap(key);
+      tm = &t;
+    }
     uint64_t s0 = static_cast<uint64_t>(starts_[s]);
     int64_t accepted = 0;
     uint64_t examined = 0;  // candidates evaluated so far = next round's offset from s0
@@ -553,8 +737,8 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
       for (int64_t b = 0; b < nb; b++) {
         uint64_t bs = s0 + examined + b * bsz;
         tp.AddWork([&, b, bs, bsz](int) {
-          if (mode_ == kEpoch) decide_block<kEpoch>(c, rp, rt, key_, bs, bsz, blocks[b]);
-          else decide_block<kRandom>(c, rp, rt, key_, bs, bsz, blocks[b]);
+          if (mode_ == kEpoch) decide_block<kEpoch>(c, rp, rt, tm, key_, bs, bsz, blocks[b]);
+          else decide_block<kRandom>(c, rp, rt, tm, key_, bs, bsz, blocks[b]);
         }, bsz);
       }
       tp.RunAll();
@@ -635,6 +819,10 @@ consumed (1,) int64.)")
     .AddOptionalArg("up", "World up vector; with dims == 2 routing ignores this axis.",
                     std::vector<float>{0.f, 1.f, 0.f})
     .AddOptionalArg("dims", "Routing distances: 2 (perpendicular to `up`) or 3.", 2)
+    .AddOptionalArg("route_tile", "CPU routing: side (a power of two, <= 256) of the pixel tiles that "
+                    "are classified once per cache (every ray of the tile provably accepted or "
+                    "rejected, or mixed: tested ray by ray); the decisions are those of the per-ray "
+                    "test. 0: test every ray. The GPU backend tests every ray.", 8)
     .AddOptionalArg("bounds", "Routing box (min x, y, z, max x, y, z): only the part of a ray's "
                     "[near, far] segment inside it decides its cells (like Mega-NeRF's ray altitude "
                     "range); rays that miss the box keep their whole segment. Empty: no box.",

@@ -263,7 +263,8 @@ class RaySampler : public ::dali::Operator<Backend> {
         world_size_(spec.GetArgument<int>("world_size")),
         cell_(spec.GetArgument<int>("cell")),
         margin_(spec.GetArgument<float>("margin")),
-        dims_(spec.GetArgument<int>("dims")) {
+        dims_(spec.GetArgument<int>("dims")),
+        route_tile_(spec.GetArgument<int>("route_tile")) {
     std::vector<float> bounds = spec.GetRepeatedArgument<float>("bounds");
     DALI_ENFORCE(bounds.empty() || bounds.size() == 6,
                  "dali_nerf ray_sampler: `bounds` must be empty or 6 values (min xyz, max xyz)");
@@ -278,6 +279,8 @@ class RaySampler : public ::dali::Operator<Backend> {
                  "dali_nerf ray_sampler: need 0 <= rank < world_size");
     DALI_ENFORCE(dims_ == 2 || dims_ == 3, "dali_nerf ray_sampler: `dims` must be 2 or 3");
     DALI_ENFORCE(margin_ > 0.f, "dali_nerf ray_sampler: `margin` must be > 0");
+    DALI_ENFORCE(route_tile_ >= 0 && route_tile_ <= 256 && (route_tile_ & (route_tile_ - 1)) == 0,
+                 "dali_nerf ray_sampler: `route_tile` must be 0 or a power of two <= 256");
     std::vector<float> up = spec.GetRepeatedArgument<float>("up");
     DALI_ENFORCE(up.size() == 3, "dali_nerf ray_sampler: `up` must have 3 values");
     double n = std::sqrt(double(up[0]) * up[0] + double(up[1]) * up[1] + double(up[2]) * up[2]);
@@ -367,6 +370,7 @@ class RaySampler : public ::dali::Operator<Backend> {
   int rank_, world_size_, cell_;
   float margin_;
   int dims_;
+  int route_tile_;  // CPU routing: tile side of the per-image tile classification (0: per ray)
   int mode_;
   double up_[3];
   bool has_bounds_ = false;
@@ -374,7 +378,7 @@ class RaySampler : public ::dali::Operator<Backend> {
   uint64_t key_;
   std::vector<int64_t> starts_;
   double accept_estimate_ = 0.5;  // routed runs: running acceptance rate, sizes speculative rounds
-  std::shared_ptr<void> scratch_;  // backend-specific buffers kept across runs (CPU: staged blocks)
+  std::shared_ptr<void> scratch_;  // backend-specific state kept across runs (CPU: blocks, tile maps)
 };
 
 }  // namespace dali_nerf
