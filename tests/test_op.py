@@ -476,9 +476,11 @@ def test_routing_tiles_match_per_ray(uniform):
     rng = np.random.default_rng(21)
     sizes = [(96, 80)] * 5 if uniform else [(96, 80), (70, 51), (120, 33), (16, 16), (64, 90)]
     cache = make_cache(rng, sizes=sizes, radius=3.0, near=(0.1, 1.0), far=(3.0, 7.0))
+    cache[1][:, 12:14] *= 4  # narrower fields of view than make_cache's: more tiles decided
     box = [-1.0, -0.4, -1.0, 1.0, 0.4, 1.0]
     cases = [dict(cell=0, margin=1.15), dict(cell=1, margin=1.0), dict(cell=2, margin=0.9),
-             dict(cell=3, margin=1.3, dims=3), dict(cell=1, margin=1.15, bounds=box)]
+             dict(cell=3, margin=1.3, dims=3), dict(cell=1, margin=1.15, bounds=box),
+             dict(cell=2, margin=1.15, bounds=[-2.0, -0.5, -2.0, 2.0, 0.5, 2.0])]
     decided = 0
     for kw in cases:
         kw = dict(kw, seed=3, up=UP.tolist(), centroids=CENTROIDS)

@@ -442,21 +442,35 @@ uint8_t classify_tile(const detail::RouteParams &rp, const RouteTable &rt, const
   double S = olen + std::max(std::fabs(nr), std::fabs(fr)) + cmax + 1.0;
   const double eps = 1e-9 * S * S, epsx = 1e-9 * S;  // far above double rounding of the terms
   const double m2 = rt.m2, one_m2 = 1.0 - m2;
-  if (rp.has_bounds)  // both end balls inside the box: no segment of the tile is clipped
-    for (int e = 0; e < 2; e++) {
-      double tt = e ? fr : nr, r = std::fabs(tt) * chord;
-      for (int i = 0; i < 3; i++) {
-        double x = o[i] + tt * mc[i];
-        if (!(x - r > rp.bmin[i] + epsx && x + r < rp.bmax[i] - epsx)) return kMixed;
-      }
+  // the segment of every ray of the tile lies in [loL, hiU] and contains [loU, hiL]
+  double loL = nr, loU = nr, hiL = fr, hiU = fr;
+  if (rp.has_bounds) {
+    // slab test in interval arithmetic: each unit direction component lies in mc_i +- chord; a
+    // tile whose rays all hit the box gets the bounds of the clipped segments, a tile whose rays
+    // all miss it keeps [near, far]; a tile with a component that may be 0 stays mixed
+    double enL = -INFINITY, enU = -INFINITY, exL = INFINITY, exU = INFINITY;
+    for (int i = 0; i < 3; i++) {
+      double dl = mc[i] - chord, dh = mc[i] + chord;
+      if (!(dl > 1e-9 || dh < -1e-9)) return kMixed;
+      double pn = dl > 0 ? rp.bmin[i] : rp.bmax[i], pf = dl > 0 ? rp.bmax[i] : rp.bmin[i];
+      double n0 = (pn - o[i]) / dl, n1 = (pn - o[i]) / dh, f0 = (pf - o[i]) / dl, f1 = (pf - o[i]) / dh;
+      enL = std::max(enL, std::min(n0, n1)); enU = std::max(enU, std::max(n0, n1));
+      exL = std::min(exL, std::min(f0, f1)); exU = std::min(exU, std::max(f0, f1));
     }
-  // kTileSamples points t_i from near to far: accept if all conditions hold over the ball at one
-  // of them; reject (m >= 1: each f_k is concave along every ray) if every piece [t_i, t_i+1]
-  // has a condition that fails over the balls at both of its ends
+    double aL = std::max(nr, enL), aU = std::max(nr, enU), bL = std::min(fr, exL), bU = std::min(fr, exU);
+    if (bL > aU + epsx) {
+      loL = aL - epsx; loU = aU + epsx; hiL = bL - epsx; hiU = bU + epsx;
+    } else if (!(aL > bU + epsx)) {
+      return kMixed;
+    }
+  }
+  // kTileSamples points t_i from loL to hiU: accept if all conditions hold over the ball at one
+  // of them inside [loU, hiL]; reject (m >= 1: each f_k is concave along every ray) if every
+  // piece [t_i, t_i+1] has a condition that fails over the balls at both of its ends
   bool chain = m2 >= 1.0;
   bool prev[detail::kMaxCells], cur[detail::kMaxCells];
   for (int i = 0; i < kTileSamples; i++) {
-    double tt = i == kTileSamples - 1 ? fr : nr + (fr - nr) * (double(i) / (kTileSamples - 1));
+    double tt = i == kTileSamples - 1 ? hiU : loL + (hiU - loL) * (double(i) / (kTileSamples - 1));
     double r = std::fabs(tt) * chord;
     double x[3] = {o[0] + tt * mc[0], o[1] + tt * mc[1], o[2] + tt * mc[2]};
     RouteTable::project(rp, x);
@@ -472,7 +486,7 @@ uint8_t classify_tile(const detail::RouteParams &rp, const RouteTable &rt, const
       cur[k] = g - G * r + std::min(0.0, one_m2) * r * r > eps;
       covered = covered || (i > 0 && prev[k] && cur[k]);
     }
-    if (all_in) return kAccept;
+    if (all_in && tt >= loU && tt <= hiL) return kAccept;
     chain = chain && (i == 0 || covered);
     for (int k = 0; k < rt.n; k++) prev[k] = cur[k];
   }
