@@ -5,7 +5,9 @@ a Blender-scene-sized cache), cameras on a sphere of radius 4 looking at the ori
 far 6. Modes: random, epoch, and routed (random stream routed to cell 0 of a 2x2 grid of
 centroids at (+-1.5, 0, +-1.5), margin 1.15, dims 2). Each pipeline run samples ``rays``. The
 modes are measured interleaved (8 rounds of ``--seconds / 8`` each), so that their ratios,
-printed last, are not at the mercy of a machine whose speed drifts.
+printed last, are not at the mercy of a machine whose speed drifts. ``--route-tile 0,4,8`` runs
+the routed mode once per tile side of the op's routing tile map (0: every ray tested exactly),
+interleaved with the others.
 
     python benchmarks/op_throughput.py --rays 4096,262144 --seconds 2
 """
@@ -47,7 +49,7 @@ CENTROIDS = np.array([[-1.5, 0, -1.5], [1.5, 0, -1.5], [-1.5, 0, 1.5], [1.5, 0, 
 class Runner:
     """One synchronous pipeline of the op in one mode; ``step()`` runs it once."""
 
-    def __init__(self, cache, rays: int, mode: str, routed: bool, threads: int, gpu: bool):
+    def __init__(self, cache, rays: int, mode: str, routed: bool, threads: int, gpu: bool, route_tile=None):
         from nvidia.dali import fn, pipeline_def
 
         pixels, cams, lay = cache
@@ -71,6 +73,8 @@ class Runner:
                                               device="gpu" if gpu else "cpu"))
             s = fn.external_source(source=next_start, batch=True)
             kw = dict(cell=0, margin=1.15) if routed else {}
+            if routed and route_tile is not None:
+                kw["route_tile"] = route_tile
             out = fn.dali_nerf.ray_sampler(*ins, rays=rays, mode=mode, seed=1, start=s,
                                            device="gpu" if gpu else "cpu", **kw)
             return tuple(out)
@@ -107,8 +111,9 @@ class Runner:
 def measure(cache, rays: int, modes, seconds: float, threads: int, gpu: bool, rounds: int = 8):
     """Interleaved measurement of several modes: ``rounds`` rounds, each running every mode for
     ``seconds / rounds``, so that a slow patch of the machine hits all modes alike and their
-    ratios compare like with like. ``modes``: list of (mode, routed). Returns their results."""
-    runners = [Runner(cache, rays, m, r, threads, gpu) for m, r in modes]
+    ratios compare like with like. ``modes``: list of (mode, routed, route_tile or None).
+    Returns their results."""
+    runners = [Runner(cache, rays, m, r, threads, gpu, t) for m, r, t in modes]
     for _ in range(rounds):
         for rn in runners:
             rn.measure(seconds / rounds)
@@ -127,6 +132,8 @@ def main(argv=None):
     ap.add_argument("--gpu", action="store_true", help="GPU backend (needs the CUDA plugin)")
     ap.add_argument("--modes", default="random,epoch,routed",
                     help="comma-separated subset of random, epoch, routed")
+    ap.add_argument("--route-tile", default="",
+                    help="comma-separated route_tile values for the routed mode (default: the op's)")
     args = ap.parse_args(argv)
 
     from dali_nerf.ops import load_plugin
@@ -138,20 +145,29 @@ def main(argv=None):
     # Mrays per CPU-second (process time, all threads) is less sensitive to other load than the
     # wall-clock rate; on an idle machine with --threads 2 it is about half of Mrays/s
     print("| mode | rays/run | Mrays/s | Mrays/CPU-s | acceptance |\n|---|---|---|---|---|")
-    modes = {"random": ("random", False), "epoch": ("epoch", False), "routed": ("random", True)}
     keys = args.modes.split(",")
     for key in keys:
-        if key not in modes:
+        if key not in ("random", "epoch", "routed"):
             raise SystemExit(f"--modes: unknown mode {key!r}: use random, epoch or routed")
+    tiles = [int(t) for t in args.route_tile.split(",")] if args.route_tile else [None]
+    runs = []  # (row name, ratio-row suffix or None, (mode, routed, route_tile))
+    for key in keys:
+        if key != "routed":
+            runs.append((key, None, (key, False, None)))
+            continue
+        for t in tiles:
+            tag = "" if t is None else f", route_tile {t}"
+            runs.append((f"routed 2x2 (cell 0{tag})", tag, ("random", True, t)))
     for rays in [int(r) for r in args.rays.split(",")]:
-        results = measure(cache, rays, [modes[k] for k in keys], args.seconds, args.threads, args.gpu)
-        for key, (mrays, acc, per_cpu) in zip(keys, results):
-            name = "routed 2x2 (cell 0)" if key == "routed" else key
+        results = measure(cache, rays, [m for _, _, m in runs], args.seconds, args.threads, args.gpu)
+        for (name, _, _), (mrays, acc, per_cpu) in zip(runs, results):
             print(f"| {name} | {rays} | {mrays:.1f} | {per_cpu:.1f} | {acc:.3f} |", flush=True)
-        if "routed" in keys and "random" in keys:
-            r = dict(zip(keys, results))
-            print(f"| routed / random | {rays} | {r['routed'][0] / r['random'][0]:.0%} | "
-                  f"{r['routed'][2] / r['random'][2]:.0%} | |", flush=True)
+        if "random" in keys:
+            base = results[[n for n, _, _ in runs].index("random")]
+            for (_, tag, _), res in zip(runs, results):
+                if tag is not None:
+                    print(f"| routed / random{tag} | {rays} | {res[0] / base[0]:.0%} | "
+                          f"{res[2] / base[2]:.0%} | |", flush=True)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ inline void fold_camera(const float *cam, double *A, double *B, double *C) {
 }
 
 struct Image {
-  uint64_t off, W;
+  uint64_t off, W, H;
   double invW;
   const float *cam;
   int64_t index;  // camera index in the split (layout[:, 3])
@@ -84,7 +84,8 @@ struct Cache {
                    "(offset[i+1] = offset[i] + width[i] * height[i])");
       const float *c = cams + 18 * i;
       DALI_ENFORCE(c[12] != 0.f && c[13] != 0.f, "dali_nerf ray_sampler: `cameras` fx/fy must be non-zero");
-      imgs[i] = {expect, static_cast<uint64_t>(l[1]), 1.0 / static_cast<double>(l[1]), c, l[3], {}, {}, {}};
+      imgs[i] = {expect, static_cast<uint64_t>(l[1]), static_cast<uint64_t>(l[2]), 1.0 / static_cast<double>(l[1]), c,
+                 l[3], {}, {}, {}};
       imgs[i].fold();
       offs[i] = expect;
       expect += static_cast<uint64_t>(l[1]) * static_cast<uint64_t>(l[2]);
@@ -406,8 +407,7 @@ struct TileMap {
     for (int i = 0; i < 3 * rp.C; i++) k.push_back(rp.cproj[i]);
     for (size_t i = 0; i < c.imgs.size(); i++) {
       const Image &im = c.imgs[i];
-      uint64_t H = (i + 1 < c.imgs.size() ? c.imgs[i + 1].off : c.P) - im.off;
-      k.push_back(double(im.W)); k.push_back(double(H / im.W));
+      k.push_back(double(im.W)); k.push_back(double(im.H));
       for (int f = 0; f < 18; f++) k.push_back(im.cam[f]);
     }
     return k;
@@ -524,7 +524,7 @@ void classify_images(const Cache &c, const detail::RouteParams &rp, const RouteT
   for (size_t i = i0; i < i1; i++) {
     const Image &im = c.imgs[i];
     const int64_t W = static_cast<int64_t>(im.W);
-    const int64_t H = static_cast<int64_t>(((i + 1 < c.imgs.size() ? c.imgs[i + 1].off : c.P) - im.off) / im.W);
+    const int64_t H = static_cast<int64_t>(im.H);
     const double *t = rt.img.data() + i * RouteTable::kStride;
     for (int64_t rA = 0; rA < H; rA += top)
       for (int64_t cA = 0; cA < W; cA += top)
@@ -645,10 +645,9 @@ void build_tiles(const Cache &c, const detail::RouteParams &rp, const RouteTable
   uint64_t total = 0;
   for (size_t i = 0; i < N; i++) {
     const Image &im = c.imgs[i];
-    uint64_t H = ((i + 1 < N ? c.imgs[i + 1].off : c.P) - im.off) / im.W;
     tm.first[i] = total;
     tm.tx[i] = static_cast<uint32_t>((im.W + S - 1) / S);
-    total += tm.tx[i] * ((H + S - 1) / S);
+    total += tm.tx[i] * ((im.H + S - 1) / S);
   }
   tm.cls.assign(total, kMixed);
   int parts = static_cast<int>(std::min<size_t>(N, 4 * static_cast<size_t>(tp.NumThreads())));
