@@ -492,3 +492,30 @@ def test_routing_tiles_match_per_ray(uniform):
                     assert np.array_equal(r[k], g[k]), (k, tile, kw)
         decided += int(ref[0]["consumed"][0]) > 6000  # the cell does not take every ray
     assert decided == len(cases)
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_avx2_paths_match_scalar_code(uniform):
+    """``simd=True`` (the default: 8 rays at a time in the ray writer, batched routing decisions,
+    where the CPU has AVX2) gives bit for bit the outputs of the scalar code (``simd=False``), for
+    plain and routed runs; ray counts that are not multiples of 8 and chunks of 16384 rays check
+    the group/tail boundaries, and the last pixel of the cache (no byte after it) is sampled."""
+    rng = np.random.default_rng(33)
+    sizes = [(64, 48)] * 6 if uniform else [(64, 48), (31, 23), (50, 20), (16, 16), (7, 5), (45, 40)]
+    cache = make_cache(rng, sizes=sizes, radius=3.0, near=(0.1, 1.0), far=(3.0, 7.0))
+    P = len(cache[0])
+    cases = [dict(mode="random", rays=16384 + 13), dict(mode="epoch", rays=3 * P + 5),
+             dict(mode="random", rays=2501, cell=1, centroids=CENTROIDS, margin=1.15, up=UP.tolist()),
+             dict(mode="epoch", rays=1203, cell=2, centroids=CENTROIDS, margin=1.0, up=UP.tolist(), dims=3)]
+    for kw in cases:
+        kw = dict(kw, seed=9)
+        rays = kw.pop("rays")
+        ref = run_op(cache, rays, [0, 40_001], simd=False, **kw)
+        got = run_op(cache, rays, [0, 40_001], **kw)
+        for r, g in zip(ref, got):
+            for k in r:
+                assert r[k].tobytes() == g[k].tobytes(), (k, kw)
+        if kw["mode"] == "epoch" and "cell" not in kw:  # every pixel, the last one included
+            ids = pixel_ids(cache, got[0]["indices"])
+            assert np.isin(P - 1, ids)
+            check_against_reference(cache, got[0])

@@ -68,6 +68,10 @@ struct Cache {
   bool uniform = false;        // all images the same size: no binary search
   uint64_t WH = 0;
   double invWH = 0;
+  // the AVX2 writer's per-image table, 16 floats: A (3), B (3), C (3), origin (3), near, far, 0, 0
+  std::vector<float> tab;
+  std::vector<int32_t> index32;  // camera index in the split (layout[:, 3]) as int32
+  bool simd = false;             // every index and size fits the AVX2 writer's int32 lanes
 
   void init(const uint8_t *px, int64_t P_, const float *cams, const int64_t *lay, int64_t N) {
     pixels = px;
@@ -95,6 +99,17 @@ struct Cache {
                               " pixels but `pixels` has " + std::to_string(P));
     WH = static_cast<uint64_t>(lay[1]) * static_cast<uint64_t>(lay[2]);
     invWH = 1.0 / static_cast<double>(WH);
+    tab.assign(16 * N, 0.f);
+    index32.assign(N, 0);
+    simd = true;
+    for (int64_t i = 0; i < N; i++) {
+      const Image &im = imgs[i];
+      float *t = tab.data() + 16 * i;
+      for (int r = 0; r < 3; r++) { t[r] = im.A[r]; t[3 + r] = im.B[r]; t[6 + r] = im.C[r]; t[9 + r] = im.cam[4 * r + 3]; }
+      t[12] = im.cam[16]; t[13] = im.cam[17];
+      index32[i] = static_cast<int32_t>(im.index);
+      simd = simd && im.index >= 0 && im.index <= INT32_MAX && im.W <= INT32_MAX && im.H <= INT32_MAX;
+    }
   }
 
   inline const Image &locate(uint64_t pix, uint64_t &row, uint64_t &col) const {
@@ -112,11 +127,14 @@ struct Cache {
   }
 };
 
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+
 struct Outputs {
   float *o, *d, *rgb, *nr, *fr;
   int64_t *idx;
 
-  /// Ray i from pixel `pix` (the same ray whether or not the run is routed).
+  /// Ray i from pixel `pix` (the same ray whether or not the run is routed). write8_avx2 is its
+  /// 8-lane twin: the same operations in the same order, so the same bits.
   inline void write(const Cache &c, int64_t i, uint64_t pix) const {
     uint64_t row, col;
     const Image &im = c.locate(pix, row, col);
@@ -133,6 +151,143 @@ struct Outputs {
     nr[i] = im.cam[16]; fr[i] = im.cam[17];
   }
 };
+
+/// Quotient q and remainder of integer-valued doubles n / d (n, d < 2^52; inv = 1 / d).
+__attribute__((target("avx2"), always_inline)) inline __m256d divmod4(__m256d n, __m256d d, __m256d inv,
+                                                                     __m256d &q) {
+  const __m256d one = _mm256_set1_pd(1.0), zero = _mm256_setzero_pd();
+  q = _mm256_floor_pd(_mm256_mul_pd(n, inv));
+  __m256d r = _mm256_sub_pd(n, _mm256_mul_pd(q, d));  // exact: integers below 2^53
+  __m256d lt = _mm256_cmp_pd(r, zero, _CMP_LT_OQ);     // the estimate is off by at most one
+  q = _mm256_sub_pd(q, _mm256_and_pd(lt, one));
+  r = _mm256_add_pd(r, _mm256_and_pd(lt, d));
+  __m256d ge = _mm256_cmp_pd(r, d, _CMP_GE_OQ);
+  q = _mm256_add_pd(q, _mm256_and_pd(ge, one));
+  return _mm256_sub_pd(r, _mm256_and_pd(ge, d));
+}
+
+/// Pixel ids pix[0..3] of a cache of equal-size images -> image, row, col, in exact double
+/// arithmetic (ids < 2^52; the quotient estimates are fixed up by one, as in detail::fast_div).
+__attribute__((target("avx2"), always_inline)) inline void locate4(const Cache &c, const uint64_t *pix, __m128i &img,
+                                                                    __m128i &row, __m128i &col) {
+  const __m256d two52 = _mm256_set1_pd(4503599627370496.0);
+  const __m256d WH = _mm256_set1_pd(static_cast<double>(static_cast<int64_t>(c.WH))),
+                iWH = _mm256_set1_pd(c.invWH);
+  const __m256d W = _mm256_set1_pd(static_cast<double>(static_cast<int64_t>(c.imgs[0].W))),
+                iW = _mm256_set1_pd(c.imgs[0].invW);
+  __m256i pi = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(pix));
+  __m256d pd = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(pi, _mm256_castpd_si256(two52))), two52);
+  __m256d im, rw;
+  __m256d rem = divmod4(pd, WH, iWH, im);
+  __m256d cl = divmod4(rem, W, iW, rw);
+  img = _mm256_cvttpd_epi32(im);
+  row = _mm256_cvttpd_epi32(rw);
+  col = _mm256_cvttpd_epi32(cl);
+}
+
+/// locate4 over bpix[0..m), 4 candidates at a time. Returns how many it did (a multiple of 4); the
+/// caller does the rest with Cache::locate.
+__attribute__((target("avx2"))) int locate_avx2(const Cache &c, const uint64_t *bpix, int m, int32_t *img,
+                                                int32_t *row, int32_t *col) {
+  int j = 0;
+  for (; j + 4 <= m; j += 4) {
+    __m128i im, rw, cl;
+    locate4(c, bpix + j, im, rw, cl);
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(img + j), im);
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(row + j), rw);
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(col + j), cl);
+  }
+  return j;
+}
+
+/// x, y, z of 8 rays (one per lane) -> 24 floats x0 y0 z0 x1 ... z7 at `dst` (unaligned).
+__attribute__((target("avx2"), always_inline)) inline void store_xyz8(float *dst, __m256 x, __m256 y, __m256 z) {
+  __m256 rxy = _mm256_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0));  // per lane: x0 x2 y0 y2
+  __m256 ryz = _mm256_shuffle_ps(y, z, _MM_SHUFFLE(3, 1, 3, 1));  // y1 y3 z1 z3
+  __m256 rzx = _mm256_shuffle_ps(z, x, _MM_SHUFFLE(3, 1, 2, 0));  // z0 z2 x1 x3
+  __m256 r03 = _mm256_shuffle_ps(rxy, rzx, _MM_SHUFFLE(2, 0, 2, 0));  // x0 y0 z0 x1
+  __m256 r14 = _mm256_shuffle_ps(ryz, rxy, _MM_SHUFFLE(3, 1, 2, 0));  // y1 z1 x2 y2
+  __m256 r25 = _mm256_shuffle_ps(rzx, ryz, _MM_SHUFFLE(3, 1, 3, 1));  // z2 x3 y3 z3
+  _mm256_storeu_ps(dst, _mm256_permute2f128_ps(r03, r14, 0x20));
+  _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(r25, r03, 0x30));
+  _mm256_storeu_ps(dst + 16, _mm256_permute2f128_ps(r14, r25, 0x31));
+}
+
+/// Fields 4h .. 4h+3 of the table rows of 8 images (rays 0-3 in the low lane, 4-7 in the high).
+__attribute__((target("avx2"), always_inline)) inline void load_fields4(const float *tab, const int32_t *img, int h,
+                                                                         __m256 &f0, __m256 &f1, __m256 &f2, __m256 &f3) {
+  __m256 m[4];
+  for (int j = 0; j < 4; j++)
+    m[j] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(tab + 16 * img[j] + 4 * h)),
+                                _mm_loadu_ps(tab + 16 * img[j + 4] + 4 * h), 1);
+  __m256 t0 = _mm256_unpacklo_ps(m[0], m[1]), t1 = _mm256_unpacklo_ps(m[2], m[3]);
+  __m256 t2 = _mm256_unpackhi_ps(m[0], m[1]), t3 = _mm256_unpackhi_ps(m[2], m[3]);
+  f0 = _mm256_shuffle_ps(t0, t1, 0x44); f1 = _mm256_shuffle_ps(t0, t1, 0xEE);
+  f2 = _mm256_shuffle_ps(t2, t3, 0x44); f3 = _mm256_shuffle_ps(t2, t3, 0xEE);
+}
+
+/// Rays i .. i+7 from pixels pix[0..7], 8 lanes of AVX2 without FMA: the same IEEE operations in
+/// the same order as Outputs::write, so the rays are bit for bit the same (tested).
+__attribute__((target("avx2"))) void write8_avx2(const Cache &c, const Outputs &out, int64_t i, const uint64_t *pix) {
+  alignas(32) int32_t img[8];
+  __m256i vrow, vcol;
+  if (c.uniform) {
+    __m128i q[3][2];
+    for (int h = 0; h < 2; h++) locate4(c, pix + 4 * h, q[0][h], q[1][h], q[2][h]);
+    _mm256_store_si256(reinterpret_cast<__m256i *>(img), _mm256_set_m128i(q[0][1], q[0][0]));
+    vrow = _mm256_set_m128i(q[1][1], q[1][0]);
+    vcol = _mm256_set_m128i(q[2][1], q[2][0]);
+  } else {
+    alignas(32) int32_t row[8], col[8];
+    for (int j = 0; j < 8; j++) {
+      uint64_t r, cc;
+      const Image &im = c.locate(pix[j], r, cc);
+      img[j] = static_cast<int32_t>(&im - c.imgs.data());
+      row[j] = static_cast<int32_t>(r); col[j] = static_cast<int32_t>(cc);
+    }
+    vrow = _mm256_load_si256(reinterpret_cast<const __m256i *>(row));
+    vcol = _mm256_load_si256(reinterpret_cast<const __m256i *>(col));
+  }
+  // colours: each pixel's 3 bytes as one int32 (a 4-byte load when a byte follows in the cache)
+  int32_t px[8];
+  for (int j = 0; j < 8; j++) {
+    const uint8_t *p = c.pixels + 3 * pix[j];
+    if (pix[j] + 1 < c.P) std::memcpy(&px[j], p, 4);
+    else px[j] = p[0] | (p[1] << 8) | (p[2] << 16);
+  }
+  const float *T = c.tab.data();
+  __m256 A0, A1, A2, B0, B1, B2, C0, C1, C2, ox, oy, oz, nr, fr, z0, z1;
+  load_fields4(T, img, 0, A0, A1, A2, B0);
+  load_fields4(T, img, 1, B1, B2, C0, C1);
+  load_fields4(T, img, 2, C2, ox, oy, oz);
+  load_fields4(T, img, 3, nr, fr, z0, z1);
+  const __m256 x = _mm256_cvtepi32_ps(vcol), y = _mm256_cvtepi32_ps(vrow);
+  __m256 dx = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(A0, x), _mm256_mul_ps(B0, y)), C0);
+  __m256 dy = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(A1, x), _mm256_mul_ps(B1, y)), C1);
+  __m256 dz = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(A2, x), _mm256_mul_ps(B2, y)), C2);
+  __m256 ss = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(dx, dx), _mm256_mul_ps(dy, dy)), _mm256_mul_ps(dz, dz));
+  __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_sqrt_ps(ss));
+  store_xyz8(out.d + 3 * i, _mm256_mul_ps(dx, inv), _mm256_mul_ps(dy, inv), _mm256_mul_ps(dz, inv));
+  store_xyz8(out.o + 3 * i, ox, oy, oz);
+  _mm256_storeu_ps(out.nr + i, nr);
+  _mm256_storeu_ps(out.fr + i, fr);
+  const __m256i vpx = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(px)), ff = _mm256_set1_epi32(0xFF);
+  const __m256 k255 = _mm256_set1_ps(255.f);
+  __m256 r = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_and_si256(vpx, ff)), k255);
+  __m256 g = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(vpx, 8), ff)), k255);
+  __m256 b = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(vpx, 16), ff)), k255);
+  store_xyz8(out.rgb + 3 * i, r, g, b);
+  // indices: (camera index, row, col) as int32 triples, then widened to int64
+  alignas(32) int32_t tri[24];
+  const int32_t *ix = c.index32.data();
+  __m256i vidx = _mm256_setr_epi32(ix[img[0]], ix[img[1]], ix[img[2]], ix[img[3]], ix[img[4]], ix[img[5]],
+                                   ix[img[6]], ix[img[7]]);
+  store_xyz8(reinterpret_cast<float *>(tri), _mm256_castsi256_ps(vidx), _mm256_castsi256_ps(vrow), _mm256_castsi256_ps(vcol));
+  int64_t *dst = out.idx + 3 * i;
+  for (int k = 0; k < 6; k++)
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst + 4 * k),
+                        _mm256_cvtepi32_epi64(_mm_load_si128(reinterpret_cast<const __m128i *>(tri + 4 * k))));
+}
 
 /// Pixel ids of stream positions s0, s0+1, ... in order; one division at construction only.
 template <int Mode>
@@ -159,7 +314,8 @@ struct Stream<kEpoch> {
 };
 
 template <int Mode>
-void run_chunk(const Cache &c, const Outputs &out_, uint64_t key, uint64_t s0, int64_t i0, int64_t n) {
+void run_chunk(const Cache &c, const Outputs &out_, uint64_t key, uint64_t s0, int64_t i0, int64_t n,
+               bool simd) {
   const Outputs out = out_;  // a local copy: its pointers stay in registers across the stores
   // pixel ids run kAhead rays ahead of the writes, each prefetched when generated: a large cache
   // is random-access DRAM-latency bound, and a steady prefetch distance keeps the misses in flight
@@ -171,7 +327,23 @@ void run_chunk(const Cache &c, const Outputs &out_, uint64_t key, uint64_t s0, i
     ring[k] = st.next();
     __builtin_prefetch(c.pixels + 3 * ring[k]);
   }
-  for (int64_t i = 0; i < n; i++) {
+  int64_t i = 0;
+  if (simd && c.simd) {  // groups of 8 rays (AVX2), the tail one by one
+    for (; i + 8 <= n; i += 8) {
+      uint64_t pix[8];
+      for (int j = 0; j < 8; j++) {
+        int64_t k = i + j;
+        pix[j] = ring[k & (kAhead - 1)];
+        if (k + kAhead < n) {
+          uint64_t q = st.next();
+          ring[k & (kAhead - 1)] = q;
+          __builtin_prefetch(c.pixels + 3 * q);
+        }
+      }
+      write8_avx2(c, out, i0 + i, pix);
+    }
+  }
+  for (; i < n; i++) {
     uint64_t pix = ring[i & (kAhead - 1)];
     if (i + kAhead < n) {
       uint64_t q = st.next();
@@ -333,46 +505,7 @@ __attribute__((target("avx2"))) void batch_avx2(const detail::RouteParams &rp, c
 void batch_base(const detail::RouteParams &rp, const RouteTable &rt, Batch &bt, int m) {
   batch_body(rp, rt, bt, m);
 }
-const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 
-/// Quotient q and remainder of integer-valued doubles n / d (n, d < 2^52; inv = 1 / d).
-__attribute__((target("avx2"), always_inline)) inline __m256d divmod4(__m256d n, __m256d d, __m256d inv,
-                                                                     __m256d &q) {
-  const __m256d one = _mm256_set1_pd(1.0), zero = _mm256_setzero_pd();
-  q = _mm256_floor_pd(_mm256_mul_pd(n, inv));
-  __m256d r = _mm256_sub_pd(n, _mm256_mul_pd(q, d));  // exact: integers below 2^53
-  __m256d lt = _mm256_cmp_pd(r, zero, _CMP_LT_OQ);     // the estimate is off by at most one
-  q = _mm256_sub_pd(q, _mm256_and_pd(lt, one));
-  r = _mm256_add_pd(r, _mm256_and_pd(lt, d));
-  __m256d ge = _mm256_cmp_pd(r, d, _CMP_GE_OQ);
-  q = _mm256_add_pd(q, _mm256_and_pd(ge, one));
-  return _mm256_sub_pd(r, _mm256_and_pd(ge, d));
-}
-
-/// Pixel id -> (image, row, col) for a cache of equal-size images, 4 candidates at a time, in
-/// exact double arithmetic (ids < 2^52; the quotient estimates are fixed up by one, as in
-/// detail::fast_div). Returns how many candidates it did (a multiple of 4); the caller does the
-/// rest with Cache::locate.
-__attribute__((target("avx2"))) int locate_avx2(const Cache &c, const uint64_t *bpix, int m, int32_t *img,
-                                                int32_t *row, int32_t *col) {
-  const __m256d two52 = _mm256_set1_pd(4503599627370496.0);
-  const __m256d WH = _mm256_set1_pd(static_cast<double>(static_cast<int64_t>(c.WH))),
-                iWH = _mm256_set1_pd(c.invWH);
-  const __m256d W = _mm256_set1_pd(static_cast<double>(static_cast<int64_t>(c.imgs[0].W))),
-                iW = _mm256_set1_pd(c.imgs[0].invW);
-  int j = 0;
-  for (; j + 4 <= m; j += 4) {
-    __m256i pi = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(bpix + j));
-    __m256d pd = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(pi, _mm256_castpd_si256(two52))), two52);
-    __m256d im, rw;
-    __m256d rem = divmod4(pd, WH, iWH, im);
-    __m256d cl = divmod4(rem, W, iW, rw);
-    _mm_storeu_si128(reinterpret_cast<__m128i *>(img + j), _mm256_cvttpd_epi32(im));
-    _mm_storeu_si128(reinterpret_cast<__m128i *>(row + j), _mm256_cvttpd_epi32(rw));
-    _mm_storeu_si128(reinterpret_cast<__m128i *>(col + j), _mm256_cvttpd_epi32(cl));
-  }
-  return j;
-}
 
 enum TileClass : uint8_t { kMixed = 0, kAccept = 1, kReject = 2 };
 constexpr int kTileSamples = 25;  // points along [near, far] at which a tile's rays are bounded
@@ -553,14 +686,14 @@ inline void fill_candidate(const detail::RouteParams &rp, const RouteTable &rt, 
 /// 4. the accepted, recorded in stream order.
 template <int Mode>
 void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTable &rt, const TileMap *tm,
-                  uint64_t key, uint64_t s0, int64_t n, Accepted &acc) {
+                  uint64_t key, uint64_t s0, int64_t n, Accepted &acc, bool avx2) {
   acc.reserve(n);
   Stream<Mode> st(key, c.P, s0);
   int64_t cnt = 0;
   uint32_t *pos = acc.pos.data();
   uint64_t *apix = acc.pix.data();
   const int nc = rt.n;
-  const bool simd = kHasAvx2 && c.uniform;  // equal-size images: 4 candidates at a time
+  const bool simd = avx2 && c.uniform;  // equal-size images: 4 candidates at a time
   Batch bt;
   uint64_t bpix[kBatch];
   int32_t bimg[kBatch], brow[kBatch], bcol[kBatch], mixed[kBatch];
@@ -594,7 +727,7 @@ void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTabl
         int j = mixed[p];
         fill_candidate(rp, rt, bt, p, bimg[j], brow[j], bcol[j]);
       }
-      if (kHasAvx2) batch_avx2(rp, rt, bt, q);
+      if (avx2) batch_avx2(rp, rt, bt, q);
       else batch_base(rp, rt, bt, q);
       for (int p = 0; p < q; p++) {
         bool ok = bt.in[p] > 0;
@@ -624,11 +757,20 @@ void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTabl
 }
 
 /// Writes the rays of the pixel ids pix[0, n) to output slots [slot, slot + n).
-void write_pixels(const Cache &c, const Outputs &out_, const uint64_t *pix, int64_t slot, int64_t n) {
+void write_pixels(const Cache &c, const Outputs &out_, const uint64_t *pix, int64_t slot, int64_t n,
+                  bool simd) {
   const Outputs out = out_;
   constexpr int64_t kAhead = 32;
   for (int64_t k = 0; k < std::min(kAhead, n); k++) __builtin_prefetch(c.pixels + 3 * pix[k]);
-  for (int64_t k = 0; k < n; k++) {
+  int64_t k = 0;
+  if (simd && c.simd) {
+    for (; k + 8 <= n; k += 8) {
+      for (int j = 0; j < 8; j++)
+        if (k + j + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + j + kAhead]);
+      write8_avx2(c, out, slot + k, pix + k);
+    }
+  }
+  for (; k < n; k++) {
     if (k + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + kAhead]);
     out.write(c, slot + k, pix[k]);
   }
@@ -677,6 +819,9 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
   int nsamples = pix_in.num_samples();
   int nthreads = tp.NumThreads();
   const int64_t R = rays_;
+  // AVX2 where the CPU has it (`simd`): the ray writer and the routed decision pass, both
+  // bit for bit the scalar code
+  const bool simd = simd_ && kHasAvx2;
   std::vector<Cache> caches(nsamples);
   std::vector<Outputs> outs(nsamples);
   for (int s = 0; s < nsamples; s++) {
@@ -697,8 +842,8 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
       for (int64_t i0 = 0; i0 < R; i0 += kChunk) {
         int64_t n = std::min(kChunk, R - i0);
         tp.AddWork([&, s, s0, i0, n](int) {
-          if (mode_ == kEpoch) run_chunk<kEpoch>(caches[s], outs[s], key_, s0 + i0, i0, n);
-          else run_chunk<kRandom>(caches[s], outs[s], key_, s0 + i0, i0, n);
+          if (mode_ == kEpoch) run_chunk<kEpoch>(caches[s], outs[s], key_, s0 + i0, i0, n, simd);
+          else run_chunk<kRandom>(caches[s], outs[s], key_, s0 + i0, i0, n, simd);
         }, n);
       }
       consumed_out.mutable_tensor<int64_t>(s)[0] = R;
@@ -750,8 +895,8 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
       for (int64_t b = 0; b < nb; b++) {
         uint64_t bs = s0 + examined + b * bsz;
         tp.AddWork([&, b, bs, bsz](int) {
-          if (mode_ == kEpoch) decide_block<kEpoch>(c, rp, rt, tm, key_, bs, bsz, blocks[b]);
-          else decide_block<kRandom>(c, rp, rt, tm, key_, bs, bsz, blocks[b]);
+          if (mode_ == kEpoch) decide_block<kEpoch>(c, rp, rt, tm, key_, bs, bsz, blocks[b], simd);
+          else decide_block<kRandom>(c, rp, rt, tm, key_, bs, bsz, blocks[b], simd);
         }, bsz);
       }
       tp.RunAll();
@@ -775,7 +920,7 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
         for (int64_t k0 = 0; k0 < n; k0 += kChunk) {
           int64_t k1 = std::min(n, k0 + kChunk);
           tp.AddWork([&, b, slot, k0, k1](int) {
-            write_pixels(c, outs[s], blocks[b].pix.data() + k0, slot + k0, k1 - k0);
+            write_pixels(c, outs[s], blocks[b].pix.data() + k0, slot + k0, k1 - k0, simd);
           }, k1 - k0);
         }
       }
@@ -832,6 +977,10 @@ consumed (1,) int64.)")
     .AddOptionalArg("up", "World up vector; with dims == 2 routing ignores this axis.",
                     std::vector<float>{0.f, 1.f, 0.f})
     .AddOptionalArg("dims", "Routing distances: 2 (perpendicular to `up`) or 3.", 2)
+    .AddOptionalArg("simd", "CPU: use the AVX2 code paths (8 rays at a time in the ray writer, "
+                    "batched routing decisions) where the CPU has AVX2. They give bit for bit the "
+                    "results of the scalar code; false forces the scalar code (for checks and "
+                    "debugging). Ignored by the GPU backend.", true)
     .AddOptionalArg("route_tile", "CPU routing: side (a power of two, <= 256) of the pixel tiles that "
                     "are classified once per cache (every ray of the tile provably accepted or "
                     "rejected, or mixed: tested ray by ray); the decisions are those of the per-ray "

@@ -264,7 +264,8 @@ class RaySampler : public ::dali::Operator<Backend> {
         cell_(spec.GetArgument<int>("cell")),
         margin_(spec.GetArgument<float>("margin")),
         dims_(spec.GetArgument<int>("dims")),
-        route_tile_(spec.GetArgument<int>("route_tile")) {
+        route_tile_(spec.GetArgument<int>("route_tile")),
+        simd_(spec.GetArgument<bool>("simd")) {
     std::vector<float> bounds = spec.GetRepeatedArgument<float>("bounds");
     DALI_ENFORCE(bounds.empty() || bounds.size() == 6,
                  "dali_nerf ray_sampler: `bounds` must be empty or 6 values (min xyz, max xyz)");
@@ -371,6 +372,7 @@ class RaySampler : public ::dali::Operator<Backend> {
   float margin_;
   int dims_;
   int route_tile_;  // CPU routing: tile side of the per-image tile classification (0: per ray)
+  bool simd_;       // CPU: AVX2 paths where the CPU has them (the same results as the scalar code)
   int mode_;
   double up_[3];
   bool has_bounds_ = false;
