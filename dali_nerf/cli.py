@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--scene", default=None, help="scene folder (default: generate a 100-image 400x400 one)")
     bs.add_argument("--batches", default="4096,65536")
     bs.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
+    bs.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds; each source keeps its best (default 3)")
     bs.add_argument("--out", default=None, help="also write the table (markdown) here")
     bs.add_argument("--decode-images", type=int, default=100, help="800x800 images per decode measurement")
     bt = bsub.add_parser("study", help="the characterization study: DDP vs SS x samplers x ranks")

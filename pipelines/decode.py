@@ -223,6 +223,9 @@ def _header_size(path: str) -> Optional[tuple[int, int]]:
 
 
 def _import_dali():
+    from dali_nerf.hostmem import dali_host_pool
+
+    dali_host_pool()  # before DALI's first host allocation (dali_nerf.hostmem)
     try:
         from nvidia.dali import fn, pipeline_def, types
     except ImportError as e:  # pragma: no cover - dali is a dependency

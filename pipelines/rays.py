@@ -62,8 +62,10 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, worl
     """
     from nvidia.dali import fn, pipeline_def, types
 
+    from dali_nerf.hostmem import dali_host_pool
     from dali_nerf.ops import load_plugin
 
+    dali_host_pool()  # per-run output buffers from DALI's pool (dali_nerf.hostmem)
     load_plugin()
     gpu = device == "cuda"
     feed = _StartFeed(first_start, rays_per_run)

@@ -57,8 +57,10 @@ def spatial_pipeline(cache, partition, cell: int, rays_per_run: int, mode: str, 
     """
     from nvidia.dali import fn, pipeline_def, types
 
+    from dali_nerf.hostmem import dali_host_pool
     from dali_nerf.ops import load_plugin
 
+    dali_host_pool()  # per-run output buffers from DALI's pool (dali_nerf.hostmem)
     load_plugin()
     gpu = device == "cuda"
     holder = _Holder()

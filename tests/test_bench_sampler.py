@@ -11,15 +11,22 @@ def test_bench_sampler_table_with_ss_row(tmp_path):
     make_scene("objects", tmp_path / "s", width=32, height=24, n_train=6, n_val=1, n_test=1, seed=0)
     out = tmp_path / "table.md"
     r = subprocess.run([sys.executable, "-m", "dali_nerf", "bench", "sampler", "--scene", str(tmp_path / "s"),
-                        "--batches", "256", "--seconds", "0.05", "--decode-images", "3", "--out", str(out)],
+                        "--batches", "256", "--seconds", "0.05", "--rounds", "2", "--decode-images", "3", "--out", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     table = out.read_text()
     assert "| 256 | " in table and "torch_gather" in table and "JPEG" in table
     assert "SS at 256 rays/step: SpatialRayLoader" in table and "of RayLoader" in table
+    assert "the best of 2 interleaved rounds" in table
 
 
 def test_bench_sampler_bad_flag_is_one_line():
     r = subprocess.run([sys.executable, "-m", "dali_nerf", "bench", "sampler", "--decode-images", "0",
                         "--batches", "64"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "--decode-images" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_sampler_bad_rounds_is_one_line():
+    r = subprocess.run([sys.executable, "-m", "dali_nerf", "bench", "sampler", "--rounds", "0", "--batches", "64"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "--rounds" in r.stderr and "Traceback" not in r.stderr
