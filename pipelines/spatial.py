@@ -3,10 +3,12 @@
 Our source, :class:`SpatialRayLoader`, runs the same operator as the DDP pipeline with the
 partition's centroids as a 4th input and ``cell=j``: each run emits exactly ``K * B`` rays that
 cross cell j (exact closed-form test inside the op, no mask precompute) and reports how many
-stream positions it consumed. Because the next run's ``start`` depends on that count, DALI cannot
-be left to prefetch on its own; a producer thread runs the (synchronous) pipeline ahead of the
-consumer into a bounded queue instead (clean shutdown: an event, timeouts). Every rank holds all
-images of the split — a ray of any image may cross its cell.
+stream positions it consumed. The next run starts right where the previous one ended, a count
+known only once that run is done; the pipeline feeds the op ``start = -1`` after its first run
+("continue after your previous run", which the op tracks itself), so DALI computes ``prefetch``
+runs ahead in its own threads like the DDP pipeline, and each run's outputs are fresh buffers
+handed out zero copy. Every rank holds all images of the split — a ray of any image may cross
+its cell.
 
 The stream of cell j is keyed by (seed, rank=j, world_size=C): identical whichever rank trains the
 cell. ``state_dict()`` = {"run_start", "offset"}: the run's first stream position and the rays of
@@ -25,9 +27,6 @@ torch.Size([4096, 3])
 from __future__ import annotations
 
 import math
-import queue
-import threading
-from typing import Optional
 
 import numpy as np
 import torch
@@ -40,20 +39,34 @@ __all__ = ["SpatialRayLoader", "RoutedSyncLocal", "RoutedSyncGlobal", "spatial_l
 _NAMES = ("origins", "directions", "rgb", "indices", "near", "far", "consumed")
 
 
-class _Holder:
-    def __init__(self):
-        self.value = 0
+class _ContinueFeed:
+    """``start`` per run: ``first`` for run 0, then -1 (the op continues after its previous run)."""
+
+    def __init__(self, first: int):
+        self.first = int(first)
+        self.calls = 0
 
     def __call__(self):
-        return [np.array(self.value, dtype=np.int64)]
+        v = self.first if self.calls == 0 else -1
+        self.calls += 1
+        return [np.array(v, dtype=np.int64)]
 
 
 def spatial_pipeline(cache, partition, cell: int, rays_per_run: int, mode: str, seed: int, *,
-                     device: str = "cpu", num_threads: int = 2, device_id=None):
-    """Synchronous DALI pipeline: op routed to ``cell``; returns (pipe, start_holder).
+                     first_start: int = 0, prefetch: int = 2, device: str = "cpu", num_threads: int = 2,
+                     device_id=None):
+    """DALI pipeline of the op routed to ``cell``: run 0 starts at stream position ``first_start``,
+    every later run where the previous one ended.
 
-    Set ``holder.value`` to the stream position of the run's first candidate before ``run()``.
-    Outputs: origins/directions/rgb (R, 3) f32, indices (R, 3) i64, near/far (R, 1), consumed (1,).
+    Args:
+        cache: the ImageCache (all images of the split); partition, cell: the routing.
+        rays_per_run: R, accepted rays per run; mode, seed: the stream (its key also holds
+            rank = cell, world_size = number of cells).
+        prefetch: runs DALI computes ahead (``exec_async``; 0 = synchronous executor, whose output
+            buffers are reused by the next run).
+    Returns:
+        A built pipeline whose ``run()`` gives origins/directions/rgb (R, 3) f32, indices (R, 3)
+        i64, near/far (R, 1) f32 and consumed (1,) i64 (stream positions used by that run).
     """
     from nvidia.dali import fn, pipeline_def, types
 
@@ -63,7 +76,7 @@ def spatial_pipeline(cache, partition, cell: int, rays_per_run: int, mode: str, 
     dali_host_pool()  # per-run output buffers from DALI's pool (dali_nerf.hostmem)
     load_plugin()
     gpu = device == "cuda"
-    holder = _Holder()
+    feed = _ContinueFeed(first_start)
     srcs = {"pixels": [cache.pixels], "cameras": [cache.cameras], "layout": [cache.layout],
             "centroids": [np.ascontiguousarray(partition.centroids, np.float32)]}
 
@@ -75,7 +88,7 @@ def spatial_pipeline(cache, partition, cell: int, rays_per_run: int, mode: str, 
         cameras = fn.external_source(source=lambda: srcs["cameras"], batch=True, no_copy=True, dtype=types.FLOAT, ndim=2)
         layout = fn.external_source(source=lambda: srcs["layout"], batch=True, no_copy=True, dtype=types.INT64, ndim=2)
         cents = fn.external_source(source=lambda: srcs["centroids"], batch=True, no_copy=True, dtype=types.FLOAT, ndim=2)
-        start = fn.external_source(source=holder, batch=True, dtype=types.INT64, ndim=0, name="start")
+        start = fn.external_source(source=feed, batch=True, dtype=types.INT64, ndim=0, name="start")
         if gpu:
             cameras, layout, cents = cameras.gpu(), layout.gpu(), cents.gpu()
         return tuple(fn.dali_nerf.ray_sampler(
@@ -85,22 +98,25 @@ def spatial_pipeline(cache, partition, cell: int, rays_per_run: int, mode: str, 
             bounds=[] if partition.bounds is None else [float(v) for v in np.asarray(partition.bounds).ravel()],
             device=dev))
 
-    pipe = _routed(batch_size=1, num_threads=num_threads, device_id=device_id, prefetch_queue_depth=1,
-                   exec_async=False, exec_pipelined=False)
+    sync = prefetch <= 0
+    pipe = _routed(batch_size=1, num_threads=num_threads, device_id=device_id,
+                   prefetch_queue_depth=max(1, int(prefetch)), exec_async=not sync, exec_pipelined=not sync)
     pipe.build()
-    return pipe, holder
+    pipe._dali_nerf_sources = tuple(srcs.values())  # for release_pipeline
+    return pipe
 
 
 class SpatialRayLoader(BatchSource):
-    """Batches of rays crossing one cell, sampled ahead by a producer thread.
+    """Batches of rays crossing one cell, sampled ahead by DALI (``prefetch`` runs).
 
     Args:
         scene: the split; cache: its ImageCache (all images, world_size 1) or None to decode.
         partition: :class:`~dali_nerf.partition.Partition`; cell: the cell j.
         rays_per_batch: B; rays_per_run: rounded up to K * B accepted rays per op run.
-        prefetch: runs queued ahead (0: run in ``__next__``).
+        prefetch: runs DALI computes ahead (0: synchronous, each run's outputs copied).
     Yields:
-        the batch dict (origins, directions, rgb, indices, near, far), B rays of cell j.
+        the batch dict (origins, directions, rgb, indices, near, far), B rays of cell j: the
+        accepted rays in stream order, so neither ``prefetch`` nor ``rays_per_run`` changes them.
     """
 
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, prefetch: int = 2,
@@ -122,27 +138,22 @@ class SpatialRayLoader(BatchSource):
         self.cache = cache if cache is not None else decode_cache(scene, 0, 1, device=self.device,
                                                                   num_threads=self.num_threads, batch=decode_batch)
         self.run_start, self.offset = 0, 0
-        self._run = None
+        self._run = None            # (start, consumed, {name: (R, ...) tensor}) of the current run
+        self._next_run_start = 0    # stream position of the next run the pipeline delivers
         self._consumed_total = 0
         self._accepted_total = 0
         self._stats = BatchStats()
-        self._pipe = self._holder = None
-        self._thread: Optional[threading.Thread] = None
-        self._queue: Optional[queue.Queue] = None
-        self._stop = threading.Event()
-        self._error: Optional[BaseException] = None
+        self._pipe = None
         self._closed = False
 
     # ---- producing ---------------------------------------------------------------------------
-    def _ensure_pipe(self):
+    def _fetch_run(self):
+        """The pipeline's next run (a pipeline is built at ``_next_run_start`` when there is none)."""
         if self._pipe is None:
             device_id = torch.cuda.current_device() if self.device == "cuda" else None
-            self._pipe, self._holder = spatial_pipeline(self.cache, self.partition, self.cell, self.rays_per_run,
-                                                        self.mode, self.seed, device=self.device,
-                                                        num_threads=self.num_threads, device_id=device_id)
-
-    def _run_at(self, start: int):
-        self._holder.value = int(start)
+            self._pipe = spatial_pipeline(self.cache, self.partition, self.cell, self.rays_per_run, self.mode,
+                                          self.seed, first_start=self._next_run_start, prefetch=self.prefetch,
+                                          device=self.device, num_threads=self.num_threads, device_id=device_id)
         outs = dict(zip(_NAMES, self._pipe.run()))
         if self.device == "cuda":  # pragma: no cover - needs a GPU
             from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
@@ -155,57 +166,22 @@ class SpatialRayLoader(BatchSource):
                 run[k] = dst
             consumed = int(np.asarray(outs["consumed"].as_cpu()[0]).reshape(-1)[0])
         else:
+            # zero copy: the asynchronous executor gives each run fresh buffers; the synchronous
+            # one (prefetch 0) reuses them on the next run, so there the outputs are copied
             run = {k: torch.from_numpy(np.asarray(outs[k][0])) for k in _NAMES[:-1]}
+            if self.prefetch <= 0:
+                run = {k: v.clone() for k, v in run.items()}
             consumed = int(np.asarray(outs["consumed"][0]).reshape(-1)[0])
+        start = self._next_run_start
+        self._next_run_start += consumed
         return start, consumed, run
 
-    def _producer(self, start: int):
-        try:
-            s = start
-            while not self._stop.is_set():
-                item = self._run_at(s)
-                s += item[1]
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-        except BaseException as e:  # surfaced in __next__
-            self._error = e
-            self._queue.put(None)
+    def _drop_pipeline(self):
+        if self._pipe is not None:
+            from dali_nerf.pipelines.rays import release_pipeline
 
-    def _next_run(self, start: int):
-        self._ensure_pipe()
-        if self.prefetch <= 0:
-            return self._run_at(start)
-        if self._thread is None:
-            self._queue = queue.Queue(maxsize=self.prefetch)
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._producer, args=(start,), name=f"dali_nerf-cell{self.cell}", daemon=True)
-            self._thread.start()
-        while True:
-            try:
-                item = self._queue.get(timeout=1.0)
-            except queue.Empty:
-                if not self._thread.is_alive():
-                    raise RuntimeError("SpatialRayLoader producer thread died") from self._error
-                continue
-            if item is None:
-                raise RuntimeError(f"SpatialRayLoader producer failed: {self._error}") from self._error
-            return item
-
-    def _stop_producer(self):
-        if self._thread is not None:
-            self._stop.set()
-            try:
-                while True:
-                    self._queue.get_nowait()
-            except queue.Empty:
-                pass
-            self._thread.join(timeout=30)
-            self._thread = None
-            self._queue = None
+            pipe, self._pipe = self._pipe, None
+            release_pipeline(pipe)
 
     # ---- iteration ---------------------------------------------------------------------------
     def __next__(self) -> dict:
@@ -215,9 +191,10 @@ class SpatialRayLoader(BatchSource):
         B = self.rays_per_batch
         if self._run is None or self.offset + B > self.rays_per_run:
             nxt = self.run_start + self._run[1] if self._run is not None else self.run_start
-            start, consumed, run = self._next_run(nxt)
-            if start != nxt:
-                raise RuntimeError(f"SpatialRayLoader: expected run at {nxt}, got {start}")
+            if nxt != self._next_run_start:  # after load_state_dict: restart the pipeline there
+                self._drop_pipeline()
+                self._next_run_start = nxt
+            start, consumed, run = self._fetch_run()
             if self._run is not None:
                 self.offset = 0
             self._run = (start, consumed, run)
@@ -242,9 +219,10 @@ class SpatialRayLoader(BatchSource):
         for k in ("cell", "seed", "mode", "rays_per_batch", "rays_per_run"):
             if k in state and state[k] != getattr(self, k):
                 raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this loader has {getattr(self, k)!r}")
-        self._stop_producer()
+        self._drop_pipeline()
         self._run = None
         self.run_start, self.offset = int(state["run_start"]), int(state["offset"])
+        self._next_run_start = self.run_start
 
     def stats(self) -> dict:
         d = self._stats.as_dict()
@@ -254,8 +232,7 @@ class SpatialRayLoader(BatchSource):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._stop_producer()
-            self._pipe = None
+            self._drop_pipeline()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -289,7 +289,7 @@ def test_rayloader_close_and_exception_leave_no_threads(scene_dir):
     _wait_threads(before, native)
 
 
-def test_spatial_loader_producer_thread_stops(tmp_path):
+def test_spatial_loader_close_leaves_no_threads(tmp_path):
     from dali_nerf.config import PartitionConfig
     from dali_nerf.partition import Partition
     from dali_nerf.pipelines.spatial import SpatialRayLoader
@@ -301,7 +301,7 @@ def test_spatial_loader_producer_thread_stops(tmp_path):
     loader = SpatialRayLoader(scene, part, 0, rays_per_batch=64, rays_per_run=256, prefetch=2)
     for _, b in zip(range(4), loader):
         assert b["origins"].shape == (64, 3)
-    assert any(t.name == "dali_nerf-cell0" for t in threading.enumerate())
+    assert native_threads() > native  # DALI's worker threads compute runs ahead
     loader.close()
     _wait_threads(before, native)
     with pytest.raises(KeyError):

@@ -847,6 +847,7 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
         }, n);
       }
       consumed_out.mutable_tensor<int64_t>(s)[0] = R;
+      next_start_[s] = starts_[s] + R;
     }
     tp.RunAll();
     return;
@@ -934,6 +935,7 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
       }
     }
     consumed_out.mutable_tensor<int64_t>(s)[0] = consumed;
+    next_start_[s] = starts_[s] + consumed;
   }
 }
 
@@ -970,7 +972,10 @@ consumed (1,) int64.)")
     .AddOptionalArg("rank", "Rank of this process (part of the stream key).", 0)
     .AddOptionalArg("world_size", "Number of ranks (part of the stream key).", 1)
     .AddOptionalArg("start", "Stream position of the first candidate ray "
-                             "(argument input allowed: one int64 per sample).", int64_t{0}, true)
+                             "(argument input allowed: one int64 per sample). -1: continue right "
+                             "where this operator's previous run of the same sample ended (start + "
+                             "consumed), so that a pipeline running ahead (prefetch) continues a "
+                             "routed stream whose `consumed` it does not know yet.", int64_t{0}, true)
     .AddOptionalArg("cell", "Cell to route to (index into `centroids`); -1: no routing.", -1)
     .AddOptionalArg("margin", "Routing margin m: keep a ray if some point p of its segment has "
                     "|p - c_cell| <= m |p - c_k| for all k.", 1.15f)

@@ -157,6 +157,7 @@ void RaySampler<::dali::GPUBackend>::RunImpl(::dali::Workspace &ws) {
       sample_kernel<<<blocks_for(R, kThreads), kThreads, 0, stream>>>(g, out, mode_, key_, s0, R,
                                                                       consumed);
       CUDA_CALL(cudaGetLastError());
+      next_start_[s] = starts_[s] + R;
       continue;
     }
 
@@ -215,6 +216,10 @@ void RaySampler<::dali::GPUBackend>::RunImpl(::dali::Workspace &ws) {
                   std::to_string(examined) + " candidates: check `centroids`, `margin` and near/far");
       }
     }
+    // the host keeps where this run ended, for a next run fed `start` = -1 (continue)
+    CUDA_CALL(cudaMemcpyAsync(host_accepted, consumed, sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
+    CUDA_CALL(cudaStreamSynchronize(stream));
+    next_start_[s] = starts_[s] + *host_accepted;
   }
 }
 

@@ -328,8 +328,16 @@ class RaySampler : public ::dali::Operator<Backend> {
     starts_.resize(nsamples);
     for (int i = 0; i < nsamples; i++) {
       starts_[i] = this->spec_.template GetArgument<int64_t>("start", &ws, i);
-      DALI_ENFORCE(starts_[i] >= 0, "dali_nerf ray_sampler: `start` must be >= 0");
+      if (starts_[i] == -1) {  // continue: right where this operator's previous run of sample i ended
+        DALI_ENFORCE(i < static_cast<int>(next_start_.size()) && next_start_[i] >= 0,
+                     "dali_nerf ray_sampler: `start` = -1 (continue) needs an earlier run of this "
+                     "operator for the same sample; give the first run's stream position");
+        starts_[i] = next_start_[i];
+      }
+      DALI_ENFORCE(starts_[i] >= 0,
+                   "dali_nerf ray_sampler: `start` must be >= 0, or -1 to continue after the previous run");
     }
+    if (static_cast<int>(next_start_.size()) < nsamples) next_start_.resize(nsamples, -1);
     output_desc.resize(7);
     auto vec3 = ::dali::uniform_list_shape(nsamples, ::dali::TensorShape<2>(rays_, 3));
     auto vec1 = ::dali::uniform_list_shape(nsamples, ::dali::TensorShape<2>(rays_, 1));
@@ -379,6 +387,10 @@ class RaySampler : public ::dali::Operator<Backend> {
   double bounds_[6] = {0, 0, 0, 0, 0, 0};
   uint64_t key_;
   std::vector<int64_t> starts_;
+  // per sample: the stream position right after this operator's last run (start + consumed), the
+  // start of a run fed `start` = -1; -1 before the first run. Runs execute in iteration order, so
+  // a pipeline that runs ahead (prefetch) continues a routed stream without knowing `consumed`.
+  std::vector<int64_t> next_start_;
   double accept_estimate_ = 0.5;  // routed runs: running acceptance rate, sizes speculative rounds
   std::shared_ptr<void> scratch_;  // backend-specific state kept across runs (CPU: blocks, tile maps)
 };

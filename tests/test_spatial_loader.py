@@ -1,0 +1,105 @@
+"""SpatialRayLoader: rays of its cell, a stream that prefetch and run size do not change, batches
+that stay valid after later runs, exact resume, and the op's ``start = -1`` continuation that
+lets DALI run a routed pipeline ahead."""
+
+import numpy as np
+import pytest
+import torch
+
+from _tiny_scene import assert_batch_contract
+from dali_nerf.config import PartitionConfig
+from dali_nerf.partition import Partition, ray_cells
+from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.pipelines.spatial import SpatialRayLoader, spatial_pipeline
+from dali_nerf.scenegen import make_scene
+from dali_nerf.scenes import load_scene
+
+B = 64
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = make_scene("city", tmp_path_factory.mktemp("ss") / "city", width=24, height=16, n_train=8, n_val=1)
+    scene = load_scene(root, "train", format="mega_nerf")
+    part = Partition.from_config(PartitionConfig(grid=[2, 2]), scene)
+    return scene, part, decode_cache(scene, 0, 1)
+
+
+def _take(loader, n, clone=True):
+    return [{k: v.clone() for k, v in next(loader).items()} if clone else next(loader) for _ in range(n)]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+
+
+def test_batches_are_rays_of_the_cell(setup):
+    scene, part, cache = setup
+    with SpatialRayLoader(scene, part, 1, rays_per_batch=B, rays_per_run=4 * B, cache=cache) as L:
+        batches = _take(L, 10)
+        acc = L.stats()["acceptance"]
+    for b in batches:
+        assert_batch_contract(b, B)
+        cells = ray_cells(part, b["origins"].numpy(), b["directions"].numpy(), b["near"].numpy(), b["far"].numpy())
+        assert cells[:, 1].all()
+    assert 0.0 < acc < 1.0  # the cell does not take every candidate: routing is at work
+
+
+@pytest.mark.parametrize("prefetch,rays_per_run", [(2, 4 * B), (2, 16 * B), (3, B), (1, 4 * B)])
+def test_prefetch_and_run_size_do_not_change_the_stream(setup, prefetch, rays_per_run):
+    """Async runs (DALI computing runs ahead, each continuing the previous one inside the op)
+    against the synchronous pipeline fed one run at a time."""
+    scene, part, cache = setup
+    with SpatialRayLoader(scene, part, 2, rays_per_batch=B, rays_per_run=4 * B, prefetch=0, cache=cache) as L:
+        ref = _take(L, 21)
+    with SpatialRayLoader(scene, part, 2, rays_per_batch=B, rays_per_run=rays_per_run, prefetch=prefetch,
+                          cache=cache) as L:
+        assert _same(_take(L, 21), ref)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_held_batches_stay_valid_after_later_runs(setup, prefetch):
+    """A batch is a view of its run's outputs: later runs must not write into it (with the
+    synchronous executor, which reuses its output buffers, the loader copies)."""
+    scene, part, cache = setup
+    with SpatialRayLoader(scene, part, 0, rays_per_batch=B, rays_per_run=4 * B, prefetch=prefetch, cache=cache) as L:
+        held = _take(L, 12, clone=False)
+        copies = [{k: v.clone() for k, v in b.items()} for b in held]
+        _take(L, 12)
+        assert _same(held, copies)
+
+
+@pytest.mark.parametrize("k", [5, 8])  # mid-run (4 steps a run) and at a run boundary
+def test_resume_is_exact(setup, k):
+    scene, part, cache = setup
+    with SpatialRayLoader(scene, part, 3, rays_per_batch=B, rays_per_run=4 * B, cache=cache) as L:
+        whole = _take(L, k + 9)
+    with SpatialRayLoader(scene, part, 3, rays_per_batch=B, rays_per_run=4 * B, cache=cache) as L:
+        _take(L, k)
+        state = L.state_dict()
+        _take(L, 3)  # the old loader runs on; the state is a snapshot
+    with SpatialRayLoader(scene, part, 3, rays_per_batch=B, rays_per_run=4 * B, cache=cache) as L:
+        L.load_state_dict(state)
+        assert _same(_take(L, 9), whole[k:])
+
+
+def test_op_start_minus_one_continues_the_previous_run(setup):
+    """Fed ``start = -1``, the op starts where its previous run ended: the runs of an async
+    pipeline fed (s0, -1, -1, ...) are those of explicit starts s0, s0 + c0, s0 + c0 + c1, ..."""
+    scene, part, cache = setup
+    pipe = spatial_pipeline(cache, part, 1, 100, "random", 0, first_start=777, prefetch=2)
+    cont = [pipe.run() for _ in range(4)]
+    s = 777
+    for outs in cont:
+        ref = spatial_pipeline(cache, part, 1, 100, "random", 0, first_start=s, prefetch=0).run()
+        for a, r in zip(outs, ref):
+            assert np.array_equal(np.asarray(a[0]), np.asarray(r[0]))
+        s += int(np.asarray(outs[6][0])[0])
+    assert s > 777 + 400  # some candidates were rejected
+
+
+def test_op_start_minus_one_without_a_previous_run_is_an_error(setup):
+    scene, part, cache = setup
+    pipe = spatial_pipeline(cache, part, 1, 100, "random", 0, first_start=-1, prefetch=0)
+    with pytest.raises(RuntimeError, match="continue"):
+        pipe.run()
