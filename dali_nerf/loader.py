@@ -63,7 +63,7 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["RayLoader", "BatchStats", "BATCH_KEYS", "resolve_device", "window_plan", "plan_window_images"]
+__all__ = ["RayLoader", "BatchStats", "BATCH_KEYS", "resolve_device", "dali_to_torch", "window_plan", "plan_window_images"]
 
 BATCH_KEYS = ("origins", "directions", "rgb", "indices", "near", "far")
 """Keys a batch may carry (near/far only when the scene has bounds)."""
@@ -133,6 +133,24 @@ def check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode):
         raise ConfigError(f"prefetch={prefetch!r}: must be an integer >= 0")
     if mode not in ("random", "epoch"):
         raise ConfigError(f"mode={mode!r}: use random or epoch")
+
+
+def dali_to_torch(tl, device: str, copy: bool = False) -> torch.Tensor:
+    """One pipeline output (a batch of 1 sample) as a torch tensor on ``device``.
+
+    CPU: a zero-copy view (DALI 2.4's asynchronous executor gives each run new buffers, kept alive
+    while referenced); ``copy``: the synchronous executor (prefetch 0) reuses its output buffers
+    on the next run, so the view is copied. CUDA: a device-to-device copy into a torch tensor.
+    """
+    if device == "cuda":  # pragma: no cover - needs a GPU
+        from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
+
+        t = tl[0] if hasattr(tl, "__getitem__") else tl.as_tensor()
+        dst = torch.empty(tuple(t.shape()), dtype=to_torch_type[t.dtype], device="cuda")
+        feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream())
+        return dst
+    t = torch.from_numpy(np.asarray(tl[0]))
+    return t.clone() if copy else t
 
 
 class BatchSource:
@@ -305,18 +323,7 @@ class RayLoader(BatchSource):
         self._next_run_start += self.rays_per_run
 
     def _to_torch(self, tl, copy: bool = False) -> torch.Tensor:
-        """One output (1 sample) as a torch tensor. ``copy``: the synchronous executor
-        (prefetch 0) reuses its output buffers on the next run, so views must be copied."""
-        if self.device == "cuda":  # pragma: no cover - needs a GPU
-            from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
-
-            t = tl[0] if hasattr(tl, "__getitem__") else tl.as_tensor()
-            dst = torch.empty(tuple(t.shape()), dtype=to_torch_type[t.dtype], device="cuda")
-            feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream())  # device-to-device
-            return dst
-        # zero copy: DALI 2.4 keeps the buffer alive while referenced (each run gets new memory)
-        t = torch.from_numpy(np.asarray(tl[0]))
-        return t.clone() if copy else t
+        return dali_to_torch(tl, self.device, copy)
 
     def __next__(self) -> dict:
         if self._closed:

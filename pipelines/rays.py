@@ -1,9 +1,10 @@
 """The DDP ray pipeline: ``external_source(cache, no_copy=True)`` -> ``fn.dali_nerf.ray_sampler``.
 
 The cache arrays are fed as the same (immutable) buffers every run, without a copy; the stream
-position of each run's first ray (``start``) is fed per run by a second external source that DALI
-calls in iteration order, so the pipeline can run ``prefetch_queue_depth`` runs ahead of the
-consumer in its own threads (``exec_async`` / ``exec_pipelined``).
+position of the first run's first ray (``start``) is fed by a second external source, which
+feeds -1 ("continue after your previous run") for every later run (:class:`StartFeed`), so the
+pipeline can run ``prefetch_queue_depth`` runs ahead of the consumer in its own threads
+(``exec_async`` / ``exec_pipelined``). The SS pipeline uses the same feed.
 
 Run ``j`` of a pipeline built with ``first_start=s0`` samples stream positions
 ``[s0 + j * rays_per_run, s0 + (j + 1) * rays_per_run)``; its outputs (one sample each) are
@@ -25,23 +26,25 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ray_pipeline", "release_pipeline", "RAY_OUTPUTS"]
+__all__ = ["ray_pipeline", "release_pipeline", "StartFeed", "RAY_OUTPUTS"]
 
 RAY_OUTPUTS = ("origins", "directions", "rgb", "indices", "near", "far", "consumed")
 """Output names of :func:`ray_pipeline`, in order."""
 
 
-class _StartFeed:
-    """Per-run ``start`` values: ``first + j * step`` for the j-th call (DALI calls in run order)."""
+class StartFeed:
+    """``start`` per run: ``first`` for run 0, then -1: the op continues right where its previous
+    run ended (start + consumed), so DALI can run a pipeline ahead even when ``consumed`` depends
+    on the data (routed runs)."""
 
-    def __init__(self, first: int, step: int):
-        self.next = int(first)
-        self.step = int(step)
+    def __init__(self, first: int):
+        self.first = int(first)
+        self.calls = 0
 
     def __call__(self):
-        v = np.array(self.next, dtype=np.int64)
-        self.next += self.step
-        return [v]
+        v = self.first if self.calls == 0 else -1
+        self.calls += 1
+        return [np.array(v, dtype=np.int64)]
 
 
 def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, world_size: int, *,
@@ -68,7 +71,7 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, worl
     dali_host_pool()  # per-run output buffers from DALI's pool (dali_nerf.hostmem)
     load_plugin()
     gpu = device == "cuda"
-    feed = _StartFeed(first_start, rays_per_run)
+    feed = StartFeed(first_start)
     pixels_src, cameras_src, layout_src = [cache.pixels], [cache.cameras], [cache.layout]
 
     @pipeline_def
@@ -93,7 +96,6 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, worl
     pipe = _rays(batch_size=1, num_threads=num_threads, device_id=device_id,
                  prefetch_queue_depth=max(1, int(prefetch)), exec_async=not sync, exec_pipelined=not sync)
     pipe.build()
-    pipe._dali_nerf_feed = feed  # the consumer can read the next start for checks
     pipe._dali_nerf_sources = (pixels_src, cameras_src, layout_src)
     return pipe
 

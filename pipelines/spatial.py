@@ -32,24 +32,12 @@ import numpy as np
 import torch
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.loader import BatchSource, BatchStats, resolve_device
+from dali_nerf.loader import BatchSource, BatchStats, dali_to_torch, resolve_device
+from dali_nerf.pipelines.rays import StartFeed, release_pipeline
 
 __all__ = ["SpatialRayLoader", "RoutedSyncLocal", "RoutedSyncGlobal", "spatial_loader", "spatial_pipeline"]
 
 _NAMES = ("origins", "directions", "rgb", "indices", "near", "far", "consumed")
-
-
-class _ContinueFeed:
-    """``start`` per run: ``first`` for run 0, then -1 (the op continues after its previous run)."""
-
-    def __init__(self, first: int):
-        self.first = int(first)
-        self.calls = 0
-
-    def __call__(self):
-        v = self.first if self.calls == 0 else -1
-        self.calls += 1
-        return [np.array(v, dtype=np.int64)]
 
 
 def spatial_pipeline(cache, partition, cell: int, rays_per_run: int, mode: str, seed: int, *,
@@ -76,7 +64,7 @@ def spatial_pipeline(cache, partition, cell: int, rays_per_run: int, mode: str, 
     dali_host_pool()  # per-run output buffers from DALI's pool (dali_nerf.hostmem)
     load_plugin()
     gpu = device == "cuda"
-    feed = _ContinueFeed(first_start)
+    feed = StartFeed(first_start)
     srcs = {"pixels": [cache.pixels], "cameras": [cache.cameras], "layout": [cache.layout],
             "centroids": [np.ascontiguousarray(partition.centroids, np.float32)]}
 
@@ -155,31 +143,15 @@ class SpatialRayLoader(BatchSource):
                                           self.seed, first_start=self._next_run_start, prefetch=self.prefetch,
                                           device=self.device, num_threads=self.num_threads, device_id=device_id)
         outs = dict(zip(_NAMES, self._pipe.run()))
-        if self.device == "cuda":  # pragma: no cover - needs a GPU
-            from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
-
-            run = {}
-            for k in _NAMES[:-1]:
-                t = outs[k][0]
-                dst = torch.empty(tuple(t.shape()), dtype=to_torch_type[t.dtype], device="cuda")
-                feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream())
-                run[k] = dst
-            consumed = int(np.asarray(outs["consumed"].as_cpu()[0]).reshape(-1)[0])
-        else:
-            # zero copy: the asynchronous executor gives each run fresh buffers; the synchronous
-            # one (prefetch 0) reuses them on the next run, so there the outputs are copied
-            run = {k: torch.from_numpy(np.asarray(outs[k][0])) for k in _NAMES[:-1]}
-            if self.prefetch <= 0:
-                run = {k: v.clone() for k, v in run.items()}
-            consumed = int(np.asarray(outs["consumed"][0]).reshape(-1)[0])
+        run = {k: dali_to_torch(outs[k], self.device, copy=self.prefetch <= 0) for k in _NAMES[:-1]}
+        consumed = outs["consumed"].as_cpu() if self.device == "cuda" else outs["consumed"]
+        consumed = int(np.asarray(consumed[0]).reshape(-1)[0])
         start = self._next_run_start
         self._next_run_start += consumed
         return start, consumed, run
 
     def _drop_pipeline(self):
         if self._pipe is not None:
-            from dali_nerf.pipelines.rays import release_pipeline
-
             pipe, self._pipe = self._pipe, None
             release_pipeline(pipe)
 

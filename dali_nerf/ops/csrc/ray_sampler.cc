@@ -43,20 +43,29 @@ inline void fold_camera(const float *cam, double *A, double *B, double *C) {
   }
 }
 
+/// An image's row of the writers' table, 16 floats: A (3), B (3), C (3) of fold_camera in float,
+/// origin (3), near, far, the camera index as int32 bits (when it fits; see Cache::simd), 0.
+constexpr int kRow = 16;
+
+inline void fill_row(float *t, const float *cam, int64_t index) {
+  double a[3], b[3], c[3];
+  fold_camera(cam, a, b, c);
+  for (int r = 0; r < 3; r++) {
+    t[r] = static_cast<float>(a[r]); t[3 + r] = static_cast<float>(b[r]); t[6 + r] = static_cast<float>(c[r]);
+    t[9 + r] = cam[4 * r + 3];
+  }
+  t[12] = cam[16]; t[13] = cam[17];
+  int32_t i32 = static_cast<int32_t>(index);
+  std::memcpy(t + 14, &i32, 4);
+  t[15] = 0.f;
+}
+
 struct Image {
   uint64_t off, W, H;
   double invW;
   const float *cam;
-  int64_t index;  // camera index in the split (layout[:, 3])
-  float A[3], B[3], C[3];  // fold_camera, in float
-
-  void fold() {
-    double a[3], b[3], c[3];
-    fold_camera(cam, a, b, c);
-    for (int r = 0; r < 3; r++) {
-      A[r] = static_cast<float>(a[r]); B[r] = static_cast<float>(b[r]); C[r] = static_cast<float>(c[r]);
-    }
-  }
+  int64_t index;   // camera index in the split (layout[:, 3])
+  const float *t;  // its row of Cache::tab
 };
 
 /// One sample's cache: pixel id -> (image, row, col) -> ray, and the outputs it writes.
@@ -68,16 +77,16 @@ struct Cache {
   bool uniform = false;        // all images the same size: no binary search
   uint64_t WH = 0;
   double invWH = 0;
-  // the AVX2 writer's per-image table, 16 floats: A (3), B (3), C (3), origin (3), near, far, 0, 0
-  std::vector<float> tab;
-  std::vector<int32_t> index32;  // camera index in the split (layout[:, 3]) as int32
-  bool simd = false;             // every index and size fits the AVX2 writer's int32 lanes
+  std::vector<float> tab;  // kRow floats per image (fill_row), read by both ray writers
+  bool simd = false;       // every camera index and size fits the AVX2 writer's int32 lanes
 
   void init(const uint8_t *px, int64_t P_, const float *cams, const int64_t *lay, int64_t N) {
     pixels = px;
     P = static_cast<uint64_t>(P_);
     imgs.resize(N);
     offs.resize(N);
+    tab.assign(kRow * N, 0.f);
+    simd = true;
     uint64_t expect = 0;
     uniform = true;
     for (int64_t i = 0; i < N; i++) {
@@ -88,9 +97,11 @@ struct Cache {
                    "(offset[i+1] = offset[i] + width[i] * height[i])");
       const float *c = cams + 18 * i;
       DALI_ENFORCE(c[12] != 0.f && c[13] != 0.f, "dali_nerf ray_sampler: `cameras` fx/fy must be non-zero");
+      float *row = tab.data() + kRow * i;
+      fill_row(row, c, l[3]);
       imgs[i] = {expect, static_cast<uint64_t>(l[1]), static_cast<uint64_t>(l[2]), 1.0 / static_cast<double>(l[1]), c,
-                 l[3], {}, {}, {}};
-      imgs[i].fold();
+                 l[3], row};
+      simd = simd && l[3] >= 0 && l[3] <= INT32_MAX && l[1] <= INT32_MAX && l[2] <= INT32_MAX;
       offs[i] = expect;
       expect += static_cast<uint64_t>(l[1]) * static_cast<uint64_t>(l[2]);
       if (l[1] != lay[1] || l[2] != lay[2]) uniform = false;
@@ -99,17 +110,6 @@ struct Cache {
                               " pixels but `pixels` has " + std::to_string(P));
     WH = static_cast<uint64_t>(lay[1]) * static_cast<uint64_t>(lay[2]);
     invWH = 1.0 / static_cast<double>(WH);
-    tab.assign(16 * N, 0.f);
-    index32.assign(N, 0);
-    simd = true;
-    for (int64_t i = 0; i < N; i++) {
-      const Image &im = imgs[i];
-      float *t = tab.data() + 16 * i;
-      for (int r = 0; r < 3; r++) { t[r] = im.A[r]; t[3 + r] = im.B[r]; t[6 + r] = im.C[r]; t[9 + r] = im.cam[4 * r + 3]; }
-      t[12] = im.cam[16]; t[13] = im.cam[17];
-      index32[i] = static_cast<int32_t>(im.index);
-      simd = simd && im.index >= 0 && im.index <= INT32_MAX && im.W <= INT32_MAX && im.H <= INT32_MAX;
-    }
   }
 
   inline const Image &locate(uint64_t pix, uint64_t &row, uint64_t &col) const {
@@ -139,16 +139,17 @@ struct Outputs {
     uint64_t row, col;
     const Image &im = c.locate(pix, row, col);
     float x = static_cast<float>(static_cast<int64_t>(col)), y = static_cast<float>(static_cast<int64_t>(row));
-    float dx = im.A[0] * x + im.B[0] * y + im.C[0];
-    float dy = im.A[1] * x + im.B[1] * y + im.C[1];
-    float dz = im.A[2] * x + im.B[2] * y + im.C[2];
+    const float *t = im.t;  // A (0-2), B (3-5), C (6-8), origin (9-11), near, far
+    float dx = t[0] * x + t[3] * y + t[6];
+    float dy = t[1] * x + t[4] * y + t[7];
+    float dz = t[2] * x + t[5] * y + t[8];
     float inv = 1.0f / __builtin_sqrtf(dx * dx + dy * dy + dz * dz);
-    o[3 * i] = im.cam[3]; o[3 * i + 1] = im.cam[7]; o[3 * i + 2] = im.cam[11];
+    o[3 * i] = t[9]; o[3 * i + 1] = t[10]; o[3 * i + 2] = t[11];
     d[3 * i] = dx * inv; d[3 * i + 1] = dy * inv; d[3 * i + 2] = dz * inv;
     const uint8_t *p = c.pixels + 3 * pix;
     rgb[3 * i] = kRgb.v[p[0]]; rgb[3 * i + 1] = kRgb.v[p[1]]; rgb[3 * i + 2] = kRgb.v[p[2]];
     idx[3 * i] = im.index; idx[3 * i + 1] = row; idx[3 * i + 2] = col;
-    nr[i] = im.cam[16]; fr[i] = im.cam[17];
+    nr[i] = t[12]; fr[i] = t[13];
   }
 };
 
@@ -218,8 +219,8 @@ __attribute__((target("avx2"), always_inline)) inline void load_fields4(const fl
                                                                          __m256 &f0, __m256 &f1, __m256 &f2, __m256 &f3) {
   __m256 m[4];
   for (int j = 0; j < 4; j++)
-    m[j] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(tab + 16 * img[j] + 4 * h)),
-                                _mm_loadu_ps(tab + 16 * img[j + 4] + 4 * h), 1);
+    m[j] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(tab + kRow * img[j] + 4 * h)),
+                                _mm_loadu_ps(tab + kRow * img[j + 4] + 4 * h), 1);
   __m256 t0 = _mm256_unpacklo_ps(m[0], m[1]), t1 = _mm256_unpacklo_ps(m[2], m[3]);
   __m256 t2 = _mm256_unpackhi_ps(m[0], m[1]), t3 = _mm256_unpackhi_ps(m[2], m[3]);
   f0 = _mm256_shuffle_ps(t0, t1, 0x44); f1 = _mm256_shuffle_ps(t0, t1, 0xEE);
@@ -256,11 +257,11 @@ __attribute__((target("avx2"))) void write8_avx2(const Cache &c, const Outputs &
     else px[j] = p[0] | (p[1] << 8) | (p[2] << 16);
   }
   const float *T = c.tab.data();
-  __m256 A0, A1, A2, B0, B1, B2, C0, C1, C2, ox, oy, oz, nr, fr, z0, z1;
+  __m256 A0, A1, A2, B0, B1, B2, C0, C1, C2, ox, oy, oz, nr, fr, fidx, unused;
   load_fields4(T, img, 0, A0, A1, A2, B0);
   load_fields4(T, img, 1, B1, B2, C0, C1);
   load_fields4(T, img, 2, C2, ox, oy, oz);
-  load_fields4(T, img, 3, nr, fr, z0, z1);
+  load_fields4(T, img, 3, nr, fr, fidx, unused);
   const __m256 x = _mm256_cvtepi32_ps(vcol), y = _mm256_cvtepi32_ps(vrow);
   __m256 dx = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(A0, x), _mm256_mul_ps(B0, y)), C0);
   __m256 dy = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(A1, x), _mm256_mul_ps(B1, y)), C1);
@@ -279,10 +280,7 @@ __attribute__((target("avx2"))) void write8_avx2(const Cache &c, const Outputs &
   store_xyz8(out.rgb + 3 * i, r, g, b);
   // indices: (camera index, row, col) as int32 triples, then widened to int64
   alignas(32) int32_t tri[24];
-  const int32_t *ix = c.index32.data();
-  __m256i vidx = _mm256_setr_epi32(ix[img[0]], ix[img[1]], ix[img[2]], ix[img[3]], ix[img[4]], ix[img[5]],
-                                   ix[img[6]], ix[img[7]]);
-  store_xyz8(reinterpret_cast<float *>(tri), _mm256_castsi256_ps(vidx), _mm256_castsi256_ps(vrow), _mm256_castsi256_ps(vcol));
+  store_xyz8(reinterpret_cast<float *>(tri), fidx, _mm256_castsi256_ps(vrow), _mm256_castsi256_ps(vcol));
   int64_t *dst = out.idx + 3 * i;
   for (int k = 0; k < 6; k++)
     _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst + 4 * k),
