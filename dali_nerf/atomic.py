@@ -109,6 +109,7 @@ def atomic_write_text(path, text: str, hint: str = DEFAULT_HINT) -> None:
     atomic_write_bytes(path, text.encode("utf-8"), hint)
 
 
-def atomic_write_json(path, obj, hint: str = DEFAULT_HINT, indent: int = 2) -> None:
-    """Write ``obj`` as JSON (``indent`` spaces, trailing newline) to ``path`` atomically."""
-    atomic_write_text(path, json.dumps(obj, indent=indent) + "\n", hint)
+def atomic_write_json(path, obj, hint: str = DEFAULT_HINT, indent: int = 2, default=None) -> None:
+    """Write ``obj`` as JSON (``indent`` spaces, trailing newline; ``default`` as in
+    :func:`json.dumps`, e.g. ``float`` for numpy scalars) to ``path`` atomically."""
+    atomic_write_text(path, json.dumps(obj, indent=indent, default=default) + "\n", hint)

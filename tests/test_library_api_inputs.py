@@ -251,8 +251,8 @@ def test_atomic_write_failure_keeps_the_previous_file(tmp_path):
     needles(one_line(e), str(p), "No space left on device", "free disk space")
     assert p.read_text() == "previous report\n"
     assert sorted(x.name for x in tmp_path.iterdir()) == ["report.md"]
-    atomic_write_json(tmp_path / "derived.json", {"a": [1, 2]})
-    assert json.loads((tmp_path / "derived.json").read_text()) == {"a": [1, 2]}
+    atomic_write_json(tmp_path / "derived.json", {"a": [1, 2], "x": np.float32(0.5)}, default=float)
+    assert json.loads((tmp_path / "derived.json").read_text()) == {"a": [1, 2], "x": 0.5}
 
 
 # ------------------------------------------------------------------------------- honest first-run stall
