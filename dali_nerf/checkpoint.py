@@ -6,7 +6,7 @@ Layout under ``runs/<name>/checkpoints/``::
     latest                                 text: the name of the newest *complete* step folder
 
 Each rank writes ``rankR.pt`` to a temporary file in the same folder, fsyncs it and renames it
-(``os.replace`` is atomic on POSIX). After a barrier, rank 0 rewrites ``latest`` the same way. A
+(``os.replace`` is atomic on POSIX; :mod:`dali_nerf.atomic`). After a barrier, rank 0 rewrites ``latest`` the same way. A
 kill at any point leaves the previous ``latest`` and its files intact: a reader only ever follows
 ``latest``. Files are loaded with ``torch.load(weights_only=True)``: checkpoints hold tensors,
 numbers, strings, lists and dicts only, so a crafted pickle cannot run code.
@@ -14,7 +14,6 @@ numbers, strings, lists and dicts only, so a crafted pickle cannot run code.
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 from pathlib import Path
@@ -22,80 +21,11 @@ from typing import Optional
 
 import torch
 
+from .atomic import atomic_write, atomic_write_bytes, atomic_write_json, atomic_write_text
 from .errors import DaliNerfError
 
-__all__ = ["save_rank_state", "commit_checkpoint", "latest_checkpoint", "load_rank_state", "atomic_write_bytes", "atomic_write_text"]
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-class _WriteGuard:
-    """File wrapper that remembers the first OSError of a ``write`` (disk full, file too large):
-    ``torch.save``'s zip writer reports it only as a RuntimeError ("unexpected pos")."""
-
-    def __init__(self, f):
-        self.f = f
-        self.error: Optional[OSError] = None
-
-    def write(self, b):
-        try:
-            return self.f.write(b)
-        except OSError as e:
-            if self.error is None:
-                self.error = e
-            raise
-
-    def flush(self):
-        return self.f.flush()
-
-
-def _atomic_write(path: Path, write) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    guard = None
-    try:
-        with open(tmp, "wb") as f:
-            guard = _WriteGuard(f)
-            write(guard)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except Exception as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        err = e if isinstance(e, OSError) else (guard.error if guard is not None else None)
-        if err is None:
-            raise
-        raise DaliNerfError(f"{path}: cannot write ({err.strerror or err}); free disk space or choose a writable train.runs_dir") from None
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file + fsync + rename)."""
-    _atomic_write(Path(path), lambda f: f.write(data))
-
-
-def atomic_write_text(path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+__all__ = ["save_rank_state", "commit_checkpoint", "latest_checkpoint", "load_rank_state", "atomic_write_bytes", "atomic_write_text",
+           "atomic_write_json"]
 
 
 def save_rank_state(ckpt_root, step: int, rank: int, state: dict) -> Path:
@@ -107,7 +37,7 @@ def save_rank_state(ckpt_root, step: int, rank: int, state: dict) -> Path:
     except OSError as e:
         raise DaliNerfError(f"{folder}: cannot create checkpoint folder ({e.strerror}); choose a writable train.runs_dir") from None
     path = folder / f"rank{rank}.pt"
-    _atomic_write(path, lambda f: torch.save(state, f))
+    atomic_write(path, lambda f: torch.save(state, f))
     return path
 
 
@@ -122,11 +52,35 @@ def commit_checkpoint(ckpt_root, step: int, keep: int = 2) -> None:
 
 
 def latest_checkpoint(ckpt_root) -> Optional[Path]:
-    """Folder of the newest complete checkpoint, or None."""
-    p = Path(ckpt_root) / "latest"
+    """Folder of the newest complete checkpoint, or None (no ``latest`` pointer, or the folder it
+    names is gone).
+
+    The pointer must hold the name of a folder directly inside ``ckpt_root`` (``step_0000500``):
+    an absolute path, a name with a separator or ``..``, or a symlink leading out of
+    ``ckpt_root`` is refused, so a crafted pointer cannot make ``--resume`` or ``dali-nerf render``
+    load files from elsewhere.
+
+    Raises:
+        DaliNerfError: the pointer names something outside ``ckpt_root`` (one line naming it).
+    """
+    root = Path(ckpt_root)
+    p = root / "latest"
     if not p.is_file():
         return None
-    folder = Path(ckpt_root) / p.read_text().strip()
+    try:
+        name = p.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DaliNerfError(f"{p}: cannot read the checkpoint pointer ({e}); delete it or write the name of a step_* folder") from None
+    folder = root / name
+    inside = (bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name
+              and not Path(name).is_absolute())
+    if inside and folder.exists():
+        inside = folder.resolve().parent == root.resolve()
+    if not inside:
+        raise DaliNerfError(
+            f"{p}: names {name!r}, which is not a checkpoint folder inside {root}; delete the file or "
+            f"write the name of one of its step_* folders"
+        )
     return folder if folder.is_dir() else None
 
 

@@ -14,10 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .atomic import atomic_write_text
 from .config import load_config
 from .errors import DaliNerfError
 
-__all__ = ["main", "launch_trainer", "write_report"]
+__all__ = ["main", "launch_trainer", "write_report", "warmup_wait_s"]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "ddp_objects.yaml"
 
@@ -41,18 +42,52 @@ def launch_trainer(module: str, nproc: int, config: str | None, overrides, resum
     return subprocess.call(cmd, env=env)
 
 
+def warmup_wait_s(run_dir: Path, summary: dict) -> float | None:
+    """Warm-up: seconds the run's first step waited for its batch, read from rank 0's
+    ``metrics.jsonl`` (the record of step ``resumed_from + 1``; its ``wait_s``). That first wait
+    includes loading the operator plugin, building the ray pipeline and its first sampling run;
+    every later wait (streaming windows included) counts as steady stall. None when the record
+    is missing."""
+    first = int(summary.get("resumed_from") or 0) + 1
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and rec.get("step") == first and "wait_s" in rec:
+            return float(rec["wait_s"])
+    return None
+
+
 def write_report(run_dir: Path) -> str:
-    """A short markdown report from ``summary.json``; returns its text."""
+    """A short markdown report from ``summary.json`` (written atomically); returns its text.
+
+    The data stall is shown as warm-up seconds (the wait for the run's first batch, see
+    :func:`warmup_wait_s`) and the steady stall after the first step
+    (``stall_fraction_after_first_step``), with the overall fraction (warm-up included) labelled
+    as such.
+    """
+    run_dir = Path(run_dir)
     s = json.loads((run_dir / "summary.json").read_text())
     ph = s["phase_totals_s"]
     step = max(ph["step"], 1e-9)
+    steady = s.get("stall_fraction_after_first_step")
+    warm = warmup_wait_s(run_dir, s)
+    steady_s = f"{100 * steady:.2f}% of step time after the first step" if steady is not None \
+        else "n/a (a single step, all of it warm-up)"
+    warm_s = f"{warm:.2f} s waiting for the first batch" if warm is not None else "unknown (no metrics.jsonl record)"
     lines = [
         f"# {s['name']}: {s['method']} x{s['world_size']} on {s['device']}",
         "",
         f"- test PSNR **{s['test_psnr']:.2f} dB**, SSIM {s['test_ssim']:.3f} ({s['eval_images']} {s['eval_split']} views)",
         f"- {s['steps']} steps x {s['rays_per_batch']} rays/rank, wall time {s['wall_s']:.1f} s, "
         f"{s['rays_per_s'] / 1e6:.2f} Mrays/s trained",
-        f"- data stall: {100 * s['stall_fraction']:.2f}% of step time (pipeline: {s['pipeline']})",
+        f"- data stall (pipeline: {s['pipeline']}): steady {steady_s}; warm-up {warm_s} "
+        f"(plugin load, pipeline build, first run); overall {100 * s['stall_fraction']:.2f}% including warm-up",
         "",
         "| phase | seconds | share of step |",
         "|---|---|---|",
@@ -61,7 +96,7 @@ def write_report(run_dir: Path) -> str:
         lines.append(f"| {k} | {ph[k]:.2f} | {100 * ph[k] / step:.1f}% |")
     lines += ["", "Renders (prediction | ground truth): " + ", ".join(f"renders/{r}" for r in s["renders"]), ""]
     text = "\n".join(lines)
-    (run_dir / "report.md").write_text(text)
+    atomic_write_text(run_dir / "report.md", text, hint="free disk space or choose a writable train.runs_dir")
     return text
 
 

@@ -16,8 +16,9 @@ the reference implementation):
 * grayscale is expanded to RGB at decode (gray+alpha to RGBA); palette images decode to RGB(A);
 * RGBA is then composited over the scene background by the decode stage (not here);
 * refused, from the header: PNG bit depths below 8 with colour (invalid PNG), 12-bit JPEG,
-  4-component (CMYK/YCCK) JPEG, images with more than :data:`MAX_PIXELS` pixels, and sizes that
-  do not match the dataset's declaration.
+  4-component (CMYK/YCCK) JPEG, images with more pixels than the limit (:func:`max_pixels_limit`:
+  :data:`MAX_PIXELS` unless ``$DALI_NERF_MAX_PIXELS`` says otherwise), and sizes that do not match
+  the dataset's declaration (the file's header never silently wins).
 
 Every refusal is a :class:`dali_nerf.errors.DataError` with a one-line message naming the file.
 
@@ -38,11 +39,16 @@ import numpy as np
 
 from .errors import DataError
 
-__all__ = ["ImageHeader", "read_header", "check_image", "decode_image_cv2", "MAX_PIXELS", "IMAGE_EXTENSIONS"]
+__all__ = ["ImageHeader", "read_header", "check_image", "decode_image_cv2", "MAX_PIXELS", "IMAGE_EXTENSIONS",
+           "MAX_PIXELS_ENV", "max_pixels_limit", "check_pixel_limit"]
 
-#: Largest image accepted, in pixels (width * height): 16384 x 16384 = 2**28 (268 M pixels, about
-#: 1 GiB as RGBA8). Anything larger is refused from its header as a likely decompression bomb.
+#: Default largest image accepted, in pixels (width * height): 16384 x 16384 = 2**28 (268 M
+#: pixels, about 1 GiB as RGBA8). Anything larger is refused from its header (and from the size a
+#: scene file declares) as a likely decompression bomb. Override with :data:`MAX_PIXELS_ENV`.
 MAX_PIXELS = 16384 * 16384
+
+#: Environment variable that sets the per-image pixel limit (a positive integer), read at each check.
+MAX_PIXELS_ENV = "DALI_NERF_MAX_PIXELS"
 
 #: File name extensions treated as images by the scene parsers (lower case).
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
@@ -71,6 +77,45 @@ class ImageHeader:
     channels: int
     bit_depth: int
     format: str
+
+
+def max_pixels_limit() -> int:
+    """The per-image pixel limit in force: ``$DALI_NERF_MAX_PIXELS`` when set, else :data:`MAX_PIXELS`.
+
+    Raises:
+        DataError: the variable is set but is not a positive integer.
+    """
+    v = os.environ.get(MAX_PIXELS_ENV)
+    if v is None or v.strip() == "":
+        return MAX_PIXELS
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise DataError(f"{MAX_PIXELS_ENV}={v!r}: must be a positive integer (pixels per image); unset it for the default {MAX_PIXELS}")
+    return n
+
+
+def check_pixel_limit(where, width: int, height: int, max_pixels: Optional[int] = None, what: str = "header declares") -> None:
+    """Refuse an image of ``width`` x ``height`` above the pixel limit (decompression bombs).
+
+    Args:
+        where: the file (and frame) named in the message.
+        width, height: the size the header or the scene file declares.
+        max_pixels: the limit (None: :func:`max_pixels_limit`).
+        what: the message's verb phrase ("header declares", "declares").
+    Raises:
+        DataError: one line naming ``where``, the size, the limit and how to raise it.
+    """
+    limit = max_pixels_limit() if max_pixels is None else int(max_pixels)
+    n = int(width) * int(height)
+    if n > limit:
+        raise DataError(
+            f"{where}: {what} {int(width)}x{int(height)} = {n} pixels, over the per-image limit of {limit} "
+            f"(dali_nerf.imageio.MAX_PIXELS, or ${MAX_PIXELS_ENV}); refusing a possible decompression bomb; "
+            f"downscale the image or raise the limit"
+        )
 
 
 def _bad(path, what: str) -> DataError:
@@ -173,13 +218,8 @@ def _check_tail(path, fmt: str, tail: bytes, size: int) -> None:
         raise _bad(path, f"truncated JPEG (no end-of-image marker in its last bytes, {size} bytes in all)")
 
 
-def _check_header(path, h: ImageHeader, expected_wh, max_pixels: int) -> None:
-    if h.width * h.height > max_pixels:
-        raise DataError(
-            f"{path}: header declares {h.width}x{h.height} = {h.width * h.height} pixels, over the "
-            f"limit of {max_pixels} (dali_nerf.imageio.MAX_PIXELS); refusing a possible "
-            f"decompression bomb; downscale the image"
-        )
+def _check_header(path, h: ImageHeader, expected_wh, max_pixels: Optional[int]) -> None:
+    check_pixel_limit(path, h.width, h.height, max_pixels)
     if h.format == "jpeg" and h.bit_depth != 8:
         raise DataError(f"{path}: {h.bit_depth}-bit JPEG is not supported; re-export as 8-bit JPEG or PNG")
     if h.format == "jpeg" and h.channels == 4:
@@ -193,13 +233,13 @@ def _check_header(path, h: ImageHeader, expected_wh, max_pixels: int) -> None:
             )
 
 
-def check_image(path, expected_wh: Optional[Sequence[int]] = None, max_pixels: int = MAX_PIXELS) -> ImageHeader:
+def check_image(path, expected_wh: Optional[Sequence[int]] = None, max_pixels: Optional[int] = None) -> ImageHeader:
     """Check an image from its header (and last bytes) before any decoding.
 
     Args:
         path: image file.
         expected_wh: (width, height) the dataset declares for this file, or None.
-        max_pixels: refuse images with more pixels than this (default :data:`MAX_PIXELS`).
+        max_pixels: refuse images with more pixels than this (None: :func:`max_pixels_limit`).
     Returns:
         The :class:`ImageHeader`.
     Raises:
@@ -220,12 +260,12 @@ def check_image(path, expected_wh: Optional[Sequence[int]] = None, max_pixels: i
     return h
 
 
-def decode_image_cv2(path, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+def decode_image_cv2(path, max_pixels: Optional[int] = None) -> np.ndarray:
     """Decode a PNG/JPEG with OpenCV following the module's decode policy.
 
     Args:
         path: image file.
-        max_pixels: pixel limit checked from the header before decoding.
+        max_pixels: pixel limit checked from the header before decoding (None: :func:`max_pixels_limit`).
     Returns:
         (H, W, 3) uint8 RGB, or (H, W, 4) uint8 RGBA when the file has alpha (not composited).
     Raises:

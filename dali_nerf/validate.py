@@ -4,6 +4,8 @@ For each split present: the parser's own checks (poses, intrinsics, files exist)
 through :func:`dali_nerf.imageio.check_image`: a readable PNG/JPEG header, not truncated, at most
 :data:`dali_nerf.imageio.MAX_PIXELS` pixels, and the on-disk size equal to ``Scene.file_wh`` (the
 size the dataset declares). The first problem is raised as a one-line error naming the file.
+Image files outside the scene folder (absolute paths, ``..``) are allowed but reported, one
+``warning:`` line per split naming them (:func:`paths_outside`).
 
 >>> from dali_nerf.validate import validate_scene
 >>> [s.num_images for s in validate_scene("data/default")]
@@ -12,15 +14,17 @@ size the dataset declares). The first problem is raised as a one-line error nami
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .errors import SceneError
-from .imageio import MAX_PIXELS, check_image
+from .imageio import check_image
 from .scenes import SPLITS, FORMATS, detect_format, load_scene
+from .scenes._util import load_json
 
-__all__ = ["validate_scene", "scan_images", "main", "PROGRESS_MIN_IMAGES"]
+__all__ = ["validate_scene", "scan_images", "paths_outside", "outside_warning", "main", "PROGRESS_MIN_IMAGES"]
 
 #: A progress bar is shown when a split has more images than this.
 PROGRESS_MIN_IMAGES = 200
@@ -32,8 +36,6 @@ def _split_present(root: Path, name: str, split: str) -> bool:
     if name == "mega_nerf":
         return split != "test" and (root / split / "metadata").is_dir()
     if name == "nerfstudio":  # with explicit lists, a split exists when its list (or val<->test) does
-        from .scenes._util import load_json
-
         meta = load_json(root / "transforms.json")
         keys = {k for k in ("train_filenames", "val_filenames", "test_filenames") if k in meta}
         if keys and split == "train":
@@ -44,7 +46,7 @@ def _split_present(root: Path, name: str, split: str) -> bool:
 
 
 def validate_scene(root, format: str = "auto", splits: Optional[Sequence[str]] = None, progress: bool = True,
-                   max_pixels: int = MAX_PIXELS) -> list:
+                   max_pixels: Optional[int] = None) -> list:
     """Parse each split of ``root`` and check every image header.
 
     Args:
@@ -53,7 +55,7 @@ def validate_scene(root, format: str = "auto", splits: Optional[Sequence[str]] =
         splits: splits to check (default: every split the format has on disk; Mega-NeRF's
             ``test`` is its ``val`` and is not checked twice).
         progress: show a tqdm bar for splits of more than :data:`PROGRESS_MIN_IMAGES` images.
-        max_pixels: decompression-bomb limit per image.
+        max_pixels: decompression-bomb limit per image (None: :func:`dali_nerf.imageio.max_pixels_limit`).
     Returns:
         list of the parsed Scenes, one per checked split.
     Raises:
@@ -75,7 +77,7 @@ def validate_scene(root, format: str = "auto", splits: Optional[Sequence[str]] =
     return scenes
 
 
-def scan_images(scene, progress: bool = True, max_pixels: int = MAX_PIXELS) -> None:
+def scan_images(scene, progress: bool = True, max_pixels: Optional[int] = None) -> None:
     """Check every image of a parsed split from its header and last bytes (no decoding): readable
     PNG/JPEG, not truncated, at most ``max_pixels`` pixels, on-disk size equal to ``Scene.file_wh``
     (or width/height). About 50 us per image; the trainers call it before training starts.
@@ -83,7 +85,7 @@ def scan_images(scene, progress: bool = True, max_pixels: int = MAX_PIXELS) -> N
     Args:
         scene: a :class:`~dali_nerf.scenes.Scene` (N images).
         progress: show a tqdm bar when N > :data:`PROGRESS_MIN_IMAGES`.
-        max_pixels: decompression-bomb limit per image.
+        max_pixels: decompression-bomb limit per image (None: :func:`dali_nerf.imageio.max_pixels_limit`).
     Raises:
         DataError: the first bad image, one line naming the file.
     """
@@ -95,6 +97,24 @@ def scan_images(scene, progress: bool = True, max_pixels: int = MAX_PIXELS) -> N
         items = tqdm(items, desc=f"check {scene.split} images", unit="img", leave=False)
     for path, wh in items:
         check_image(path, expected_wh=wh, max_pixels=max_pixels)
+
+
+def paths_outside(scene) -> list:
+    """Image paths of ``scene`` that lie outside its folder (absolute paths elsewhere, ``..``),
+    symlinks resolved; in split order. Allowed (real datasets share image folders), but reported
+    by ``dali-nerf validate``."""
+    root = os.path.realpath(scene.root)
+    return [p for p in scene.image_paths if os.path.commonpath([root, os.path.realpath(p)]) != root]
+
+
+def outside_warning(scene) -> Optional[str]:
+    """The one ``warning:`` line naming ``scene``'s images outside its folder, or None."""
+    out = paths_outside(scene)
+    if not out:
+        return None
+    shown = ", ".join(out[:3]) + (f" (+{len(out) - 3} more)" if len(out) > 3 else "")
+    return (f"warning: {scene.split}: {len(out)} of {scene.num_images} images lie outside the scene folder "
+            f"{scene.root}: {shown}; allowed, but copying the folder alone will not carry them")
 
 
 def _summary(scene) -> str:
@@ -113,4 +133,8 @@ def main(args) -> int:
     print(f"{args.scene}: {scenes[0].format} scene, all image headers OK")
     for s in scenes:
         print(_summary(s))
+    for s in scenes:
+        w = outside_warning(s)
+        if w is not None:
+            print(w)
     return 0

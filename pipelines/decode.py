@@ -18,8 +18,16 @@ Sharding is DALI's own: shard ``i`` of ``S`` over ``N`` files is the index range
 
 Image policy (same as :mod:`dali_nerf.imageio`): RGBA is composited over the background exactly,
 in integers, as ``round((rgb * a + bg8 * (255 - a)) / 255)`` with ``bg8 = round(255 * bg)``; grayscale is expanded to RGB; 16-bit images
-are converted to 8 bit by DALI's decoder as ``round(v / 257)``; a decoded size that differs from the
-scene's declared width/height raises :class:`~dali_nerf.errors.DataError` naming the file.
+are converted to 8 bit by DALI's decoder as ``round(v / 257)``.
+
+Checks (every entry point that decodes comes here: ``RayLoader``, the baselines, the trainers'
+eval split, ``dali-nerf render``, ``dali-nerf bench sampler``), each a one-line
+:class:`~dali_nerf.errors.DataError` naming the file: before anything is allocated, every file of
+the shard goes through :func:`dali_nerf.imageio.check_image` (readable PNG/JPEG header, not
+truncated, within the per-image pixel limit, on-disk size equal to the size the scene declares:
+the declaration is never silently replaced by the header) and the cache's bytes are compared with
+the memory available; a DALI batch that still fails (damage inside the compressed data) is traced
+to its file by a per-file decode; a decoded size that differs from the declared one is refused.
 
 >>> cache = decode_cache(scene, rank=0, world_size=2)
 >>> cache.pixels.shape, cache.cameras.shape, cache.layout.shape
@@ -30,7 +38,6 @@ from __future__ import annotations
 
 import math
 import os
-import struct
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -39,10 +46,11 @@ import numpy as np
 
 from dali_nerf import hostmem
 from dali_nerf.errors import DataError, SceneError
+from dali_nerf.imageio import check_image, decode_image_cv2
 
 __all__ = [
     "ImageCache", "decode_pipeline", "decode_cache", "shard_range", "shard_sizes",
-    "pack_cameras", "composite", "background_u8", "FAR_UNKNOWN", "DecodeCancelled",
+    "pack_cameras", "composite", "background_u8", "FAR_UNKNOWN", "DecodeCancelled", "available_memory",
 ]
 
 FAR_UNKNOWN = 1e10
@@ -184,42 +192,79 @@ def composite(img: np.ndarray, background, out: Optional[np.ndarray] = None) -> 
 
 
 # ---------------------------------------------------------------------------------------------
-# image header probe (size only) so the pipeline knows whether it must resize
+# checks before anything is allocated or decoded
 
 
-def _header_size(path: str) -> Optional[tuple[int, int]]:
-    """(width, height) from a PNG or JPEG header, or None if unknown."""
+def _check_files(scene, want: np.ndarray, max_pixels: Optional[int]) -> np.ndarray:
+    """Every file of ``want`` through :func:`dali_nerf.imageio.check_image` (header, tail, pixel
+    limit, declared size = ``scene.file_wh``, else width/height at downscale 1): (len(want), 2)
+    int64 header sizes. A declared size that disagrees with the header is refused (the header
+    never silently wins): one line naming the file and both sizes."""
+    fwh = scene.file_wh
+    if fwh is None and scene.downscale <= 1:
+        fwh = np.stack([scene.width, scene.height], 1)
+    out = np.zeros((len(want), 2), np.int64)
+    for k, i in enumerate(want):
+        path = scene.image_paths[int(i)]
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: image file not found; restore it or fix the scene's file list")
+        h = check_image(path, expected_wh=None if fwh is None else fwh[int(i)], max_pixels=max_pixels)
+        out[k] = (h.width, h.height)
+    return out
+
+
+def available_memory(device: str = "cpu") -> int:
+    """Bytes that can be allocated now without swapping: ``MemAvailable`` of ``/proc/meminfo``
+    (else free physical pages) for "cpu", free device memory for "cuda"."""
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
     try:
-        with open(path, "rb") as f:
-            head = f.read(26)
-            if head[:8] == b"\x89PNG\r\n\x1a\n":
-                w, h = struct.unpack(">II", head[16:24])
-                return int(w), int(h)
-            if head[:2] == b"\xff\xd8":
-                f.seek(2)
-                while True:
-                    b = f.read(1)
-                    while b and b != b"\xff":
-                        b = f.read(1)
-                    while b == b"\xff":
-                        b = f.read(1)
-                    if not b:
-                        return None
-                    marker = b[0]
-                    if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
-                        continue
-                    seg = f.read(2)
-                    if len(seg) < 2:
-                        return None
-                    length = struct.unpack(">H", seg)[0]
-                    if marker in (0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF):
-                        data = f.read(5)
-                        h, w = struct.unpack(">HH", data[1:5])
-                        return int(w), int(h)
-                    f.seek(length - 2, os.SEEK_CUR)
-    except OSError:
-        return None
-    return None
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+
+
+def _check_memory(scene, need: int, n: int, rank: int, world_size: int, device: str, windowed: bool) -> None:
+    """Refuse (one line, with the numbers) a cache of ``need`` bytes that does not fit in the
+    memory available now, before allocating it."""
+    avail = available_memory(device)
+    if need <= avail:
+        return
+    what = f"a streaming window of {n} images" if windowed else f"rank {rank} of {world_size}: {n} images"
+    gib = 1 << 30
+    raise DataError(
+        f"{scene.root}: split {scene.split!r} ({what}) needs {need / gib:.1f} GiB of decoded pixels ({need} bytes) "
+        f"but only {avail / gib:.1f} GiB of {'GPU' if device == 'cuda' else 'host'} memory is available; "
+        f"set cache.max_bytes (RayLoader max_bytes=) to stream it through windows, use a downscale, or run more ranks"
+    )
+
+
+def _find_culprit(scene, candidates: Sequence[int], err: Exception) -> str:
+    """The one-line message for a DALI decode failure in a batch of ``candidates`` (split
+    indices, the failing batch first): the file DALI's message names, else the first file that
+    fails the header checks or a per-file decode (:func:`dali_nerf.imageio.decode_image_cv2`),
+    else the batch's file range."""
+    lines = [l.strip() for l in str(err).splitlines() if l.strip()]
+    msg = next((l for l in lines if l.startswith("Failed to decode")), lines[0] if lines else type(err).__name__)
+    paths = [scene.image_paths[int(i)] for i in candidates]
+    named = next((p for p in paths if os.path.basename(p) in str(err)), None)
+    if named is not None:
+        return f"{named}: cannot be decoded ({msg}); re-export it as PNG or JPEG"
+    for p in paths:
+        try:
+            check_image(p)
+            decode_image_cv2(p)
+        except DataError as e:
+            return str(e)
+    span = f"{paths[0]} .. {paths[-1]}" if len(paths) > 1 else paths[0]
+    return (f"{span}: DALI cannot decode one of these {len(paths)} files ({msg}) although each passes the header "
+            f"checks and decodes with OpenCV; re-export them as PNG or JPEG")
 
 
 def _import_dali():
@@ -278,7 +323,7 @@ def _batch_size(n: int, batch: int) -> int:
 
 def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cpu", num_threads: int = 2,
                  batch: int = 8, background=None, indices: Optional[Sequence[int]] = None,
-                 stop=None) -> ImageCache:
+                 stop=None, max_pixels: Optional[int] = None) -> ImageCache:
     """Decode exactly DALI's shard ``rank`` of ``world_size`` of ``scene`` into an :class:`ImageCache`.
 
     Args:
@@ -292,11 +337,19 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
             read as one unsharded list in the given order.
         stop: optional ``threading.Event``; checked before each decode run, and when set the decode
             ends with :class:`DecodeCancelled` (a background window decode stopping on ``close()``).
+        max_pixels: per-image pixel limit (None: :func:`dali_nerf.imageio.max_pixels_limit`).
+
+    Before anything is allocated, every file's header is checked (:func:`_check_files`: readable,
+    not truncated, within the pixel limit, of the declared size) and the cache's size is compared
+    with the memory available (:func:`available_memory`); a DALI decode failure is traced to the
+    file (:func:`_find_culprit`).
+
     Returns:
         ImageCache with pixels (P, 3) u8, cameras (N, 18) f32, layout (N, 4) i64.
     Raises:
-        SceneError: world_size > number of images.  DataError: an image has the wrong size or
-        cannot be decoded (one line naming the file).
+        SceneError: world_size > number of images.  DataError: an image is missing, corrupt,
+        truncated, over the pixel limit, of another size than declared, or cannot be decoded (one
+        line naming the file); or the cache does not fit in memory (one line with the numbers).
 
     Example:
         >>> cache = decode_cache(scene, 1, 2)
@@ -315,23 +368,14 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
             raise SceneError("decode_cache: empty list of image indices")
         files = [scene.image_paths[i] for i in want]
         labels, shard_id, num_shards = [int(i) for i in want], 0, 1
-    for i in want:
-        if not os.path.isfile(scene.image_paths[i]):
-            raise DataError(f"{scene.image_paths[i]}: image file not found; restore it or fix the scene's file list")
+    header_wh = _check_files(scene, want, max_pixels)
     widths, heights = scene.width, scene.height
 
     resize_to = None
-    if scene.downscale > 1:
-        fwh = getattr(scene, "file_wh", None)
-        if fwh is not None:
-            larger = bool(np.any(fwh[want] != np.stack([widths[want], heights[want]], 1)))
-        else:
-            hs = _header_size(scene.image_paths[int(want[0])])
-            larger = hs is None or hs != (int(widths[want[0]]), int(heights[want[0]]))
-        if larger:
-            # labels are split indices in both modes; the lookup tables are keyed by them
-            lab_list = [int(x) for x in labels]
-            resize_to = ([int(widths[i]) for i in lab_list], [int(heights[i]) for i in lab_list])
+    if bool(np.any(header_wh != np.stack([widths[want], heights[want]], 1))):  # downscale without a pre-scaled copy
+        # labels are split indices in both modes; the lookup tables are keyed by them
+        lab_list = [int(x) for x in labels]
+        resize_to = ([int(widths[i]) for i in lab_list], [int(heights[i]) for i in lab_list])
 
     use_gpu = device == "cuda"
     dali_device = "mixed" if use_gpu else "cpu"
@@ -346,6 +390,7 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
     offsets[1:] = np.cumsum(px_count)[:-1]
     total = int(px_count.sum())
     pos_of = {int(c): k for k, c in enumerate(want)}
+    _check_memory(scene, total * 3, n, rank, world_size, device if use_gpu else "cpu", indices is not None)
     if use_gpu:
         import torch
         pixels = torch.empty((total, 3), dtype=torch.uint8, device="cuda")
@@ -375,11 +420,8 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
                     scheduled += depth if r == 0 else 1
                 imgs, labs = pipe.outputs()
             except RuntimeError as e:
-                lines = [l.strip() for l in str(e).splitlines() if l.strip()]
-                msg = next((l for l in lines if l.startswith("Failed to decode")), lines[0] if lines else type(e).__name__)
-                bad = next((p for p in (scene.image_paths[i] for i in want[~done]) if os.path.basename(p) in str(e)), None)
-                where = bad or f"one of {scene.root}'s {scene.split} images"
-                raise DataError(f"{where}: cannot be decoded ({msg}); re-export it as PNG or JPEG") from None
+                # the failing run is the oldest not yet returned: its files come first
+                raise DataError(_find_culprit(scene, want[~done][:depth * bs], e)) from None
             if use_gpu:
                 labs = labs.as_cpu() if hasattr(labs, "as_cpu") else labs
             for s in range(len(labs)):

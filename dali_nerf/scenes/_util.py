@@ -15,11 +15,11 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import SceneError
-from ..imageio import IMAGE_EXTENSIONS, read_header
+from ..imageio import IMAGE_EXTENSIONS, check_pixel_limit, max_pixels_limit, read_header
 
 __all__ = [
     "load_json", "require", "as_float", "check_poses", "check_focal", "check_images_exist",
-    "downscaled_size", "scale_intrinsics", "prescaled_paths", "mean_up", "DRB_TO_GL",
+    "downscaled_size", "scale_intrinsics", "prescaled_paths", "mean_up", "DRB_TO_GL", "check_sizes",
 ]
 
 #: Right-multiplying a 3x3 camera rotation whose columns are [down, right, back] by this gives
@@ -126,12 +126,21 @@ def check_images_exist(paths: Sequence[str], source, what: str = "images") -> No
 
 
 def check_sizes(wh: np.ndarray, names: Sequence[str], path) -> None:
-    """Image sizes (N, 2) must be positive integers."""
+    """Image sizes (N, 2) must be positive integers of at most the per-image pixel limit
+    (:func:`dali_nerf.imageio.max_pixels_limit`), checked from the declaration alone, before any
+    cache is sized from it (a declared 200000x200000 would otherwise ask for 447 GiB per 4
+    images). Whether each file really has its declared size is checked from the headers by
+    ``decode_cache`` and ``dali-nerf validate``."""
     wh = np.asarray(wh)
     bad = (wh <= 0).any(axis=1)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise SceneError(f"{path}: frame {names[i]!r} declares image size {wh[i, 0]}x{wh[i, 1]}; must be > 0")
+    px = wh[:, 0].astype(np.int64) * wh[:, 1].astype(np.int64)
+    over = px > max_pixels_limit()
+    if over.any():
+        i = int(np.flatnonzero(over)[0])
+        check_pixel_limit(f"{path}: frame {names[i]!r}", wh[i, 0], wh[i, 1], what="declares image size")
 
 
 def downscaled_size(wh: np.ndarray, d: int) -> np.ndarray:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SceneError
-from ..imageio import read_header
+from ..imageio import check_pixel_limit, read_header
 from .base import Scene, register_format
 from ._util import (as_float, as_matrix, check_bounds, check_focal, check_images_exist, check_poses,
                     image_path, load_json, parse_aabb, require, resolve_downscale)
@@ -73,6 +73,7 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
     check_images_exist(paths, path)
 
     h0 = read_header(paths[0])
+    check_pixel_limit(paths[0], h0.width, h0.height)  # every image is sized from this header
     n = len(paths)
     wh_full = np.tile(np.array([[h0.width, h0.height]], np.int64), (n, 1))
     focal = 0.5 * h0.width / math.tan(0.5 * angle)
