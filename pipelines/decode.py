@@ -47,6 +47,7 @@ import numpy as np
 from dali_nerf import hostmem
 from dali_nerf.errors import DataError, SceneError
 from dali_nerf.imageio import check_image, decode_image_cv2
+from dali_nerf.scenes._util import opencv_matrix
 
 __all__ = [
     "ImageCache", "decode_pipeline", "decode_cache", "shard_range", "shard_sizes",
@@ -349,8 +350,9 @@ def undistort_maps(scene, cam: int):
     w, h = int(scene.width[cam]), int(scene.height[cam])
     sx, sy = fw / w, fh / h  # scale_intrinsics back to the file's size
     k_new = np.asarray(scene.intrinsics[cam], np.float64) * np.array([sx, sy, sx, sy])
-    mat = lambda k: np.array([[k[0], 0.0, k[2]], [0.0, k[1], k[3]], [0.0, 0.0, 1.0]], np.float64)  # noqa: E731
-    k_src, k_dst, dist = mat(scene.file_intrinsics[cam]), mat(k_new), np.asarray(scene.distortion[cam], np.float64)
+    # OpenCV's pixel centres are at integers, ours at +0.5 (opencv_matrix shifts the principal point)
+    k_src, k_dst = opencv_matrix(scene.file_intrinsics[cam]), opencv_matrix(k_new)
+    dist = np.asarray(scene.distortion[cam], np.float64)
     if scene.fisheye[cam]:
         return cv2.fisheye.initUndistortRectifyMap(k_src, dist[:4].reshape(4, 1), np.eye(3), k_dst, (fw, fh), cv2.CV_32FC1)
     return cv2.initUndistortRectifyMap(k_src, dist, np.eye(3), k_dst, (fw, fh), cv2.CV_32FC1)

@@ -21,7 +21,7 @@ from ..imageio import IMAGE_EXTENSIONS, check_pixel_limit, max_pixels_limit, rea
 __all__ = [
     "load_json", "require", "as_float", "check_poses", "check_focal", "check_images_exist",
     "downscaled_size", "scale_intrinsics", "prescaled_paths", "mean_up", "DRB_TO_GL", "check_sizes",
-    "undistorted_intrinsics", "resolve_background", "BACKGROUND_NAMES",
+    "undistorted_intrinsics", "opencv_matrix", "resolve_background", "BACKGROUND_NAMES",
 ]
 
 #: Named backgrounds of ``scene.background`` / ``load_scene(background=)``: name -> (colour, mode).
@@ -269,14 +269,21 @@ def undistorted_intrinsics(k: np.ndarray, dist: np.ndarray, fisheye: bool, wh) -
     which distort rays rather than images) leaves unseen corners under barrel distortion, and
     the ray-sampler has no per-pixel mask to drop them.
     """
-    kk = np.array([[k[0], 0.0, k[2]], [0.0, k[1], k[3]], [0.0, 0.0, 1.0]], np.float64)
+    kk = opencv_matrix(k)
     size = (int(wh[0]), int(wh[1]))
     d = np.asarray(dist, np.float64)
     if fisheye:
         new = cv2.fisheye.estimateNewCameraMatrixForUndistortRectify(kk, d[:4].reshape(4, 1), size, np.eye(3), balance=0.0)
     else:
         new, _ = cv2.getOptimalNewCameraMatrix(kk, d, size, 0.0, size)
-    return np.array([new[0, 0], new[1, 1], new[0, 2], new[1, 2]], np.float64)
+    return np.array([new[0, 0], new[1, 1], new[0, 2] + 0.5, new[1, 2] + 0.5], np.float64)
+
+
+def opencv_matrix(k) -> np.ndarray:
+    """(3, 3) float64 OpenCV camera matrix of intrinsics ``k`` (4,) fx, fy, cx, cy in our
+    convention (pixel centres at +0.5, as COLMAP and nerfstudio): OpenCV puts pixel centres at
+    integers, so its principal point is ``cx - 0.5, cy - 0.5``."""
+    return np.array([[k[0], 0.0, k[2] - 0.5], [0.0, k[1], k[3] - 0.5], [0.0, 0.0, 1.0]], np.float64)
 
 
 def resolve_background(background, fmt: str, first_image: Optional[str] = None):
