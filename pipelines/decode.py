@@ -52,7 +52,7 @@ from dali_nerf.scenes._util import opencv_matrix
 __all__ = [
     "ImageCache", "decode_pipeline", "decode_cache", "shard_range", "shard_sizes",
     "pack_cameras", "composite", "background_u8", "FAR_UNKNOWN", "DecodeCancelled", "available_memory",
-    "finish_image", "undistort_maps", "area_weights",
+    "finish_image", "finish_torch", "undistort_maps", "area_weights",
 ]
 
 FAR_UNKNOWN = 1e10
@@ -543,16 +543,34 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
 
 
 def _finish_gpu(tensor_gpu, bg255, out, maps, aux: dict):  # pragma: no cover - needs a GPU
-    """:func:`finish_image` on the GPU: one decoded DALI TensorGPU (fh, fw, C) into ``out``
-    (h, w, 3) uint8 CUDA. Composite in integers (same bytes as the CPU); undistort with
-    ``torch.nn.functional.grid_sample`` (bilinear, border) on the same maps; area downscale as
-    ``Wy @ img @ Wx^T`` with :func:`area_weights` in float32, rounded (the block mean for an
-    integer factor; within 1 LSB of the CPU's cv2 where its fixed point rounds a tie the other
-    way). ``aux`` caches the device copies of maps and weights."""
+    """:func:`finish_torch` of one decoded DALI TensorGPU (fh, fw, C) into ``out`` (h, w, 3) uint8 CUDA."""
+    import torch
+
+    img = torch.as_tensor(tensor_gpu, device="cuda")  # __cuda_array_interface__, no host copy
+    finish_torch(img, bg255, out, maps, aux)
+    torch.cuda.current_stream().synchronize()  # DALI may reuse the decode buffer on the next run
+
+
+def finish_torch(img, bg255, out, maps=None, aux: Optional[dict] = None):
+    """:func:`finish_image` in torch, on ``img``'s device (the GPU decode path; tested on the CPU).
+
+    Args:
+        img: (fh, fw, C) uint8 tensor, C in {1, 2, 3, 4}.
+        bg255: (3,) int32 tensor ``round(255 * background)`` on the same device.
+        out: (h, w, 3) uint8 tensor, written.
+        maps: None or :func:`undistort_maps`' (map_x, map_y) numpy arrays.
+        aux: dict caching the device copies of the maps (as grids) and the area weights.
+
+    Composite in integers (the same bytes as :func:`composite`); undistort with
+    ``grid_sample`` (bilinear, border) on the same maps; area downscale as ``Wy @ img @ Wx^T``
+    with :func:`area_weights` in float32, rounded: the block mean for an integer factor. Equal to
+    the CPU path without resampling; within 1 LSB of it (cv2's fixed-point rounding) otherwise.
+    """
     import torch
     import torch.nn.functional as F
 
-    img = torch.as_tensor(tensor_gpu, device="cuda")  # __cuda_array_interface__, no host copy
+    aux = {} if aux is None else aux
+    dev = img.device
     fh, fw, c = img.shape
     h, w = out.shape[:2]
     rgb = img[:, :, :1].expand(-1, -1, 3) if c in (1, 2) else img[:, :, :3]
@@ -561,19 +579,19 @@ def _finish_gpu(tensor_gpu, bg255, out, maps, aux: dict):  # pragma: no cover - 
         rgb = ((rgb.to(torch.int32) - bg255) * a + bg255 * 255 + 127) // 255
     if maps is None and (fh, fw) == (h, w):
         out.copy_(rgb.to(torch.uint8))
-    else:
-        x = rgb.to(torch.float32).permute(2, 0, 1)  # (3, fh, fw)
-        if maps is not None:
-            key = ("grid", id(maps[0]))
-            if key not in aux:
-                gx = (torch.as_tensor(maps[0], device="cuda") + 0.5) * (2.0 / fw) - 1.0
-                gy = (torch.as_tensor(maps[1], device="cuda") + 0.5) * (2.0 / fh) - 1.0
-                aux[key] = (maps, torch.stack([gx, gy], -1)[None])  # keep maps alive: id() stays unique
-            x = F.grid_sample(x[None], aux[key][1], mode="bilinear", padding_mode="border", align_corners=False)[0]
-        if (fh, fw) != (h, w):
-            for n_in, n_out in ((fh, h), (fw, w)):
-                if ("area", n_in, n_out) not in aux:
-                    aux[("area", n_in, n_out)] = torch.as_tensor(area_weights(n_in, n_out), dtype=torch.float32, device="cuda")
-            x = aux[("area", fh, h)] @ x @ aux[("area", fw, w)].T
-        out.copy_(x.round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0))
-    torch.cuda.current_stream().synchronize()  # DALI may reuse the decode buffer on the next run
+        return out
+    x = rgb.to(torch.float32).permute(2, 0, 1)  # (3, fh, fw)
+    if maps is not None:
+        key = ("grid", id(maps[0]))
+        if key not in aux:
+            gx = (torch.as_tensor(maps[0], device=dev) + 0.5) * (2.0 / fw) - 1.0
+            gy = (torch.as_tensor(maps[1], device=dev) + 0.5) * (2.0 / fh) - 1.0
+            aux[key] = (maps, torch.stack([gx, gy], -1)[None])  # keeps maps alive: the id stays unique
+        x = F.grid_sample(x[None], aux[key][1], mode="bilinear", padding_mode="border", align_corners=False)[0]
+    if (fh, fw) != (h, w):
+        for n_in, n_out in ((fh, h), (fw, w)):
+            if ("area", n_in, n_out) not in aux:
+                aux[("area", n_in, n_out)] = torch.as_tensor(area_weights(n_in, n_out), dtype=torch.float32, device=dev)
+        x = aux[("area", fh, h)] @ x @ aux[("area", fw, w)].T
+    out.copy_(x.round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0))
+    return out

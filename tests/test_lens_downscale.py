@@ -18,11 +18,13 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
+import torch
 
 from _tiny_scene import reference_pixels, tiny_scene
 from dali_nerf.config import load_config
 from dali_nerf.errors import ConfigError, DataError, SceneError
-from dali_nerf.pipelines.decode import area_weights, decode_cache, undistort_maps
+from dali_nerf.pipelines.decode import (area_weights, background_u8, decode_cache, finish_image, finish_torch,
+                                        undistort_maps)
 from dali_nerf.scenes import load_scene
 
 W, H = 160, 120
@@ -240,3 +242,33 @@ def test_config_background_values():
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"scene.background={bad}"], check_paths=False)
         assert "scene.background" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- the GPU path's torch code ----
+@pytest.mark.parametrize("kinds,size,lens", [
+    (("png_rgba", "png_gray", "png_rgb"), (24, 16), False),  # composite only: identical bytes
+    (("png_rgba", "png_rgb"), (12, 8), False),               # + integer area downscale
+    (("png_rgba", "png_rgb"), (10, 7), False),               # + non-integer area downscale
+    (("png_rgb",), (W, H), True),                            # undistortion
+])
+def test_torch_finish_matches_the_cpu_path(tmp_path, kinds, size, lens):
+    """``finish_torch`` (what the GPU decode runs, on the GPU) against ``finish_image`` (cv2)."""
+
+    if lens:
+        make_distorted(tmp_path, *LENSES[0], n=1)
+        scene = load_scene(tmp_path, "train")
+        maps = undistort_maps(scene, 0)
+        paths, bg = scene.image_paths, scene.background
+    else:
+        full = tiny_scene(tmp_path, n=len(kinds), width=24, height=16, kinds=kinds, background=(0.2, 0.5, 0.9))
+        maps, paths, bg = None, full.image_paths, full.background
+    w, h = size
+    bg255 = torch.as_tensor(background_u8(bg).astype(np.int32))
+    for p in paths:
+        img = cv2.imread(p, cv2.IMREAD_UNCHANGED)  # gray stays 1 channel, as DALI's ANY_DATA decode
+        img = img[:, :, None] if img.ndim == 2 else img[:, :, [2, 1, 0, 3][:img.shape[2]]]
+        img = np.ascontiguousarray(img)
+        ref = finish_image(img, bg, np.empty((h, w, 3), np.uint8), maps)
+        got = finish_torch(torch.as_tensor(img), bg255, torch.empty((h, w, 3), dtype=torch.uint8), maps).numpy()
+        tol = 0 if (w, h) == (24, 16) and not lens else 1
+        assert np.abs(got.astype(int) - ref.astype(int)).max() <= tol, p
