@@ -1,8 +1,9 @@
 """Decode once: DALI ``readers.file`` (sharded like DALI shards) + ``decoders.image`` -> :class:`ImageCache`.
 
 One rank's images are decoded a single time (CPU decoder here, nvJPEG with ``device="mixed"`` on a
-GPU), composited over the scene background, and packed into three arrays the ray-sampler operator
-reads (see ARCHITECTURE.md, "ImageCache"):
+GPU), finished per image (:func:`finish_image`: composited over the scene background, undistorted,
+area-downscaled) and packed into three arrays the ray-sampler operator reads (see
+ARCHITECTURE.md, "ImageCache"):
 
 =========  ========  =======  ===============================================================
 field      shape     dtype    meaning
@@ -18,7 +19,13 @@ Sharding is DALI's own: shard ``i`` of ``S`` over ``N`` files is the index range
 
 Image policy (same as :mod:`dali_nerf.imageio`): RGBA is composited over the background exactly,
 in integers, as ``round((rgb * a + bg8 * (255 - a)) / 255)`` with ``bg8 = round(255 * bg)``; grayscale is expanded to RGB; 16-bit images
-are converted to 8 bit by DALI's decoder as ``round(v / 257)``.
+are converted to 8 bit by DALI's decoder as ``round(v / 257)``. Then, at the file's size, a
+distorted camera (``Scene.distortion``) is undistorted (:func:`undistort_maps`, ``cv2.remap``
+bilinear) to the pinhole camera ``Scene.intrinsics``; then an image declared smaller than its
+file (``downscale`` without a pre-downscaled copy) is area-averaged to its declared size
+(``cv2.INTER_AREA``: the exact block mean for an integer ratio, area-weighted for a non-integer
+one, :func:`area_weights`). ``Scene.background_mode`` random / learned: images with alpha are
+refused (nothing to composite over; the cache has no alpha), the rest are stored as they are.
 
 Checks (every entry point that decodes comes here: ``RayLoader``, the baselines, the trainers'
 eval split, ``dali-nerf render``, ``dali-nerf bench sampler``), each a one-line
@@ -408,7 +415,8 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
         device: "cpu" (DALI CPU decoder) or "cuda" (nvJPEG, ``pixels`` as a CUDA uint8 tensor).
         num_threads: DALI CPU threads; batch: images per pipeline run (raised up to ``2 * batch``
             when that avoids decoding ``pad_last_batch`` duplicates, see :func:`_batch_size`).
-        background: (3,) RGB in [0, 1] (default ``scene.background``).
+        background: (3,) RGB in [0, 1] images with alpha are composited over (default
+            ``scene.background``).
         indices: decode these split indices instead of the shard (streaming windows); they are
             read as one unsharded list in the given order.
         stop: optional ``threading.Event``; checked before each decode run, and when set the decode
@@ -424,8 +432,9 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
         ImageCache with pixels (P, 3) u8, cameras (N, 18) f32, layout (N, 4) i64.
     Raises:
         SceneError: world_size > number of images.  DataError: an image is missing, corrupt,
-        truncated, over the pixel limit, of another size than declared, or cannot be decoded (one
-        line naming the file); or the cache does not fit in memory (one line with the numbers).
+        truncated, over the pixel limit, of another size than declared, has alpha under
+        ``background_mode`` random / learned, or cannot be decoded (one line naming the file); or
+        the cache does not fit in memory (one line with the numbers).
 
     Example:
         >>> cache = decode_cache(scene, 1, 2)

@@ -30,8 +30,8 @@ own world frame; we keep that frame (``world_from_source`` = identity; nerfstudi
   0.5), else none. World up: ``up`` when present, else the mean camera up vector over all frames
   of every split (nerfstudio's ``auto_orient`` "up" rule), so every split gets the same ``up``.
 * ``downscale`` d: the ``images_d/`` copies (same names, nerfstudio's layout) when all exist, with
-  their header sizes; else sizes floor(w/d), images resized at decode. Intrinsics are scaled by
-  the exact size ratio.
+  their header sizes; else sizes floor(w/d), images area-averaged at decode. Intrinsics are
+  scaled by the exact size ratio.
 
 >>> scene = load_scene("data/city", split="train", format="nerfstudio")
 """
