@@ -298,7 +298,8 @@ def decode_pipeline(files, labels, shard_id, num_shards, *, device="cpu",
     """Build (not run) the decode pipeline: ``readers.file`` (sharded, named "Reader",
     ``pad_last_batch``) -> ``decoders.image`` (ANY_DATA keeps alpha / gray). Images come out at
     the files' own size; compositing, undistortion and the area downscale follow per image in
-    :func:`decode_cache` (DALI's ``fn.resize`` has no box / area filter).
+    :func:`decode_cache` (``fn.resize``'s interpolation types, NN / linear / cubic / Lanczos3 /
+    triangular / Gaussian, include no documented exact area mean).
 
     Args:
         files: (N,) image paths of the split; labels: (N,) camera index in the split.
