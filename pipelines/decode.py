@@ -572,9 +572,10 @@ def finish_torch(img, bg255, out, maps=None, aux: Optional[dict] = None):
         aux: dict caching the device copies of the maps (as grids) and the area weights.
 
     Composite in integers (the same bytes as :func:`composite`); undistort with
-    ``grid_sample`` (bilinear, border) on the same maps; area downscale as ``Wy @ img @ Wx^T``
-    with :func:`area_weights` in float32, rounded: the block mean for an integer factor. Equal to
-    the CPU path without resampling; within 1 LSB of it (cv2's fixed-point rounding) otherwise.
+    ``grid_sample`` (bilinear, border) on the same maps; area downscale: ``avg_pool2d`` (the
+    block mean) for an integer ratio, else ``Wy @ img @ Wx^T`` with :func:`area_weights` in
+    float64; rounded. Equal to the CPU path without resampling; within 1 LSB of it (cv2's
+    fixed-point rounding) otherwise.
     """
     import torch
     import torch.nn.functional as F
@@ -599,9 +600,12 @@ def finish_torch(img, bg255, out, maps=None, aux: Optional[dict] = None):
             aux[key] = (maps, torch.stack([gx, gy], -1)[None])  # keeps maps alive: the id stays unique
         x = F.grid_sample(x[None], aux[key][1], mode="bilinear", padding_mode="border", align_corners=False)[0]
     if (fh, fw) != (h, w):
-        for n_in, n_out in ((fh, h), (fw, w)):
-            if ("area", n_in, n_out) not in aux:
-                aux[("area", n_in, n_out)] = torch.as_tensor(area_weights(n_in, n_out), dtype=torch.float32, device=dev)
-        x = aux[("area", fh, h)] @ x @ aux[("area", fw, w)].T
+        if fh % h == 0 and fw % w == 0:  # integer ratio: the block mean, no matmul (TF32 cannot touch it)
+            x = F.avg_pool2d(x[None], (fh // h, fw // w))[0]
+        else:  # exact area weights, float64 so that TF32 matmul settings do not apply
+            for n_in, n_out in ((fh, h), (fw, w)):
+                if ("area", n_in, n_out) not in aux:
+                    aux[("area", n_in, n_out)] = torch.as_tensor(area_weights(n_in, n_out), device=dev)
+            x = (aux[("area", fh, h)] @ x.double() @ aux[("area", fw, w)].T).float()
     out.copy_(x.round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0))
     return out
