@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -134,8 +135,6 @@ def test_area_weights():
 
 def _downscaled(scene, w, h):
     """The same images declared at (w, h): the decode resizes from the file size."""
-    import dataclasses
-
     s = np.array([w, h, w, h], np.float64) / np.array([scene.width[0], scene.height[0]] * 2)
     return dataclasses.replace(scene, width=np.full(scene.num_images, w), height=np.full(scene.num_images, h),
                                intrinsics=scene.intrinsics * s, downscale=2)
