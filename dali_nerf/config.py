@@ -39,8 +39,12 @@ class SceneConfig:
     """auto | blender | nerfstudio | llff | mega_nerf."""
     downscale: int = 1
     """Integer factor to decode images at (1 = full resolution)."""
-    background: List[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
-    """RGB in [0, 1] that RGBA images are composited over."""
+    background: Any = "auto"
+    """auto | white | black | random | learned | [r, g, b] in [0, 1]. A colour (white, black, the
+    list): images with alpha are composited over it at decode and the renderer uses it. random /
+    learned: images must have no alpha (decode refuses one), targets are the pixels as stored and
+    the trainer draws / learns the colour per ray. auto: Blender white; other formats white when
+    the first image has alpha, else learned (RGB captures: nothing to composite)."""
     train_split: str = "train"
     """Split the trainer samples rays from."""
     eval_split: str = "test"
@@ -49,8 +53,13 @@ class SceneConfig:
     def validate(self, key: str):
         _choice(f"{key}.format", self.format, ("auto", "blender", "nerfstudio", "llff", "mega_nerf"))
         _positive(f"{key}.downscale", self.downscale)
-        if len(self.background) != 3 or not all(0.0 <= b <= 1.0 for b in self.background):
-            raise ConfigError(f"{key}.background: must be 3 numbers in [0, 1], got {self.background}")
+        bg = self.background
+        names = ("auto", "white", "black", "random", "learned")
+        if isinstance(bg, str):
+            _choice(f"{key}.background", bg, names)
+        elif (not isinstance(bg, (list, tuple)) or len(bg) != 3
+              or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b <= 1.0 for b in bg)):
+            raise ConfigError(f"{key}.background: must be one of {', '.join(names)} or 3 numbers in [0, 1], got {bg!r}")
         for k in ("train_split", "eval_split"):
             _choice(f"{key}.{k}", getattr(self, k), ("train", "val", "test"))
 

@@ -14,7 +14,8 @@ the reference implementation):
   JPEG, 8-bit, gray or YCbCr (1 or 3 components);
 * 16-bit PNG is converted to 8-bit at decode, ``round(v * 255 / 65535)``;
 * grayscale is expanded to RGB at decode (gray+alpha to RGBA); palette images decode to RGB(A);
-* RGBA is then composited over the scene background by the decode stage (not here);
+* RGBA is then composited over the scene background by the decode stage (not here), which
+  then undistorts and area-downscales (``pipelines/decode.py``, ``finish_image``);
 * refused, from the header: PNG bit depths below 8 with colour (invalid PNG), 12-bit JPEG,
   4-component (CMYK/YCCK) JPEG, images with more pixels than the limit (:func:`max_pixels_limit`:
   :data:`MAX_PIXELS` unless ``$DALI_NERF_MAX_PIXELS`` says otherwise), and sizes that do not match

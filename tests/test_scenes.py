@@ -285,15 +285,38 @@ def test_nerfstudio_ngp_aabb_scale_and_angle(tmp_path):
     np.testing.assert_allclose(s.aabb, [[-2 / 0.33] * 3, [2 / 0.33] * 3], rtol=1e-6)
 
 
-def test_nerfstudio_distortion_refused(tmp_path):
+def test_nerfstudio_distortion_parsed_and_bad_models_refused(tmp_path):
     make_nerfstudio(tmp_path)
     tj = tmp_path / "transforms.json"
     good = tj.read_text()
-    assert load_scene(tmp_path, "train").num_images == 11  # all-zero distortion accepted
+    plain = load_scene(tmp_path, "train")
+    assert plain.distortion is None and not plain.distorted.any()  # all-zero distortion: a pinhole scene
+
+    _edit_json(tj, lambda m: m.update({"k1": -0.1, "k2": 0.02, "p1": 0.001, "p2": -0.002, "k3": 0.003}))
+    s = load_scene(tmp_path, "train")
+    assert s.distorted.all() and not s.fisheye.any()
+    np.testing.assert_allclose(s.distortion[0], [-0.1, 0.02, 0.001, -0.002, 0.003, 0, 0, 0])  # OpenCV order
+    np.testing.assert_allclose(s.file_intrinsics[0], NS_K)  # the distorted camera, kept for decode
+    assert not np.allclose(s.intrinsics[0], NS_K)  # the undistorted image's (alpha = 0)
+    sub = s.subset([2, 0])
+    np.testing.assert_array_equal(sub.distortion, s.distortion[[2, 0]])
+    np.testing.assert_array_equal(sub.file_intrinsics, s.file_intrinsics[[2, 0]])
+
+    tj.write_text(good)
+    _edit_json(tj, lambda m: m.update({"camera_model": "OPENCV_FISHEYE", "k1": 0.05, "k4": -0.001}))
+    s = load_scene(tmp_path, "train", downscale=2)
+    assert s.fisheye.all()
+    np.testing.assert_allclose(s.distortion[0], [0.05, 0, 0, -0.001, 0, 0, 0, 0])
+    # the file camera stays at the file's size; the scene's is the undistorted one scaled by 1/2
+    np.testing.assert_allclose(s.file_intrinsics[0], NS_K)
+    assert tuple(s.file_wh[0]) == (24, 18) and (s.width[0], s.height[0]) == (12, 9)
+
     for edit, needles in [
-        (lambda m: m.__setitem__("k1", 0.01), ("k1", "undistort", "transforms.json")),
-        (lambda m: m["frames"][2].__setitem__("p2", -0.001), ("p2", "undistort")),
-        (lambda m: m.__setitem__("camera_model", "OPENCV_FISHEYE"), ("OPENCV_FISHEYE", "transforms.json")),
+        (lambda m: m.update({"k4": 0.01}), ("k4", "FULL_OPENCV", "transforms.json")),  # ambiguous under OPENCV
+        (lambda m: m.update({"camera_model": "OPENCV_FISHEYE", "p1": 0.01}), ("p1", "OPENCV_FISHEYE")),
+        (lambda m: m.update({"camera_model": "PINHOLE"}) or m["frames"][2].update({"k1": 0.01}), ("k1", "PINHOLE")),
+        (lambda m: m.update({"camera_model": "EQUIRECTANGULAR"}), ("EQUIRECTANGULAR", "undistort", "transforms.json")),
+        (lambda m: m.update({"k2": "x"}), ("k2", "number")),
     ]:
         tj.write_text(good)
         _edit_json(tj, edit)

@@ -7,11 +7,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence, Union
 
 from ..errors import SceneError
 from .base import FORMATS, Scene, register_format
+from ._util import resolve_background
 from . import blender, nerfstudio, llff, mega_nerf  # noqa: F401  (register themselves)
 
 __all__ = ["Scene", "load_scene", "detect_format", "FORMATS", "register_format"]
@@ -38,7 +40,7 @@ def load_scene(
     split: str = "train",
     format: str = "auto",
     downscale: int = 1,
-    background: Optional[Sequence[float]] = None,
+    background: Union[None, str, Sequence[float]] = None,
 ) -> Scene:
     """Parse one split of the scene folder ``root``.
 
@@ -47,7 +49,10 @@ def load_scene(
         split: "train", "val" or "test".
         format: "auto" (detect) or one of ``FORMATS``.
         downscale: integer factor >= 1; intrinsics and sizes are scaled, images decoded smaller.
-        background: RGB in [0, 1] to composite RGBA images over (default white).
+        background: None / "auto" (per format: Blender white; other formats white when the
+            first image has alpha, else "learned"), "white", "black", "random", "learned", or
+            RGB in [0, 1] (see :func:`dali_nerf.scenes._util.resolve_background`; sets
+            ``Scene.background`` and ``Scene.background_mode``).
     Returns:
         The frozen Scene, in OpenGL camera convention (see :mod:`dali_nerf.scenes.base`).
     """
@@ -61,8 +66,9 @@ def load_scene(
         raise SceneError(f"format={format!r}: unknown; use auto or one of {', '.join(FORMATS)}")
     if not root.is_dir():
         raise SceneError(f"{root}: scene folder not found")
-    bg = (1.0, 1.0, 1.0) if background is None else tuple(float(b) for b in background)
-    scene = FORMATS[name][1](root, split, downscale=downscale, background=bg)
+    resolve_background(background, name)  # a bad value fails before parsing
+    scene = FORMATS[name][1](root, split, downscale=downscale, background=(1.0, 1.0, 1.0))
     if scene.num_images == 0:
         raise SceneError(f"{root}: split {split!r} has no images; check the split's file list")
-    return scene
+    bg, mode = resolve_background(background, name, scene.image_paths[0])
+    return dataclasses.replace(scene, background=bg, background_mode=mode)

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
+import cv2
 import numpy as np
 
 from ..errors import SceneError
@@ -20,7 +21,17 @@ from ..imageio import IMAGE_EXTENSIONS, check_pixel_limit, max_pixels_limit, rea
 __all__ = [
     "load_json", "require", "as_float", "check_poses", "check_focal", "check_images_exist",
     "downscaled_size", "scale_intrinsics", "prescaled_paths", "mean_up", "DRB_TO_GL", "check_sizes",
+    "undistorted_intrinsics", "opencv_matrix", "resolve_background", "BACKGROUND_NAMES",
 ]
+
+#: Named backgrounds of ``scene.background`` / ``load_scene(background=)``: name -> (colour, mode).
+#: "auto" is resolved per format by :func:`resolve_background`.
+BACKGROUND_NAMES = {
+    "white": ((1.0, 1.0, 1.0), "color"),
+    "black": ((0.0, 0.0, 0.0), "color"),
+    "random": ((1.0, 1.0, 1.0), "random"),
+    "learned": ((1.0, 1.0, 1.0), "learned"),
+}
 
 #: Right-multiplying a 3x3 camera rotation whose columns are [down, right, back] by this gives
 #: [right, up, back] columns (OpenGL): new = [col1, -col0, col2].
@@ -243,3 +254,71 @@ def check_bounds(near: np.ndarray, far: np.ndarray, names: Sequence[str], path) 
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise SceneError(f"{path}: frame {names[i]!r} has invalid bounds near={near[i]:g} far={far[i]:g}; need 0 <= near < far")
+
+
+def undistorted_intrinsics(k: np.ndarray, dist: np.ndarray, fisheye: bool, wh) -> np.ndarray:
+    """(4,) float64 fx, fy, cx, cy of the undistorted image of the same size ``wh`` (w, h) as a
+    distorted camera ``k`` (4,) with OpenCV coefficients ``dist`` (8,).
+
+    The rule (alpha = 0, "every output pixel valid"): perspective
+    ``cv2.getOptimalNewCameraMatrix(K, dist, wh, alpha=0)``; fisheye
+    ``cv2.fisheye.estimateNewCameraMatrixForUndistortRectify(K, dist[:4], wh, I, balance=0)``.
+    The new camera sees only points the distorted image saw, so the undistorted image has no
+    invalid (black) border for the field to learn, at the cost of the periphery that falls outside
+    the inner rectangle. Keeping the pinhole K instead (nerfstudio's choice for ray-based models,
+    which distort rays rather than images) leaves unseen corners under barrel distortion, and
+    the ray-sampler has no per-pixel mask to drop them.
+    """
+    kk = opencv_matrix(k)
+    size = (int(wh[0]), int(wh[1]))
+    d = np.asarray(dist, np.float64)
+    if fisheye:
+        new = cv2.fisheye.estimateNewCameraMatrixForUndistortRectify(kk, d[:4].reshape(4, 1), size, np.eye(3), balance=0.0)
+    else:
+        new, _ = cv2.getOptimalNewCameraMatrix(kk, d, size, 0.0, size)
+    return np.array([new[0, 0], new[1, 1], new[0, 2] + 0.5, new[1, 2] + 0.5], np.float64)
+
+
+def opencv_matrix(k) -> np.ndarray:
+    """(3, 3) float64 OpenCV camera matrix of intrinsics ``k`` (4,) fx, fy, cx, cy in our
+    convention (pixel centres at +0.5, as COLMAP and nerfstudio): OpenCV puts pixel centres at
+    integers, so its principal point is ``cx - 0.5, cy - 0.5``."""
+    return np.array([[k[0], 0.0, k[2] - 0.5], [0.0, k[1], k[3] - 0.5], [0.0, 0.0, 1.0]], np.float64)
+
+
+def resolve_background(background, fmt: str, first_image: Optional[str] = None):
+    """``scene.background`` -> (colour (3,) float tuple, ``Scene.background_mode``).
+
+    Args:
+        background: None or "auto" (per format), "white", "black", "random", "learned", or 3
+            numbers in [0, 1] (a fixed colour).
+        fmt: the scene's format name.
+        first_image: the split's first image (its header decides "auto" for non-Blender formats).
+    Returns:
+        ((r, g, b), mode). "auto": Blender -> white; any other format -> white when the first
+        image has alpha (it is composited, as before), else "learned" (an RGB capture: nothing to
+        composite; the colour, white, is the learned colour's initial value).
+    Raises:
+        SceneError: anything else, one line naming ``background``.
+    """
+    if background is None:
+        background = "auto"
+    if isinstance(background, str):
+        name = background.strip().lower()
+        if name == "auto":
+            if fmt == "blender" or first_image is None:
+                return BACKGROUND_NAMES["white"]
+            alpha = read_header(first_image).channels in (2, 4)
+            return BACKGROUND_NAMES["white" if alpha else "learned"]
+        if name in BACKGROUND_NAMES:
+            return BACKGROUND_NAMES[name]
+    else:
+        try:
+            rgb = tuple(float(b) for b in background)
+        except (TypeError, ValueError):
+            rgb = ()
+        if len(rgb) == 3 and all(0.0 <= b <= 1.0 for b in rgb):
+            return rgb, "color"
+    raise SceneError(
+        f"background={background!r}: use auto, {', '.join(BACKGROUND_NAMES)} or 3 numbers in [0, 1] (RGB)"
+    )

@@ -5,7 +5,10 @@ Conventions (one, everywhere; parsers convert at parse time):
 * camera-to-world ``c2w`` is 3x4, OpenGL axes: x right, y up, the camera looks down -z;
 * pixel centres at +0.5: pixel (row, col) is the ray through image point (col + 0.5, row + 0.5);
 * intrinsics per image: fx, fy, cx, cy (pixels, at the scene's resolution after ``downscale``);
-* RGBA images are composited over ``background`` (white by default).
+* RGBA images are composited over ``background`` when ``background_mode`` is "color" (see
+  :func:`dali_nerf.scenes._util.resolve_background` for the per-format default);
+* lens distortion (``distortion`` set) is removed at decode: the Scene's intrinsics are those of the
+  undistorted pinhole image, so the ray formula below holds for every scene.
 
 Ray of pixel (row, col) of camera i, in world space::
 
@@ -21,7 +24,10 @@ from typing import Callable, Optional
 
 import numpy as np
 
-__all__ = ["Scene", "register_format", "FORMATS"]
+__all__ = ["Scene", "register_format", "FORMATS", "BACKGROUND_MODES"]
+
+#: ``Scene.background_mode`` values (see :class:`Scene`).
+BACKGROUND_MODES = ("color", "random", "learned")
 
 
 def _frozen_array(a, dtype, shape_tail=None, name="array") -> np.ndarray:
@@ -42,7 +48,14 @@ class Scene:
         intrinsics: (N, 4) float32 fx, fy, cx, cy in pixels.
         width, height: (N,) int64 image size in pixels (after ``downscale``).
         near, far: (N,) float32 per-image ray bounds, or None when the format defines none.
-        background: (3,) float32 RGB in [0, 1] that RGBA images are composited over.
+        background: (3,) float32 RGB in [0, 1]. ``background_mode`` "color": the colour images
+            with alpha are composited over at decode and the renderer's background. "random" /
+            "learned": the colour a trainer uses where it needs a fixed one (the learned colour's
+            initial value; random's colour for evaluation renders); white unless given.
+        background_mode: "color" | "random" | "learned". random / learned: images must have no
+            alpha (the decode refuses one; the cache stores RGB only), the targets are the pixels
+            as stored and the trainer supplies the background per ray (ARCHITECTURE.md, "Decode
+            compositing").
         split: "train" | "val" | "test".
         format: the parser that produced it ("blender", "nerfstudio", "llff", "mega_nerf").
         root: the scene folder.
@@ -56,6 +69,15 @@ class Scene:
             declares them (before the decode-time resize to ``width``/``height``), or None when
             unknown. Equal to (width, height) unless ``downscale`` > 1 without a pre-downscaled
             folder; ``dali-nerf validate`` checks every file's header against it.
+        distortion: (N, 8) float64 lens distortion of the image *files*, OpenCV's coefficient
+            order: perspective k1, k2, p1, p2, k3, k4, k5, k6 (k4..k6: OpenCV's rational model);
+            fisheye (``fisheye`` True) k1, k2, k3, k4, 0, 0, 0, 0 (``cv2.fisheye``). None when no
+            image is distorted (a zero row: that image is not). The decode stage undistorts once
+            (``pipelines/decode.py``); ``intrinsics`` are the undistorted image's.
+        fisheye: (N,) bool, the ``cv2.fisheye`` (equidistant) model per image; None iff
+            ``distortion`` is None.
+        file_intrinsics: (N, 4) float64 fx, fy, cx, cy of the distorted files as stored (at
+            ``file_wh``); None iff ``distortion`` is None. Requires ``file_wh``.
 
     Example:
         >>> scene = load_scene("data/default", split="train")
@@ -79,6 +101,10 @@ class Scene:
     up: np.ndarray = field(default_factory=lambda: np.array([0.0, 1.0, 0.0], np.float32))
     aabb: Optional[np.ndarray] = None
     file_wh: Optional[np.ndarray] = None
+    background_mode: str = "color"
+    distortion: Optional[np.ndarray] = None
+    fisheye: Optional[np.ndarray] = None
+    file_intrinsics: Optional[np.ndarray] = None
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
@@ -101,8 +127,17 @@ class Scene:
             set_("aabb", _frozen_array(self.aabb, np.float32, (3,), "aabb"))
         if self.file_wh is not None:
             set_("file_wh", _frozen_array(self.file_wh, np.int64, (2,), "file_wh"))
-        for k in ("c2w", "intrinsics", "width", "height"):
-            if len(getattr(self, k)) != n:
+        if self.background_mode not in BACKGROUND_MODES:
+            raise ValueError(f"Scene.background_mode={self.background_mode!r}: use one of {', '.join(BACKGROUND_MODES)}")
+        lens = ("distortion", "fisheye", "file_intrinsics")
+        if any(getattr(self, k) is not None for k in lens):
+            if any(getattr(self, k) is None for k in lens) or self.file_wh is None:
+                raise ValueError("Scene.distortion, fisheye, file_intrinsics and file_wh must be given together")
+            set_("distortion", _frozen_array(self.distortion, np.float64, (8,), "distortion"))
+            set_("fisheye", _frozen_array(self.fisheye, bool, (), "fisheye"))
+            set_("file_intrinsics", _frozen_array(self.file_intrinsics, np.float64, (4,), "file_intrinsics"))
+        for k in ("c2w", "intrinsics", "width", "height") + lens:
+            if getattr(self, k) is not None and len(getattr(self, k)) != n:
                 raise ValueError(f"Scene.{k} has {len(getattr(self, k))} entries for {n} images")
 
     # ---- derived, never stored -------------------------------------------------------------
@@ -115,6 +150,13 @@ class Scene:
         return int(np.sum(self.width * self.height))
 
     @property
+    def distorted(self) -> np.ndarray:
+        """(N,) bool: the image is undistorted at decode (non-zero ``distortion`` or fisheye)."""
+        if self.distortion is None:
+            return np.zeros(self.num_images, bool)
+        return np.any(self.distortion != 0, axis=1) | self.fisheye
+
+    @property
     def has_bounds(self) -> bool:
         return self.near is not None and self.far is not None
 
@@ -125,7 +167,7 @@ class Scene:
         kw["image_paths"] = [self.image_paths[i] for i in idx]
         for k in ("c2w", "intrinsics", "width", "height"):
             kw[k] = getattr(self, k)[idx]
-        for k in ("near", "far", "file_wh"):
+        for k in ("near", "far", "file_wh", "distortion", "fisheye", "file_intrinsics"):
             if kw[k] is not None:
                 kw[k] = kw[k][idx]
         return Scene(**kw)

@@ -17,8 +17,9 @@ Conversion (exactly the NeRF reference ``load_llff_data`` with ``bd_factor=0.75`
 image are the scaled bounds (no NDC). Split: image i is test (and val) when i % 8 == 0, else
 train; the normalisation uses all images, whatever the split. World up is the mean camera up
 after recentring. ``downscale`` d uses ``images_d/`` when it exists (its files, sorted, must be N;
-sizes from its first header), else floor(W/d) x floor(H/d) resized at decode; intrinsics are
-scaled by the exact size ratio. No box (``aabb`` None): LLFF scenes are unbounded forward-facing.
+sizes from its first header), else floor(W/d) x floor(H/d) area-averaged at decode (LLFF's own
+images_d are area-like minifications); intrinsics are scaled by the exact size ratio. Background
+("auto"): learned for RGB images (nothing to composite), white when the first image has alpha. No box (``aabb`` None): LLFF scenes are unbounded forward-facing.
 
 >>> scene = load_scene("data/fern", split="test", format="llff", downscale=8)
 """

@@ -8,9 +8,18 @@ with ``file_path`` relative to the scene folder. Poses are OpenGL camera-to-worl
 own world frame; we keep that frame (``world_from_source`` = identity; nerfstudio's optional
 ``applied_transform`` only describes how that frame was made from COLMAP's and is not reapplied).
 
-* Distortion: we train pinhole cameras only. Fisheye / equirectangular camera models and any
-  non-zero distortion coefficient are refused with one line naming the file (undistort first:
-  ``ns-process-data`` or COLMAP ``image_undistorter``). Zero distortion is fine.
+* Distortion (COLMAP's camera models, OpenCV's coefficient meaning): ``OPENCV`` / ``PERSPECTIVE`` /
+  ``SIMPLE_RADIAL`` / ``RADIAL`` take ``k1``, ``k2``, ``p1``, ``p2`` and optional ``k3`` (OpenCV's
+  5-coefficient polynomial model); ``FULL_OPENCV`` adds ``k4``, ``k5``, ``k6`` (OpenCV's rational
+  model); ``OPENCV_FISHEYE`` takes ``k1``..``k4`` (``cv2.fisheye``, equidistant). A non-zero ``k4``
+  under ``OPENCV`` is refused (nerfstudio reads it as an r^8 term, OpenCV as the rational one: say
+  ``FULL_OPENCV`` for the latter), as are coefficients the model does not have and the other models
+  (equirectangular, FOV, ...). ``PINHOLE`` / ``SIMPLE_PINHOLE`` must have zero coefficients. The
+  images are undistorted once at decode (``pipelines/decode.py``); the Scene's ``intrinsics`` are
+  the undistorted image's, same size, from :func:`._util.undistorted_intrinsics` (alpha = 0: no
+  invalid border) at the file's resolution, then scaled like any intrinsics by ``downscale``. The
+  distorted camera is kept in ``Scene.file_intrinsics`` / ``distortion`` / ``fisheye``. All-zero
+  coefficients: a plain pinhole scene, as before.
 * Splits: ``{train,val,test}_filenames`` when present (``val`` falls back to ``test_filenames`` and
   back, both being nerfstudio's eval set); otherwise nerfstudio's fraction rule on the frames
   sorted by file name: ``ceil(0.9 N)`` train images at ``linspace(0, N-1, n_train).astype(int)``, the
@@ -21,8 +30,8 @@ own world frame; we keep that frame (``world_from_source`` = identity; nerfstudi
   0.5), else none. World up: ``up`` when present, else the mean camera up vector over all frames
   of every split (nerfstudio's ``auto_orient`` "up" rule), so every split gets the same ``up``.
 * ``downscale`` d: the ``images_d/`` copies (same names, nerfstudio's layout) when all exist, with
-  their header sizes; else sizes floor(w/d), images resized at decode. Intrinsics are scaled by
-  the exact size ratio.
+  their header sizes; else sizes floor(w/d), images area-averaged at decode. Intrinsics are
+  scaled by the exact size ratio.
 
 >>> scene = load_scene("data/city", split="train", format="nerfstudio")
 """
@@ -39,13 +48,22 @@ from ..errors import SceneError
 from ..imageio import read_header
 from .base import Scene, register_format
 from ._util import (as_float, as_matrix, check_bounds, check_focal, check_images_exist, check_poses,
-                    check_sizes, load_json, mean_up, parse_aabb, require, resolve_downscale)
+                    check_sizes, load_json, mean_up, parse_aabb, require, resolve_downscale,
+                    scale_intrinsics, undistorted_intrinsics)
 
 __all__ = ["detect", "parse", "train_eval_split", "TRAIN_SPLIT_FRACTION"]
 
 TRAIN_SPLIT_FRACTION = 0.9
 _DISTORTION = ("k1", "k2", "k3", "k4", "k5", "k6", "p1", "p2")
-_PINHOLE = {"OPENCV", "PINHOLE", "SIMPLE_PINHOLE", "SIMPLE_RADIAL", "RADIAL", "FULL_OPENCV", "PERSPECTIVE"}
+#: camera_model -> coefficients it may carry (OpenCV's order is k1, k2, p1, p2, k3, k4, k5, k6)
+_MODELS = {
+    "PINHOLE": (), "SIMPLE_PINHOLE": (),
+    "SIMPLE_RADIAL": ("k1",), "RADIAL": ("k1", "k2"),
+    "OPENCV": ("k1", "k2", "p1", "p2", "k3"), "PERSPECTIVE": ("k1", "k2", "p1", "p2", "k3"),
+    "FULL_OPENCV": ("k1", "k2", "p1", "p2", "k3", "k4", "k5", "k6"),
+    "OPENCV_FISHEYE": ("k1", "k2", "k3", "k4"),
+}
+_OPENCV_ORDER = ("k1", "k2", "p1", "p2", "k3", "k4", "k5", "k6")
 _NGP_SCALE, _NGP_OFFSET = 0.33, (0.5, 0.5, 0.5)
 
 
@@ -89,21 +107,29 @@ def _split_indices(meta: dict, rels: list, split: str, path) -> np.ndarray:
 
 
 def _camera(meta: dict, fr: dict, path, where: str, first_image: str):
-    """fx, fy, cx, cy, w, h of one frame (frame keys override shared ones); refuses distortion."""
+    """fx, fy, cx, cy, (w, h), OpenCV distortion (8,) and fisheye flag of one frame (frame keys
+    override shared ones)."""
     get = lambda k, d=None: fr.get(k, meta.get(k, d))  # noqa: E731
-    model = get("camera_model", "OPENCV")
-    if str(model).upper() not in _PINHOLE:
+    model = str(get("camera_model", "OPENCV")).upper()
+    if model not in _MODELS:
         raise SceneError(
-            f"{path}: camera_model {model!r} ({where}) is not a pinhole model; undistort the images to "
-            f"pinhole first (ns-process-data or COLMAP image_undistorter)"
+            f"{path}: camera_model {model!r} ({where}) is not supported (use one of {', '.join(_MODELS)}); "
+            f"undistort the images to pinhole first (ns-process-data or COLMAP image_undistorter)"
         )
-    for k in _DISTORTION:
-        v = get(k, 0.0)
-        if as_float(v, k, path, where) != 0.0:
-            raise SceneError(
-                f"{path}: non-zero distortion {k}={v} ({where}); undistort the images first "
-                f"(ns-process-data or COLMAP image_undistorter) and write zero distortion"
-            )
+    coef = {k: as_float(get(k, 0.0), k, path, where) for k in _DISTORTION}
+    extra = [k for k in _DISTORTION if coef[k] != 0.0 and k not in _MODELS[model]]
+    if extra:
+        k = extra[0]
+        hint = ("; nerfstudio reads k4 as an r^8 term, OpenCV as its rational model: write camera_model "
+                "FULL_OPENCV for OpenCV's k4..k6") if model in ("OPENCV", "PERSPECTIVE") and k in ("k4", "k5", "k6") else ""
+        raise SceneError(
+            f"{path}: non-zero distortion {k}={coef[k]:g} ({where}) but camera_model {model} has no {k}{hint}; "
+            f"fix camera_model or the coefficients"
+        )
+    fisheye = model == "OPENCV_FISHEYE"
+    order = ("k1", "k2", "k3", "k4") if fisheye else _OPENCV_ORDER
+    dist = np.zeros(8, np.float64)
+    dist[:len(order)] = [coef[k] for k in order]
     w, h = get("w"), get("h")
     if w is None or h is None:
         hd = read_header(first_image)
@@ -125,7 +151,19 @@ def _camera(meta: dict, fr: dict, path, where: str, first_image: str):
     cy = as_float(get("cy", h / 2), "cy", path, where)
     if w != int(w) or h != int(h):
         raise SceneError(f"{path}: w, h ({where}) must be integers, got {w:g}, {h:g}")
-    return (fx, fy, cx, cy), (int(w), int(h))
+    return (fx, fy, cx, cy), (int(w), int(h)), dist, fisheye
+
+
+def _lens(k_full, wh_full, file_wh, wh, dist, fisheye):
+    """None when no frame is distorted; else (intrinsics (N, 4) of the undistorted images at the
+    scene size ``wh``, distortion (N, 8), fisheye (N,), file intrinsics (N, 4) at ``file_wh``)."""
+    if not (np.any(dist != 0) or fisheye.any()):
+        return None
+    k_file = scale_intrinsics(k_full, wh_full, file_wh)  # the distorted camera of the files read
+    k_und = k_file.copy()
+    for i in np.flatnonzero(np.any(dist != 0, axis=1) | fisheye):
+        k_und[i] = undistorted_intrinsics(k_file[i], dist[i], bool(fisheye[i]), file_wh[i])
+    return scale_intrinsics(k_und, file_wh, wh), dist, fisheye, k_file
 
 
 def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1.0)) -> Scene:
@@ -151,13 +189,15 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
     if len(idx) == 0:
         raise SceneError(f"{path}: split {split!r} has no images ({len(frames)} frames in all)")
 
-    paths, poses, ks, whs, names, nears, fars = [], [], [], [], [], [], []
+    paths, poses, ks, whs, names, nears, fars, dists, fishes = [], [], [], [], [], [], [], [], []
     for i in idx:
         fr, rel = frames[i], rels[i]
         where = f"frame {rel!r}"
         m = as_matrix(require(fr, "transform_matrix", path, where), (4, 4), "transform_matrix", path, where)
         p = str((root / rel).resolve()) if not os.path.isabs(rel) else rel
-        k, wh = _camera(meta, fr, path, where, p)
+        k, wh, dist, fish = _camera(meta, fr, path, where, p)
+        dists.append(dist)
+        fishes.append(fish)
         paths.append(p)
         poses.append(m[:3])
         ks.append(k)
@@ -173,6 +213,9 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
     check_focal(k_full, names, path)
     check_images_exist(paths, path)
     paths, k, wh, file_wh = resolve_downscale(paths, k_full, wh_full, downscale)
+    lens = _lens(k_full, wh_full, file_wh, wh, np.array(dists), np.array(fishes, bool))
+    if lens is not None:
+        k = lens[0]
 
     near = far = None
     if any(v is not None for v in nears + fars):
@@ -208,6 +251,7 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
         split=split, format="nerfstudio", root=str(root), near=near, far=far,
         background=background, downscale=downscale, world_from_source=np.eye(4),
         up=up, aabb=aabb, file_wh=file_wh,
+        **({} if lens is None else dict(distortion=lens[1], fisheye=lens[2], file_intrinsics=lens[3])),
     )
 
 
