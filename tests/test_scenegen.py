@@ -13,6 +13,7 @@ import torch
 
 from dali_nerf import scenegen as sg
 from dali_nerf.errors import ConfigError, DaliNerfError
+from dali_nerf.scenegen import tracer, worlds, writers
 
 
 def _digest(root: Path) -> dict:
@@ -221,8 +222,8 @@ def test_render_scene_rays_analytic():
     assert c["depth"][0] == pytest.approx(1.0) and c["alpha"][0] == 1
     assert ((c["rgb"] >= 0) & (c["rgb"] <= 1)).all()
     # rays from one camera through a building roof: depth = altitude - roof height
-    world = sg._world("city", 0)
-    boxes = [p for p in world.prims if isinstance(p, sg._BoxSet)][0]
+    world = worlds.scene_world("city", 0)
+    boxes = [p for p in world.prims if isinstance(p, tracer.BoxSet)][0]
     centre = 0.5 * (boxes.lo + boxes.hi)
     hits = sg.render_scene_rays("city", np.c_[centre[:, :2], np.full(len(centre), 2.0)], np.tile([0, 0, -1.0], (len(centre), 1)))
     np.testing.assert_allclose(hits["depth"], 2.0 - boxes.hi[:, 2], rtol=1e-12)
@@ -247,7 +248,7 @@ def test_refuses_to_overwrite_and_force(tmp_path):
 
 def test_crash_leaves_nothing(tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = sg._write_image
+    real = writers._write_image
 
     def failing(path, rgba, fmt):
         calls["n"] += 1
@@ -255,7 +256,7 @@ def test_crash_leaves_nothing(tmp_path, monkeypatch):
             raise OSError("disk full")
         real(path, rgba, fmt)
 
-    monkeypatch.setattr(sg, "_write_image", failing)
+    monkeypatch.setattr(writers, "_write_image", failing)
     with pytest.raises(OSError):
         sg.make_scene("city", tmp_path / "c", width=16, n_train=4, n_val=1)
     assert list(tmp_path.iterdir()) == []
