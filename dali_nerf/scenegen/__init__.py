@@ -1,4 +1,5 @@
-"""``dali-nerf make-scene objects|city``: multi-view scenes with known cameras, rendered by us.
+"""``dali-nerf make-scene objects|city|forward|unbounded``: multi-view scenes with known cameras,
+rendered by us.
 
 There is no internet and tests, the demo and the benchmarks need real, learnable, view-consistent
 data, so we ray-cast ANALYTIC scenes (numpy, float64, vectorised over rays; no per-pixel Python):
@@ -42,7 +43,33 @@ Kinds:
   (rows along x, heading alternating +x / -x, 30 deg off nadir), val cameras between the rows.
   Defaults 128x96, 48 train + 6 val.
 
-Frames. ``render_scene_rays`` works in each kind's SCENE frame:
+``forward`` (real-capture stand-in: forward-facing) -- LLFF::
+
+    out/poses_bounds.npy                   (N, 17): per view the 3x5 [down, right, back, position |
+                                           (H, W, focal)] in the SCENE frame, then near, far
+                                           (0.9 x the nearest and 1.1 x the farthest surface the
+                                           view sees, distances along unit rays)
+    out/images/image_<i>.jpg               full size, RGB (every pixel sees a surface: no alpha)
+    out/images_4/, out/images_8/           exact 1/4 and 1/8 copies, area-averaged (INTER_AREA)
+
+  8-11 textured solids 2.5-6 units ahead on a checkered floor before a textured back wall, seen by
+  a small forward-facing array (rows x columns over 0.7 x 0.4 units). The parser holds out every
+  8th view. Defaults 480x360 (multiples of 8), 20 views.
+
+``unbounded`` (real-capture stand-in: cameras in the middle of a 360 scene) -- nerfstudio::
+
+    out/transforms.json                    PINHOLE fl_x fl_y cx cy w h, frames (OpenGL c2w in the
+                                           SCENE frame), train/val/test_filenames (test = val
+                                           unless n_test > 0); no near, far, aabb or up, as
+                                           COLMAP-made captures come
+    out/images/frame_<id>.jpg              RGB, no alpha
+
+  7-9 textured solids around the cameras on a floor disc, inside a textured environment sphere
+  of radius 10; cameras on a ring of radius 0.35 looking outward. Defaults 160x120, 48 train + 6
+  val.
+
+Frames. ``render_scene_rays`` works in each kind's SCENE frame (forward, unbounded: z up, what
+their files store):
 
 * objects: the Blender world (z up) -- identical to what the json files store;
 * city: z up, ground at z = 0, the city in [-1, 1]^2, cameras at altitude ~1 -- identical to

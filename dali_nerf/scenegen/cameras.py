@@ -5,6 +5,11 @@ the size/count defaults and their validation.
 over the upper hemisphere (elevation 15-75 deg), val random, test an orbit at 30 deg elevation.
 ``city``: an oblique lawnmower grid (rows along x, heading alternating +x / -x, 30 deg off nadir),
 val cameras between the rows.
+``forward``: a small forward-facing array (rows x columns over 0.7 x 0.4 units in the x-z plane,
+all looking at about (0, 5, -0.5): +y, slightly down); every view is in "train" (the LLFF parser
+holds out every 8th).
+``unbounded``: cameras on a ring of radius 0.35 around the origin, 0.5 above the floor, each
+looking outward (yaw within +-20 deg of its radial direction, 6-14 deg down).
 
 >>> scene_cameras("objects", width=64)["train"]["c2w"].shape
 (60, 3, 4)
@@ -21,14 +26,16 @@ from .worlds import stream_rng
 
 __all__ = ["scene_cameras", "resolve", "intrinsics", "pixel_rays", "KINDS", "DEFAULTS",
            "BLENDER_CAMERA_ANGLE_X", "OBJECTS_RADIUS", "OBJECTS_NEAR", "OBJECTS_FAR",
-           "CITY_ALTITUDE", "CITY_TILT_DEG", "CITY_HFOV_DEG"]
+           "CITY_ALTITUDE", "CITY_TILT_DEG", "HFOV_DEG"]
 
-KINDS = ("objects", "city")
+KINDS = ("objects", "city", "forward", "unbounded")
 
-# kind -> (width, height, n_train, n_val, n_test)
+# kind -> (width, height, n_train, n_val, n_test); forward: n_train = all views (LLFF holds out 1/8)
 DEFAULTS = {
     "objects": (160, 160, 60, 5, 10),
     "city": (128, 96, 48, 6, 0),
+    "forward": (480, 360, 20, 0, 0),
+    "unbounded": (160, 120, 48, 6, 0),
 }
 
 BLENDER_CAMERA_ANGLE_X = 0.6911112070083618  # the Blender synthetic scenes' horizontal FOV
@@ -36,7 +43,7 @@ OBJECTS_RADIUS = 4.0
 OBJECTS_NEAR, OBJECTS_FAR = 2.0, 6.0
 CITY_ALTITUDE = 1.0
 CITY_TILT_DEG = 30.0         # off nadir, towards the heading
-CITY_HFOV_DEG = 60.0
+HFOV_DEG = {"city": 60.0, "forward": 55.0, "unbounded": 70.0}  # horizontal field of view per kind
 
 
 def _look_at(eye, target, up=(0.0, 0.0, 1.0)):
@@ -114,11 +121,49 @@ def _city_cameras(seed, n_train, n_val, n_test):
     return {k: np.stack(v) if v else np.zeros((0, 3, 4)) for k, v in out.items()}
 
 
+def _forward_cameras(seed, n_views, n_val, n_test):
+    rng = stream_rng(seed, "forward/cameras")
+    rows = max(1, int(round(math.sqrt(n_views * 0.6))))
+    cols = int(math.ceil(n_views / rows))
+    poses = []
+    for i in range(n_views):  # row-major over the array; the LLFF hold-out (every 8th) spreads over it
+        r, c = divmod(i, cols)
+        x = -0.35 + 0.7 * (c / max(cols - 1, 1))
+        z = 0.2 - 0.4 * (r / max(rows - 1, 1))
+        eye = np.array([x, 0.0, z]) + rng.uniform(-1, 1, 3) * 0.02
+        poses.append(_look_at(eye, np.array([0.0, 5.0, -0.5]) + rng.uniform(-1, 1, 3) * 0.1))
+    empty = np.zeros((0, 3, 4))
+    return {"train": np.stack(poses), "val": empty, "test": empty}
+
+
+def _outward(rng, angle):
+    """A camera on the unbounded kind's ring at ``angle``, looking outward (yaw and pitch jittered)."""
+    eye = np.array([0.35 * math.cos(angle), 0.35 * math.sin(angle), rng.uniform(-0.05, 0.05)])
+    yaw = angle + rng.uniform(-1, 1) * math.radians(20.0)
+    pitch = -math.radians(rng.uniform(6.0, 14.0))
+    fwd = np.array([math.cos(yaw) * math.cos(pitch), math.sin(yaw) * math.cos(pitch), math.sin(pitch)])
+    return _look_at(eye, eye + fwd)
+
+
+def _unbounded_cameras(seed, n_train, n_val, n_test):
+    rng = stream_rng(seed, "unbounded/cameras")
+    a0 = rng.uniform(0, 2 * np.pi)
+    out = {"train": [_outward(rng, a0 + 2 * np.pi * (i + rng.uniform(-0.3, 0.3)) / n_train) for i in range(n_train)]}
+    for split, n in (("val", n_val), ("test", n_test)):
+        out[split] = [_outward(rng, rng.uniform(0, 2 * np.pi)) for _ in range(n)]
+    return {k: np.stack(v) if v else np.zeros((0, 3, 4)) for k, v in out.items()}
+
+
+_CAMERAS = {"objects": _objects_cameras, "city": _city_cameras, "forward": _forward_cameras,
+            "unbounded": _unbounded_cameras}
+
+
 def intrinsics(kind, width, height):
+    """(4,) float64 fx, fy, cx, cy of ``kind``'s cameras at this size (square pixels, centred)."""
     if kind == "objects":
         f = 0.5 * width / math.tan(0.5 * BLENDER_CAMERA_ANGLE_X)
     else:
-        f = 0.5 * width / math.tan(0.5 * math.radians(CITY_HFOV_DEG))
+        f = 0.5 * width / math.tan(0.5 * math.radians(HFOV_DEG[kind]))
     return np.array([f, f, width / 2.0, height / 2.0])
 
 
@@ -142,7 +187,17 @@ def resolve(kind, width, height, n_train, n_val, n_test):
     for k in ("width", "height"):
         if not 8 <= vals[k] <= 8192:
             raise ConfigError(f"{k}={vals[k]}: image size must be in [8, 8192] pixels")
-    if vals["n_train"] < 1 or vals["n_val"] < 1:
+    if kind == "forward":
+        if vals["n_val"] or vals["n_test"]:
+            raise ConfigError(f"n_val={vals['n_val']}, n_test={vals['n_test']}: kind 'forward' writes one LLFF image "
+                              f"list (the parser holds out every 8th view); give only n_train, the number of views")
+        if vals["n_train"] < 2:
+            raise ConfigError(f"n_train={vals['n_train']}: kind 'forward' needs at least 2 views (view 0 is held out)")
+        for k in ("width", "height"):
+            if vals[k] % 8:
+                raise ConfigError(f"{k}={vals[k]}: kind 'forward' needs a multiple of 8 (images_4/ and images_8/ "
+                                  f"hold exact 1/4 and 1/8 copies)")
+    elif vals["n_train"] < 1 or vals["n_val"] < 1:
         raise ConfigError(f"n_train={vals['n_train']}, n_val={vals['n_val']}: need at least 1 train and 1 val image")
     min_test = 1 if kind == "objects" else 0
     if vals["n_test"] < min_test:
@@ -157,10 +212,11 @@ def scene_cameras(kind: str, *, width=None, height=None, n_train=None, n_val=Non
 
     Returns:
         {split: {"c2w": (N, 3, 4) float64 OpenGL c2w, "intrinsics": (N, 4) float64 fx fy cx cy,
-        "width": int, "height": int}} for "train", "val", "test" (city: "test" may have N = 0).
+        "width": int, "height": int}} for "train", "val", "test" (city, unbounded: "test" may
+        have N = 0; forward: every view is in "train", "val" and "test" have N = 0).
     """
     width, height, n_train, n_val, n_test = resolve(kind, width, height, n_train, n_val, n_test)
-    cams = (_objects_cameras if kind == "objects" else _city_cameras)(int(seed), n_train, n_val, n_test)
+    cams = _CAMERAS[kind](int(seed), n_train, n_val, n_test)
     k = intrinsics(kind, width, height)
     return {s: {"c2w": c, "intrinsics": np.tile(k, (len(c), 1)), "width": width, "height": height} for s, c in cams.items()}
 

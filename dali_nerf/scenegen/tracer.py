@@ -255,9 +255,14 @@ class Floor:
 
 @dataclass(frozen=True, eq=False)
 class World:
+    """A scene: primitives (shaded, casting shadows) and an optional ``environment``: a primitive
+    seen only where no other primitive is hit, unlit (its albedo is its colour, like a far
+    environment map) and casting no shadow (e.g. a large sphere around everything, seen from
+    inside)."""
+
     prims: tuple
     shadows: bool = True
-
+    environment: object = None
 
 
 def _count(prim) -> int:
@@ -289,7 +294,8 @@ def _first_hit(world: World, o, d):
 
 def trace(world: World, o, d):
     """o (B,3), d (B,3) unit float64 -> rgb (B,3) surface colour (0 on misses), alpha (B,),
-    depth (B,) (inf on misses), global primitive id (B,) (-1 on misses)."""
+    depth (B,) (inf on misses), global primitive id (B,) (-1 on misses; the environment, when
+    hit, has the id after every primitive's)."""
     t, gid, n, which, sub = _first_hit(world, o, d)
     hit = which >= 0
     rgb = np.zeros_like(o)
@@ -312,5 +318,14 @@ def trace(world: World, o, d):
             vis[lit] = 1.0
         shade = _AMBIENT + (1.0 - _AMBIENT) * np.maximum(ndl, 0.0) * vis
         rgb[hit] = np.clip(alb * shade[:, None], 0.0, 1.0)
+    if world.environment is not None and not hit.all():
+        miss = np.flatnonzero(~hit)
+        te, ne = world.environment.intersect(o[miss], d[miss])[:2]
+        ok = np.isfinite(te)
+        idx, te, ne = miss[ok], te[ok], ne[ok]
+        rgb[idx] = np.clip(world.environment.albedo(o[idx] + te[:, None] * d[idx], ne), 0.0, 1.0)
+        t[idx] = te
+        gid[idx] = sum(_count(p) for p in world.prims)  # the environment's id: after every primitive
+        hit[idx] = True
     return rgb, hit.astype(np.float64), t, gid
 

@@ -3,6 +3,10 @@ of any ray (:func:`render_scene_rays`).
 
 ``objects``: 4-6 textured solids on a checkered floor disc, world up +z (Blender's).
 ``city``: 30-45 box buildings with window grids on a road grid, z up, ground at z = 0.
+``forward``: 8-11 textured solids at 2.5-6 units in front of the cameras (+y), on a checkered
+floor (z = -1), before a textured back wall at y = 7.3 (the environment: unlit).
+``unbounded``: 7-9 textured solids on a ring (radius 1.3-2.5) around the origin on a checkered
+floor disc (z = -0.5), inside a textured environment sphere of radius 10 (unlit).
 
 >>> render_scene_rays("objects", [[0, 0, 4.0]], [[0, 0, -1.0]])["alpha"]
 array([1.])
@@ -18,11 +22,15 @@ import numpy as np
 from ..errors import ConfigError
 from .tracer import CHUNK, Box, BoxSet, Cylinder, Floor, Sphere, World, trace
 
-__all__ = ["render_scene_rays", "scene_world", "stream_rng", "OBJECTS_AABB", "CITY_GROUND", "CITY_AABB"]
+__all__ = ["render_scene_rays", "scene_world", "stream_rng", "OBJECTS_AABB", "CITY_GROUND", "CITY_AABB",
+           "FORWARD_FLOOR_Z", "UNBOUNDED_FLOOR_Z", "UNBOUNDED_ENV_RADIUS"]
 
 OBJECTS_AABB = ((-1.5, -1.5, -1.5), (1.5, 1.5, 1.5))
 CITY_GROUND = 1.6            # ground square [-1.6, 1.6]^2 at z = 0
 CITY_AABB = ((-CITY_GROUND, -CITY_GROUND, -0.05), (CITY_GROUND, CITY_GROUND, 0.55))
+FORWARD_FLOOR_Z = -1.0
+UNBOUNDED_FLOOR_Z = -0.5
+UNBOUNDED_ENV_RADIUS = 10.0
 
 
 def _hsv(h, s, v):
@@ -37,6 +45,28 @@ def stream_rng(seed: int, stream: str) -> np.random.Generator:
     """An independent generator per (seed, named stream), e.g. ``stream_rng(0, "objects/world")``."""
     key = [int(b) for b in stream.encode()]
     return np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(seed) >> 32 & 0xFFFFFFFF] + key))
+
+
+def _solid_colors(rng, hue):
+    """(2, 3) colours of a solid: a saturated one near ``hue`` and a contrasting darker one."""
+    ca = _hsv(hue, rng.uniform(0.55, 0.85), rng.uniform(0.8, 0.95))
+    cb = _hsv((hue + rng.uniform(0.35, 0.65)) % 1.0, rng.uniform(0.3, 0.7), rng.uniform(0.35, 0.6))
+    return np.stack([ca, cb])
+
+
+def _solid(rng, kind, x, y, floor_z, size, colors):
+    """A textured sphere | box | cylinder of footprint ~``size`` standing on the floor at (x, y)."""
+    if kind == "sphere":
+        z = floor_z + size + (float(rng.uniform(0.0, 0.35)) if rng.random() < 0.3 else 0.0)
+        return Sphere(np.array([x, y, z]), size, colors, (int(rng.integers(2, 4)) * 2, int(rng.integers(3, 6))),
+                      str(rng.choice(["checker", "stripes"])))
+    if kind == "box":
+        half = np.array([size * rng.uniform(0.7, 1.0), size * rng.uniform(0.7, 1.0), size * rng.uniform(0.6, 1.3)])
+        return Box(np.array([x, y, floor_z + half[2]]), half, float(rng.uniform(0, np.pi / 2)), colors,
+                   float(size * rng.uniform(0.45, 0.7)))
+    h = size * float(rng.uniform(1.6, 2.6))
+    return Cylinder(np.array([x, y]), floor_z, floor_z + h, size * 0.8, colors,
+                    (int(rng.integers(2, 5)) * 2, int(rng.integers(3, 6))))
 
 
 def _objects_world(seed: int) -> World:
@@ -58,21 +88,7 @@ def _objects_world(seed: int) -> World:
                 break
         placed.append((x, y, size * 1.45))
         hue = (hue0 + i / len(kinds) + rng.uniform(-0.05, 0.05)) % 1.0
-        ca = _hsv(hue, rng.uniform(0.55, 0.85), rng.uniform(0.8, 0.95))
-        cb = _hsv((hue + rng.uniform(0.35, 0.65)) % 1.0, rng.uniform(0.3, 0.7), rng.uniform(0.35, 0.6))
-        colors = np.stack([ca, cb])
-        if kind == "sphere":
-            z = floor_z + size + (float(rng.uniform(0.0, 0.35)) if rng.random() < 0.3 else 0.0)
-            prims.append(Sphere(np.array([x, y, z]), size, colors, (int(rng.integers(2, 4)) * 2, int(rng.integers(3, 6))),
-                                 str(rng.choice(["checker", "stripes"]))))
-        elif kind == "box":
-            half = np.array([size * rng.uniform(0.7, 1.0), size * rng.uniform(0.7, 1.0), size * rng.uniform(0.6, 1.3)])
-            prims.append(Box(np.array([x, y, floor_z + half[2]]), half, float(rng.uniform(0, np.pi / 2)), colors,
-                              float(size * rng.uniform(0.45, 0.7))))
-        else:
-            h = size * float(rng.uniform(1.6, 2.6))
-            prims.append(Cylinder(np.array([x, y]), floor_z, floor_z + h, size * 0.8, colors,
-                                   (int(rng.integers(2, 5)) * 2, int(rng.integers(3, 6)))))
+        prims.append(_solid(rng, kind, x, y, floor_z, size, _solid_colors(rng, hue)))
     return World(tuple(prims))
 
 
@@ -103,7 +119,47 @@ def _city_world(seed: int) -> World:
     return World(tuple(prims))
 
 
-_BUILDERS = {"objects": _objects_world, "city": _city_world}
+def _forward_world(seed: int) -> World:
+    rng = stream_rng(seed, "forward/world")
+    floor_z = FORWARD_FLOOR_Z
+    prims = [Floor(floor_z, 9.0, "square", np.array([[0.80, 0.76, 0.68], [0.38, 0.35, 0.33]]), 0.5, "checker")]
+    n_obj = int(rng.integers(8, 12))
+    hue0 = rng.random()
+    placed = []  # (x, y, footprint radius)
+    for i in range(n_obj):
+        kind = str(rng.choice(["sphere", "box", "cylinder"]))
+        size = float(rng.uniform(0.3, 0.55))
+        for _ in range(200):  # non-overlapping footprints inside the cameras' ~50 deg view
+            y = float(rng.uniform(2.5, 6.0))
+            x = float(rng.uniform(-0.42, 0.42)) * y
+            if all(math.hypot(x - px, y - py) > size * 1.45 + pr + 0.05 for px, py, pr in placed):
+                break
+        placed.append((x, y, size * 1.45))
+        hue = (hue0 + i * 0.38 + rng.uniform(-0.05, 0.05)) % 1.0
+        prims.append(_solid(rng, kind, x, y, floor_z, size, _solid_colors(rng, hue)))
+    wall = Box(np.array([0.0, 7.5, 1.5]), np.array([7.0, 0.2, 4.0]), 0.0,
+               np.array([[0.86, 0.82, 0.70], [0.27, 0.33, 0.48]]), 0.7)
+    return World(tuple(prims), environment=wall)
+
+
+def _unbounded_world(seed: int) -> World:
+    rng = stream_rng(seed, "unbounded/world")
+    floor_z = UNBOUNDED_FLOOR_Z
+    prims = [Floor(floor_z, 9.0, "disc", np.array([[0.72, 0.78, 0.62], [0.36, 0.40, 0.30]]), 0.6, "checker")]
+    n_obj = int(rng.integers(7, 10))
+    a0, hue0 = rng.uniform(0, 2 * np.pi), rng.random()
+    for i in range(n_obj):
+        kind = str(rng.choice(["sphere", "box", "cylinder"]))
+        size = float(rng.uniform(0.3, 0.5))
+        ang = a0 + 2 * np.pi * i / n_obj + rng.uniform(-0.15, 0.15)
+        rad = float(rng.uniform(1.3, 2.5))
+        hue = (hue0 + i * 0.38 + rng.uniform(-0.05, 0.05)) % 1.0
+        prims.append(_solid(rng, kind, rad * math.cos(ang), rad * math.sin(ang), floor_z, size, _solid_colors(rng, hue)))
+    sky = Sphere(np.zeros(3), UNBOUNDED_ENV_RADIUS, np.array([[0.55, 0.70, 0.92], [0.95, 0.86, 0.62]]), (24, 10), "checker")
+    return World(tuple(prims), environment=sky)
+
+
+_BUILDERS = {"objects": _objects_world, "city": _city_world, "forward": _forward_world, "unbounded": _unbounded_world}
 
 
 @functools.lru_cache(maxsize=8)
@@ -114,7 +170,6 @@ def scene_world(kind: str, seed: int) -> World:
     return _BUILDERS[kind](seed)
 
 
-
 def render_scene_rays(kind: str, origins, directions, seed: int = 0) -> dict:
     """Analytic first hit of rays in the SCENE frame of ``kind`` (see the module docstring).
 
@@ -122,7 +177,7 @@ def render_scene_rays(kind: str, origins, directions, seed: int = 0) -> dict:
     of a generated camera is exactly ``render_scene_rays`` of that pixel's ray.
 
     Args:
-        kind: "objects" | "city".
+        kind: "objects" | "city" | "forward" | "unbounded".
         origins: (B, 3) ray origins (numpy or torch; computed in float64).
         directions: (B, 3) ray directions (normalised here; depth is along the unit direction).
         seed: the scene's seed.

@@ -1,6 +1,6 @@
-"""Writing generated scenes: the ``objects`` kind as a Blender synthetic folder, the ``city`` kind as
-a Mega-NeRF folder plus a nerfstudio transforms.json (layouts in :mod:`dali_nerf.scenegen`);
-every folder written atomically.
+"""Writing generated scenes: ``objects`` as a Blender synthetic folder, ``city`` as a Mega-NeRF
+folder plus a nerfstudio transforms.json, ``forward`` as an LLFF folder, ``unbounded`` as a
+nerfstudio transforms.json (layouts in :mod:`dali_nerf.scenegen`); every folder written atomically.
 
 >>> make_scene("objects", "data/default")                       # doctest: +SKIP
 PosixPath('data/default')
@@ -24,7 +24,7 @@ from .cameras import BLENDER_CAMERA_ANGLE_X, OBJECTS_FAR, OBJECTS_NEAR, intrinsi
 from .tracer import CHUNK, trace
 from .worlds import CITY_AABB, OBJECTS_AABB, scene_world
 
-__all__ = ["make_scene", "DRB_FROM_SCENE", "CITY_METRES_PER_UNIT", "CITY_DRB_OFFSET"]
+__all__ = ["make_scene", "DRB_FROM_SCENE", "CITY_METRES_PER_UNIT", "CITY_DRB_OFFSET", "DEFAULT_FORMAT"]
 
 # city: scene frame (z up, units ~ 100 m) -> Mega-NeRF DRB world in metres
 DRB_FROM_SCENE = np.array([[0.0, 0.0, -1.0],   # x_drb (down)  = -z_scene
@@ -34,8 +34,9 @@ CITY_METRES_PER_UNIT = 100.0
 CITY_DRB_OFFSET = np.array([-35.0, 420.0, -1250.0])  # a geo-like offset so origin_drb is non-trivial
 
 
-def _render_images(kind, seed, c2ws, k, width, height):
-    """Yields (H, W, 4) uint8 RGBA per camera (RGB of empty pixels = white)."""
+def _render_rgbd(kind, seed, c2ws, k, width, height):
+    """Yields, per camera, (H, W, 4) uint8 RGBA (RGB of empty pixels = white) and (H, W) float64
+    depth (distance along the unit ray; inf where nothing is hit)."""
     world = scene_world(kind, int(seed))
     per = max(1, CHUNK // (width * height))
     for s in range(0, len(c2ws), per):
@@ -43,15 +44,24 @@ def _render_images(kind, seed, c2ws, k, width, height):
         rays = [pixel_rays(c, k, width, height) for c in group]
         o = np.concatenate([r[0] for r in rays])
         d = np.concatenate([r[1] for r in rays])
-        rgb, alpha, _, _ = trace(world, o, d)
+        rgb, alpha, depth, _ = trace(world, o, d)
         rgb = rgb * alpha[:, None] + (1.0 - alpha[:, None])  # over white
         rgba = np.concatenate([rgb, alpha[:, None]], axis=1)
         img = np.round(np.clip(rgba, 0.0, 1.0) * 255.0).astype(np.uint8).reshape(len(group), height, width, 4)
-        yield from img
+        yield from zip(img, depth.reshape(len(group), height, width))
+
+
+def _render_images(kind, seed, c2ws, k, width, height):
+    """Yields (H, W, 4) uint8 RGBA per camera (RGB of empty pixels = white)."""
+    for img, _ in _render_rgbd(kind, seed, c2ws, k, width, height):
+        yield img
 
 
 def _write_image(path: Path, rgba: np.ndarray, image_format: str) -> None:
-    if image_format == "png":
+    """Write (H, W, 4) RGBA or (H, W, 3) RGB uint8 as PNG (as given) or JPEG (RGB)."""
+    if image_format == "png" and rgba.shape[-1] == 3:
+        ok = cv2.imwrite(str(path), cv2.cvtColor(rgba, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_PNG_COMPRESSION, 3])
+    elif image_format == "png":
         ok = cv2.imwrite(str(path), cv2.cvtColor(rgba, cv2.COLOR_RGBA2BGRA), [cv2.IMWRITE_PNG_COMPRESSION, 3])
     else:  # JPEG has no alpha: the RGB is already composited over white
         ok = cv2.imwrite(str(path), cv2.cvtColor(rgba[..., :3], cv2.COLOR_RGB2BGR),
@@ -148,27 +158,84 @@ def _write_city(tmp: Path, seed, width, height, cams, image_format):
         "test_filenames": names["test"] if names["test"] else names["val"]})
 
 
+def _write_forward(tmp: Path, seed, width, height, cams, image_format):
+    """LLFF: poses_bounds.npy, images/ (full size), images_4/ and images_8/ (area-averaged exact
+    1/4 and 1/8 copies: cv2.INTER_AREA), RGB without alpha."""
+    ext = ".png" if image_format == "png" else ".jpg"
+    k = intrinsics("forward", width, height)
+    c2ws = cams["train"]
+    for folder in ("images", "images_4", "images_8"):
+        (tmp / folder).mkdir()
+    rows = []
+    for i, (img, depth) in enumerate(_render_rgbd("forward", seed, c2ws, k, width, height)):
+        name = f"image_{i:03d}{ext}"
+        rgb = np.ascontiguousarray(img[..., :3])
+        _write_image(tmp / "images" / name, rgb, image_format)
+        for f in (4, 8):
+            _write_image(tmp / f"images_{f}" / name,
+                         cv2.resize(rgb, (width // f, height // f), interpolation=cv2.INTER_AREA), image_format)
+        hit = depth[np.isfinite(depth)]
+        if hit.size == 0:
+            raise DaliNerfError(f"view {i}: sees nothing; this seed makes an empty forward scene, try another --seed")
+        c = c2ws[i]  # OpenGL (right, up, back) -> LLFF columns (down, right, back), then position, hwf
+        pose = np.stack([-c[:, 1], c[:, 0], c[:, 2], c[:, 3], np.array([height, width, k[0]], np.float64)], axis=1)
+        rows.append(np.concatenate([pose.ravel(), [0.9 * hit.min(), 1.1 * hit.max()]]))
+    np.save(tmp / "poses_bounds.npy", np.stack(rows))
+
+
+def _write_unbounded(tmp: Path, seed, width, height, cams, image_format):
+    """nerfstudio transforms.json (PINHOLE, no near/far, no aabb, no up: as COLMAP-made captures
+    come) + images/frame_<id>, RGB without alpha."""
+    ext = ".png" if image_format == "png" else ".jpg"
+    k = intrinsics("unbounded", width, height)
+    (tmp / "images").mkdir()
+    frames, names = [], {"train": [], "val": [], "test": []}
+    gid = 0
+    for split in ("train", "val", "test"):
+        for i, img in enumerate(_render_images("unbounded", seed, cams[split], k, width, height)):
+            rel = f"images/frame_{gid:05d}{ext}"
+            gid += 1
+            _write_image(tmp / rel, np.ascontiguousarray(img[..., :3]), image_format)
+            names[split].append(rel)
+            c2w4 = np.concatenate([cams[split][i], [[0.0, 0.0, 0.0, 1.0]]])
+            frames.append({"file_path": rel, "transform_matrix": _mat_list(c2w4)})
+    _write_json(tmp / "transforms.json", {
+        "camera_model": "PINHOLE", "fl_x": float(k[0]), "fl_y": float(k[1]), "cx": float(k[2]), "cy": float(k[3]),
+        "w": int(width), "h": int(height), "frames": frames,
+        "train_filenames": names["train"], "val_filenames": names["val"],
+        "test_filenames": names["test"] if names["test"] else names["val"]})
+
+
+_WRITERS = {"objects": _write_objects, "city": _write_city, "forward": _write_forward, "unbounded": _write_unbounded}
+DEFAULT_FORMAT = {"objects": "png", "city": "png", "forward": "jpeg", "unbounded": "jpeg"}
+
+
 def make_scene(kind: str, out, *, width: Optional[int] = None, height: Optional[int] = None,
                n_train: Optional[int] = None, n_val: Optional[int] = None, n_test: Optional[int] = None,
-               seed: int = 0, image_format: str = "png", force: bool = False) -> Path:
+               seed: int = 0, image_format: Optional[str] = None, force: bool = False) -> Path:
     """Render and write a scene folder (layouts in the module docstring); returns ``out``.
 
     Args:
-        kind: "objects" (Blender format) | "city" (Mega-NeRF layout + nerfstudio transforms.json).
+        kind: "objects" (Blender format) | "city" (Mega-NeRF layout + nerfstudio transforms.json) |
+            "forward" (LLFF) | "unbounded" (nerfstudio transforms.json).
         out: output folder; must not exist or be empty unless ``force``.
-        width, height: image size in pixels (defaults: objects 160x160, city 128x96; one given ->
-            the other from the default aspect ratio).
-        n_train, n_val, n_test: images per split (defaults: objects 60/5/10, city 48/6/0; city
-            test = val when 0).
+        width, height: image size in pixels (defaults: objects 160x160, city 128x96, forward
+            480x360 (multiples of 8), unbounded 160x120; one given -> the other from the default
+            aspect ratio).
+        n_train, n_val, n_test: images per split (defaults: objects 60/5/10, city 48/6/0,
+            unbounded 48/6/0; city and unbounded: test = val when 0; forward: n_train = all
+            views, 20, and n_val = n_test = 0: the LLFF parser holds out every 8th).
         seed: scene layout, colours and camera jitter; same seed -> identical bytes.
-        image_format: "png" (RGBA) | "jpeg" (RGB composited over white: JPEG holds no alpha).
+        image_format: "png" | "jpeg"; default png for objects and city (RGBA), jpeg for forward and
+            unbounded (RGB: every pixel sees a surface). JPEG holds no alpha: objects and city
+            JPEGs are composited over white.
         force: replace an existing non-empty ``out``.
     Written atomically: into a temporary folder beside ``out``, renamed when complete.
 
     Example:
         >>> make_scene("city", "/tmp/city", width=64, n_train=8, n_val=2)   # doctest: +SKIP
     """
-    fmt = str(image_format).lower()
+    fmt = str(DEFAULT_FORMAT.get(kind, "png") if image_format is None else image_format).lower()
     fmt = {"jpg": "jpeg"}.get(fmt, fmt)
     if fmt not in ("png", "jpeg"):
         raise ConfigError(f"image_format={image_format!r}: use png or jpeg")
@@ -189,7 +256,7 @@ def make_scene(kind: str, out, *, width: Optional[int] = None, height: Optional[
     try:
         cams = scene_cameras(kind, width=width, height=height, n_train=n_train, n_val=n_val, n_test=n_test, seed=seed)
         cams = {s: v["c2w"] for s, v in cams.items()}
-        (_write_objects if kind == "objects" else _write_city)(tmp, int(seed), width, height, cams, fmt)
+        _WRITERS[kind](tmp, int(seed), width, height, cams, fmt)
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             out.rename(old)
