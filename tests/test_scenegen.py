@@ -117,18 +117,19 @@ def _round_trip(out, kind, fmt, split, gen_kwargs, n_pix=200, exact_colour=True)
     return scene
 
 
+def _generate(factory, kind, **kw):
+    """(folder, generator kwargs) of a scene made once per module."""
+    return sg.make_scene(kind, factory.mktemp("gen") / kind, **kw), kw
+
+
 @pytest.fixture(scope="module")
 def objects_scene(tmp_path_factory):
-    kw = dict(width=40, height=30, n_train=4, n_val=2, n_test=3, seed=3)
-    out = sg.make_scene("objects", tmp_path_factory.mktemp("gen") / "objects", **kw)
-    return out, kw
+    return _generate(tmp_path_factory, "objects", width=40, height=30, n_train=4, n_val=2, n_test=3, seed=3)
 
 
 @pytest.fixture(scope="module")
 def city_scene(tmp_path_factory):
-    kw = dict(width=48, height=36, n_train=6, n_val=2, seed=5)
-    out = sg.make_scene("city", tmp_path_factory.mktemp("gen") / "city", **kw)
-    return out, kw
+    return _generate(tmp_path_factory, "city", width=48, height=36, n_train=6, n_val=2, seed=5)
 
 
 def test_objects_layout(objects_scene):
@@ -205,16 +206,12 @@ def test_round_trip_jpeg(tmp_path):
 
 @pytest.fixture(scope="module")
 def forward_scene(tmp_path_factory):
-    kw = dict(width=64, height=48, n_train=10, seed=2)
-    out = sg.make_scene("forward", tmp_path_factory.mktemp("gen") / "forward", **kw)
-    return out, kw
+    return _generate(tmp_path_factory, "forward", width=64, height=48, n_train=10, seed=2)
 
 
 @pytest.fixture(scope="module")
 def unbounded_scene(tmp_path_factory):
-    kw = dict(width=48, height=36, n_train=12, n_val=2, seed=4)
-    out = sg.make_scene("unbounded", tmp_path_factory.mktemp("gen") / "unbounded", **kw)
-    return out, kw
+    return _generate(tmp_path_factory, "unbounded", width=48, height=36, n_train=12, n_val=2, seed=4)
 
 
 def test_forward_layout(forward_scene):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dali_nerf import scenegen as sg
+from dali_nerf.models.render import render_rays
 from dali_nerf.models.space import (contract, lin_disp_samples, ndc_rays, ndc_to_world, normalize_to_box,
                                     to_camera_frame, uncontract, world_to_ndc)
 from dali_nerf.rays import rays_from_indices
@@ -122,3 +123,74 @@ def test_normalize_to_box_and_lin_disp_samples():
     assert math.isinf(t[1, -1].item())
     np.testing.assert_allclose(np.diff(t[0, :5].numpy()), 0.225)  # linear inside
     np.testing.assert_allclose(np.diff(1.0 / t[0, 4:].numpy()), -(1.0 - 0.01) / 4)  # linear in disparity beyond
+
+
+class _WorldSphere(torch.nn.Module):
+    """An opaque red sphere (centre (3,), radius r) of a world the renderer queries through a warp;
+    ``unwarp`` maps the field's coordinates back to the world."""
+
+    def __init__(self, centre, r, unwarp):
+        super().__init__()
+        self.c, self.r, self.unwarp = torch.tensor(centre, dtype=torch.float64), r, unwarp
+        self.seen_dirs = None
+
+    def density(self, y):
+        x = self.unwarp(y)
+        return torch.where(torch.linalg.norm(x - self.c, dim=-1) < self.r, 500.0, 0.0).to(y)
+
+    def forward(self, y, d):
+        self.seen_dirs = d
+        return self.density(y), torch.tensor([1.0, 0.0, 0.0], dtype=y.dtype).expand(len(y), 3)
+
+
+def _rays_towards(target, n, seed, spread=0.01):
+    rng = np.random.default_rng(seed)
+    d = np.asarray(target, np.float64)[None] + rng.normal(size=(n, 3)) * spread
+    return torch.zeros(n, 3, dtype=torch.float64), torch.from_numpy(d / np.linalg.norm(d, axis=1, keepdims=True))
+
+
+def test_render_defaults_unchanged_by_the_new_options():
+    field = _WorldSphere((0.0, 0.0, -3.0), 0.5, lambda y: y)
+    o, d = _rays_towards((0.0, 0.0, -1.0), 64, 0, spread=0.2)
+    box = torch.tensor([[-2.0, -2.0, -5.0], [2.0, 2.0, 1.0]], dtype=torch.float64)
+    a = render_rays(field, o, d, 0.1, 6.0, torch.ones(3), samples=64, train=False, aabb=box)
+    b = render_rays(field, o, d, 0.1, 6.0, torch.ones(3), samples=64, train=False, aabb=box,
+                    viewdirs=d, warp=lambda x: x, spacing="linear")
+    for k in ("rgb", "depth", "acc"):
+        assert torch.equal(a[k], b[k])
+    assert 0.1 < a["acc"].mean() < 0.9  # some rays hit the sphere, some miss
+
+
+def test_render_contracted_far_object_with_lin_disp_spacing():
+    """A sphere 5 units away, outside the unit box, seen through the contraction: found at its
+    distance, opaque, with disparity-spaced samples."""
+    box = torch.tensor([[-1.0] * 3, [1.0] * 3], dtype=torch.float64)
+    field = _WorldSphere((6.0, 0.0, 0.0), 1.0, uncontract)
+    o, d = _rays_towards((1.0, 0.0, 0.0), 32, 1)
+    out = render_rays(field, o, d, 0.05, 100.0, torch.zeros(3), samples=128, train=False,
+                      warp=lambda x: contract(normalize_to_box(x, box)), spacing="lin_disp", split=1.0)
+    np.testing.assert_allclose(out["acc"].numpy(), 1.0, atol=1e-6)
+    np.testing.assert_allclose(out["rgb"].numpy(), np.tile([1.0, 0.0, 0.0], (32, 1)), atol=1e-6)
+    np.testing.assert_allclose(out["depth"].numpy(), 5.0, atol=0.45)
+    with pytest.raises(ValueError, match="finite"):
+        render_rays(field, o, d, 0.05, math.inf, torch.zeros(3), samples=8, warp=lambda x: x, spacing="lin_disp")
+
+
+def test_render_in_ndc_finds_the_world_surface():
+    """A wall at z = -4 of the reference camera's frame, rendered along NDC rays (field queried in
+    NDC, view directions in the world): the depth is the wall's NDC parameter s = 1 - o_z / z."""
+    focal, w, h = 60.0, 64, 48
+    to_world = lambda y: ndc_to_world(y, focal, w, h)  # noqa: E731
+
+    class Wall(_WorldSphere):
+        def density(self, y):
+            return torch.where(to_world(y)[:, 2] < -4.0, 500.0, 0.0).to(y)
+
+    field = Wall((0.0, 0.0, 0.0), 0.0, to_world)
+    o, d = _rays_towards((0.0, 0.0, -1.0), 40, 2, spread=0.2)
+    o_n, d_n = ndc_rays(o, d, focal, w, h)
+    out = render_rays(field, o_n, d_n, 0.0, 1.0, torch.zeros(3), samples=256, train=False, viewdirs=d)
+    # the field saw the world's unit view directions, not the NDC ones (|d_ndc| >= 2)
+    np.testing.assert_allclose(torch.linalg.norm(field.seen_dirs, dim=-1).numpy(), 1.0, rtol=1e-12)
+    np.testing.assert_allclose(out["acc"].numpy(), 1.0, atol=1e-4)  # early termination at T < 1e-4
+    np.testing.assert_allclose(out["depth"].numpy(), 0.75, atol=2.0 / 256)
