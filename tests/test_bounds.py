@@ -40,13 +40,41 @@ def test_frustum_box_holds_every_pixel_segment(forward, split, downscale):
     pts = _all_segments(scene)
     tol = 1e-5 * np.abs(box).max()
     assert (pts >= box[0] - tol).all() and (pts <= box[1] + tol).all()
-    # nearly tight: the box overshoots by at most the corner rays' factor |d_corner| (~1.15 here)
-    assert ((pts.max(0) - pts.min(0)) >= 0.75 * (box[1] - box[0])).all()
+    # tight: the pixel-centre segments span nearly all of it (the box reaches the pixel edges)
+    px = 1.0 / min(int(scene.width[0]), int(scene.height[0]))
+    assert ((pts.max(0) - pts.min(0)) >= (1.0 - 2.0 * px) * (box[1] - box[0])).all()
     # the optical-axis box (what training used before) misses most of the frusta
     pos, fwd = scene.c2w[:, :, 3], -scene.c2w[:, :, 2]
     axis = np.concatenate([pos + fwd * scene.near[:, None], pos + fwd * scene.far[:, None]])
     outside = ((pts < axis.min(0)) | (pts > axis.max(0))).any(1)
     assert outside.mean() > 0.3
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_frustum_box_is_the_exact_box_of_the_frusta(seed):
+    """Against brute force: dense unit directions over the image (edges included) at near and far."""
+    rng = np.random.default_rng(seed)
+    n = 5
+    c2w = np.zeros((n, 3, 4))
+    for i in range(n):  # random orientations, some looking along world axes' diagonals
+        q, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+        c2w[i, :, :3] = q * np.sign(np.linalg.det(q))
+        c2w[i, :, 3] = rng.normal(size=3)
+    w, h = rng.integers(20, 200, n), rng.integers(20, 200, n)
+    k = np.stack([rng.uniform(0.3, 1.5, n) * w, rng.uniform(0.3, 1.5, n) * w, rng.uniform(0.2, 0.8, n) * w,
+                  rng.uniform(0.2, 0.8, n) * h], 1)
+    near, far = rng.uniform(0.1, 1.0, n), rng.uniform(2.0, 9.0, n)
+    box = frustum_aabb(c2w, k, w, h, near, far)
+    pts = []
+    for i in range(n):
+        uu, vv = np.meshgrid(np.linspace(0, w[i], 301), np.linspace(0, h[i], 301))
+        d = np.stack([(uu.ravel() - k[i, 2]) / k[i, 0], -(vv.ravel() - k[i, 3]) / k[i, 1], -np.ones(uu.size)], 1)
+        d = d / np.linalg.norm(d, axis=1, keepdims=True) @ c2w[i, :, :3].T
+        pts += [c2w[i, :, 3] + near[i] * d, c2w[i, :, 3] + far[i] * d]
+    pts = np.concatenate(pts)
+    assert (pts >= box[0] - 1e-9).all() and (pts <= box[1] + 1e-9).all()
+    np.testing.assert_allclose(pts.min(0), box[0], atol=2e-3 * np.abs(box).max())
+    np.testing.assert_allclose(pts.max(0), box[1], atol=2e-3 * np.abs(box).max())
 
 
 def test_robust_far_caps_outliers():

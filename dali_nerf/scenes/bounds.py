@@ -11,17 +11,14 @@ far bound, and the rule for scenes that have neither near/far nor a box.
 
 It never falls back to the Blender box [-1.5, 1.5]^3.
 
-**Frustum box.** A pixel's ray direction in camera axes is ``d = ((u - cx) / fx, -(v - cy) / fy,
--1)`` (OpenGL, ``u, v`` pixel coordinates) and ``[near, far]`` is a distance along the unit
-direction ``d / |d|`` (the project's convention), so a point of the segment is ``(t / |d|) d`` with
-``t`` in ``[near, far]``: on the image pyramid at depth ``z = t / |d|`` in ``[near / |d|, far]``.
-``|d|`` is largest at an image corner (``u`` in {0, W}, ``v`` in {0, H}: the pixel *edges*, so every
-pixel centre is strictly inside), so every segment of every pixel lies in the convex truncated
-pyramid spanned by the four corner directions at depths ``near / max|d_corner|`` and ``far``; the
-box of its 8 vertices per camera, over all cameras, contains them all. It is not tight: its far
-face is at depth ``far``, where the corner rays have gone ``|d_corner| far`` (about 1.15 far for a
-55 degree field of view), so it can be up to that factor too large. Depth-convention bounds
-(LLFF's ``z`` depths) are inside it too, since ``z <= t``.
+**Frustum box.** A pixel's ray is ``o + t u`` with ``u`` a unit direction through the pixel and
+``t`` in ``[near, far]`` (the project's convention: distances along unit directions). Every pixel's
+``u`` lies in the convex cone of unit directions through the image rectangle (corners at the pixel
+*edges*), so every segment lies in ``{o + t u : u in the cone, t in [near, far]}`` (a truncated
+cone with a spherical far cap). :func:`frustum_aabb` is the exact box of that set over all cameras
+(per world axis, the farthest point of the cone: see its docstring): it holds every pixel's
+segment and is the tightest box that does. Depth-convention bounds (LLFF's ``z`` depths) are
+inside it too, since ``z <= t``.
 
 **Robust far.** Per-image far bounds come from the farthest thing each image saw; one image that
 sees the sky or down a corridor would set the box for all. Each far is capped at
@@ -47,47 +44,85 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-__all__ = ["scene_bounds", "frustum_corners", "frustum_aabb", "robust_far", "camera_aabb", "focus_point",
+__all__ = ["scene_bounds", "frustum_aabb", "robust_far", "camera_aabb", "focus_point",
            "FAR_MEDIAN_FACTOR"]
 
 FAR_MEDIAN_FACTOR = 3.0
 _FOCUS_IN_FRONT = 0.75  # fraction of cameras that must have the focus point in front of them
 
 
-def frustum_corners(c2w, intrinsics, width, height, near, far) -> np.ndarray:
-    """The 8 vertices of each camera's truncated image pyramid holding its pixels' [near, far]
-    segments (see the module docstring).
-
-    Args:
-        c2w: (N, 3, 4) OpenGL camera-to-world; intrinsics: (N, 4) fx, fy, cx, cy;
-        width, height: (N,) or scalars, pixels; near, far: (N,) or scalars, distances along
-        unit ray directions.
-    Returns:
-        (N, 8, 3) float64: the 4 corners at depth ``near / max|d_corner|``, then the 4 at ``far``.
-    Example:
-        >>> frustum_corners(scene.c2w, scene.intrinsics, scene.width, scene.height, 2.0, 6.0).shape
-        (100, 8, 3)
-    """
-    c2w = np.asarray(c2w, np.float64)
-    n = c2w.shape[0]
-    k = np.asarray(intrinsics, np.float64).reshape(n, 4)
+def _corner_directions(intrinsics, width, height) -> np.ndarray:
+    """(N, 4, 3) unit directions, camera axes, through the image corners (pixel edges) in order
+    around the rectangle: (0, 0), (W, 0), (W, H), (0, H)."""
+    k = np.asarray(intrinsics, np.float64)
+    n = k.shape[0]
     w = np.broadcast_to(np.asarray(width, np.float64), (n,))
     h = np.broadcast_to(np.asarray(height, np.float64), (n,))
-    near = np.broadcast_to(np.asarray(near, np.float64), (n,))
-    far = np.broadcast_to(np.asarray(far, np.float64), (n,))
-    u = np.stack([np.zeros(n), w, np.zeros(n), w], 1)  # (N, 4) pixel-edge corners
+    u = np.stack([np.zeros(n), w, w, np.zeros(n)], 1)
     v = np.stack([np.zeros(n), np.zeros(n), h, h], 1)
-    d = np.stack([(u - k[:, 2:3]) / k[:, 0:1], -(v - k[:, 3:4]) / k[:, 1:2], -np.ones((n, 4))], -1)  # (N, 4, 3)
-    z_near = near / np.linalg.norm(d, axis=-1).max(1)  # (N,)
-    cam = np.concatenate([d * z_near[:, None, None], d * far[:, None, None]], 1)  # (N, 8, 3) camera axes
-    return cam @ np.transpose(c2w[:, :, :3], (0, 2, 1)) + c2w[:, None, :, 3]
+    d = np.stack([(u - k[:, 2:3]) / k[:, 0:1], -(v - k[:, 3:4]) / k[:, 1:2], -np.ones((n, 4))], -1)
+    return d / np.linalg.norm(d, axis=-1, keepdims=True)
+
+
+def _cone_max(a, c) -> np.ndarray:
+    """max of a . u over unit vectors u in the convex cone spanned by the corner directions.
+
+    Args:
+        a: (N, M, 3) query directions (unit); c: (N, 4, 3) unit corner directions in order.
+    Returns:
+        (N, M): 1 where ``a`` is inside the cone, else the largest value over the cone's 4 faces
+        (on a face spanned by c1, c2: |p| at the projection p of ``a`` on the face's plane when p
+        falls between c1 and c2, else the better of a . c1, a . c2).
+    """
+    axis = c.sum(1)  # (N, 3): inside the cone
+    best = np.full(a.shape[:2], -np.inf)
+    inside = np.ones(a.shape[:2], bool)
+    for j in range(4):
+        c1, c2 = c[:, j], c[:, (j + 1) % 4]
+        nrm = np.cross(c1, c2)
+        nrm = nrm * np.sign(np.einsum("ni,ni->n", nrm, axis))[:, None]  # pointing into the cone
+        nrm = nrm / np.linalg.norm(nrm, axis=1, keepdims=True)
+        an = np.einsum("nmi,ni->nm", a, nrm)
+        inside &= an >= 0
+        p = a - an[..., None] * nrm[:, None]  # (N, M, 3) projection on the face's plane
+        g12 = np.einsum("ni,ni->n", c1, c2)[:, None]
+        p1, p2 = np.einsum("nmi,ni->nm", p, c1), np.einsum("nmi,ni->nm", p, c2)
+        den = 1.0 - g12 * g12  # Gram determinant of the unit c1, c2
+        alpha, beta = (p1 - g12 * p2) / den, (p2 - g12 * p1) / den  # p = alpha c1 + beta c2
+        on_face = (alpha >= 0) & (beta >= 0)
+        ends = np.maximum(np.einsum("nmi,ni->nm", a, c1), np.einsum("nmi,ni->nm", a, c2))
+        best = np.maximum(best, np.where(on_face, np.linalg.norm(p, axis=-1), ends))
+    return np.where(inside, 1.0, best)
 
 
 def frustum_aabb(c2w, intrinsics, width, height, near, far) -> np.ndarray:
-    """(2, 3) float64 min/max box containing every pixel's segment [near, far] of every camera
-    (arguments as :func:`frustum_corners`)."""
-    pts = frustum_corners(c2w, intrinsics, width, height, near, far).reshape(-1, 3)
-    return np.stack([pts.min(0), pts.max(0)])
+    """(2, 3) float64 min/max box of every camera's frustum: the points ``o + t u`` with ``u`` a
+    unit direction through the image (corners at the pixel edges) and ``t`` in [near, far]; it
+    contains every pixel's segment and is the tightest box that does.
+
+    Along a world axis ``e`` the largest ``e . (t u)`` is ``g(max_u e . u)`` with ``g(x) = far x``
+    for ``x > 0`` and ``near x`` otherwise; the max of ``e . u`` over the image's cone of unit
+    directions is 1 when ``e`` looks into it, else it is reached on one of its four faces.
+
+    Args:
+        c2w: (N, 3, 4) OpenGL camera-to-world; intrinsics: (N, 4) fx, fy, cx, cy;
+        width, height: (N,) or scalars, pixels; near, far: (N,) or scalars, distances along unit
+        ray directions.
+    Example:
+        >>> frustum_aabb(scene.c2w, scene.intrinsics, scene.width, scene.height, scene.near, scene.far).shape
+        (2, 3)
+    """
+    c2w = np.asarray(c2w, np.float64)
+    n = c2w.shape[0]
+    near = np.broadcast_to(np.asarray(near, np.float64), (n,))[:, None]
+    far = np.broadcast_to(np.asarray(far, np.float64), (n,))[:, None]
+    c = _corner_directions(np.asarray(intrinsics, np.float64).reshape(n, 4), width, height)
+    axes = np.concatenate([np.eye(3), -np.eye(3)])  # +x, +y, +z, -x, -y, -z (world)
+    a = np.einsum("nij,mi->nmj", c2w[:, :, :3], axes)  # (N, 6, 3) the world axes in camera axes
+    m = _cone_max(a, c)
+    reach = np.where(m > 0, far * m, near * m)  # (N, 6) farthest extent along each world axis
+    pos = c2w[:, :, 3]
+    return np.stack([(pos - reach[:, 3:]).min(0), (pos + reach[:, :3]).max(0)])
 
 
 def robust_far(far, factor: Optional[float] = FAR_MEDIAN_FACTOR) -> np.ndarray:
