@@ -3,7 +3,8 @@
 Subcommands (each implemented in its own module, imported only when used):
 
     dali-nerf demo                     the main job: default scene -> 2-rank training -> renders -> report
-    dali-nerf make-scene objects|city  generate a multi-view scene with known cameras
+    dali-nerf make-scene KIND          generate a multi-view scene with known cameras
+                                       (objects | city | forward | unbounded)
     dali-nerf validate SCENE           scan a scene folder (every image header) before training
     dali-nerf render                   render a split or an orbit from a checkpoint (DDP or SS run)
     dali-nerf bench sampler|study      benchmarks (docs/BENCHMARKS.md)
@@ -61,12 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.steps=200")
 
     m = sub.add_parser("make-scene", help="generate a scene with known cameras")
-    m.add_argument("kind", choices=["objects", "city"])
+    m.add_argument("kind", choices=["objects", "city", "forward", "unbounded"])
     m.add_argument("--out", required=True, help="output folder")
-    m.add_argument("--resolution", type=int, default=None, help="image width in pixels (objects: square; city: height = 3/4 width)")
+    m.add_argument("--resolution", type=int, default=None, help="image width in pixels (objects: square; others: height = 3/4 width)")
     m.add_argument("--images", type=int, default=None, help="training images")
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--jpeg", action="store_true", help="write JPEG instead of PNG")
+    m.add_argument("--jpeg", action="store_true", help="write JPEG instead of PNG (forward, unbounded: always JPEG)")
     m.add_argument("--force", action="store_true", help="overwrite an existing folder")
 
     v = sub.add_parser("validate", help="scan a scene before training")

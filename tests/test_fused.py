@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from dali_nerf.models.fused import FusedField
-from dali_nerf.partition import Partition, point_weights
+from dali_nerf.models.fused import FusedField, point_weights
+from dali_nerf.partition import Partition
 
 
 class ConstField(nn.Module):

@@ -7,12 +7,15 @@ import numpy as np
 import pytest
 import torch
 
+import dali_nerf.partition
 from dali_nerf.config import PartitionConfig
 from dali_nerf.errors import ConfigError, SceneError
+from dali_nerf.models.fused import point_weights
 from dali_nerf.partition import (
-    Partition, assign_rank, cell_fraction, export_megannerf, import_megannerf, load_masks,
-    plane_axes, point_weights, ray_cells, ray_cells_dense,
+    Partition, assign_rank, cell_fraction, export_mega_nerf, import_mega_nerf, load_masks,
+    plane_axes, ray_cells, ray_cells_dense,
 )
+from dali_nerf.rays import image_rays
 from dali_nerf.scenes.base import Scene
 
 
@@ -272,10 +275,10 @@ def test_cell_fraction():
 
 
 @pytest.mark.parametrize("up", ["y", "-x"])
-def test_megannerf_export_import(tmp_path, up):
+def test_mega_nerf_export_import(tmp_path, up):
     scene = lawnmower_scene(nx=3, nz=2, up=up, w=20, h=10)
     part = Partition.from_config(PartitionConfig(grid=[2, 2], margin=1.15), scene)
-    out = export_megannerf(part, scene, tmp_path / "masks")
+    out = export_mega_nerf(part, scene, tmp_path / "masks")
     assert (out / "params.pt").is_file() and (out / "3" / "img_005.pt").is_file()
     params = torch.load(out / "params.pt", weights_only=True)
     for k in ("origin_drb", "pose_scale_factor", "ray_altitude_range", "near", "far", "centroids",
@@ -284,11 +287,10 @@ def test_megannerf_export_import(tmp_path, up):
     assert params["cluster_2d"] is True and params["centroids"].shape == (4, 3)
     if up == "-x":  # Mega-NeRF's own frame: written as is
         np.testing.assert_array_equal(params["centroids"].numpy(), part.centroids)
-    back = import_megannerf(out)
+    back = import_mega_nerf(out)
     assert back == part
     masks = load_masks(out)
     assert sorted(masks) == [f"img_{i:03d}" for i in range(6)]
-    from dali_nerf.rays import image_rays
     for i, stem in enumerate(sorted(masks)):
         m = masks[stem]
         assert m.shape == (4, 10, 20) and m.dtype == bool
@@ -297,4 +299,26 @@ def test_megannerf_export_import(tmp_path, up):
         np.testing.assert_array_equal(m.reshape(4, -1).T, want)
         assert m.any(0).all()
     with pytest.raises(SceneError, match="params.pt"):
-        import_megannerf(tmp_path / "nothing")
+        import_mega_nerf(tmp_path / "nothing")
+
+
+def test_misspelt_mega_nerf_names_are_deprecated_aliases(tmp_path):
+    """export_megannerf / import_megannerf (the old spellings) still work, with a DeprecationWarning."""
+    scene = lawnmower_scene(nx=2, nz=1, w=8, h=6)
+    part = Partition.from_config(PartitionConfig(grid=[2, 1]), scene)
+    with pytest.warns(DeprecationWarning, match="export_mega_nerf"):
+        out = dali_nerf.partition.export_megannerf(part, scene, tmp_path / "masks")
+    with pytest.warns(DeprecationWarning, match="import_mega_nerf"):
+        back = dali_nerf.partition.import_megannerf(out)
+    assert back == part == import_mega_nerf(out)
+    with pytest.raises(SceneError, match="params.pt"), pytest.warns(DeprecationWarning):
+        dali_nerf.partition.import_megannerf(tmp_path / "nothing")
+
+
+def test_partition_package_keeps_its_public_names():
+    """The module split keeps ``from dali_nerf.partition import X`` working for every old name."""
+    for name in ("Partition", "assign_rank", "ray_cells", "ray_cells_dense", "point_weights",
+                 "scene_ray_bounds", "cell_fraction", "export_megannerf", "import_megannerf",
+                 "load_masks", "plane_axes", "clip_to_bounds"):
+        assert name in dali_nerf.partition.__all__ and hasattr(dali_nerf.partition, name), name
+    assert dali_nerf.partition.point_weights is point_weights

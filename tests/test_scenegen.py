@@ -4,6 +4,7 @@ parser -> rays -> the analytic hit the renderer saw (Blender, Mega-NeRF, nerfstu
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import cv2
@@ -12,7 +13,11 @@ import pytest
 import torch
 
 from dali_nerf import scenegen as sg
+from dali_nerf.cli import main
 from dali_nerf.errors import ConfigError, DaliNerfError
+from dali_nerf.rays import rays_from_indices
+from dali_nerf.scenegen import tracer, worlds, writers
+from dali_nerf.scenes import load_scene
 
 
 def _digest(root: Path) -> dict:
@@ -50,12 +55,19 @@ def _decode_over_white(path: Path) -> np.ndarray:
     return cv2.cvtColor(img, cv2.COLOR_BGR2RGB).astype(np.float64)
 
 
-def _round_trip(out, kind, fmt, split, gen_kwargs, n_pix=200, exact_colour=True):
-    from dali_nerf.rays import rays_from_indices
-    from dali_nerf.scenes import load_scene
+def _gen_cameras(kind, split, gen_kwargs):
+    """The generator's cameras the parser's ``split`` holds (LLFF: every 8th view is test/val)."""
+    if kind == "forward":
+        cams = sg.scene_cameras(kind, **gen_kwargs)["train"]
+        keep = np.arange(len(cams["c2w"]))
+        keep = keep[keep % 8 == 0] if split in ("val", "test") else keep[keep % 8 != 0]
+        return dict(cams, c2w=cams["c2w"][keep], intrinsics=cams["intrinsics"][keep])
+    return sg.scene_cameras(kind, **gen_kwargs)[split if not (kind in ("city", "unbounded") and split == "test") else "val"]
 
+
+def _round_trip(out, kind, fmt, split, gen_kwargs, n_pix=200, exact_colour=True):
     scene = load_scene(out, split, format=fmt)
-    cams = sg.scene_cameras(kind, **gen_kwargs)[split if not (kind == "city" and split == "test") else "val"]
+    cams = _gen_cameras(kind, split, gen_kwargs)
     n = len(cams["c2w"])
     assert scene.num_images == n
     w, h = cams["width"], cams["height"]
@@ -105,23 +117,22 @@ def _round_trip(out, kind, fmt, split, gen_kwargs, n_pix=200, exact_colour=True)
     return scene
 
 
+def _generate(factory, kind, **kw):
+    """(folder, generator kwargs) of a scene made once per module."""
+    return sg.make_scene(kind, factory.mktemp("gen") / kind, **kw), kw
+
+
 @pytest.fixture(scope="module")
 def objects_scene(tmp_path_factory):
-    kw = dict(width=40, height=30, n_train=4, n_val=2, n_test=3, seed=3)
-    out = sg.make_scene("objects", tmp_path_factory.mktemp("gen") / "objects", **kw)
-    return out, kw
+    return _generate(tmp_path_factory, "objects", width=40, height=30, n_train=4, n_val=2, n_test=3, seed=3)
 
 
 @pytest.fixture(scope="module")
 def city_scene(tmp_path_factory):
-    kw = dict(width=48, height=36, n_train=6, n_val=2, seed=5)
-    out = sg.make_scene("city", tmp_path_factory.mktemp("gen") / "city", **kw)
-    return out, kw
+    return _generate(tmp_path_factory, "city", width=48, height=36, n_train=6, n_val=2, seed=5)
 
 
 def test_objects_layout(objects_scene):
-    import json
-
     out, _ = objects_scene
     for split, n in (("train", 4), ("val", 2), ("test", 3)):
         meta = json.loads((out / f"transforms_{split}.json").read_text())
@@ -143,8 +154,6 @@ def test_objects_layout(objects_scene):
 
 
 def test_city_layout(city_scene):
-    import json
-
     out, _ = city_scene
     coords = torch.load(out / "coordinates.pt", map_location="cpu", weights_only=True)
     assert coords["origin_drb"].dtype == torch.float32 and coords["origin_drb"].shape == (3,)
@@ -195,15 +204,109 @@ def test_round_trip_jpeg(tmp_path):
     _round_trip(out, "objects", "blender", "train", kw, exact_colour=False)
 
 
+@pytest.fixture(scope="module")
+def forward_scene(tmp_path_factory):
+    return _generate(tmp_path_factory, "forward", width=64, height=48, n_train=10, seed=2)
+
+
+@pytest.fixture(scope="module")
+def unbounded_scene(tmp_path_factory):
+    return _generate(tmp_path_factory, "unbounded", width=48, height=36, n_train=12, n_val=2, seed=4)
+
+
+def test_forward_layout(forward_scene):
+    out, _ = forward_scene
+    pb = np.load(out / "poses_bounds.npy")
+    assert pb.shape == (10, 17)
+    np.testing.assert_array_equal(pb[:, [4, 9]], np.tile([48.0, 64.0], (10, 1)))  # H, W of the full images
+    assert (pb[:, 15] > 0).all() and (pb[:, 16] > pb[:, 15]).all()
+    for folder, (h, w) in (("images", (48, 64)), ("images_4", (12, 16)), ("images_8", (6, 8))):
+        files = sorted((out / folder).iterdir())
+        assert [f.name for f in files] == [f"image_{i:03d}.jpg" for i in range(10)]
+        img = cv2.imread(str(files[3]), cv2.IMREAD_UNCHANGED)
+        assert img.shape == (h, w, 3)  # JPEG, no alpha
+    # images_8 is the area average of the full image (up to JPEG)
+    full = cv2.imread(str(out / "images" / "image_003.jpg")).astype(np.float64)
+    small = cv2.imread(str(out / "images_8" / "image_003.jpg")).astype(np.float64)
+    assert np.abs(full.reshape(6, 8, 8, 8, 3).mean((1, 3)) - small).mean() < 4.0
+
+
+def test_unbounded_layout(unbounded_scene):
+    out, _ = unbounded_scene
+    ns = json.loads((out / "transforms.json").read_text())
+    assert ns["camera_model"] == "PINHOLE" and (ns["w"], ns["h"]) == (48, 36)
+    for key in ("near", "far", "aabb", "up"):  # as COLMAP-made captures come
+        assert key not in ns
+    assert ns["train_filenames"] == [f"images/frame_{i:05d}.jpg" for i in range(12)]
+    assert ns["test_filenames"] == ns["val_filenames"] == [f"images/frame_{i:05d}.jpg" for i in (12, 13)]
+    assert cv2.imread(str(out / "images" / "frame_00000.jpg"), cv2.IMREAD_UNCHANGED).shape == (36, 48, 3)
+    pos = np.array([np.array(f["transform_matrix"])[:3, 3] for f in ns["frames"]])
+    fwd = np.array([-np.array(f["transform_matrix"])[:3, 2] for f in ns["frames"]])
+    np.testing.assert_allclose(np.linalg.norm(pos[:, :2], axis=1), 0.35, atol=0.01)
+    assert (np.einsum("ni,ni->n", pos[:, :2], fwd[:, :2]) > 0).all()  # looking outward
+    everything = cv2.imread(str(out / "images" / "frame_00003.jpg"))
+    assert everything.std() > 10  # textured, not a flat background
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_round_trip_llff(forward_scene, split):
+    out, kw = forward_scene
+    scene = _round_trip(out, "forward", "llff", split, kw, exact_colour=False)
+    assert scene.aabb is None and scene.has_bounds
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_round_trip_unbounded_nerfstudio(unbounded_scene, split):
+    out, kw = unbounded_scene
+    scene = _round_trip(out, "unbounded", "nerfstudio", split, kw, exact_colour=False)
+    assert scene.aabb is None and not scene.has_bounds
+
+
+def _project(scene, i, p):
+    """Pixel coordinates (P, 2) (u, v) of world points p (P, 3) in camera i of a parsed scene."""
+    c2w = np.asarray(scene.c2w[i], np.float64)
+    fx, fy, cx, cy = np.asarray(scene.intrinsics[i], np.float64)
+    q = (p - c2w[:, 3]) @ c2w[:, :3]  # camera axes (OpenGL)
+    return np.stack([fx * q[:, 0] / -q[:, 2] + cx, -fy * q[:, 1] / -q[:, 2] + cy], 1)
+
+
+@pytest.mark.parametrize("kind, fmt, downscale", [("forward", "llff", 1), ("forward", "llff", 4),
+                                                  ("forward", "llff", 8), ("unbounded", "nerfstudio", 1)])
+def test_parsed_poses_project_known_points(forward_scene, unbounded_scene, kind, fmt, downscale):
+    """A surface point the generator saw through pixel (row, col) of a view projects, with the
+    parsed pose and intrinsics, to that pixel's centre in the (downscaled) image."""
+
+    out, kw = forward_scene if kind == "forward" else unbounded_scene
+    scene = load_scene(out, "train", format=fmt, downscale=downscale)
+    cams = _gen_cameras(kind, "train", kw)
+    w, h = cams["width"], cams["height"]
+    assert (scene.width == w // downscale).all() and (scene.height == h // downscale).all()
+    rng = np.random.default_rng(7)
+    cam = rng.integers(0, scene.num_images, 300)
+    row, col = rng.integers(0, h, 300).astype(np.float64), rng.integers(0, w, 300).astype(np.float64)
+    o, d = _ref_rays(cams["c2w"][cam], cams["intrinsics"][cam], row, col)
+    hit = sg.render_scene_rays(kind, o, d, kw["seed"])
+    assert (hit["alpha"] == 1).all()  # every pixel sees a surface: nothing to composite
+    m = np.asarray(scene.world_from_source, np.float64)
+    p_world = hit["points"] @ m[:3, :3].T + m[:3, 3]
+    for i in np.unique(cam):
+        sel = cam == i
+        uv = _project(scene, i, p_world[sel])
+        want = np.stack([col[sel] + 0.5, row[sel] + 0.5], 1) * np.array([scene.width[i] / w, scene.height[i] / h])
+        np.testing.assert_allclose(uv, want, atol=2e-3)
+
+
 def test_deterministic_bytes(tmp_path):
-    for kind in ("objects", "city"):
+    for kind in ("objects", "city", "forward", "unbounded"):
         kw = dict(width=24, n_train=3, n_val=1, n_test=1 if kind == "objects" else 0)
+        if kind == "forward":
+            kw.update(width=32, n_train=9, n_val=0)
         a = _digest(sg.make_scene(kind, tmp_path / f"{kind}_a", seed=7, **kw))
         b = _digest(sg.make_scene(kind, tmp_path / f"{kind}_b", seed=7, **kw))
         c = _digest(sg.make_scene(kind, tmp_path / f"{kind}_c", seed=8, **kw))
         assert a == b
         assert a.keys() == c.keys() and a != c
-        images = [k for k in a if k.endswith(".png")]
+        images = [k for k in a if k.endswith((".png", ".jpg"))]
         assert sum(a[k] != c[k] for k in images) >= len(images) // 2  # the layout changed, not one file
 
 
@@ -221,8 +324,8 @@ def test_render_scene_rays_analytic():
     assert c["depth"][0] == pytest.approx(1.0) and c["alpha"][0] == 1
     assert ((c["rgb"] >= 0) & (c["rgb"] <= 1)).all()
     # rays from one camera through a building roof: depth = altitude - roof height
-    world = sg._world("city", 0)
-    boxes = [p for p in world.prims if isinstance(p, sg._BoxSet)][0]
+    world = worlds.scene_world("city", 0)
+    boxes = [p for p in world.prims if isinstance(p, tracer.BoxSet)][0]
     centre = 0.5 * (boxes.lo + boxes.hi)
     hits = sg.render_scene_rays("city", np.c_[centre[:, :2], np.full(len(centre), 2.0)], np.tile([0, 0, -1.0], (len(centre), 1)))
     np.testing.assert_allclose(hits["depth"], 2.0 - boxes.hi[:, 2], rtol=1e-12)
@@ -247,7 +350,7 @@ def test_refuses_to_overwrite_and_force(tmp_path):
 
 def test_crash_leaves_nothing(tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = sg._write_image
+    real = writers._write_image
 
     def failing(path, rgba, fmt):
         calls["n"] += 1
@@ -255,7 +358,7 @@ def test_crash_leaves_nothing(tmp_path, monkeypatch):
             raise OSError("disk full")
         real(path, rgba, fmt)
 
-    monkeypatch.setattr(sg, "_write_image", failing)
+    monkeypatch.setattr(writers, "_write_image", failing)
     with pytest.raises(OSError):
         sg.make_scene("city", tmp_path / "c", width=16, n_train=4, n_val=1)
     assert list(tmp_path.iterdir()) == []
@@ -275,8 +378,6 @@ def test_bad_values(tmp_path, kw, key):
 
 
 def test_cli(tmp_path, capsys):
-    from dali_nerf.cli import main
-
     out = tmp_path / "cli"
     assert main(["make-scene", "city", "--out", str(out), "--resolution", "32", "--images", "4", "--seed", "2"]) == 0
     assert "4 train" in capsys.readouterr().out
@@ -287,3 +388,26 @@ def test_cli(tmp_path, capsys):
     assert err.startswith("error:") and "--force" in err and len(err.splitlines()) == 1
     assert main(["make-scene", "objects", "--out", str(tmp_path / "j"), "--resolution", "16", "--images", "2", "--jpeg"]) == 0
     assert (tmp_path / "j" / "train" / "r_1.jpg").exists()
+
+
+@pytest.mark.parametrize("kw, key", [
+    (dict(width=36), "width"), (dict(width=32, height=20), "height"), (dict(width=32, n_val=1), "n_val"),
+    (dict(width=32, n_train=1), "n_train"),
+])
+def test_forward_bad_values(tmp_path, kw, key):
+    with pytest.raises(ConfigError) as e:
+        sg.make_scene("forward", tmp_path / "x", **kw)
+    assert key in str(e.value) and "forward" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_new_kinds(tmp_path, capsys):
+    assert main(["make-scene", "forward", "--out", str(tmp_path / "f"), "--resolution", "32", "--images", "9"]) == 0
+    assert "LLFF" in capsys.readouterr().out
+    assert (tmp_path / "f" / "images_8" / "image_008.jpg").exists()
+    assert main(["make-scene", "forward", "--out", str(tmp_path / "g"), "--resolution", "36"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "multiple of 8" in err and len(err.splitlines()) == 1
+    assert main(["make-scene", "unbounded", "--out", str(tmp_path / "u"), "--resolution", "16", "--images", "3"]) == 0
+    assert "3 train" in capsys.readouterr().out
+    assert (tmp_path / "u" / "images" / "frame_00003.jpg").exists()

@@ -20,11 +20,12 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ..rays import image_rays
+from .space import lin_disp_samples
 
 __all__ = ["render_rays", "render_image", "ray_aabb"]
 
@@ -59,7 +60,9 @@ def _as_col(v, b: int, like: torch.Tensor, default: float) -> torch.Tensor:
 
 def render_rays(field, origins: torch.Tensor, directions: torch.Tensor, near, far, background, *,
                 occupancy=None, samples: int = 192, generator: Optional[torch.Generator] = None,
-                train: bool = True, aabb: Optional[torch.Tensor] = None) -> dict:
+                train: bool = True, aabb: Optional[torch.Tensor] = None,
+                viewdirs: Optional[torch.Tensor] = None, warp: Optional[Callable] = None,
+                spacing: str = "linear", split: float = 1.0) -> dict:
     """Composite ``field`` along rays over ``background``.
 
     Args:
@@ -73,7 +76,16 @@ def render_rays(field, origins: torch.Tensor, directions: torch.Tensor, near, fa
             (S / 4 while ``occupancy`` is given but not yet ``ready``: all cells occupied).
         generator: jitter source in training (the caller seeds it from (seed, step, rank)).
         train: jitter samples (else midpoints).
-        aabb: (2, 3) clip box; default the occupancy grid's, else the field's ``aabb`` buffer.
+        aabb: (2, 3) clip box; default the occupancy grid's, else the field's ``aabb`` buffer
+            (with ``warp``: only an explicit ``aabb`` clips, the field's box being in warped space).
+        viewdirs: (B, 3) unit view directions the field sees (default ``directions``); for NDC
+            rays (:func:`~dali_nerf.models.space.ndc_rays`, not unit) pass the world directions.
+        warp: positions (P, 3) -> the field's and occupancy grid's coordinates (P, 3), e.g.
+            ``lambda x: contract(normalize_to_box(x, box))`` (:mod:`dali_nerf.models.space`);
+            depth stays in ``t`` along ``directions``.
+        spacing: "linear" in t (default), or "lin_disp" (:func:`~dali_nerf.models.space.lin_disp_samples`:
+            half the bins linear up to ``split``, half linear in disparity beyond; far must be finite).
+        split: the distance where "lin_disp" switches from linear to disparity spacing.
     Returns:
         {"rgb": (B, 3), "depth": (B,) expected distance of the hit (0 where nothing is hit),
          "acc": (B,) opacity}; also "samples": number of points the field was evaluated on.
@@ -82,10 +94,12 @@ def render_rays(field, origins: torch.Tensor, directions: torch.Tensor, near, fa
     dev, dt = origins.device, origins.dtype
     bg = torch.as_tensor(background, dtype=dt, device=dev).reshape(3)
     raw = _unwrap(field)
-    if aabb is None:
+    if aabb is None and warp is None:
         aabb = getattr(occupancy, "aabb", None)
-    if aabb is None:
+    if aabb is None and warp is None:
         aabb = getattr(raw, "aabb", None)
+    if spacing not in ("linear", "lin_disp"):
+        raise ValueError(f"render_rays: spacing={spacing!r}: use linear or lin_disp")
     t0 = _as_col(near, b, origins, 0.0)
     t1 = _as_col(far, b, origins, float("inf"))
     if aabb is not None:
@@ -105,9 +119,21 @@ def render_rays(field, origins: torch.Tensor, directions: torch.Tensor, near, fa
         u = torch.rand((b, s), device=dev, dtype=dt)
     else:
         u = torch.full((b, s), 0.5, device=dev, dtype=dt)
-    delta = span / s  # (B,)
-    t = t0[:, None] + (torch.arange(s, device=dev, dtype=dt)[None] + u) * delta[:, None]  # (B, S)
+    if spacing == "linear":
+        delta = (span / s)[:, None].expand(b, s)  # (B, S)
+        t = t0[:, None] + (torch.arange(s, device=dev, dtype=dt)[None] + u) * delta  # (B, S)
+    else:
+        if not torch.isfinite(t1[hit]).all():
+            raise ValueError("render_rays: spacing lin_disp needs finite far bounds")
+        t0h = torch.where(hit, t0, torch.zeros_like(t0)).clamp_min(torch.finfo(dt).tiny)
+        t1h = torch.where(hit, t1, t0h + 1.0)
+        edges = lin_disp_samples(t0h, t1h, torch.linspace(0.0, 1.0, s + 1, device=dev, dtype=dt)[None].expand(b, s + 1),
+                                 split)  # (B, S + 1) bin edges
+        delta = torch.where(hit[:, None], edges[:, 1:] - edges[:, :-1], torch.zeros_like(u))
+        t = edges[:, :-1] + u * delta
     pos = origins[:, None, :] + t[..., None] * directions[:, None, :]  # (B, S, 3)
+    if warp is not None:
+        pos = warp(pos.reshape(-1, 3)).reshape(b, s, 3)
     mask = hit[:, None].expand(b, s)
     if occupancy is not None:
         mask = mask & occupancy.occupied(pos)
@@ -118,15 +144,15 @@ def render_rays(field, origins: torch.Tensor, directions: torch.Tensor, near, fa
             ray_i, smp_i = mask.nonzero(as_tuple=True)
             tau = torch.zeros((b, s), device=dev, dtype=dt)
             if ray_i.numel():
-                tau[ray_i, smp_i] = raw.density(pos[ray_i, smp_i]).to(dt) * delta[ray_i]
+                tau[ray_i, smp_i] = raw.density(pos[ray_i, smp_i]).to(dt) * delta[ray_i, smp_i]
             trans = torch.exp(-(torch.cumsum(tau, dim=1) - tau))
             mask = mask & (trans > T_EPS) & (tau > TAU_EPS)
 
     # 2. one differentiable field evaluation on the surviving points
     ray_i, smp_i = mask.nonzero(as_tuple=True)
     x = pos[ray_i, smp_i]
-    sigma, rgb = field(x, directions[ray_i])
-    tau_k = sigma.to(dt) * delta[ray_i]
+    sigma, rgb = field(x, (directions if viewdirs is None else viewdirs)[ray_i])
+    tau_k = sigma.to(dt) * delta[ray_i, smp_i]
 
     # 3. compositing in the padded layout
     tau = torch.zeros((b, s), device=dev, dtype=dt).index_put((ray_i, smp_i), tau_k)

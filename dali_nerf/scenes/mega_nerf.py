@@ -42,6 +42,7 @@ import pickle
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..errors import SceneError
 from ..imageio import IMAGE_EXTENSIONS
@@ -63,8 +64,6 @@ def detect(root: Path) -> bool:
 def load_pt(path) -> dict:
     """Read a plain tensor dict with ``torch.load(weights_only=True)``; anything needing arbitrary
     unpickling, or not a dict, is refused with one line naming the file."""
-    import torch
-
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:

@@ -1,0 +1,26 @@
+"""Spatial segmentation (Mega-NeRF style), one module per concern:
+
+* :mod:`.cells` -- :class:`Partition` (centroids from a grid or k-means over the camera positions,
+  margin, 2-D or 3-D distances, the partition file) and :func:`assign_rank`;
+* :mod:`.routing` -- exact ray membership :func:`ray_cells` (the reference the C++ op implements),
+  Mega-NeRF's brute force :func:`ray_cells_dense`, the scene's ray segments;
+* :mod:`.mega_nerf` -- Mega-NeRF cluster-mask export / ``params.pt`` import.
+
+The fusion weights of points (:func:`point_weights`) live with the fused field in
+:mod:`dali_nerf.models.fused` and are re-exported here.
+
+>>> part = Partition.from_config(cfg.partition, scene)
+>>> ray_cells(part, origins, directions, near, far).shape   # (B, C) bool
+(4096, 4)
+"""
+
+from ..models.fused import point_weights
+from .cells import Partition, assign_rank, plane_axes
+from .mega_nerf import export_mega_nerf, export_megannerf, import_mega_nerf, import_megannerf, load_masks
+from .routing import cell_fraction, clip_to_bounds, ray_cells, ray_cells_dense, scene_ray_bounds
+
+__all__ = [
+    "Partition", "assign_rank", "ray_cells", "ray_cells_dense", "point_weights", "scene_ray_bounds",
+    "cell_fraction", "export_mega_nerf", "import_mega_nerf", "export_megannerf", "import_megannerf",
+    "load_masks", "plane_axes", "clip_to_bounds",
+]
