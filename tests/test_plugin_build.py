@@ -136,3 +136,44 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", LOAD_AND_RUN.format(cuda=True)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert _finish(proc) == str(lib)
+
+
+PTX_PROBE = r"""
+#include "ray_math.h"
+#include "streams.h"
+using namespace dali_nerf::detail;
+__global__ void probe(const float *tab, const double *route, const RouteConsts *rc, uint64_t key, uint64_t P,
+                      float *o, float *d, unsigned *flag) {
+  int i = threadIdx.x;
+  uint64_t pix = stream_pixel(1, key, i, P);
+  row_ray(tab, pix / 7, pix % 7, o + 3 * i, d + 3 * i);
+  flag[i] = route_decide(*rc, route, pix / 7, pix % 7);
+}
+"""
+
+
+def test_device_formula_has_no_fma(tmp_path):
+    """The device code of the shared formula (ray_math.h), compiled with the plugin's nvcc flags,
+    rounds like the host: no fused multiply-add, no approximate or flush-to-zero instruction in
+    its PTX (so the host tests of the formula hold for the GPU's bits). Without -fmad=false the
+    same probe has FMAs: the check can fail."""
+    nvcc = ops._find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found: the device code cannot be compiled here")
+    plan = ops._build_plan(cuda=True)
+    fp_flags = [f for f in plan["cmd"] if f.startswith(("-fmad", "--fmad", "-use_fast_math", "--use_fast_math",
+                                                          "-ftz", "--ftz", "-prec-", "--prec-"))]
+    assert "-fmad=false" in fp_flags
+    (tmp_path / "probe.cu").write_text(PTX_PROBE)
+
+    def ptx(flags):
+        out = tmp_path / "probe.ptx"
+        res = subprocess.run([nvcc, "-std=c++20", "-ptx", "-arch=compute_90", *flags, f"-I{ops._CSRC}",
+                              str(tmp_path / "probe.cu"), "-o", str(out)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return out.read_text()
+
+    code = ptx(fp_flags)
+    assert "fma." not in code and ".approx" not in code and ".ftz" not in code
+    assert "sqrt.rn.f32" in code and "sqrt.rn.f64" in code  # IEEE square roots, as on the host
+    assert "fma." in ptx([f for f in fp_flags if not f.startswith("-fmad")])

@@ -86,6 +86,37 @@ struct RouteParams {
   double bmin[3], bmax[3];
 };
 
+/// The `up` argument as a unit vector in double; false when it is zero.
+inline bool unit_up(const float *up, double *unit) {
+  double n = dn_sqrt(double(up[0]) * up[0] + double(up[1]) * up[1] + double(up[2]) * up[2]);
+  if (!(n > 0)) return false;
+  for (int i = 0; i < 3; i++) unit[i] = up[i] / n;
+  return true;
+}
+
+/// The routing arguments (up: unit; bounds: min xyz, max xyz when has_bounds) with the C
+/// centroids (C x 3, host memory) projected like the rays.
+inline RouteParams route_params(const float *centroids, int C, int cell, float margin, const double *up,
+                                int dims, bool has_bounds, const double *bounds) {
+  RouteParams rp;
+  rp.C = C;
+  rp.cell = cell;
+  rp.m2 = double(margin) * double(margin);
+  for (int i = 0; i < 3; i++) rp.up[i] = up[i];
+  rp.dims = dims;
+  for (int k = 0; k < C && k < kMaxCells; k++) {
+    double cc[3] = {centroids[3 * k], centroids[3 * k + 1], centroids[3 * k + 2]};
+    if (dims == 2) {
+      double cu = cc[0] * up[0] + cc[1] * up[1] + cc[2] * up[2];
+      for (int i = 0; i < 3; i++) cc[i] -= cu * up[i];
+    }
+    for (int i = 0; i < 3; i++) rp.cproj[3 * k + i] = cc[i];
+  }
+  rp.has_bounds = has_bounds;
+  for (int i = 0; i < 3; i++) { rp.bmin[i] = bounds[i]; rp.bmax[i] = bounds[3 + i]; }
+  return rp;
+}
+
 /// Per-call constants of the exact test. With o the (projected) camera origin, D the (projected)
 /// unnormalised direction of the pixel, u = t / |d| (t along the unit ray, d the unprojected
 /// unnormalised direction) and j = the cell, ray membership is: some u in [near, far] / |d|

@@ -55,9 +55,7 @@ class RaySampler : public ::dali::Operator<Backend> {
                  "dali_nerf ray_sampler: `route_tile` must be 0 or a power of two <= 256");
     std::vector<float> up = spec.GetRepeatedArgument<float>("up");
     DALI_ENFORCE(up.size() == 3, "dali_nerf ray_sampler: `up` must have 3 values");
-    double n = std::sqrt(double(up[0]) * up[0] + double(up[1]) * up[1] + double(up[2]) * up[2]);
-    DALI_ENFORCE(n > 0, "dali_nerf ray_sampler: `up` must be non-zero");
-    for (int i = 0; i < 3; i++) up_[i] = up[i] / n;
+    DALI_ENFORCE(detail::unit_up(up.data(), up_), "dali_nerf ray_sampler: `up` must be non-zero");
     key_ = detail::stream_key(seed_, rank_, world_size_, mode_);
   }
 
@@ -125,23 +123,7 @@ class RaySampler : public ::dali::Operator<Backend> {
   void RunImpl(::dali::Workspace &ws) override;
 
   detail::RouteParams route_params(const float *centroids, int C) const {
-    detail::RouteParams rp;
-    rp.C = C;
-    rp.cell = cell_;
-    rp.m2 = double(margin_) * double(margin_);
-    for (int i = 0; i < 3; i++) rp.up[i] = up_[i];
-    rp.dims = dims_;
-    for (int k = 0; k < C && k < detail::kMaxCells; k++) {
-      double cc[3] = {centroids[3 * k], centroids[3 * k + 1], centroids[3 * k + 2]};
-      if (dims_ == 2) {
-        double cu = cc[0] * up_[0] + cc[1] * up_[1] + cc[2] * up_[2];
-        for (int i = 0; i < 3; i++) cc[i] -= cu * up_[i];
-      }
-      for (int i = 0; i < 3; i++) rp.cproj[3 * k + i] = cc[i];
-    }
-    rp.has_bounds = has_bounds_;
-    for (int i = 0; i < 3; i++) { rp.bmin[i] = bounds_[i]; rp.bmax[i] = bounds_[3 + i]; }
-    return rp;
+    return detail::route_params(centroids, C, cell_, margin_, up_, dims_, has_bounds_, bounds_);
   }
 
   int rays_;
