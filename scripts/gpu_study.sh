@@ -261,6 +261,8 @@ else
 fi
 NVCC=0; have_nvcc && NVCC=1
 GPU=0; [ "$MODE" = gpu ] && GPU=1
+# the GPU run builds for its own GPU only (sm_90 on an H200: half the nvcc time of the default)
+[ $GPU = 1 ] && export DALI_NERF_CUDA_ARCHS="${DALI_NERF_CUDA_ARCHS:-$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}{n}")')}"
 
 # ---- 1. build -----------------------------------------------------------------------------------
 if [ $DALI = 0 ]; then note SKIPPED build "no DALI (its headers and library are needed)"
