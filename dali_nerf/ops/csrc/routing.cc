@@ -27,9 +27,8 @@ struct Batch {
 /// Stages 2 and 3 of detail::route_decide over a batch of m candidates, each stage a loop over the
 /// candidates (vectorisable) calling the same stage function: the u range, the routing box, the
 /// projected direction with a and B0, then the end-point tests (k outer, candidates inner).
-__attribute__((always_inline)) inline void batch_body(const RouteTable &rt, Batch &bt, int m) {
-  // a local copy: the compiler then knows the stores into `bt` leave the constants alone
-  const detail::RouteConsts rc = rt;
+__attribute__((always_inline)) inline void batch_body(const RouteTable &rt, Batch &__restrict__ bt, int m) {
+  const detail::RouteConsts &rc = rt;  // `bt` is restrict: its stores leave the constants alone
   for (int j = 0; j < m; j++) detail::route_span(bt.Dx[j], bt.Dy[j], bt.Dz[j], bt.lo[j], bt.hi[j]);
   if (rc.has_bounds) {
     for (int j = 0; j < m; j++)
@@ -56,10 +55,10 @@ __attribute__((always_inline)) inline void batch_body(const RouteTable &rt, Batc
 
 // AVX2 without FMA: GCC contracts a * b + c when FMA is available; plain AVX2 rounds every
 // operation as the baseline build does, so decisions do not depend on the CPU the op runs on
-__attribute__((target("avx2"))) void batch_avx2(const RouteTable &rt, Batch &bt, int m) {
+__attribute__((target("avx2"))) void batch_avx2(const RouteTable &rt, Batch &__restrict__ bt, int m) {
   batch_body(rt, bt, m);
 }
-void batch_base(const RouteTable &rt, Batch &bt, int m) {
+void batch_base(const RouteTable &rt, Batch &__restrict__ bt, int m) {
   batch_body(rt, bt, m);
 }
 
