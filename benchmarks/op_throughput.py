@@ -18,6 +18,7 @@ import argparse
 import time
 
 import numpy as np
+import torch
 
 from dali_nerf import hostmem
 
@@ -66,11 +67,14 @@ class Runner:
             def const(a):
                 return lambda: [a]
 
-            ins = [fn.external_source(source=const(a), batch=True, no_copy=True,
-                                      device="gpu" if gpu else "cpu") for a in (pixels, cams, lay)]
+            # --gpu: the pixels are device-resident (moved once in main(), fed without a copy);
+            # cameras, layout and centroids stay CPU inputs of the GPU op (its host-side checks
+            # and tables need them on the host)
+            ins = [fn.external_source(source=const(pixels), batch=True, no_copy=True,
+                                      device="gpu" if gpu else "cpu")]
+            ins += [fn.external_source(source=const(a), batch=True, no_copy=True, device="cpu") for a in (cams, lay)]
             if routed:
-                ins.append(fn.external_source(source=lambda: [CENTROIDS], batch=True, no_copy=True,
-                                              device="gpu" if gpu else "cpu"))
+                ins.append(fn.external_source(source=lambda: [CENTROIDS], batch=True, no_copy=True, device="cpu"))
             s = fn.external_source(source=next_start, batch=True)
             kw = dict(cell=0, margin=1.15) if routed else {}
             if routed and route_tile is not None:
@@ -140,6 +144,8 @@ def main(argv=None):
 
     path = load_plugin(cuda=True if args.gpu else None)
     cache = make_cache(args.images, args.res)
+    if args.gpu:  # the images resident in device memory, copied there once
+        cache = (torch.from_numpy(cache[0]).cuda(), cache[1], cache[2])
     print(f"plugin {path}\ncache {args.images} x {args.res}x{args.res} = {len(cache[0])} pixels, "
           f"threads {args.threads}, backend {'gpu' if args.gpu else 'cpu'}")
     # Mrays per CPU-second (process time, all threads) is less sensitive to other load than the

@@ -1,36 +1,78 @@
 #!/usr/bin/env bash
-# The part of the characterization study that runs on a GPU machine without DALI, in one call:
-#   1. the torch-side phases of a training step (h2d, forward, backward, optimizer) of the study's
-#      model (configs/study.yaml `model:`) on the GPU at realistic batch sizes;
-#   2. the synchronous baselines' sampling cost (torch gather + the one ray formula, the same work
-#      sync_local/sync_global do per step) on this machine's CPU cores, 1 thread and all cores,
-#      at per-GPU and global batch sizes;
-#   3. the same sampler GPU-resident (image cache in device memory, torch gather on the GPU).
-# Writes $OUT/gpu_study.json (or ./gpu_study_out/ when OUT is unset) and prints a summary.
-# Skipped, and said so in the JSON: the DALI operator path (the DALI wheel is not on the GPU
-# machine) and multi-GPU all-reduce (one GPU).
+# The GPU machine's run, in one call (about 10 minutes on one H200; correctness first):
+#   0. DALI: used if importable, else installed (--no-deps, into a temporary folder) from a wheel
+#      under .whl/ (one *.whl, or its pieces *.whl.part* joined in name order); without one every
+#      DALI step below is SKIPPED and said so;
+#   1. build the CUDA plugin with nvcc (dali-nerf build-op --cuda)              [DALI, nvcc]
+#   2. pytest -m gpu: the GPU tests (CUDA op vs the numpy reference and the CPU op, routing,
+#      CUDA batches without copies, nvJPEG, 1-rank CUDA DDP and SS)            [DALI, nvcc]
+#   3. the op's Mrays/s with the images resident in device memory
+#      (benchmarks/op_throughput.py --gpu)                                      [DALI]
+#   4. the torch study (below): phases of a training step on the GPU, the synchronous samplers on
+#      the CPU cores, and the same sampler as a torch gather on the GPU (the op's comparison)
+#   5. the GPU quality config (configs/ddp_blender_gpu.yaml, 1 rank, the time left)  [DALI]
+# Everything goes under $OUT (or ./gpu_study_out/): one log per step, steps.txt (RAN / SKIPPED /
+# FAILED per step, with the reason), gpu_study.json (step 4).
 #
-#   bash scripts/gpu_study.sh            # on the GPU machine (< 5 minutes)
-#   bash scripts/gpu_study.sh --cpu      # same measurements on the CPU, small sizes (tests, laptops)
+#   bash scripts/gpu_study.sh            # on the GPU machine
+#   bash scripts/gpu_study.sh --dry-run  # here, no GPU: every step that can run without one (the
+#                                        # nvcc build, the gpu tests' collection and skips, the
+#                                        # benchmark and the study on the CPU, the config) and
+#                                        # the skips; exit 1 if a step that should run fails
+#   bash scripts/gpu_study.sh --cpu      # only step 4 on the CPU, small sizes (laptops)
 #
+# Budgets: GPU_STUDY_TOTAL (s, default 540) for the whole run; the torch study gets
+# GPU_STUDY_SECONDS (default 150) or --budget=SECONDS. QUALITY_STEPS (default 3000) caps step 5.
 # Feed the result to the projection: dali-nerf bench study bench.gpu_step_ms=<phases[B].step_ms>
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
-BUDGET=${GPU_STUDY_SECONDS:-200}
+BUDGET=${GPU_STUDY_SECONDS:-150}
+TOTAL=${GPU_STUDY_TOTAL:-540}
 for a in "$@"; do
   case "$a" in
     --cpu) MODE=cpu ;;
+    --dry-run) MODE=dry ;;
     --budget=*) BUDGET="${a#--budget=}" ;;
-    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
-    *) echo "error: unknown argument $a (use --cpu, --budget=SECONDS)" >&2; exit 2 ;;
+    -h|--help) sed -n 2,27p "$0"; exit 0 ;;
+    *) echo "error: unknown argument $a (use --dry-run, --cpu, --budget=SECONDS)" >&2; exit 2 ;;
   esac
 done
+case "$BUDGET" in ''|*[!0-9.]*) echo "error: --budget=$BUDGET: give seconds, e.g. --budget=120" >&2; exit 2 ;; esac
 OUT_DIR="${OUT:-gpu_study_out}"
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-exec "$PY" - "$MODE" "$OUT_DIR" "$BUDGET" <<'EOF'
+STEPS="$OUT_DIR/steps.txt"
+: > "$STEPS"
+T0=$SECONDS
+FAILED=0
+note() { echo "$1 $2: $3" | tee -a "$STEPS"; }
+left() { echo $(( TOTAL - (SECONDS - T0) )); }
+# run_step NAME LIMIT_S CMD...: log to $OUT_DIR/NAME.log, one line in steps.txt
+run_step() {
+  local name=$1 limit=$2; shift 2
+  local log="$OUT_DIR/$name.log"
+  if (( limit < 5 )); then note SKIPPED "$name" "time budget spent"; return 1; fi
+  echo "== $name (limit ${limit}s): $*" | tee "$log"
+  if timeout "$limit" "$@" >>"$log" 2>&1; then
+    note RAN "$name" "ok, $(( SECONDS - T0 ))s into the run (log: $log)"
+    return 0
+  fi
+  local rc=$?
+  note FAILED "$name" "exit $rc$([ $rc = 124 ] && echo ', timed out') (log: $log)"
+  tail -n 15 "$log" | sed 's/^/    /'
+  FAILED=1
+  return 1
+}
+have_dali() { "$PY" -c "import nvidia.dali" >/dev/null 2>&1; }
+have_gpu() { "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; }
+have_nvcc() { "$PY" -c "import sys; from dali_nerf.ops import _find_nvcc; sys.exit(0 if _find_nvcc() else 1)" >/dev/null 2>&1; }
+
+# step 4, the torch study: this Python program (argv: mode out_dir budget_s)
+STUDY_PY="${TMPDIR:-/tmp}/gpu_study_$$.py"
+trap 'rm -f "$STUDY_PY"' EXIT
+cat > "$STUDY_PY" <<'EOF'
 import json, os, platform, sys, time
 from pathlib import Path
 
@@ -170,7 +212,8 @@ if GPU:
 else:
     res["skipped"].append("gpu-resident sampler: --cpu mode")
 res["samplers"] = samp_rows
-res["skipped"].append("DALI operator path (fn.dali_nerf.ray_sampler, RayLoader): the DALI wheel is not on this machine")
+res["notes"].append("the DALI operator path (fn.dali_nerf.ray_sampler with device-resident images) is step 3 of "
+                    "scripts/gpu_study.sh (op-throughput.log), run when DALI is present (steps.txt says)")
 res["skipped"].append("gradient all-reduce: one GPU, no NCCL peers")
 res["notes"].append("sampler = the synchronous baselines' per-step work: random pixel ids, image lookup "
                     "(searchsorted), gather uint8 rgb, rays_from_indices; cache is random uint8 of the stated size")
@@ -178,3 +221,106 @@ res["wall_s"] = time.perf_counter() - t_begin
 (out_dir / "gpu_study.json").write_text(json.dumps(res, indent=2))
 print(f"wrote {out_dir / 'gpu_study.json'} in {res['wall_s']:.1f} s; skipped: " + "; ".join(res["skipped"]), flush=True)
 EOF
+
+if [ "$MODE" = cpu ]; then
+  "$PY" "$STUDY_PY" cpu "$OUT_DIR" "$BUDGET"
+  exit $?
+fi
+
+if [ "$MODE" = gpu ] && ! have_gpu; then
+  echo "error: no GPU visible to torch; run with --dry-run (checks) or --cpu (the CPU study)" >&2
+  exit 2
+fi
+echo "gpu_study: mode $MODE, out $OUT_DIR, total budget ${TOTAL}s" | tee "$OUT_DIR/README.txt"
+
+# ---- 0. DALI ----------------------------------------------------------------------------------
+DALI=0
+if have_dali; then
+  DALI=1; note RAN dali "importable: $("$PY" -c 'import nvidia.dali as d; print(d.__version__)')"
+else
+  WHEEL=$(ls .whl/*.whl 2>/dev/null | head -n 1)
+  if [ -z "$WHEEL" ]; then
+    PART=$(ls .whl/*.whl.part* 2>/dev/null | head -n 1)
+    if [ -n "$PART" ]; then
+      BASE=${PART%.part*}
+      WHEEL="${TMPDIR:-/tmp}/$(basename "$BASE")"
+      cat $(ls "$BASE".part* | sort) > "$WHEEL"
+    fi
+  fi
+  if [ -z "$WHEEL" ]; then
+    note SKIPPED dali "not importable and no wheel under .whl/: steps 1, 2, 3 and 5 need DALI"
+  elif [ "$MODE" = dry ]; then
+    note SKIPPED dali "dry run: would install $WHEEL (pip --no-deps --target)"
+  else
+    SITE="${TMPDIR:-/tmp}/dali_nerf_dali_site"
+    if run_step dali-install "$(left)" "$PY" -m pip install -q --no-deps --target "$SITE" "$WHEEL"; then
+      export PYTHONPATH="$PYTHONPATH:$SITE"
+      if have_dali; then DALI=1; else note FAILED dali "installed from $WHEEL but not importable (missing dependencies?)"; FAILED=1; fi
+    fi
+  fi
+fi
+NVCC=0; have_nvcc && NVCC=1
+GPU=0; [ "$MODE" = gpu ] && GPU=1
+# the GPU run builds for its own GPU only (sm_90 on an H200: half the nvcc time of the default)
+[ $GPU = 1 ] && export DALI_NERF_CUDA_ARCHS="${DALI_NERF_CUDA_ARCHS:-$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}{n}")')}"
+
+# ---- 1. build -----------------------------------------------------------------------------------
+if [ $DALI = 0 ]; then note SKIPPED build "no DALI (its headers and library are needed)"
+elif [ $NVCC = 0 ]; then note SKIPPED build "nvcc not found (install the CUDA toolkit or set CUDA_HOME)"
+else run_step build "$(( $(left) < 600 ? $(left) : 600 ))" "$PY" -m dali_nerf build-op --cuda
+fi
+
+# ---- 2. gpu tests -------------------------------------------------------------------------------
+if [ $DALI = 0 ]; then note SKIPPED gpu-tests "no DALI"
+elif [ $GPU = 1 ]; then run_step gpu-tests "$(( $(left) - 120 ))" "$PY" -m pytest -q -rs -m gpu tests/
+else
+  # dry: the gpu tests must be collected and skipped, each with its reason
+  if run_step gpu-tests-collect 300 "$PY" -m pytest -q -rs -m gpu tests/test_gpu.py; then
+    if grep -q "passed\|failed\|error" "$OUT_DIR/gpu-tests-collect.log" || ! grep -q "SKIPPED.*GPU test: " "$OUT_DIR/gpu-tests-collect.log"; then
+      note FAILED gpu-tests-collect "expected every gpu test skipped with its reason"; FAILED=1
+    fi
+  fi
+fi
+
+# ---- 3. the op's throughput ---------------------------------------------------------------------
+if [ $DALI = 0 ]; then note SKIPPED op-throughput "no DALI"
+elif [ $GPU = 1 ]; then
+  run_step op-throughput "$(( $(left) < 150 ? $(left) : 150 ))" "$PY" benchmarks/op_throughput.py --gpu \
+    --images 100 --res 800 --rays 262144,1048576 --seconds 4 --threads 4
+else
+  run_step op-throughput-cpu 300 "$PY" benchmarks/op_throughput.py --images 2 --res 32 --rays 1024 \
+    --seconds 0.4 --modes random,routed
+fi
+
+# ---- 4. the torch study -------------------------------------------------------------------------
+if [ $GPU = 1 ]; then
+  B=$(( $(left) - 90 )); (( B > ${BUDGET%.*} )) && B=${BUDGET%.*}
+  run_step study "$(( B + 60 ))" "$PY" "$STUDY_PY" gpu "$OUT_DIR" "$B"
+else
+  run_step study-cpu 300 "$PY" "$STUDY_PY" cpu "$OUT_DIR" 20
+fi
+
+# ---- 5. the GPU quality config ------------------------------------------------------------------
+CFG=configs/ddp_blender_gpu.yaml
+if [ $GPU = 1 ] && [ $DALI = 1 ]; then
+  SCENE=data/lego
+  if [ ! -d "$SCENE" ]; then
+    SCENE="${TMPDIR:-/tmp}/dali_nerf_objects800"
+    run_step make-scene "$(( $(left) / 3 ))" "$PY" -m dali_nerf make-scene objects --out "$SCENE" \
+      --resolution 800 --images 100 || SCENE=
+  fi
+  if [ -n "$SCENE" ]; then
+    run_step quality "$(( $(left) - 10 ))" "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
+      -m dali_nerf.trainers.ddp --config "$CFG" "scene.path=$SCENE" "train.runs_dir=$OUT_DIR/runs" \
+      "train.steps=${QUALITY_STEPS:-3000}" train.checkpoint_every=0
+  fi
+else
+  note SKIPPED quality "$([ $GPU = 0 ] && echo 'no GPU (dry run)' || echo 'no DALI')"
+  run_step quality-config 60 "$PY" -c "from dali_nerf.config import load_config; \
+c = load_config('$CFG', ['scene.path=data/lego'], check_paths=False); \
+assert c.train.device == 'cuda', c.train.device; print('config ok:', c.name)"
+fi
+
+echo "---- steps ($(( SECONDS - T0 ))s) ----"
+cat "$STEPS"
+exit $FAILED

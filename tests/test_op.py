@@ -7,6 +7,9 @@ rule (by dense sampling along each ray, and by an exact critical-point check whe
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -14,6 +17,7 @@ pytest.importorskip("nvidia.dali")
 
 from nvidia.dali import fn, pipeline_def  # noqa: E402
 
+from dali_nerf import ops  # noqa: E402
 from dali_nerf.ops import load_plugin  # noqa: E402
 
 U64 = np.uint64
@@ -519,3 +523,131 @@ def test_avx2_paths_match_scalar_code(uniform):
             ids = pixel_ids(cache, got[0]["indices"])
             assert np.isin(P - 1, ids)
             check_against_reference(cache, got[0])
+
+
+# ------------------------------------------------------------------------------ the shared formula
+# ray_math.h is what the GPU kernels evaluate (compiled with -fmad=false: the same rounding as
+# here). Compiled for the host with the plugin's own compiler and flags, its row_ray and
+# route_decide must give the CPU op's rays and routing decisions bit for bit, so these CPU tests
+# check the GPU's arithmetic too (tests/test_plugin_build.py checks the device code has no FMA).
+
+HARNESS = r"""
+#include <cstdint>
+#include "ray_math.h"
+using namespace dali_nerf::detail;
+static void locate(const int64_t *lay, int64_t N, int64_t pid, int64_t &img, int64_t &row, int64_t &col) {
+  img = N - 1;
+  while (lay[4 * img] > pid) img--;
+  int64_t rem = pid - lay[4 * img];
+  row = rem / lay[4 * img + 1];
+  col = rem % lay[4 * img + 1];
+}
+extern "C" void dn_rays(const float *cams, const int64_t *lay, int64_t N, const int64_t *pid, int64_t n,
+                        float *o, float *d) {
+  for (int64_t i = 0; i < n; i++) {
+    int64_t img, row, col;
+    locate(lay, N, pid[i], img, row, col);
+    float t[kRow];
+    fill_row(t, cams + 18 * img, lay[4 * img + 3]);
+    row_ray(t, row, col, o + 3 * i, d + 3 * i);
+  }
+}
+extern "C" int dn_decide(const float *cams, const int64_t *lay, int64_t N, const float *cen, int C, int cell,
+                         float margin, const float *up, int dims, int has_bounds, const double *bounds,
+                         const int64_t *pid, int64_t n, uint8_t *out) {
+  double u[3];
+  if (!unit_up(up, u)) return 1;
+  RouteParams rp = route_params(cen, C, cell, margin, u, dims, has_bounds != 0, bounds);
+  RouteConsts rc;
+  route_consts(rp, rc);
+  for (int64_t i = 0; i < n; i++) {
+    int64_t img, row, col;
+    locate(lay, N, pid[i], img, row, col);
+    double t[kRouteStride];
+    route_row(rc, cams + 18 * img, t);
+    out[i] = route_decide(rc, t, row, col) ? 1 : 0;
+  }
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def formula(tmp_path_factory):
+    """ray_math.h compiled for the host by the plugin's compiler with the plugin's code flags."""
+    folder = tmp_path_factory.mktemp("ray_math")
+    (folder / "harness.cc").write_text(HARNESS)
+    lib = folder / "harness.so"
+    cmd = [ops._find_cxx(), "-std=c++20", "-O3", "-fno-math-errno", "-shared", "-fPIC", f"-I{ops._CSRC}",
+           str(folder / "harness.cc"), "-o", str(lib)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return ctypes.CDLL(str(lib))
+
+
+def _ptr(a):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def formula_rays(formula, cache, pid):
+    _, cams, lay = cache
+    pid = np.ascontiguousarray(pid, np.int64)
+    o, d = np.empty((len(pid), 3), np.float32), np.empty((len(pid), 3), np.float32)
+    formula.dn_rays(_ptr(cams), _ptr(lay), ctypes_i64(len(lay)), _ptr(pid), ctypes_i64(len(pid)), _ptr(o), _ptr(d))
+    return o, d
+
+
+def formula_decide(formula, cache, pid, cell, margin, dims=2, bounds=None):
+    _, cams, lay = cache
+    pid = np.ascontiguousarray(pid, np.int64)
+    cen = np.ascontiguousarray(CENTROIDS, np.float32)
+    up = np.ascontiguousarray(UP, np.float32)
+    b = np.zeros(6) if bounds is None else np.asarray(bounds, np.float32).astype(np.float64)
+    out = np.empty(len(pid), np.uint8)
+    rc = formula.dn_decide(_ptr(cams), _ptr(lay), ctypes_i64(len(lay)), _ptr(cen), len(cen), cell,
+                           ctypes.c_float(margin), _ptr(up), dims, int(bounds is not None), _ptr(b), _ptr(pid),
+                           ctypes_i64(len(pid)), _ptr(out))
+    assert rc == 0
+    return out.astype(bool)
+
+
+def ctypes_i64(v):
+    return ctypes.c_int64(int(v))
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_shared_formula_gives_the_op_rays(formula, uniform):
+    """detail::row_ray (the GPU's ray formula) gives the CPU op's rays bit for bit, with the AVX2
+    writer and with the scalar one."""
+    rng = np.random.default_rng(44)
+    sizes = [(64, 48)] * 4 if uniform else [(64, 48), (31, 23), (50, 20), (7, 5)]
+    cache = make_cache(rng, sizes=sizes, radius=3.0)
+    for simd in (True, False):
+        out = run_op(cache, 5003, [123], mode="random", seed=5, simd=simd)[0]
+        o, d = formula_rays(formula, cache, pixel_ids(cache, out["indices"]))
+        assert o.tobytes() == out["origins"].tobytes() and d.tobytes() == out["directions"].tobytes(), simd
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_route_decide_gives_the_op_decisions(formula, uniform):
+    """detail::route_decide (the GPU's routing decision, one candidate at a time) accepts exactly
+    the stream positions the CPU op accepts with its batched, AVX2 and tile-map paths: margins
+    below, at and above 1, 2-D and 3-D distances, a routing box, both stream modes."""
+    rng = np.random.default_rng(21)
+    sizes = [(96, 80)] * 5 if uniform else [(96, 80), (70, 51), (120, 33), (16, 16), (64, 90)]
+    cache = make_cache(rng, sizes=sizes, radius=3.0, near=(0.1, 1.0), far=(3.0, 7.0))
+    cache[1][:, 12:14] *= 4
+    box = [-1.0, -0.4, -1.0, 1.0, 0.4, 1.0]
+    cases = [dict(cell=0, margin=1.15, mode="random"), dict(cell=1, margin=1.0, mode="epoch"),
+             dict(cell=2, margin=0.9, mode="random"), dict(cell=3, margin=1.3, dims=3, mode="epoch"),
+             dict(cell=1, margin=1.15, bounds=box, mode="random")]
+    P, rays, s0 = len(cache[0]), 1500, 1000
+    for kw in cases:
+        ref_ids = ref_epoch_pixels if kw["mode"] == "epoch" else ref_random_pixels
+        for extra in (dict(route_tile=0), dict(route_tile=8), dict(route_tile=0, simd=False)):
+            out = run_op(cache, rays, [s0], centroids=CENTROIDS, seed=3, up=UP.tolist(), **kw, **extra)[0]
+            consumed = int(out["consumed"][0])
+            stream = ref_ids(3, 0, 1, s0, consumed, P)
+            dec = formula_decide(formula, cache, stream, kw["cell"], kw["margin"], kw.get("dims", 2), kw.get("bounds"))
+            assert dec.sum() == rays and dec[-1], (kw, extra)
+            assert np.array_equal(stream[dec], pixel_ids(cache, out["indices"])), (kw, extra)

@@ -136,3 +136,67 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", LOAD_AND_RUN.format(cuda=True)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert _finish(proc) == str(lib)
+
+
+PTX_PROBE = r"""
+#include "ray_math.h"
+#include "streams.h"
+using namespace dali_nerf::detail;
+__global__ void probe(const float *tab, const double *route, const RouteConsts *rc, uint64_t key, uint64_t P,
+                      float *o, float *d, unsigned *flag) {
+  int i = threadIdx.x;
+  uint64_t pix = stream_pixel(1, key, i, P);
+  row_ray(tab, pix / 7, pix % 7, o + 3 * i, d + 3 * i);
+  flag[i] = route_decide(*rc, route, pix / 7, pix % 7);
+}
+"""
+
+
+def test_device_formula_has_no_fma(tmp_path):
+    """The device code of the shared formula (ray_math.h), compiled with the plugin's nvcc flags,
+    rounds like the host: no fused multiply-add, no approximate or flush-to-zero instruction in
+    its PTX (so the host tests of the formula hold for the GPU's bits). Without -fmad=false the
+    same probe has FMAs: the check can fail."""
+    nvcc = ops._find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found: the device code cannot be compiled here")
+    plan = ops._build_plan(cuda=True)
+    fp_flags = [f for f in plan["cmd"] if f.startswith(("-fmad", "--fmad", "-use_fast_math", "--use_fast_math",
+                                                          "-ftz", "--ftz", "-prec-", "--prec-"))]
+    assert "-fmad=false" in fp_flags
+    (tmp_path / "probe.cu").write_text(PTX_PROBE)
+
+    def ptx(flags):
+        out = tmp_path / "probe.ptx"
+        res = subprocess.run([nvcc, "-std=c++20", "-ptx", "-arch=compute_90", *flags, f"-I{ops._CSRC}",
+                              str(tmp_path / "probe.cu"), "-o", str(out)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return out.read_text()
+
+    code = ptx(fp_flags)
+    assert "fma." not in code and ".approx" not in code and ".ftz" not in code
+    assert "sqrt.rn.f32" in code and "sqrt.rn.f64" in code  # IEEE square roots, as on the host
+    assert "fma." in ptx([f for f in fp_flags if not f.startswith("-fmad")])
+
+
+@pytest.mark.slow
+def test_gpu_study_dry_run(tmp_path):
+    """``scripts/gpu_study.sh --dry-run`` runs every step it can without a GPU (the nvcc build of
+    the CUDA plugin, the gpu tests' collection and skips, the op benchmark and the torch study on
+    the CPU, the quality config's parsing) and says which it skipped; bad arguments exit 2."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_study.sh"
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    bad = subprocess.run(["bash", str(script), "--no-such-flag"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown argument" in bad.stderr
+    res = subprocess.run(["bash", str(script), "--dry-run"], env=env, capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    steps = (tmp_path / "out" / "steps.txt").read_text()
+    ran = {line.split(":")[0].split(" ", 1)[1] for line in steps.splitlines() if line.startswith("RAN ")}
+    skipped = {line.split(":")[0].split(" ", 1)[1] for line in steps.splitlines() if line.startswith("SKIPPED ")}
+    assert "FAILED" not in steps
+    expect = {"dali", "gpu-tests-collect", "op-throughput-cpu", "study-cpu", "quality-config"}
+    if ops._find_nvcc() is not None:
+        expect.add("build")
+    assert expect <= ran, steps
+    assert "quality" in skipped
+    assert (tmp_path / "out" / "gpu_study.json").is_file()

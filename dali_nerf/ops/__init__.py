@@ -13,9 +13,11 @@ several ranks starting at once build once; the library is written to a temporary
 folder and moved into place with ``os.replace``. A cached library whose sha256 does not match its
 manifest, or that fails to load, is rebuilt once automatically.
 
-Variants: the CPU-only library is compiled by g++ from ``ray_sampler.cc``; the CUDA library is
-compiled by nvcc from ``ray_sampler.cc`` + ``ray_sampler.cu`` into one ``.so`` that registers both
-backends (archs: ``$DALI_NERF_CUDA_ARCHS``, default ``80;90``, plus PTX for the newest).
+Variants: the CPU-only library is compiled by g++ from the ``.cc`` files (``_CPU_SOURCES``); the
+CUDA library is compiled by nvcc from those + ``ray_sampler.cu`` into one ``.so`` that registers
+both backends (archs: ``$DALI_NERF_CUDA_ARCHS``, default ``80;90``, plus PTX for the newest), with
+``-fmad=false``: no multiply-add is contracted into an FMA, so the device rounds the shared
+formula of ``csrc/ray_math.h`` exactly as the host does (bit-identical rays and routing).
 
 >>> from dali_nerf.ops import load_plugin
 >>> path = load_plugin()            # builds on first use, then loads
@@ -40,8 +42,8 @@ __all__ = ["load_plugin", "build_plugin", "plugin_cache_dir", "cuda_available", 
 
 LIB_NAME = "libdali_nerf_ops.so"
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_CPU_SOURCES = ("ray_sampler.cc",)
-_CUDA_SOURCES = ("ray_sampler.cc", "ray_sampler.cu")
+_CPU_SOURCES = ("ray_sampler.cc", "writer.cc", "routing.cc")
+_CUDA_SOURCES = (*_CPU_SOURCES, "ray_sampler.cu")
 
 _load_guard = threading.Lock()
 _loaded: dict = {}  # {"path": Path, "cuda": bool} once loaded in this process
@@ -173,7 +175,9 @@ def _build_plan(cuda: bool) -> dict:
             raise PluginBuildError("nvcc not found for the CUDA operator: install the CUDA toolkit "
                                    "(or put nvcc on PATH / set CUDA_HOME), or build without --cuda")
         compiler = nvcc
-        flags = ["-std=c++20", "-O3", "-shared", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
+        # -fmad=false: the device rounds a * b + c like the host (ray_math.h: the same bits)
+        flags = ["-std=c++20", "-O3", "-shared", "-fmad=false", "-Xcompiler", "-fPIC",
+                 "-Xcompiler", "-fno-math-errno", "--expt-relaxed-constexpr",
                  "-Xcompiler", "-Wno-free-nonheap-object", *_cuda_archs()]
         sources = _CUDA_SOURCES
     else:

@@ -1,10 +1,17 @@
-// GPU backend of the dali_nerf ray sampler (same semantics as the CPU backend; see ray_sampler.h).
+// GPU backend of the dali_nerf ray sampler (same semantics and the same bits as the CPU backend;
+// see ray_sampler.h and ray_math.h).
 //
-// All work is issued on ws.stream(). Inputs (pixels, cameras, layout, centroids) are device
-// tensors; `start` is a CPU argument input.
+// All work is issued on ws.stream(). `pixels` is a device input; `cameras`, `layout` and
+// `centroids` may be device or CPU inputs (schema: MatchBackendOrCPU); `start` is a CPU argument
+// input. Per run and sample, on the host: the cameras/layout (copied to the host first when they
+// are device inputs: one small copy and one stream synchronisation) get the CPU backend's content
+// checks (detail::check_cache) before any kernel reads a pixel; the writers' table (fill_row), the
+// layout and, routed, the routing constants and table (route_consts, route_row) are built there
+// and uploaded in one copy. The kernels evaluate the shared formula (row_ray, route_decide),
+// compiled with -fmad=false, so rays and routing decisions are the CPU's bits.
 //   * unrouted: one thread per output ray; `consumed` (= rays) is written by thread 0.
 //   * routed: rounds of K candidates. Pass 1 (one thread per candidate) evaluates the routing
-//     predicate and stores a 0/1 flag and the pixel id; cub::DeviceScan::InclusiveSum turns the
+//     decision and stores a 0/1 flag and the pixel id; cub::DeviceScan::InclusiveSum turns the
 //     flags into output slots; pass 2 writes each accepted ray to slot (accepted so far + scan - 1)
 //     while that is < rays, and the thread that fills the last slot writes `consumed`. The running
 //     accepted count lives on the device; after each round it is copied to pinned host memory and
@@ -14,24 +21,26 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cub/cub.cuh>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include "dali/core/cuda_error.h"
 #include "dali/kernels/dynamic_scratchpad.h"
-#include <vector>
-
 #include "ray_sampler.h"
 
 namespace dali_nerf {
 namespace {
 
-using detail::EpochPerm;
-using detail::RouteParams;
+using detail::kRouteStride;
+using detail::kRow;
 
 struct GpuCache {
   const uint8_t *pixels;
-  const float *cams;    // (N, 18)
-  const int64_t *lay;   // (N, 4)
+  const int64_t *lay;  // (N, 4): offset, width, height, camera index
+  const float *tab;    // (N, kRow): detail::fill_row of each camera
   int N;
   uint64_t P;
 };
@@ -40,15 +49,6 @@ struct GpuOut {
   float *o, *d, *rgb, *nr, *fr;
   int64_t *idx;
 };
-
-__device__ __forceinline__ uint64_t stream_pixel(int mode, uint64_t key, uint64_t s, uint64_t P) {
-  if (mode == kEpoch) {
-    EpochPerm perm;
-    perm.init(key, s / P, P);
-    return perm(s % P);
-  }
-  return detail::random_pixel(key, s, P);
-}
 
 __device__ __forceinline__ int find_image(const GpuCache &g, uint64_t pix) {
   int lo = 0, hi = g.N;  // first image whose offset is > pix, minus one
@@ -69,43 +69,41 @@ __device__ __forceinline__ void locate(const GpuCache &g, uint64_t pix, int &img
   col = static_cast<int64_t>(rem - row * W);
 }
 
+/// Ray i from pixel `pix`: the CPU's Outputs::write, through the same detail::row_ray.
 __device__ __forceinline__ void write_ray(const GpuCache &g, const GpuOut &out, int64_t i,
                                           uint64_t pix) {
   int img;
   int64_t row, col;
   locate(g, pix, img, row, col);
-  const float *cam = g.cams + 18 * img;
-  detail::pixel_ray(cam, row, col, out.o + 3 * i, out.d + 3 * i);
+  const float *t = g.tab + kRow * img;
+  detail::row_ray(t, row, col, out.o + 3 * i, out.d + 3 * i);
   const uint8_t *p = g.pixels + 3 * pix;
-  out.rgb[3 * i] = static_cast<float>(p[0]) / 255.f;
-  out.rgb[3 * i + 1] = static_cast<float>(p[1]) / 255.f;
-  out.rgb[3 * i + 2] = static_cast<float>(p[2]) / 255.f;
+  out.rgb[3 * i] = detail::rgb_of(p[0]);
+  out.rgb[3 * i + 1] = detail::rgb_of(p[1]);
+  out.rgb[3 * i + 2] = detail::rgb_of(p[2]);
   out.idx[3 * i] = g.lay[4 * img + 3];
   out.idx[3 * i + 1] = row;
   out.idx[3 * i + 2] = col;
-  out.nr[i] = cam[16];
-  out.fr[i] = cam[17];
+  out.nr[i] = t[12];
+  out.fr[i] = t[13];
 }
 
 __global__ void sample_kernel(GpuCache g, GpuOut out, int mode, uint64_t key, uint64_t s0,
                               int64_t R, int64_t *consumed) {
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i == 0) consumed[0] = R;
-  if (i < R) write_ray(g, out, i, stream_pixel(mode, key, s0 + i, g.P));
+  if (i < R) write_ray(g, out, i, detail::stream_pixel(mode, key, s0 + i, g.P));
 }
 
-__global__ void flag_kernel(GpuCache g, RouteParams rp, int mode, uint64_t key, uint64_t s0,
-                            int64_t K, uint64_t *pix_out, uint32_t *flags) {
+__global__ void flag_kernel(GpuCache g, const detail::RouteConsts *rc, const double *route, int mode,
+                            uint64_t key, uint64_t s0, int64_t K, uint64_t *pix_out, uint32_t *flags) {
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= K) return;
-  uint64_t pix = stream_pixel(mode, key, s0 + i, g.P);
+  uint64_t pix = detail::stream_pixel(mode, key, s0 + i, g.P);
   int img;
   int64_t row, col;
   locate(g, pix, img, row, col);
-  const float *cam = g.cams + 18 * img;
-  float o[3], d[3];
-  detail::pixel_ray(cam, row, col, o, d);
-  flags[i] = detail::route_accept(rp, o, d, cam[16], cam[17]) ? 1u : 0u;
+  flags[i] = detail::route_decide(*rc, route + kRouteStride * img, row, col) ? 1u : 0u;
   pix_out[i] = pix;
 }
 
@@ -128,6 +126,18 @@ inline unsigned blocks_for(int64_t n, int threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
 }
 
+/// Host view of input `idx`'s sample s: the CPU input itself, or a host copy of the device input
+/// (queued on `stream`; valid after the caller synchronises it).
+template <typename T>
+const T *host_view(const ::dali::Workspace &ws, int idx, int s, std::vector<T> &copy, cudaStream_t stream) {
+  if (ws.InputIsType<::dali::CPUBackend>(idx)) return ws.Input<::dali::CPUBackend>(idx).tensor<T>(s);
+  const auto &in = ws.Input<::dali::GPUBackend>(idx);
+  copy.resize(::dali::volume(in.tensor_shape(s)));
+  CUDA_CALL(cudaMemcpyAsync(copy.data(), in.tensor<T>(s), copy.size() * sizeof(T), cudaMemcpyDeviceToHost,
+                            stream));
+  return copy.data();
+}
+
 }  // namespace
 
 template <>
@@ -135,15 +145,36 @@ void RaySampler<::dali::GPUBackend>::RunImpl(::dali::Workspace &ws) {
   using ::dali::GPUBackend;
   cudaStream_t stream = ws.stream();
   const auto &pix_in = ws.Input<GPUBackend>(0);
-  const auto &cam_in = ws.Input<GPUBackend>(1);
-  const auto &lay_in = ws.Input<GPUBackend>(2);
   int nsamples = pix_in.num_samples();
   const int64_t R = rays_;
+  const bool routed = cell_ >= 0;
   constexpr int kThreads = 256;
+  auto cam_shape = ws.GetInputShape(1);
+
+  // host views of the small inputs: CPU inputs as they are, device inputs copied (one sync)
+  std::vector<std::vector<float>> cam_copy(nsamples), cen_copy(nsamples);
+  std::vector<std::vector<int64_t>> lay_copy(nsamples);
+  std::vector<const float *> cams(nsamples), cens(nsamples, nullptr);
+  std::vector<const int64_t *> lays(nsamples);
+  bool copied = false;
   for (int s = 0; s < nsamples; s++) {
-    GpuCache g{pix_in.tensor<uint8_t>(s), cam_in.tensor<float>(s), lay_in.tensor<int64_t>(s),
-               static_cast<int>(cam_in.tensor_shape(s)[0]),
-               static_cast<uint64_t>(pix_in.tensor_shape(s)[0])};
+    cams[s] = host_view<float>(ws, 1, s, cam_copy[s], stream);
+    lays[s] = host_view<int64_t>(ws, 2, s, lay_copy[s], stream);
+    if (routed) cens[s] = host_view<float>(ws, 3, s, cen_copy[s], stream);
+    copied = copied || !cam_copy[s].empty() || !lay_copy[s].empty() || !cen_copy[s].empty();
+  }
+  if (copied) CUDA_CALL(cudaStreamSynchronize(stream));
+
+  for (int s = 0; s < nsamples; s++) {
+    const int64_t N = cam_shape[s][0];
+    const int64_t P = pix_in.tensor_shape(s)[0];
+    std::string err = detail::check_cache(cams[s], lays[s], N, P);  // before any kernel reads a pixel
+    DALI_ENFORCE(err.empty(), err);
+    std::vector<float> tab(kRow * N);
+    for (int64_t i = 0; i < N; i++) detail::fill_row(tab.data() + kRow * i, cams[s] + 18 * i, lays[s][4 * i + 3]);
+    std::vector<int64_t> lay(lays[s], lays[s] + 4 * N);
+
+    ::dali::kernels::DynamicScratchpad scratch{::dali::AccessOrder(stream)};
     GpuOut out{ws.Output<GPUBackend>(0).mutable_tensor<float>(s),
                ws.Output<GPUBackend>(1).mutable_tensor<float>(s),
                ws.Output<GPUBackend>(2).mutable_tensor<float>(s),
@@ -153,23 +184,28 @@ void RaySampler<::dali::GPUBackend>::RunImpl(::dali::Workspace &ws) {
     int64_t *consumed = ws.Output<GPUBackend>(6).mutable_tensor<int64_t>(s);
     uint64_t s0 = static_cast<uint64_t>(starts_[s]);
 
-    if (cell_ < 0) {
-      sample_kernel<<<blocks_for(R, kThreads), kThreads, 0, stream>>>(g, out, mode_, key_, s0, R,
-                                                                      consumed);
+    if (!routed) {
+      auto dev = scratch.ToContiguousGPU(stream, tab, lay);
+      GpuCache g{pix_in.tensor<uint8_t>(s), std::get<1>(dev), std::get<0>(dev), static_cast<int>(N),
+                 static_cast<uint64_t>(P)};
+      sample_kernel<<<blocks_for(R, kThreads), kThreads, 0, stream>>>(g, out, mode_, key_, s0, R, consumed);
       CUDA_CALL(cudaGetLastError());
       next_start_[s] = starts_[s] + R;
       continue;
     }
 
-    const auto &cen_in = ws.Input<GPUBackend>(3);
-    // the few centroids are projected on the host into RouteParams (passed by value to kernels)
-    const int C = static_cast<int>(cen_in.tensor_shape(s)[0]);
-    std::vector<float> host_centroids(3 * static_cast<size_t>(C));
-    CUDA_CALL(cudaMemcpyAsync(host_centroids.data(), cen_in.tensor<float>(s), host_centroids.size() * sizeof(float),
-                              cudaMemcpyDeviceToHost, stream));
-    CUDA_CALL(cudaStreamSynchronize(stream));
-    RouteParams rp = route_params(host_centroids.data(), C);
-    ::dali::kernels::DynamicScratchpad scratch{::dali::AccessOrder(stream)};
+    const int C = static_cast<int>(ws.GetInputShape(3)[s][0]);
+    detail::RouteParams rp = route_params(cens[s], C);
+    std::array<detail::RouteConsts, 1> rc;
+    detail::route_consts(rp, rc[0]);
+    std::vector<double> route(kRouteStride * N);
+    for (int64_t i = 0; i < N; i++) detail::route_row(rc[0], cams[s] + 18 * i, route.data() + kRouteStride * i);
+    auto dev = scratch.ToContiguousGPU(stream, tab, lay, route, rc);
+    GpuCache g{pix_in.tensor<uint8_t>(s), std::get<1>(dev), std::get<0>(dev), static_cast<int>(N),
+               static_cast<uint64_t>(P)};
+    const double *d_route = std::get<2>(dev);
+    const detail::RouteConsts *d_rc = std::get<3>(dev);
+
     int64_t *accepted = scratch.AllocateGPU<int64_t>(1);
     int64_t *host_accepted = scratch.AllocatePinned<int64_t>(1);
     CUDA_CALL(cudaMemsetAsync(accepted, 0, sizeof(int64_t), stream));
@@ -195,8 +231,8 @@ void RaySampler<::dali::GPUBackend>::RunImpl(::dali::Workspace &ws) {
           temp = scratch.AllocateGPU<uint8_t>(temp_bytes, 256);
         }
       }
-      flag_kernel<<<blocks_for(K, kThreads), kThreads, 0, stream>>>(g, rp, mode_, key_, s0 + examined,
-                                                                    K, pix, flags);
+      flag_kernel<<<blocks_for(K, kThreads), kThreads, 0, stream>>>(g, d_rc, d_route, mode_, key_,
+                                                                    s0 + examined, K, pix, flags);
       CUDA_CALL(cudaGetLastError());
       size_t tb = temp_bytes;
       CUDA_CALL(cub::DeviceScan::InclusiveSum(temp, tb, flags, scan, static_cast<int>(K), stream));

@@ -1,0 +1,265 @@
+// dali_nerf ray sampler, CPU backend: the ray writers (see writer.h).
+#include "writer.h"
+
+#include <cstring>
+#include <string>
+
+#include <immintrin.h>
+
+#include "dali/core/error_handling.h"
+
+namespace dali_nerf {
+namespace cpu {
+
+using detail::kRow;
+
+namespace {
+
+// float(u8) / 255.f, exactly as numpy computes it (detail::rgb_of, tabulated)
+struct RgbTable {
+  float v[256];
+  RgbTable() { for (int i = 0; i < 256; i++) v[i] = detail::rgb_of(static_cast<uint8_t>(i)); }
+};
+const RgbTable kRgb;
+
+}  // namespace
+
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+
+void Cache::init(const uint8_t *px, int64_t P_, const float *cams, const int64_t *lay, int64_t N) {
+  std::string err = detail::check_cache(cams, lay, N, P_);
+  DALI_ENFORCE(err.empty(), err);
+  pixels = px;
+  P = static_cast<uint64_t>(P_);
+  imgs.resize(N);
+  offs.resize(N);
+  tab.assign(kRow * N, 0.f);
+  simd = true;
+  uint64_t expect = 0;
+  uniform = true;
+  for (int64_t i = 0; i < N; i++) {
+    const int64_t *l = lay + 4 * i;
+    const float *c = cams + 18 * i;
+    float *row = tab.data() + kRow * i;
+    detail::fill_row(row, c, l[3]);
+    imgs[i] = {expect, static_cast<uint64_t>(l[1]), static_cast<uint64_t>(l[2]), 1.0 / static_cast<double>(l[1]), c,
+               l[3], row};
+    simd = simd && l[3] >= 0 && l[3] <= INT32_MAX && l[1] <= INT32_MAX && l[2] <= INT32_MAX;
+    offs[i] = expect;
+    expect += static_cast<uint64_t>(l[1]) * static_cast<uint64_t>(l[2]);
+    if (l[1] != lay[1] || l[2] != lay[2]) uniform = false;
+  }
+  WH = static_cast<uint64_t>(lay[1]) * static_cast<uint64_t>(lay[2]);
+  invWH = 1.0 / static_cast<double>(WH);
+}
+
+void Outputs::write(const Cache &c, int64_t i, uint64_t pix) const {
+  uint64_t row, col;
+  const Image &im = c.locate(pix, row, col);
+  detail::row_ray(im.t, static_cast<int64_t>(row), static_cast<int64_t>(col), o + 3 * i, d + 3 * i);
+  const uint8_t *p = c.pixels + 3 * pix;
+  rgb[3 * i] = kRgb.v[p[0]]; rgb[3 * i + 1] = kRgb.v[p[1]]; rgb[3 * i + 2] = kRgb.v[p[2]];
+  idx[3 * i] = im.index; idx[3 * i + 1] = row; idx[3 * i + 2] = col;
+  nr[i] = im.t[12]; fr[i] = im.t[13];
+}
+
+/// Quotient q and remainder of integer-valued doubles n / d (n, d < 2^52; inv = 1 / d).
+__attribute__((target("avx2"), always_inline)) inline __m256d divmod4(__m256d n, __m256d d, __m256d inv,
+                                                                     __m256d &q) {
+  const __m256d one = _mm256_set1_pd(1.0), zero = _mm256_setzero_pd();
+  q = _mm256_floor_pd(_mm256_mul_pd(n, inv));
+  __m256d r = _mm256_sub_pd(n, _mm256_mul_pd(q, d));  // exact: integers below 2^53
+  __m256d lt = _mm256_cmp_pd(r, zero, _CMP_LT_OQ);     // the estimate is off by at most one
+  q = _mm256_sub_pd(q, _mm256_and_pd(lt, one));
+  r = _mm256_add_pd(r, _mm256_and_pd(lt, d));
+  __m256d ge = _mm256_cmp_pd(r, d, _CMP_GE_OQ);
+  q = _mm256_add_pd(q, _mm256_and_pd(ge, one));
+  return _mm256_sub_pd(r, _mm256_and_pd(ge, d));
+}
+
+/// Pixel ids pix[0..3] of a cache of equal-size images -> image, row, col, in exact double
+/// arithmetic (ids < 2^52; the quotient estimates are fixed up by one, as in fast_div).
+__attribute__((target("avx2"), always_inline)) inline void locate4(const Cache &c, const uint64_t *pix, __m128i &img,
+                                                                    __m128i &row, __m128i &col) {
+  const __m256d two52 = _mm256_set1_pd(4503599627370496.0);
+  const __m256d WH = _mm256_set1_pd(static_cast<double>(static_cast<int64_t>(c.WH))),
+                iWH = _mm256_set1_pd(c.invWH);
+  const __m256d W = _mm256_set1_pd(static_cast<double>(static_cast<int64_t>(c.imgs[0].W))),
+                iW = _mm256_set1_pd(c.imgs[0].invW);
+  __m256i pi = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(pix));
+  __m256d pd = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(pi, _mm256_castpd_si256(two52))), two52);
+  __m256d im, rw;
+  __m256d rem = divmod4(pd, WH, iWH, im);
+  __m256d cl = divmod4(rem, W, iW, rw);
+  img = _mm256_cvttpd_epi32(im);
+  row = _mm256_cvttpd_epi32(rw);
+  col = _mm256_cvttpd_epi32(cl);
+}
+
+/// locate4 over bpix[0..m), 4 candidates at a time. Returns how many it did (a multiple of 4); the
+/// caller does the rest with Cache::locate.
+__attribute__((target("avx2"))) int locate_avx2(const Cache &c, const uint64_t *bpix, int m, int32_t *img,
+                                                int32_t *row, int32_t *col) {
+  int j = 0;
+  for (; j + 4 <= m; j += 4) {
+    __m128i im, rw, cl;
+    locate4(c, bpix + j, im, rw, cl);
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(img + j), im);
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(row + j), rw);
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(col + j), cl);
+  }
+  return j;
+}
+
+/// x, y, z of 8 rays (one per lane) -> 24 floats x0 y0 z0 x1 ... z7 at `dst` (unaligned).
+__attribute__((target("avx2"), always_inline)) inline void store_xyz8(float *dst, __m256 x, __m256 y, __m256 z) {
+  __m256 rxy = _mm256_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0));  // per lane: x0 x2 y0 y2
+  __m256 ryz = _mm256_shuffle_ps(y, z, _MM_SHUFFLE(3, 1, 3, 1));  // y1 y3 z1 z3
+  __m256 rzx = _mm256_shuffle_ps(z, x, _MM_SHUFFLE(3, 1, 2, 0));  // z0 z2 x1 x3
+  __m256 r03 = _mm256_shuffle_ps(rxy, rzx, _MM_SHUFFLE(2, 0, 2, 0));  // x0 y0 z0 x1
+  __m256 r14 = _mm256_shuffle_ps(ryz, rxy, _MM_SHUFFLE(3, 1, 2, 0));  // y1 z1 x2 y2
+  __m256 r25 = _mm256_shuffle_ps(rzx, ryz, _MM_SHUFFLE(3, 1, 3, 1));  // z2 x3 y3 z3
+  _mm256_storeu_ps(dst, _mm256_permute2f128_ps(r03, r14, 0x20));
+  _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(r25, r03, 0x30));
+  _mm256_storeu_ps(dst + 16, _mm256_permute2f128_ps(r14, r25, 0x31));
+}
+
+/// Fields 4h .. 4h+3 of the table rows of 8 images (rays 0-3 in the low lane, 4-7 in the high).
+__attribute__((target("avx2"), always_inline)) inline void load_fields4(const float *tab, const int32_t *img, int h,
+                                                                         __m256 &f0, __m256 &f1, __m256 &f2, __m256 &f3) {
+  __m256 m[4];
+  for (int j = 0; j < 4; j++)
+    m[j] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(tab + kRow * img[j] + 4 * h)),
+                                _mm_loadu_ps(tab + kRow * img[j + 4] + 4 * h), 1);
+  __m256 t0 = _mm256_unpacklo_ps(m[0], m[1]), t1 = _mm256_unpacklo_ps(m[2], m[3]);
+  __m256 t2 = _mm256_unpackhi_ps(m[0], m[1]), t3 = _mm256_unpackhi_ps(m[2], m[3]);
+  f0 = _mm256_shuffle_ps(t0, t1, 0x44); f1 = _mm256_shuffle_ps(t0, t1, 0xEE);
+  f2 = _mm256_shuffle_ps(t2, t3, 0x44); f3 = _mm256_shuffle_ps(t2, t3, 0xEE);
+}
+
+/// Rays i .. i+7 from pixels pix[0..7], 8 lanes of AVX2 without FMA: the same IEEE operations in
+/// the same order as Outputs::write (detail::row_ray), so the rays are bit for bit the same (tested).
+__attribute__((target("avx2"))) void write8_avx2(const Cache &c, const Outputs &out, int64_t i, const uint64_t *pix) {
+  alignas(32) int32_t img[8];
+  __m256i vrow, vcol;
+  if (c.uniform) {
+    __m128i q[3][2];
+    for (int h = 0; h < 2; h++) locate4(c, pix + 4 * h, q[0][h], q[1][h], q[2][h]);
+    _mm256_store_si256(reinterpret_cast<__m256i *>(img), _mm256_set_m128i(q[0][1], q[0][0]));
+    vrow = _mm256_set_m128i(q[1][1], q[1][0]);
+    vcol = _mm256_set_m128i(q[2][1], q[2][0]);
+  } else {
+    alignas(32) int32_t row[8], col[8];
+    for (int j = 0; j < 8; j++) {
+      uint64_t r, cc;
+      const Image &im = c.locate(pix[j], r, cc);
+      img[j] = static_cast<int32_t>(&im - c.imgs.data());
+      row[j] = static_cast<int32_t>(r); col[j] = static_cast<int32_t>(cc);
+    }
+    vrow = _mm256_load_si256(reinterpret_cast<const __m256i *>(row));
+    vcol = _mm256_load_si256(reinterpret_cast<const __m256i *>(col));
+  }
+  // colours: each pixel's 3 bytes as one int32 (a 4-byte load when a byte follows in the cache)
+  int32_t px[8];
+  for (int j = 0; j < 8; j++) {
+    const uint8_t *p = c.pixels + 3 * pix[j];
+    if (pix[j] + 1 < c.P) std::memcpy(&px[j], p, 4);
+    else px[j] = p[0] | (p[1] << 8) | (p[2] << 16);
+  }
+  const float *T = c.tab.data();
+  __m256 A0, A1, A2, B0, B1, B2, C0, C1, C2, ox, oy, oz, nr, fr, fidx, unused;
+  load_fields4(T, img, 0, A0, A1, A2, B0);
+  load_fields4(T, img, 1, B1, B2, C0, C1);
+  load_fields4(T, img, 2, C2, ox, oy, oz);
+  load_fields4(T, img, 3, nr, fr, fidx, unused);
+  const __m256 x = _mm256_cvtepi32_ps(vcol), y = _mm256_cvtepi32_ps(vrow);
+  __m256 dx = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(A0, x), _mm256_mul_ps(B0, y)), C0);
+  __m256 dy = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(A1, x), _mm256_mul_ps(B1, y)), C1);
+  __m256 dz = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(A2, x), _mm256_mul_ps(B2, y)), C2);
+  __m256 ss = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(dx, dx), _mm256_mul_ps(dy, dy)), _mm256_mul_ps(dz, dz));
+  __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_sqrt_ps(ss));
+  store_xyz8(out.d + 3 * i, _mm256_mul_ps(dx, inv), _mm256_mul_ps(dy, inv), _mm256_mul_ps(dz, inv));
+  store_xyz8(out.o + 3 * i, ox, oy, oz);
+  _mm256_storeu_ps(out.nr + i, nr);
+  _mm256_storeu_ps(out.fr + i, fr);
+  const __m256i vpx = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(px)), ff = _mm256_set1_epi32(0xFF);
+  const __m256 k255 = _mm256_set1_ps(255.f);
+  __m256 r = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_and_si256(vpx, ff)), k255);
+  __m256 g = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(vpx, 8), ff)), k255);
+  __m256 b = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(vpx, 16), ff)), k255);
+  store_xyz8(out.rgb + 3 * i, r, g, b);
+  // indices: (camera index, row, col) as int32 triples, then widened to int64
+  alignas(32) int32_t tri[24];
+  store_xyz8(reinterpret_cast<float *>(tri), fidx, _mm256_castsi256_ps(vrow), _mm256_castsi256_ps(vcol));
+  int64_t *dst = out.idx + 3 * i;
+  for (int k = 0; k < 6; k++)
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst + 4 * k),
+                        _mm256_cvtepi32_epi64(_mm_load_si128(reinterpret_cast<const __m128i *>(tri + 4 * k))));
+}
+
+template <int Mode>
+void run_chunk(const Cache &c, const Outputs &out_, uint64_t key, uint64_t s0, int64_t i0, int64_t n,
+               bool simd) {
+  const Outputs out = out_;  // a local copy: its pointers stay in registers across the stores
+  // pixel ids run kAhead rays ahead of the writes, each prefetched when generated: a large cache
+  // is random-access DRAM-latency bound, and a steady prefetch distance keeps the misses in flight
+  // (a burst of prefetches per group stalls on the fill buffers)
+  constexpr int64_t kAhead = 32;
+  uint64_t ring[kAhead];
+  detail::Stream<Mode> st(key, c.P, s0);
+  for (int64_t k = 0; k < std::min(kAhead, n); k++) {
+    ring[k] = st.next();
+    __builtin_prefetch(c.pixels + 3 * ring[k]);
+  }
+  int64_t i = 0;
+  if (simd && c.simd) {  // groups of 8 rays (AVX2), the tail one by one
+    for (; i + 8 <= n; i += 8) {
+      uint64_t pix[8];
+      for (int j = 0; j < 8; j++) {
+        int64_t k = i + j;
+        pix[j] = ring[k & (kAhead - 1)];
+        if (k + kAhead < n) {
+          uint64_t q = st.next();
+          ring[k & (kAhead - 1)] = q;
+          __builtin_prefetch(c.pixels + 3 * q);
+        }
+      }
+      write8_avx2(c, out, i0 + i, pix);
+    }
+  }
+  for (; i < n; i++) {
+    uint64_t pix = ring[i & (kAhead - 1)];
+    if (i + kAhead < n) {
+      uint64_t q = st.next();
+      ring[i & (kAhead - 1)] = q;
+      __builtin_prefetch(c.pixels + 3 * q);
+    }
+    out.write(c, i0 + i, pix);
+  }
+}
+
+/// Writes the rays of the pixel ids pix[0, n) to output slots [slot, slot + n).
+void write_pixels(const Cache &c, const Outputs &out_, const uint64_t *pix, int64_t slot, int64_t n,
+                  bool simd) {
+  const Outputs out = out_;
+  constexpr int64_t kAhead = 32;
+  for (int64_t k = 0; k < std::min(kAhead, n); k++) __builtin_prefetch(c.pixels + 3 * pix[k]);
+  int64_t k = 0;
+  if (simd && c.simd) {
+    for (; k + 8 <= n; k += 8) {
+      for (int j = 0; j < 8; j++)
+        if (k + j + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + j + kAhead]);
+      write8_avx2(c, out, slot + k, pix + k);
+    }
+  }
+  for (; k < n; k++) {
+    if (k + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + kAhead]);
+    out.write(c, slot + k, pix[k]);
+  }
+}
+
+template void run_chunk<kRandom>(const Cache &, const Outputs &, uint64_t, uint64_t, int64_t, int64_t, bool);
+template void run_chunk<kEpoch>(const Cache &, const Outputs &, uint64_t, uint64_t, int64_t, int64_t, bool);
+
+}  // namespace cpu
+}  // namespace dali_nerf

@@ -1,0 +1,95 @@
+// dali_nerf ray sampler, CPU backend: the cache view and the ray writers (scalar and AVX2).
+//
+// Cache: one sample's inputs, pixel id -> (image, row, col) -> its writers' table row
+// (ray_math.h fill_row). Outputs::write is the scalar writer (ray_math.h row_ray); write8_avx2 is
+// its 8-lane twin (the same IEEE operations in the same order, so the same bits; tested).
+#ifndef DALI_NERF_OPS_WRITER_H_
+#define DALI_NERF_OPS_WRITER_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "ray_math.h"
+#include "streams.h"
+
+namespace dali_nerf {
+namespace cpu {
+
+constexpr int64_t kChunk = 16384;  // rays per thread-pool task
+
+/// Quotient n / d for n < 2^52 using a precomputed reciprocal inv = 1.0 / d (exact after the fix).
+/// The conversions are signed (one instruction each on x86-64; n < 2^52 fits).
+inline uint64_t fast_div(uint64_t n, uint64_t d, double inv) {
+  int64_t sn = static_cast<int64_t>(n), sd = static_cast<int64_t>(d);
+  int64_t q = static_cast<int64_t>(static_cast<double>(sn) * inv);
+  if (q * sd > sn) q--;
+  else if (sn - q * sd >= sd) q++;
+  return static_cast<uint64_t>(q);
+}
+
+struct Image {
+  uint64_t off, W, H;
+  double invW;
+  const float *cam;
+  int64_t index;   // camera index in the split (layout[:, 3])
+  const float *t;  // its row of Cache::tab
+};
+
+/// One sample's cache: pixel id -> (image, row, col) -> ray, and the outputs it writes.
+struct Cache {
+  const uint8_t *pixels = nullptr;
+  uint64_t P = 0;
+  std::vector<Image> imgs;
+  std::vector<uint64_t> offs;  // offs[i] = imgs[i].off
+  bool uniform = false;        // all images the same size: no binary search
+  uint64_t WH = 0;
+  double invWH = 0;
+  std::vector<float> tab;  // detail::kRow floats per image (fill_row), read by both ray writers
+  bool simd = false;       // every camera index and size fits the AVX2 writer's int32 lanes
+
+  /// Checks the inputs (detail::check_cache; a DALI error when invalid) and builds the view.
+  void init(const uint8_t *px, int64_t P_, const float *cams, const int64_t *lay, int64_t N);
+
+  inline const Image &locate(uint64_t pix, uint64_t &row, uint64_t &col) const {
+    size_t img;
+    if (uniform) {
+      img = fast_div(pix, WH, invWH);
+    } else {
+      img = std::upper_bound(offs.begin(), offs.end(), pix) - offs.begin() - 1;
+    }
+    const Image &im = imgs[img];
+    uint64_t rem = pix - im.off;
+    row = fast_div(rem, im.W, im.invW);
+    col = rem - row * im.W;
+    return im;
+  }
+};
+
+extern const bool kHasAvx2;
+
+struct Outputs {
+  float *o, *d, *rgb, *nr, *fr;
+  int64_t *idx;
+
+  /// Ray i from pixel `pix` (the same ray whether or not the run is routed).
+  void write(const Cache &c, int64_t i, uint64_t pix) const;
+};
+
+/// locate for a cache of equal-size images (c.uniform), 4 candidates at a time with AVX2, over
+/// bpix[0..m). Returns how many it did (a multiple of 4); the caller does the rest with
+/// Cache::locate (the same results).
+int locate_avx2(const Cache &c, const uint64_t *bpix, int m, int32_t *img, int32_t *row, int32_t *col);
+
+/// Writes rays i0 .. i0 + n - 1 of the unrouted stream starting at stream position s0.
+template <int Mode>
+void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, int64_t i0, int64_t n,
+               bool simd);
+
+/// Writes the rays of the pixel ids pix[0, n) to output slots [slot, slot + n).
+void write_pixels(const Cache &c, const Outputs &out, const uint64_t *pix, int64_t slot, int64_t n, bool simd);
+
+}  // namespace cpu
+}  // namespace dali_nerf
+
+#endif  // DALI_NERF_OPS_WRITER_H_
