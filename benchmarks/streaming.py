@@ -45,7 +45,7 @@ def _scene(root, n, res):
 
 
 def _time(scene, steps, **kw):
-    from dali_nerf.loader import RayLoader
+    from dali_nerf.sources import RayLoader
 
     with RayLoader(scene, rays_per_batch=4096, prefetch=2, **kw) as L:
         for _ in range(5):

@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "RayLoader": "dali_nerf.loader",
+    "RayLoader": "dali_nerf.sources",
     "Scene": "dali_nerf.scenes",
     "load_scene": "dali_nerf.scenes",
     "Config": "dali_nerf.config",

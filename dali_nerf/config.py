@@ -168,7 +168,8 @@ class TrainConfig:
     log_every: int = 50
     """Steps between progress-bar / metrics summaries."""
     eval_every: int = 0
-    """Steps between held-out PSNR evaluations (0 = only at the end)."""
+    """Steps between held-out PSNR evaluations, each a row {"step", "eval_psnr", "eval_ssim",
+    "eval_render_s"} of metrics.jsonl (0 = only at the end, in summary.json)."""
     checkpoint_every: int = 500
     """Steps between checkpoints (0 = only at the end)."""
     eval_images: int = 4

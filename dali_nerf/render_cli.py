@@ -20,6 +20,11 @@ import yaml
 from .checkpoint import latest_checkpoint, load_rank_state
 from .config import _build, Config
 from .errors import DaliNerfError
+from .models import build_field, build_occupancy, render_image
+from .partition import Partition
+from .scenes import load_scene
+from .trainers.spatial import build_fused
+from .training import evaluate_field, scene_aabb, write_renders
 
 __all__ = ["load_run", "orbit_poses", "main"]
 
@@ -44,10 +49,6 @@ def _resolve(path: Path):
 
 def load_run(path, device="cpu"):
     """(cfg, field, occupancy, scene_train) of a run: DDP's model or SS's fused sub-models."""
-    from .models import build_field, build_occupancy
-    from .scenes import load_scene
-    from .training import scene_aabb
-
     cfg, folder, run_dir = _resolve(Path(path))
     sc = cfg.scene
     scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
@@ -60,9 +61,6 @@ def load_run(path, device="cpu"):
         if occ is not None:
             occ.load_state_dict(st0["tasks"]["ddp"]["occupancy"])
         return cfg, field.to(device).eval(), occ.to(device) if occ is not None else None, scene
-    from .partition import Partition
-    from .trainers.spatial import build_fused
-
     partition = Partition.load(run_dir / "partition.json")
     states = {}
     for r in range(int(st0["world_size"])):
@@ -103,10 +101,6 @@ def orbit_poses(scene, n: int) -> np.ndarray:
 
 
 def main(args) -> int:
-    from .models import psnr, render_image
-    from .scenes import load_scene
-    from .training import evaluate_field, write_renders
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg, field, occ, train_scene = load_run(args.checkpoint, device)
     out = Path(args.out)

@@ -7,6 +7,8 @@ loop times every step by phase and writes ``runs/<name>/``:
 * ``config.yaml``      the resolved config;
 * ``metrics.jsonl``    rank 0, one JSON line per step (``metrics.rank<R>.jsonl`` for other ranks):
   ``step, loss, psnr, rays, wait_s, h2d_s, forward_s, backward_s, sync_s, optimizer_s, step_s``;
+  with ``train.eval_every`` = N > 0 also a row ``step, eval_psnr, eval_ssim, eval_render_s`` every
+  N steps and at the last step (held-out PSNR curve; its time is outside every phase);
 * ``summary.json``     test PSNR/SSIM, stall fraction, rays/s, per-phase totals, wall time, and
   method specifics (SS: fusion overhead);
 * ``checkpoints/``     atomic per-rank checkpoints (:mod:`dali_nerf.checkpoint`);
@@ -14,32 +16,52 @@ loop times every step by phase and writes ``runs/<name>/``:
 
 Gradient sync is timed by a DDP communication hook that performs the all-reduce and records how
 long it took; ``backward_s`` excludes it.
+
+:func:`train` is the sequence of named steps: :func:`setup_distributed`, :func:`prepare_run_dir`,
+:func:`load_scenes`, :func:`read_resume_state`, :func:`seed_everything`, ``method.build_tasks``
+(the batch sources come from :func:`dali_nerf.sources.build_source`), :func:`restore_tasks`,
+:func:`run_steps` (the timed loop, checkpoints, periodic evaluation) and
+:func:`evaluate_and_summarise`. Seeds come from :mod:`dali_nerf.seeds`.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
+import cv2
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
-from .checkpoint import (atomic_write_text, commit_checkpoint, latest_checkpoint, load_rank_state,
-                         save_rank_state)
+from .checkpoint import (atomic_write_bytes, atomic_write_text, commit_checkpoint, latest_checkpoint,
+                         load_rank_state, save_rank_state)
+from .cli import run_cli
 from .config import Config, config_to_dict, load_config
 from .errors import ConfigError, DaliNerfError
+from .models import psnr as psnr_fn, render_image, render_rays, ssim as ssim_fn
+from .pipelines.decode import decode_cache
+from .scenes import load_scene
+from .seeds import process_seed, step_seed
+from .validate import scan_images
 
 __all__ = ["Task", "Method", "DistEnv", "setup_distributed", "train", "trainer_main", "PHASES",
-           "evaluate_field", "eval_subset", "write_renders", "scene_aabb"]
+           "evaluate_field", "eval_subset", "write_renders", "scene_aabb", "prepare_run_dir", "load_scenes",
+           "read_resume_state", "restore_tasks", "run_steps", "evaluate_and_summarise", "LoopResult",
+           "seed_everything", "step_generator"]
 
 PHASES = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
 
@@ -175,13 +197,9 @@ def wrap_ddp(field: torch.nn.Module, env: DistEnv):
     timer = _SyncTimer()
     if not env.distributed:
         return field, timer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import warnings
-
     with warnings.catch_warnings():  # torch 2.13 deprecates the name; its successor still syncs at init
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-        ddp = DDP(field, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        ddp = DistributedDataParallel(field, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                   broadcast_buffers=False)
     ddp.register_comm_hook(timer, _timed_allreduce_hook)
     return ddp, timer
@@ -204,14 +222,12 @@ def _set_rng_state(s: dict) -> None:
     torch.set_rng_state(s["torch"])
     keys = np.frombuffer(s["numpy"].numpy().tobytes(), dtype=np.uint32)
     np.random.set_state(("MT19937", keys, s["numpy_pos"], 0, 0.0))
-    import ast
-
     st = ast.literal_eval(s["python"])
     random.setstate((st[0], tuple(st[1]), st[2]))
 
 
 def seed_everything(seed: int, rank: int) -> None:
-    s = (seed * 1000003 + rank) % (2**31)
+    s = process_seed(seed, rank)
     torch.manual_seed(s)
     np.random.seed(s)
     random.seed(s)
@@ -221,7 +237,7 @@ def step_generator(seed: int, rank: int, step: int, cell: int = -1, device="cpu"
     """The per-step generator for sampling jitter: a pure function of (seed, rank, step, cell), so
     resumed runs and prefetching do not change training."""
     g = torch.Generator(device=device)
-    g.manual_seed(((seed * 6364136223846793005 + (rank + 1) * 1442695040888963407 + step * 97 + (cell + 1) * 7919)) % (2**63))
+    g.manual_seed(step_seed(seed, rank, step, cell))
     return g
 
 
@@ -258,9 +274,6 @@ def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int
         field: radiance field (``forward(x, d) -> sigma, rgb``), eval mode.
         scene: the eval split Scene; images are decoded with the same DALI decode stage.
     """
-    from .models import psnr as psnr_fn, render_image, ssim as ssim_fn
-    from .pipelines.decode import decode_cache
-
     sub = eval_subset(scene, max_images)
     cache = decode if decode is not None else decode_cache(sub, 0, 1)
     bg = torch.as_tensor(np.array(scene.background), device=device)
@@ -282,8 +295,6 @@ def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int
 
 def write_renders(pairs, out_dir: Path, prefix: str = "test") -> List[str]:
     """Write ``<prefix>_NNN.png``: prediction | ground truth side by side."""
-    import cv2
-
     out_dir.mkdir(parents=True, exist_ok=True)
     names = []
     for i, (pred, gt) in enumerate(pairs):
@@ -291,8 +302,6 @@ def write_renders(pairs, out_dir: Path, prefix: str = "test") -> List[str]:
         img = (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)[:, :, ::-1]
         ok, buf = cv2.imencode(".png", img)
         name = f"{prefix}_{i:03d}.png"
-        from .checkpoint import atomic_write_bytes
-
         atomic_write_bytes(out_dir / name, buf.tobytes())
         names.append(name)
     return names
@@ -382,11 +391,23 @@ def _save_checkpoint(run_dir: Path, step: int, tasks: List[Task], env: DistEnv, 
 def train(cfg: Config, method: Method, resume: bool = False) -> dict:
     """Run training for ``cfg`` with ``method`` on this process's rank; returns the summary
     (rank 0) or {} (other ranks)."""
-    from .models import render_rays
-    from .scenes import load_scene
-
     env = setup_distributed(cfg.train.device, cfg.train.torch_threads)
-    run_dir = cfg.run_dir
+    prepare_run_dir(cfg.run_dir, env)
+    scene, eval_scene = load_scenes(cfg, env)
+    resume, saved, folder = read_resume_state(cfg.run_dir, env, resume)
+    seed_everything(cfg.pipeline.seed, env.rank)
+    tasks = method.build_tasks(cfg, scene, env)
+    start_step = restore_tasks(cfg, tasks, saved, folder, env)
+    result = run_steps(cfg, method, env, tasks, scene, eval_scene, start_step, resume)
+    summary = evaluate_and_summarise(cfg, method, env, tasks, eval_scene, result)
+    env.barrier()
+    if env.distributed:
+        dist.destroy_process_group()
+    return summary
+
+
+def prepare_run_dir(run_dir: Path, env: DistEnv) -> None:
+    """Rank 0 creates ``run_dir`` and checks it is writable (a one-line error if not)."""
     if env.rank == 0:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -396,10 +417,11 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
             raise DaliNerfError(f"{run_dir}: output folder is not writable ({e.strerror}); set train.runs_dir to a writable folder") from None
     env.barrier()
 
-    # every check a scan can do happens before training (and before anything in run_dir is
-    # rewritten): both splits parsed, every image header of both checked (no decoding)
-    from .validate import scan_images
 
+def load_scenes(cfg: Config, env: DistEnv):
+    """(training split, evaluation split). Every check a scan can do happens here, before training
+    (and before anything in run_dir is rewritten): both splits parsed, every image header of both
+    checked (no decoding)."""
     sc = cfg.scene
     scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
     eval_scene = load_scene(sc.path, split=sc.eval_split, format=sc.format, downscale=sc.downscale, background=sc.background)
@@ -407,23 +429,36 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
     scan_images(scene, progress=show)
     if eval_scene.image_paths != scene.image_paths:
         scan_images(eval_scene, progress=show)
-    start_step, st, folder = 0, None, None
+    return scene, eval_scene
+
+
+def read_resume_state(run_dir: Path, env: DistEnv, resume: bool):
+    """``(resume, state, folder)``: this rank's checkpoint state (read ``weights_only`` and checked
+    before the expensive setup) when resuming, else ``(False, None, None)``. A worker group
+    restarted by torchrun ``--max-restarts`` resumes from the last checkpoint by itself."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if restarted and latest_checkpoint(run_dir / "checkpoints") is not None:
-        resume = True  # torchrun --max-restarts brought us back: continue from the last checkpoint
-    if resume:  # read (weights_only) and check the checkpoint before the expensive setup
-        folder = latest_checkpoint(run_dir / "checkpoints")
-        if folder is None:
-            raise DaliNerfError(f"{run_dir / 'checkpoints'}: no checkpoint to resume from; run without --resume")
-        st = load_rank_state(folder, env.rank)
-        missing = [k for k in ("step", "world_size", "tasks", "rng") if not isinstance(st, dict) or k not in st]
-        if missing:
-            raise DaliNerfError(f"{folder / f'rank{env.rank}.pt'}: not a dali_nerf training checkpoint (no {', '.join(missing)}); "
-                                f"delete it or resume from an older step")
-        if st["world_size"] != env.world_size:
-            raise DaliNerfError(f"{folder}: saved with world size {st['world_size']}, now {env.world_size}; resume with the same number of ranks")
-    seed_everything(cfg.pipeline.seed, env.rank)
-    tasks = method.build_tasks(cfg, scene, env)
+        resume = True
+    if not resume:
+        return False, None, None
+    folder = latest_checkpoint(run_dir / "checkpoints")
+    if folder is None:
+        raise DaliNerfError(f"{run_dir / 'checkpoints'}: no checkpoint to resume from; run without --resume")
+    st = load_rank_state(folder, env.rank)
+    missing = [k for k in ("step", "world_size", "tasks", "rng") if not isinstance(st, dict) or k not in st]
+    if missing:
+        raise DaliNerfError(f"{folder / f'rank{env.rank}.pt'}: not a dali_nerf training checkpoint (no {', '.join(missing)}); "
+                            f"delete it or resume from an older step")
+    if st["world_size"] != env.world_size:
+        raise DaliNerfError(f"{folder}: saved with world size {st['world_size']}, now {env.world_size}; resume with the same number of ranks")
+    return True, st, folder
+
+
+def restore_tasks(cfg: Config, tasks: List[Task], st: Optional[dict], folder, env: DistEnv) -> int:
+    """Load the checkpoint ``st`` (if any) into the tasks and the RNGs, then rank 0 writes the
+    resolved ``config.yaml``. Returns the step to continue after (0 for a new run). On any error
+    the tasks' sources are closed."""
+    start_step = 0
     try:
         if st is not None:
             try:
@@ -438,24 +473,112 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
                                     f"resume with the config the run was saved with") from None
             start_step = int(st["step"])
         if env.rank == 0:
-            import yaml
-
-            atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+            atomic_write_text(cfg.run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     except BaseException:
-        for t in tasks:
-            if hasattr(t.source, "close"):
-                t.source.close()
+        _close_sources(tasks)
         raise
+    return start_step
 
-    metrics_name = "metrics.jsonl" if env.rank == 0 else f"metrics.rank{env.rank}.jsonl"
-    writer = _MetricsWriter(run_dir / metrics_name, start_step)
-    bar = None
+
+def _close_sources(tasks: List[Task]) -> None:
+    for t in tasks:
+        if hasattr(t.source, "close"):
+            t.source.close()
+
+
+@dataclass
+class LoopResult:
+    """What the timed loop measured (the summary's inputs)."""
+
+    start_step: int
+    end_step: int
+    totals: dict                  # seconds per phase and "step", summed over the steps run
+    first_step_wait: Optional[tuple]  # (wait_s, step_s) of the first step run
+    rays_total: int
+    last: dict                    # the last step's metrics row
+    wall: float                   # seconds from the loop's start to its last checkpoint
+    source_stats: list            # stats() of each task's source
+
+
+def _progress_bar(cfg: Config, method: Method, env: DistEnv, start_step: int):
     if env.rank == 0 and sys.stderr.isatty() or os.environ.get("DALI_NERF_PROGRESS") == "1" and env.rank == 0:
-        from tqdm import tqdm
+        return tqdm(total=cfg.train.steps, initial=start_step, desc=f"{method.name} x{env.world_size}", dynamic_ncols=True,
+                    mininterval=0.5 if sys.stderr.isatty() else 15.0)
+    return None
 
-        bar = tqdm(total=cfg.train.steps, initial=start_step, desc=f"{method.name} x{env.world_size}", dynamic_ncols=True,
-                   mininterval=0.5 if sys.stderr.isatty() else 15.0)
 
+def _train_task_step(cfg: Config, env: DistEnv, task: Task, step: int, scene, bg, sync_timers, device_sync, ph: dict):
+    """One optimisation step of one task, timed by phase into ``ph``; returns (loss, rays)."""
+    t0 = time.perf_counter()
+    batch = next(task.batches())
+    t1 = time.perf_counter()
+    batch = _to_device(batch, env.device)
+    device_sync()
+    t2 = time.perf_counter()
+    near, far = _near_far(batch, scene)
+    gen = step_generator(cfg.pipeline.seed, env.rank, step, task.cell, device=env.device)
+    out = render_rays(task.field, batch["origins"], batch["directions"], near, far, bg,
+                      occupancy=task.occupancy, samples=cfg.model.samples_per_ray, generator=gen, train=True)
+    loss = torch.mean((out["rgb"] - batch["rgb"]) ** 2)
+    device_sync()
+    t3 = time.perf_counter()
+    timer = sync_timers.get(task.name)
+    s0 = timer.seconds if timer is not None else 0.0
+    task.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    device_sync()
+    t4 = time.perf_counter()
+    sync = (timer.seconds - s0) if timer is not None else 0.0
+    task.optimizer.step()
+    if task.scheduler is not None:
+        task.scheduler.step()
+    if task.occupancy is not None:
+        task.occupancy.update(task.raw_field, step)
+    device_sync()
+    t5 = time.perf_counter()
+    ph["wait"] += t1 - t0
+    ph["h2d"] += t2 - t1
+    ph["forward"] += t3 - t2
+    ph["backward"] += (t4 - t3) - sync
+    ph["sync"] += sync
+    ph["optimizer"] += t5 - t4
+    return float(loss.detach()), int(batch["origins"].shape[0])
+
+
+class _PeriodicEval:
+    """``train.eval_every``: held-out PSNR of the current field(s) every N steps, as a metrics row
+    ``{"step", "eval_psnr", "eval_ssim", "eval_render_s"}`` (rank 0). Every rank calls it (the SS
+    method gathers the sub-models); the views are decoded once. Its time is outside every phase."""
+
+    def __init__(self, cfg: Config, method: Method, env: DistEnv, tasks: List[Task], eval_scene):
+        self.cfg, self.method, self.env, self.tasks, self.eval_scene = cfg, method, env, tasks, eval_scene
+        self.views = None
+
+    def __call__(self, step: int) -> Optional[dict]:
+        field, occupancy = self.method.eval_field(self.cfg, self.tasks, self.env)
+        row = None
+        if self.env.rank == 0:
+            n = self.cfg.train.eval_images
+            if self.views is None:
+                self.views = decode_cache(eval_subset(self.eval_scene, n), 0, 1)
+            was_training = field.training
+            field.eval()
+            _, p, s, seconds = evaluate_field(field, occupancy, self.eval_scene, self.cfg, self.env.device, n,
+                                              decode=self.views)
+            field.train(was_training)
+            row = {"step": step, "eval_psnr": p, "eval_ssim": s, "eval_render_s": seconds}
+        self.env.barrier()  # the other ranks wait here, not inside the next step's timed phases
+        return row
+
+
+def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scene, eval_scene, start_step: int,
+              resume: bool) -> LoopResult:
+    """The timed loop from ``start_step + 1`` to the last step: metrics rows, progress, periodic
+    checkpoints and evaluations, the final checkpoint. Closes the tasks' sources."""
+    metrics_name = "metrics.jsonl" if env.rank == 0 else f"metrics.rank{env.rank}.jsonl"
+    writer = _MetricsWriter(cfg.run_dir / metrics_name, start_step)
+    bar = _progress_bar(cfg, method, env, start_step)
+    periodic_eval = _PeriodicEval(cfg, method, env, tasks, eval_scene)
     bg = torch.as_tensor(np.array(scene.background), device=env.device)
     totals = {p: 0.0 for p in PHASES}
     totals["step"] = 0.0
@@ -465,48 +588,17 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
     t_start = time.perf_counter()
     device_sync = (lambda: torch.cuda.synchronize()) if env.device.type == "cuda" else (lambda: None)
     last = {}
+    end_step = min(cfg.train.stop_after or cfg.train.steps, cfg.train.steps)
+    eval_every = cfg.train.eval_every
     try:
-        end_step = min(cfg.train.stop_after or cfg.train.steps, cfg.train.steps)
         for step in range(start_step + 1, end_step + 1):
             ph = {p: 0.0 for p in PHASES}
             t_step = time.perf_counter()
             loss_sum, nrays = 0.0, 0
             for task in tasks:
-                t0 = time.perf_counter()
-                batch = next(task.batches())
-                t1 = time.perf_counter()
-                batch = _to_device(batch, env.device)
-                device_sync()
-                t2 = time.perf_counter()
-                near, far = _near_far(batch, scene)
-                gen = step_generator(cfg.pipeline.seed, env.rank, step, task.cell, device=env.device)
-                out = render_rays(task.field, batch["origins"], batch["directions"], near, far, bg,
-                                  occupancy=task.occupancy, samples=cfg.model.samples_per_ray, generator=gen, train=True)
-                loss = torch.mean((out["rgb"] - batch["rgb"]) ** 2)
-                device_sync()
-                t3 = time.perf_counter()
-                timer = sync_timers.get(task.name)
-                s0 = timer.seconds if timer is not None else 0.0
-                task.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                device_sync()
-                t4 = time.perf_counter()
-                sync = (timer.seconds - s0) if timer is not None else 0.0
-                task.optimizer.step()
-                if task.scheduler is not None:
-                    task.scheduler.step()
-                if task.occupancy is not None:
-                    task.occupancy.update(task.raw_field, step)
-                device_sync()
-                t5 = time.perf_counter()
-                ph["wait"] += t1 - t0
-                ph["h2d"] += t2 - t1
-                ph["forward"] += t3 - t2
-                ph["backward"] += (t4 - t3) - sync
-                ph["sync"] += sync
-                ph["optimizer"] += t5 - t4
-                loss_sum += float(loss.detach())
-                nrays += int(batch["origins"].shape[0])
+                loss, n = _train_task_step(cfg, env, task, step, scene, bg, sync_timers, device_sync, ph)
+                loss_sum += loss
+                nrays += n
             step_s = time.perf_counter() - t_step
             loss_v = loss_sum / len(tasks)
             rec = {"step": step, "loss": loss_v, "psnr": -10.0 * math.log10(max(loss_v, 1e-12)), "rays": nrays}
@@ -532,51 +624,70 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
                     print(f"step {step}/{cfg.train.steps} loss {loss_v:.5f} psnr {rec['psnr']:.2f}", flush=True)
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step != end_step:
                 writer.flush()
-                _save_checkpoint(run_dir, step, tasks, env, cfg)
+                _save_checkpoint(cfg.run_dir, step, tasks, env, cfg)
+            if eval_every and step % eval_every == 0 and step != end_step:
+                row = periodic_eval(step)
+                if row is not None:
+                    writer.write(row)
+                    writer.flush()
         wall = time.perf_counter() - t_start
         writer.flush()
         if end_step > start_step or resume:
-            _save_checkpoint(run_dir, end_step, tasks, env, cfg)
+            _save_checkpoint(cfg.run_dir, end_step, tasks, env, cfg)
     finally:
         writer.close()
         if bar is not None:
             bar.close()
         source_stats = [t.source.stats() if hasattr(t.source, "stats") else {} for t in tasks]
-        for t in tasks:
-            if hasattr(t.source, "close"):
-                t.source.close()
+        _close_sources(tasks)
+    return LoopResult(start_step, end_step, totals, first_step_wait, rays_total, last, wall, source_stats)
 
-    # ---- evaluation (every rank may take part in gathering fields; rank 0 renders) --------
+
+def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], eval_scene,
+                           r: LoopResult) -> dict:
+    """Every rank may take part in gathering the field(s); rank 0 renders the held-out views,
+    writes the renders and ``summary.json`` (and, with ``train.eval_every``, the last
+    ``eval_psnr`` row of metrics.jsonl) and returns the summary; other ranks return {}."""
     field, occupancy = method.eval_field(cfg, tasks, env)
-    summary = {}
-    if env.rank == 0:
-        field.eval()
-        pairs, p, s, seconds = evaluate_field(field, occupancy, eval_scene, cfg, env.device, cfg.train.eval_images)
-        renders = write_renders(pairs, run_dir / "renders", prefix=sc.eval_split)
-        steps_run = end_step - start_step
-        summary = {
-            "name": cfg.name, "method": method.name, "world_size": env.world_size, "device": str(env.device),
-            "steps": end_step, "steps_planned": cfg.train.steps, "steps_this_run": steps_run, "resumed_from": start_step,
-            "rays_per_batch": cfg.pipeline.rays_per_batch, "pipeline": cfg.pipeline.name,
-            "test_psnr": p, "test_ssim": s, "eval_split": sc.eval_split, "eval_images": len(pairs),
-            "eval_render_s": seconds,
-            "final_train_loss": last.get("loss"),
-            "phase_totals_s": {p_: totals[p_] for p_ in PHASES} | {"step": totals["step"]},
-            "stall_fraction": totals["wait"] / max(totals["step"], 1e-9),
-            # the first step includes building the DALI pipeline and the first sampling run
-            "stall_fraction_after_first_step": (totals["wait"] - first_step_wait[0]) / max(totals["step"] - first_step_wait[1], 1e-9)
-            if first_step_wait is not None and steps_run > 1 else None,
-            "rays_per_s": rays_total * env.world_size / max(totals["step"], 1e-9),
-            "wall_s": wall,
-            "source_stats": source_stats[0] if len(source_stats) == 1 else source_stats,
-            "renders": renders,
-        }
-        summary.update(method.extra_summary(cfg, tasks, env, eval_scene, field, occupancy))
-        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
-    env.barrier()
-    if env.distributed:
-        dist.destroy_process_group()
+    if env.rank != 0:
+        return {}
+    sc = cfg.scene
+    field.eval()
+    pairs, p, s, seconds = evaluate_field(field, occupancy, eval_scene, cfg, env.device, cfg.train.eval_images)
+    renders = write_renders(pairs, cfg.run_dir / "renders", prefix=sc.eval_split)
+    if cfg.train.eval_every:
+        _append_metrics_row(cfg.run_dir / "metrics.jsonl",
+                            {"step": r.end_step, "eval_psnr": p, "eval_ssim": s, "eval_render_s": seconds})
+    totals, steps_run = r.totals, r.end_step - r.start_step
+    summary = {
+        "name": cfg.name, "method": method.name, "world_size": env.world_size, "device": str(env.device),
+        "steps": r.end_step, "steps_planned": cfg.train.steps, "steps_this_run": steps_run, "resumed_from": r.start_step,
+        "rays_per_batch": cfg.pipeline.rays_per_batch, "pipeline": cfg.pipeline.name,
+        "test_psnr": p, "test_ssim": s, "eval_split": sc.eval_split, "eval_images": len(pairs),
+        "eval_render_s": seconds,
+        "final_train_loss": r.last.get("loss"),
+        "phase_totals_s": {p_: totals[p_] for p_ in PHASES} | {"step": totals["step"]},
+        "stall_fraction": totals["wait"] / max(totals["step"], 1e-9),
+        # the first step includes building the DALI pipeline and the first sampling run
+        "stall_fraction_after_first_step": (totals["wait"] - r.first_step_wait[0]) / max(totals["step"] - r.first_step_wait[1], 1e-9)
+        if r.first_step_wait is not None and steps_run > 1 else None,
+        "rays_per_s": r.rays_total * env.world_size / max(totals["step"], 1e-9),
+        "wall_s": r.wall,
+        "source_stats": r.source_stats[0] if len(r.source_stats) == 1 else r.source_stats,
+        "renders": renders,
+    }
+    summary.update(method.extra_summary(cfg, tasks, env, eval_scene, field, occupancy))
+    atomic_write_text(cfg.run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def _append_metrics_row(path: Path, rec: dict) -> None:
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    except OSError as e:
+        raise DaliNerfError(f"{path}: cannot write metrics ({e.strerror}); free disk space or choose a writable "
+                            f"train.runs_dir (the last checkpoint is intact)") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,8 +698,6 @@ def trainer_main(method_factory: Callable[[], Method], default_config: str, argv
     """Entry point of a trainer script: ``--config FILE [--resume] [key=value ...]``.
 
     Returns the exit code (2 for user errors, printed as one line, no traceback)."""
-    from .cli import run_cli
-
     p = argparse.ArgumentParser(description="dali_nerf trainer (run under torchrun for several ranks)")
     p.add_argument("--config", default=default_config)
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/checkpoints/latest")

@@ -1,11 +1,12 @@
-"""DALI pipeline definitions (installed as ``dali_nerf.pipelines``; import them by that name).
+"""DALI graph definitions only (installed as ``dali_nerf.pipelines``; import them by that name).
 
 * :mod:`.decode`   sharded ``readers.file`` + ``decoders.image`` -> ImageCache (decode once)
-* :mod:`.rays`     ``external_source(cache, no_copy=True)`` -> the ray sampler op (DDP)
-* :mod:`.spatial`  the same op routed to one cell, and the routed baselines (SS)
-* :mod:`.builder`  ``build_batch_source(cfg, scene, rank, world_size)``: ``pipeline.name`` -> source
+* :mod:`.rays`     ``external_source(cache, no_copy=True)`` -> the ray sampler op, optionally
+  routed to one spatial-segmentation cell
 
-Submodules import DALI; this package itself imports nothing native.
+The batch sources that run these graphs live in :mod:`dali_nerf.sources`; nothing here imports
+them, the baselines or the trainers (tests/test_layout.py). DALI itself is imported only when a
+graph is built (:mod:`dali_nerf._dali`); this package imports nothing native.
 """
 
-__all__ = ["decode", "rays", "spatial", "builder"]
+__all__ = ["decode", "rays"]

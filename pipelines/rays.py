@@ -1,13 +1,19 @@
-"""The DDP ray pipeline: ``external_source(cache, no_copy=True)`` -> ``fn.dali_nerf.ray_sampler``.
+"""The ray graph: ``external_source(cache, no_copy=True)`` -> ``fn.dali_nerf.ray_sampler``, with
+optional routing to one spatial-segmentation cell.
 
 The cache arrays are fed as the same (immutable) buffers every run, without a copy; the stream
 position of the first run's first ray (``start``) is fed by a second external source, which
-feeds -1 ("continue after your previous run") for every later run (:class:`StartFeed`), so the
-pipeline can run ``prefetch_queue_depth`` runs ahead of the consumer in its own threads
-(``exec_async`` / ``exec_pipelined``). The SS pipeline uses the same feed.
+feeds -1 ("continue after your previous run", tracked by the op) for every later run
+(:class:`StartFeed`), so the pipeline can run ``prefetch_queue_depth`` runs ahead of the consumer
+in its own threads (``exec_async`` / ``exec_pipelined``) even when ``consumed`` depends on the
+data (routed runs).
 
-Run ``j`` of a pipeline built with ``first_start=s0`` samples stream positions
-``[s0 + j * rays_per_run, s0 + (j + 1) * rays_per_run)``; its outputs (one sample each) are
+Unrouted (DDP, streaming windows): run ``j`` of a pipeline built with ``first_start=s0`` samples
+stream positions ``[s0 + j * rays_per_run, s0 + (j + 1) * rays_per_run)``. Routed
+(``partition``, ``cell``; SS): the partition's centroids are a 4th input and each run emits
+exactly ``rays_per_run`` rays that cross the cell (exact closed-form test inside the op), having
+consumed ``consumed`` stream positions; the stream key is the caller's (seed, rank, world_size) —
+the SS sources pass rank = cell, world_size = number of cells. Outputs (one sample each):
 
 =========== ========= ======= ==============================================
 origins     (R, 3)    float32 world ray origins
@@ -15,16 +21,19 @@ directions  (R, 3)    float32 unit directions
 rgb         (R, 3)    float32 target colour in [0, 1]
 indices     (R, 3)    int64   (camera index in split, row, col)
 near, far   (R, 1)    float32 per-ray bounds (0, 1e10 when the scene has none)
-consumed    (1,)      int64   stream positions used (R: no routing here)
+consumed    (1,)      int64   stream positions used (R when not routed)
 =========== ========= ======= ==============================================
 
 >>> pipe = ray_pipeline(cache, rays_per_run=262144, mode="random", seed=0, rank=0, world_size=1)
 >>> origins, directions, rgb, indices, near, far, consumed = pipe.run()
+>>> routed = ray_pipeline(cache, 4096, "random", 0, rank=2, world_size=4, partition=part, cell=2)
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from dali_nerf._dali import ray_graph_api
 
 __all__ = ["ray_pipeline", "release_pipeline", "StartFeed", "RAY_OUTPUTS"]
 
@@ -47,56 +56,67 @@ class StartFeed:
         return [np.array(v, dtype=np.int64)]
 
 
+def _routing_args(partition, cell: int) -> dict:
+    """The op's routing arguments for ``cell`` of ``partition``."""
+    return dict(cell=int(cell), margin=float(partition.margin), up=[float(u) for u in partition.up],
+                dims=int(partition.dims),
+                bounds=[] if partition.bounds is None else [float(v) for v in np.asarray(partition.bounds).ravel()])
+
+
 def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, world_size: int, *,
                  first_start: int = 0, device: str = "cpu", num_threads: int = 2, prefetch: int = 2,
-                 device_id=None):
-    """Build the ray pipeline over an :class:`~dali_nerf.pipelines.decode.ImageCache`.
+                 device_id=None, partition=None, cell: int = -1):
+    """Build the ray graph over an :class:`~dali_nerf.pipelines.decode.ImageCache`.
 
     Args:
         cache: pixels (P, 3) u8, cameras (N, 18) f32, layout (N, 4) i64 (kept alive by the caller;
             fed with ``no_copy=True`` — they must not change while the pipeline exists).
-        rays_per_run: R, rays per run (one output sample).
+        rays_per_run: R, rays per run (one output sample; accepted rays when routed).
         mode: "random" | "epoch"; seed, rank, world_size: the stream's key.
         first_start: stream position of run 0's first ray.
         device: "cpu" or "cuda" (GPU backend of the op; ``cache.pixels`` on the GPU).
-        prefetch: runs DALI computes ahead (0 = synchronous, no async executor).
+        prefetch: runs DALI computes ahead (0 = synchronous executor, whose output buffers are
+            reused by the next run).
+        partition, cell: route to ``cell`` of this :class:`~dali_nerf.partition.Partition`
+            (None: no routing).
     Returns:
         A built pipeline whose ``run()`` gives the 7 outputs of :data:`RAY_OUTPUTS`.
     """
-    from nvidia.dali import fn, pipeline_def, types
-
-    from dali_nerf.hostmem import dali_host_pool
-    from dali_nerf.ops import load_plugin
-
-    dali_host_pool()  # per-run output buffers from DALI's pool (dali_nerf.hostmem)
-    load_plugin()
+    fn, pipeline_def, types = ray_graph_api()
     gpu = device == "cuda"
     feed = StartFeed(first_start)
-    pixels_src, cameras_src, layout_src = [cache.pixels], [cache.cameras], [cache.layout]
+    srcs = [[cache.pixels], [cache.cameras], [cache.layout]]
+    if partition is not None:
+        srcs.append([np.ascontiguousarray(partition.centroids, np.float32)])
+    routing = _routing_args(partition, cell) if partition is not None else {}
 
     @pipeline_def
     def _rays():
         dev = "gpu" if gpu else "cpu"
-        pixels = fn.external_source(source=lambda: pixels_src, batch=True, no_copy=True, device=dev,
+        pixels = fn.external_source(source=lambda: srcs[0], batch=True, no_copy=True, device=dev,
                                     dtype=types.UINT8, ndim=2, name="pixels")
-        cameras = fn.external_source(source=lambda: cameras_src, batch=True, no_copy=True, device="cpu",
+        cameras = fn.external_source(source=lambda: srcs[1], batch=True, no_copy=True, device="cpu",
                                      dtype=types.FLOAT, ndim=2, name="cameras")
-        layout = fn.external_source(source=lambda: layout_src, batch=True, no_copy=True, device="cpu",
+        layout = fn.external_source(source=lambda: srcs[2], batch=True, no_copy=True, device="cpu",
                                     dtype=types.INT64, ndim=2, name="layout")
+        inputs = [cameras, layout]
+        if routing:
+            inputs.append(fn.external_source(source=lambda: srcs[3], batch=True, no_copy=True, device="cpu",
+                                             dtype=types.FLOAT, ndim=2, name="centroids"))
         start = fn.external_source(source=feed, batch=True, device="cpu", dtype=types.INT64, ndim=0,
                                    name="start")
         if gpu:
-            cameras, layout = cameras.gpu(), layout.gpu()
+            inputs = [x.gpu() for x in inputs]
         return tuple(fn.dali_nerf.ray_sampler(
-            pixels, cameras, layout, rays=int(rays_per_run), mode=mode, seed=int(seed), rank=int(rank),
-            world_size=int(world_size), start=start, device=dev,
+            pixels, *inputs, rays=int(rays_per_run), mode=mode, seed=int(seed), rank=int(rank),
+            world_size=int(world_size), start=start, device=dev, **routing,
         ))
 
     sync = prefetch <= 0
     pipe = _rays(batch_size=1, num_threads=num_threads, device_id=device_id,
                  prefetch_queue_depth=max(1, int(prefetch)), exec_async=not sync, exec_pipelined=not sync)
     pipe.build()
-    pipe._dali_nerf_sources = (pixels_src, cameras_src, layout_src)
+    pipe._dali_nerf_sources = tuple(srcs)  # for release_pipeline
     return pipe
 
 

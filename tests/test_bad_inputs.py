@@ -380,14 +380,14 @@ def test_config_unknown_key_wrong_type_negative_rays(scenes, tmp_path, capsys):
 
 
 def test_world_size_larger_than_images(scenes, tmp_path):
-    from dali_nerf.pipelines.builder import build_batch_source
+    from dali_nerf.sources import build_source
 
     s = scene_copy(scenes, tmp_path)
     scene = load_scene(s, "train")
     for name in ("rays", "sync_local", "torch_workers"):
         cfg = load_config(write_config(tmp_path, s), [f"pipeline.name={name}"])
         with pytest.raises(SceneError) as e:
-            build_batch_source(cfg, scene, 0, scene.num_images + 1)
+            build_source(cfg, scene, 0, scene.num_images + 1)
         needles(str(e.value), "has 6 images but world_size=7", "use at most 6 ranks")
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from _tiny_scene import tiny_scene
-from dali_nerf.baseline import SyncGlobalSampler, SyncLocalSampler, TorchWorkersSampler
+from dali_nerf.sources import SyncGlobalSampler, SyncLocalSampler, TorchWorkersSampler
 from dali_nerf.pipelines.decode import decode_cache
 
 

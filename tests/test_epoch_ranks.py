@@ -17,7 +17,7 @@ def _worker(rank, world_size, scene, out_dir):
     import torch
 
     torch.set_num_threads(1)
-    from dali_nerf.loader import RayLoader
+    from dali_nerf.sources import RayLoader
 
     with RayLoader(scene, rays_per_batch=100, rank=rank, world_size=world_size, seed=7, mode="epoch",
                    rays_per_run=300, num_threads=1) as L:

@@ -267,7 +267,7 @@ def _wait_threads(before: set, native_before: int, timeout=10.0):
 
 
 def test_rayloader_close_and_exception_leave_no_threads(scene_dir):
-    from dali_nerf.loader import RayLoader
+    from dali_nerf.sources import RayLoader
 
     scene = load_scene(scene_dir, "train")
     with RayLoader(scene, rays_per_batch=64, rays_per_run=256, prefetch=2) as warm:  # plugin load, DALI init
@@ -292,7 +292,7 @@ def test_rayloader_close_and_exception_leave_no_threads(scene_dir):
 def test_spatial_loader_close_leaves_no_threads(tmp_path):
     from dali_nerf.config import PartitionConfig
     from dali_nerf.partition import Partition
-    from dali_nerf.pipelines.spatial import SpatialRayLoader
+    from dali_nerf.sources import SpatialRayLoader
 
     scene = load_scene(make_scene("city", tmp_path / "city", width=16, height=12, n_train=8, n_val=1), "train",
                        format="mega_nerf")
@@ -312,7 +312,7 @@ def test_spatial_loader_close_leaves_no_threads(tmp_path):
 
 
 def test_torch_workers_close_leaves_no_processes(scene_dir):
-    from dali_nerf.baseline import TorchWorkersSampler
+    from dali_nerf.sources import TorchWorkersSampler
 
     scene = load_scene(scene_dir, "train")
     me = os.getpid()
@@ -333,12 +333,12 @@ def test_torch_workers_close_leaves_no_processes(scene_dir):
 def test_exception_in_training_loop_closes_sources(scene_dir, tmp_path, monkeypatch):
     """An error inside the loop (here: the renderer raising at step 3) propagates, and the loop's
     ``finally`` has closed the batch source: no DALI threads, no torch worker processes."""
-    import dali_nerf.models as models
+    import dali_nerf.training as training
     from dali_nerf.config import load_config
     from dali_nerf.training import train
     from dali_nerf.trainers.ddp import DDPMethod
 
-    real = models.render_rays
+    real = training.render_rays
     calls = {"n": 0}
 
     def failing(*a, **k):
@@ -347,7 +347,7 @@ def test_exception_in_training_loop_closes_sources(scene_dir, tmp_path, monkeypa
             raise FloatingPointError("injected failure at step 3")
         return real(*a, **k)
 
-    monkeypatch.setattr(models, "render_rays", failing)
+    monkeypatch.setattr(training, "render_rays", failing)  # the name the loop calls
     for name in ("rays", "torch_workers"):
         calls["n"] = 0
         cfg = load_config(tiny_config(tmp_path, scene_dir, f"exc_{name}", extra=f"  torch_threads: 1\n"),

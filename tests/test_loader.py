@@ -8,7 +8,7 @@ import torch
 
 from _tiny_scene import assert_batch_contract, ref_rays as _ref_rays, tiny_scene
 from dali_nerf.errors import ConfigError
-from dali_nerf.loader import RayLoader
+from dali_nerf.sources import RayLoader
 from dali_nerf.pipelines.decode import decode_cache
 
 
@@ -170,13 +170,13 @@ def test_bad_arguments_one_line(scene, cache):
 
 
 @pytest.mark.parametrize("name", ["rays", "sync_local", "sync_global", "torch_workers"])
-def test_build_batch_source_from_config(scene, name):
+def test_build_source_from_config(scene, name):
     from dali_nerf.config import load_config
-    from dali_nerf.pipelines.builder import build_batch_source
+    from dali_nerf.sources import build_source
 
     cfg = load_config(None, [f"pipeline.name={name}", "pipeline.rays_per_batch=128", "pipeline.workers=0",
                              "train.device=cpu"], check_paths=False)
-    src = build_batch_source(cfg, scene, 0, 1)
+    src = build_source(cfg, scene, 0, 1)
     try:
         b = next(src)
         assert b["rgb"].shape == (128, 3) and b["indices"].dtype == torch.int64

@@ -19,6 +19,7 @@ from nvidia.dali import fn, pipeline_def  # noqa: E402
 
 from dali_nerf import ops  # noqa: E402
 from dali_nerf.ops import load_plugin  # noqa: E402
+from dali_nerf.seeds import op_stream_key, splitmix_finalise  # noqa: E402
 
 U64 = np.uint64
 M64 = (1 << 64) - 1
@@ -108,19 +109,10 @@ def mulhi(a, b):
     return hh + (hl >> U64(32)) + (cross >> U64(32))
 
 
-def py_mix(z):
-    z &= M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-    return z ^ (z >> 31)
-
-
-def stream_key(seed, rank, world_size, mode):
-    g = 0x9E3779B97F4A7C15
-    k = py_mix((seed & M64) ^ 0x6A09E667F3BCC908)
-    k = py_mix(k + g * (rank + 1))
-    k = py_mix(k ^ ((0xBB67AE8584CAA73B * (world_size + 1)) & M64))
-    return py_mix(k + mode * 0x3C6EF372FE94F82B)
+# the op's stream key, mirrored in dali_nerf.seeds: every reference stream below is built from the
+# mirror, so these tests check it against the C++ operator's output
+py_mix = splitmix_finalise
+stream_key = op_stream_key
 
 
 def ref_random_pixels(seed, rank, ws, s0, n, P):

@@ -10,7 +10,13 @@ from _tiny_scene import assert_batch_contract
 from dali_nerf.config import PartitionConfig
 from dali_nerf.partition import Partition, ray_cells
 from dali_nerf.pipelines.decode import decode_cache
-from dali_nerf.pipelines.spatial import SpatialRayLoader, spatial_pipeline
+from dali_nerf.pipelines.rays import ray_pipeline
+from dali_nerf.sources import SpatialRayLoader
+
+
+def spatial_pipeline(cache, part, cell, rays_per_run, mode, seed, **kw):
+    """The ray graph routed to ``cell`` with the SS stream key (seed, rank=cell, world_size=C)."""
+    return ray_pipeline(cache, rays_per_run, mode, seed, cell, part.num_cells, partition=part, cell=cell, **kw)
 from dali_nerf.scenegen import make_scene
 from dali_nerf.scenes import load_scene
 

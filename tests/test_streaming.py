@@ -13,8 +13,9 @@ import torch
 
 from _tiny_scene import assert_batch_contract, ref_rays as _ref_rays, tiny_scene
 from dali_nerf.errors import ConfigError, DataError
-from dali_nerf.loader import RayLoader, plan_window_images, window_plan
+from dali_nerf.sources import RayLoader, plan_window_images, window_plan
 from dali_nerf.pipelines import decode as decode_mod
+from dali_nerf.sources import streaming as stream_mod
 from dali_nerf.pipelines.decode import decode_cache
 
 W_PX, H_PX, N_IMG = 24, 16, 8
@@ -64,7 +65,7 @@ def test_streams_with_bounded_memory(scene, monkeypatch):
         alive.append((weakref.ref(c.pixels), c.nbytes))
         return c
 
-    monkeypatch.setattr(decode_mod, "decode_cache", spy)
+    monkeypatch.setattr(stream_mod, "decode_cache", spy)  # the name the engine calls
     with _loader(scene, mode="epoch", prefetch=2) as L:
         assert L.streaming and L.window_images == 3 and L.cache is None
         assert "streaming" in repr(L)
@@ -189,7 +190,7 @@ def test_close_leaves_no_thread(scene, monkeypatch):
             saw_stop.append(kw["stop"].wait(30))
         return real(*a, **kw)
 
-    monkeypatch.setattr(decode_mod, "decode_cache", slow_background)
+    monkeypatch.setattr(stream_mod, "decode_cache", slow_background)
     before = set(threading.enumerate())
     L = _loader(scene, mode="random")
     _take(L, 3)
@@ -203,11 +204,11 @@ def test_close_leaves_no_thread(scene, monkeypatch):
 
 def test_from_config_streams(scene):
     from dali_nerf.config import load_config
-    from dali_nerf.pipelines.builder import build_batch_source
+    from dali_nerf.sources import build_source
 
     cfg = load_config(None, [f"cache.max_bytes={MAX_BYTES}", "cache.window_images=2", "pipeline.rays_per_batch=64",
                              "train.device=cpu"], check_paths=False)
-    src = build_batch_source(cfg, scene, 0, 1)
+    src = build_source(cfg, scene, 0, 1)
     try:
         assert src.streaming and src.window_images == 2
         assert next(src)["rgb"].shape == (64, 3)

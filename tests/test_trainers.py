@@ -120,6 +120,24 @@ def test_ddp_two_ranks_learns_replicas_identical_and_resume_is_exact(objects_sce
 
 
 @pytest.mark.slow
+def test_eval_every_writes_a_psnr_curve_and_does_not_change_training(objects_scene, tmp_path):
+    runs = tmp_path / "runs"
+    common = ["train.checkpoint_every=0", "train.log_every=4"]
+    run_trainer("dali_nerf.trainers.ddp", 1, ddp_overrides(objects_scene, runs, "plain", 12, common))
+    run_trainer("dali_nerf.trainers.ddp", 1, ddp_overrides(objects_scene, runs, "curve", 12, [*common, "train.eval_every=5"]))
+    plain, curve = metrics(runs / "plain"), metrics(runs / "curve")
+    assert not any("eval_psnr" in r for r in plain)  # eval_every=0: evaluated only at the end (summary)
+    evals = [r for r in curve if "eval_psnr" in r]
+    assert [r["step"] for r in evals] == [5, 10, 12]  # every 5 steps and at the last step
+    assert all(np.isfinite(r["eval_psnr"]) and r["eval_psnr"] > 0 and 0 <= r["eval_ssim"] <= 1 for r in evals)
+    s = json.loads((runs / "curve" / "summary.json").read_text())
+    assert evals[-1]["eval_psnr"] == s["test_psnr"]
+    assert s["test_psnr"] == json.loads((runs / "plain" / "summary.json").read_text())["test_psnr"]
+    # the evaluations between steps do not perturb training
+    assert [r["loss"] for r in curve if "loss" in r] == [r["loss"] for r in plain]
+
+
+@pytest.mark.slow
 def test_ss_two_ranks_learns_and_fusion_beats_submodels(city_scene, tmp_path):
     runs = tmp_path / "runs"
     ov = ["--config", "configs/ss_city.yaml", f"scene.path={city_scene}", f"train.runs_dir={runs}", "name=ss",

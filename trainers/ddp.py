@@ -14,6 +14,9 @@ import sys
 
 import torch
 
+from dali_nerf.models import build_field, build_occupancy, make_optimizer
+from dali_nerf.seeds import init_seed
+from dali_nerf.sources import build_source
 from dali_nerf.training import DistEnv, Method, Task, scene_aabb, trainer_main, wrap_ddp
 
 __all__ = ["DDPMethod", "main"]
@@ -26,12 +29,9 @@ class DDPMethod(Method):
         self.sync_timers = {}
 
     def build_tasks(self, cfg, scene, env: DistEnv):
-        from dali_nerf.models import build_field, build_occupancy, make_optimizer
-        from dali_nerf.pipelines.builder import build_batch_source
-
-        source = build_batch_source(cfg, scene, env.rank, env.world_size)
+        source = build_source(cfg, scene, env.rank, env.world_size)
         aabb = scene_aabb(scene)
-        torch.manual_seed(cfg.pipeline.seed)  # identical initial replicas (DDP also broadcasts)
+        torch.manual_seed(init_seed(cfg.pipeline.seed))  # identical initial replicas (DDP also broadcasts)
         field = build_field(cfg.model, aabb).to(env.device)
         occupancy = build_occupancy(cfg.model, aabb)
         if occupancy is not None:

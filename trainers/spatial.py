@@ -19,6 +19,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dali_nerf.models import build_field, build_occupancy, make_optimizer
+from dali_nerf.models.fused import FusedField
+from dali_nerf.partition import Partition, assign_rank
+from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.seeds import init_seed
+from dali_nerf.sources import build_source
 from dali_nerf.training import DistEnv, Method, Task, eval_subset, evaluate_field, scene_aabb, trainer_main
 
 __all__ = ["SpatialMethod", "build_fused", "main"]
@@ -29,9 +35,6 @@ def build_fused(cfg, partition, aabb, cell_states: dict, device):
 
     The fused occupancy is the union of the sub-models' grids (conservative: a cell is skipped
     only if every sub-model finds it empty)."""
-    from dali_nerf.models import build_field, build_occupancy
-    from dali_nerf.models.fused import FusedField
-
     fields, occ = [], build_occupancy(cfg.model, aabb)
     for c in range(partition.num_cells):
         f = build_field(cfg.model, aabb)
@@ -56,23 +59,16 @@ class SpatialMethod(Method):
     name = "ss"
 
     def build_tasks(self, cfg, scene, env: DistEnv):
-        from dali_nerf.models import build_field, build_occupancy, make_optimizer
-        from dali_nerf.partition import Partition, assign_rank
-        from dali_nerf.pipelines.decode import decode_cache
-        from dali_nerf.pipelines.spatial import spatial_loader
-
         self.partition = Partition.from_config(cfg.partition, scene)
         cells_per_rank = assign_rank(self.partition.num_cells, env.world_size)  # checked before writing
         if env.rank == 0:
             self.partition.save(cfg.run_dir / "partition.json")
         self.cells = cells_per_rank[env.rank]
         self.aabb = scene_aabb(scene)
-        cache = decode_cache(scene, 0, 1, num_threads=cfg.pipeline.num_threads, batch=cfg.cache.decode_batch)
+        sources = build_source(cfg, scene, env.rank, env.world_size, cells=cells_per_rank, partition=self.partition)
         tasks = []
-        for slot, c in enumerate(self.cells):
-            source = spatial_loader(cfg, scene, self.partition, c, cache=cache, cells_per_rank=cells_per_rank,
-                                    rank=env.rank, slot=slot)
-            torch.manual_seed(cfg.pipeline.seed * 1009 + c)
+        for c, source in zip(self.cells, sources):
+            torch.manual_seed(init_seed(cfg.pipeline.seed, c))
             field = build_field(cfg.model, self.aabb).to(env.device)
             occ = build_occupancy(cfg.model, self.aabb)
             occ = occ.to(env.device) if occ is not None else None
@@ -102,10 +98,6 @@ class SpatialMethod(Method):
 
     def extra_summary(self, cfg, tasks, env, eval_scene, field, occupancy):
         """Fusion overhead (fused render time / one sub-model's) and each sub-model's PSNR alone."""
-        from dali_nerf.models import build_field, build_occupancy
-
-        from dali_nerf.pipelines.decode import decode_cache
-
         n = min(cfg.train.eval_images or eval_scene.num_images, eval_scene.num_images)
         views = decode_cache(eval_subset(eval_scene, n), 0, 1)  # decoded once for all the renders
         alone = []

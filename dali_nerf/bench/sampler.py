@@ -126,7 +126,7 @@ def _free_port() -> int:
 def _global_worker(rank, scene, cache, B, seconds, port, out):
     import torch.distributed as dist
 
-    from dali_nerf.baseline import SyncGlobalSampler
+    from dali_nerf.sources import SyncGlobalSampler
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -195,8 +195,8 @@ def decode_rate(fmt: str, n: int = 100, size: int = 800, threads: int = 2, reps:
 
 
 def main(args) -> int:
-    from dali_nerf.baseline import SyncLocalSampler, TorchWorkersSampler
-    from dali_nerf.loader import RayLoader
+    from dali_nerf.sources import SyncLocalSampler, TorchWorkersSampler
+    from dali_nerf.sources import RayLoader
     from dali_nerf.pipelines.decode import decode_cache
     from dali_nerf.scenes import load_scene
 
@@ -237,7 +237,7 @@ def main(args) -> int:
             with RayLoader(scene, rays_per_batch=B, cache=cache, prefetch=2, rays_per_run=max(262144, B)) as L:
                 r["rays"] = max(r["rays"], measure(L, B, seconds))
             if part is not None:
-                from dali_nerf.pipelines.spatial import SpatialRayLoader
+                from dali_nerf.sources import SpatialRayLoader
 
                 with SpatialRayLoader(scene, part, 0, rays_per_batch=B, cache=cache, prefetch=2,
                                       rays_per_run=max(262144, B)) as S:

@@ -190,12 +190,12 @@ def observations(derived: dict, cores: Optional[int] = None) -> List[cm.Observat
 
 
 def _time_source(cfg: Config, scene, batches: int) -> float:
-    from ..pipelines.builder import build_batch_source
+    from ..sources import build_source
 
     if cfg.pipeline.name == "rays":  # cover several DALI runs, not just pops of one prefetched run
         per_run = -(-cfg.pipeline.rays_per_run // cfg.pipeline.rays_per_batch)
         batches = max(batches, 3 * per_run)
-    src = build_batch_source(cfg, scene, 0, 1)
+    src = build_source(cfg, scene, 0, 1)
     try:
         it = iter(src)
         for _ in range(2):

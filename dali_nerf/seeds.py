@@ -1,0 +1,129 @@
+"""Every stream key and sub-seed of a run, derived in one place from (seed, purpose, rank, cell,
+epoch / cycle, window, step).
+
+Nothing else in the package mixes seeds: each function below is one *purpose*, and its formula is
+the one the project has always used (changing one changes every stream or trajectory that uses
+it, so a change of formula is a behaviour change to record, never a refactor).
+
+================= ================================================ ==============================
+purpose           function                                         used by
+================= ================================================ ==============================
+process RNGs      :func:`process_seed` (seed, rank)                training: torch/numpy/random
+model init        :func:`init_seed` (seed[, cell])                 trainers: ``torch.manual_seed``
+render jitter     :func:`step_seed` (seed, rank, step, cell)       training: per-step generator
+window order      :func:`window_order_keys` (seed, rank, cycle)    sources.streaming: window_plan
+window stream     :func:`window_key` (seed, rank, cycle, window)   sources.streaming: the op's seed
+baseline blocks   :func:`block_seed` (seed, stream, position)      sources.sync: random mode
+baseline epochs   :func:`perm_seed` (seed, stream, epoch)          sources.sync: epoch mode
+routed baselines  :func:`routed_stream` (cell | slot)              sources.sync: the stream id
+operator          :func:`op_stream_key` (seed, rank, ws, mode)     the op, in C++ (mirror here)
+================= ================================================ ==============================
+
+The operator's stream key is computed inside the C++ operator (``dali_nerf/ops/csrc``) from its
+``seed``, ``rank``, ``world_size`` and ``mode`` arguments; :func:`op_stream_key` is its Python
+mirror, checked against the operator's output by ``tests/test_op.py``. The DDP ray stream passes
+(seed, rank, world_size); a streaming window passes ``window_key(...)`` as the op's seed; the SS
+stream of cell j passes (seed, rank=j, world_size=number of cells).
+
+>>> step_seed(0, 0, 1) == step_seed(0, 0, 1)
+True
+>>> window_key(0, 0, 0, 0) < 2**63
+True
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["mix64", "mix63", "process_seed", "init_seed", "step_seed", "window_order_keys", "window_key",
+           "block_seed", "perm_seed", "routed_stream", "op_stream_key", "splitmix_finalise"]
+
+M64 = (1 << 64) - 1
+M63 = (1 << 63) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def splitmix_finalise(z: int) -> int:
+    """splitmix64's finaliser of one 64-bit value (the op's ``mix64``)."""
+    z &= M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def mix64(*vals: int) -> int:
+    """64-bit counter-based hash of a tuple of non-negative ints (splitmix64 finaliser per value)."""
+    h = _GOLDEN
+    for v in vals:
+        h = (h ^ (int(v) & M64)) & M64
+        h = (h + _GOLDEN) & M64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & M64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & M64
+        h ^= h >> 31
+    return h
+
+
+def mix63(*vals: int) -> int:
+    """:func:`mix64` as a non-negative 63-bit seed (fits torch's and the op's int64 seed)."""
+    return mix64(*vals) & M63
+
+
+# ---- training -------------------------------------------------------------------------------
+
+def process_seed(seed: int, rank: int) -> int:
+    """Seed of a rank's torch / numpy / python RNGs (``training.seed_everything``)."""
+    return (seed * 1000003 + rank) % (2**31)
+
+
+def init_seed(seed: int, cell: int | None = None) -> int:
+    """``torch.manual_seed`` before building a field: the DDP replica (identical on every rank)
+    or the SS sub-model of ``cell``."""
+    return seed if cell is None else seed * 1009 + cell
+
+
+def step_seed(seed: int, rank: int, step: int, cell: int = -1) -> int:
+    """Seed of the per-step sampling-jitter generator: a pure function of (seed, rank, step, cell),
+    so resumed runs and prefetching do not change training."""
+    return (seed * 6364136223846793005 + (rank + 1) * 1442695040888963407 + step * 97 + (cell + 1) * 7919) % (2**63)
+
+
+# ---- streaming windows ----------------------------------------------------------------------
+
+def window_order_keys(seed: int, rank: int, cycle: int, image_ids) -> np.ndarray:
+    """(N,) uint64 sort keys of a shard's images in cycle ``cycle`` (their shuffle)."""
+    return np.array([mix64(seed, rank, cycle, int(i)) for i in image_ids], np.uint64)
+
+
+def window_key(seed: int, rank: int, cycle: int, window: int) -> int:
+    """The op's seed for window ``window`` of cycle ``cycle`` of rank ``rank``'s stream."""
+    return mix63(seed, rank, cycle, window)
+
+
+# ---- synchronous baselines ------------------------------------------------------------------
+
+def block_seed(seed: int, stream: int, position: int) -> int:
+    """Generator seed of the baselines' random-mode block starting at stream ``position``."""
+    return mix63(seed, stream, position, 0)
+
+
+def perm_seed(seed: int, stream: int, epoch: int) -> int:
+    """Generator seed of the baselines' epoch-mode permutation ``epoch``."""
+    return mix63(seed, stream, epoch, 1)
+
+
+def routed_stream(cell: int | None = None, slot: int | None = None) -> int:
+    """Stream id of a routed (SS) baseline: the cell's own (sync_local) or rank 0's shared
+    candidate stream of slot ``slot`` (sync_global: ``10_000 + slot``)."""
+    if (cell is None) == (slot is None):
+        raise ValueError("routed_stream: give exactly one of cell, slot")
+    return int(cell) if slot is None else 10_000 + int(slot)
+
+
+# ---- the operator (mirror of the C++ stream_key) ------------------------------------------------
+
+def op_stream_key(seed: int, rank: int, world_size: int, mode: int) -> int:
+    """The operator's stream key (computed in C++; mode 0 = random, 1 = epoch)."""
+    k = splitmix_finalise((seed & M64) ^ 0x6A09E667F3BCC908)
+    k = splitmix_finalise(k + _GOLDEN * (rank + 1))
+    k = splitmix_finalise(k ^ ((0xBB67AE8584CAA73B * (world_size + 1)) & M64))
+    return splitmix_finalise(k + mode * 0x3C6EF372FE94F82B)

@@ -1,0 +1,155 @@
+"""What every batch source shares: the base class, stats, argument checks, and the one helper
+that runs a ray graph and converts its outputs to torch.
+
+Batch contract (ARCHITECTURE.md): ``next(source)`` -> dict of torch tensors ``origins`` (B, 3)
+f32, ``directions`` (B, 3) f32 unit, ``rgb`` (B, 3) f32, ``indices`` (B, 3) i64, ``near``/``far``
+(B, 1) f32 when the scene has bounds; ``stats()``, ``state_dict()`` / ``load_state_dict()``,
+``close()`` (idempotent), context manager.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from dali_nerf._dali import torch_feed
+from dali_nerf.errors import ConfigError
+from dali_nerf.pipelines.rays import RAY_OUTPUTS
+from dali_nerf.scenes import load_scene
+
+__all__ = ["BatchSource", "BatchStats", "BATCH_KEYS", "resolve_device", "dali_to_torch", "check_common",
+           "check_positive", "run_graph", "scene_from_config"]
+
+BATCH_KEYS = ("origins", "directions", "rgb", "indices", "near", "far")
+"""Keys a batch may carry (near/far only when the scene has bounds)."""
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when available else "cpu"; "cuda" without a GPU is a ConfigError."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r}: use cpu, cuda or auto")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda: no CUDA device is visible; use device=cpu")
+    return device
+
+
+class BatchStats:
+    """Time blocked in ``__next__`` vs wall time since the first ``__next__`` (shared by every source).
+
+    ``as_dict()`` -> {"steps", "wait_s", "stall_fraction", "rays_per_s", "elapsed_s", "runs"}.
+    """
+
+    def __init__(self):
+        self.steps = 0
+        self.wait_s = 0.0
+        self.rays = 0
+        self.runs = 0
+        self.t0: Optional[float] = None
+
+    def start(self) -> float:
+        now = time.perf_counter()
+        if self.t0 is None:
+            self.t0 = now
+        return now
+
+    def stop(self, t_enter: float, rays: int) -> None:
+        self.wait_s += time.perf_counter() - t_enter
+        self.steps += 1
+        self.rays += rays
+
+    def as_dict(self) -> dict:
+        elapsed = 0.0 if self.t0 is None else time.perf_counter() - self.t0
+        return {
+            "steps": self.steps,
+            "wait_s": self.wait_s,
+            "stall_fraction": (self.wait_s / elapsed) if elapsed > 0 else 0.0,
+            "rays_per_s": (self.rays / elapsed) if elapsed > 0 else 0.0,
+            "elapsed_s": elapsed,
+            "runs": self.runs,
+        }
+
+
+def check_positive(name, v):
+    """ConfigError unless ``v`` is an integer > 0."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+        raise ConfigError(f"{name}={v!r}: must be an integer > 0")
+
+
+def check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode):
+    """Shared argument checks of every batch source (one-line ConfigError)."""
+    check_positive("rays_per_batch", rays_per_batch)
+    check_positive("world_size", world_size)
+    if not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
+        raise ConfigError(f"rank={rank!r}: must be in [0, world_size={world_size})")
+    if not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ConfigError(f"seed={seed!r}: must be an integer >= 0")
+    if not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
+        raise ConfigError(f"prefetch={prefetch!r}: must be an integer >= 0")
+    if mode not in ("random", "epoch"):
+        raise ConfigError(f"mode={mode!r}: use random or epoch")
+
+
+def dali_to_torch(tl, device: str, copy: bool = False) -> torch.Tensor:
+    """One pipeline output (a batch of 1 sample) as a torch tensor on ``device``.
+
+    CPU: a zero-copy view (DALI 2.4's asynchronous executor gives each run new buffers, kept alive
+    while referenced); ``copy``: the synchronous executor (prefetch 0) reuses its output buffers
+    on the next run, so the view is copied. CUDA: a device-to-device copy into a torch tensor.
+    """
+    if device == "cuda":  # pragma: no cover - needs a GPU
+        feed_ndarray, to_torch_type = torch_feed()
+        t = tl[0] if hasattr(tl, "__getitem__") else tl.as_tensor()
+        dst = torch.empty(tuple(t.shape()), dtype=to_torch_type[t.dtype], device="cuda")
+        feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream())
+        return dst
+    t = torch.from_numpy(np.asarray(tl[0]))
+    return t.clone() if copy else t
+
+
+def run_graph(pipe, device: str, keys: Sequence[str], copy: bool):
+    """Run a ray graph (:func:`~dali_nerf.pipelines.rays.ray_pipeline`) once: ``(consumed,
+    {key: tensor (R, ...)})`` for ``keys`` (a subset of ``RAY_OUTPUTS[:-1]``), ``consumed`` the
+    stream positions the run used. ``copy``: see :func:`dali_to_torch`."""
+    out = dict(zip(RAY_OUTPUTS, pipe.run()))
+    consumed = out["consumed"].as_cpu() if device == "cuda" else out["consumed"]
+    consumed = int(np.asarray(consumed[0]).reshape(-1)[0])
+    return consumed, {k: dali_to_torch(out[k], device, copy) for k in keys}
+
+
+class BatchSource:
+    """What every batch source shares (RayLoader, the baselines, the SS sources): iteration,
+    ``stats()`` from a :class:`BatchStats` in ``self._stats``, the context manager, and ``close()``
+    on garbage collection. Subclasses implement ``__next__`` and ``close()`` (idempotent)."""
+
+    def __iter__(self):
+        return self
+
+    def stats(self) -> dict:
+        """{"steps", "wait_s", "stall_fraction", "rays_per_s", "elapsed_s", "runs"} since the first next()."""
+        return self._stats.as_dict()
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def scene_from_config(cfg):
+    """Load ``cfg.scene``'s training split."""
+    s = cfg.scene
+    return load_scene(s.path, split=s.train_split, format=s.format, downscale=s.downscale, background=s.background)

@@ -1,0 +1,142 @@
+"""SpatialRayLoader: the spatial-segmentation batch source of one cell, our ray graph routed.
+
+It runs the same operator as the DDP source with the partition's centroids as a 4th input and
+``cell=j`` (:func:`dali_nerf.pipelines.rays.ray_pipeline` with ``partition``): each run emits
+exactly ``K * B`` rays that cross cell j (exact closed-form test inside the op, no mask
+precompute) and reports how many stream positions it consumed. The next run starts right where
+the previous one ended, a count known only once that run is done; the graph feeds the op
+``start = -1`` after its first run ("continue after your previous run", which the op tracks
+itself), so DALI computes ``prefetch`` runs ahead in its own threads like the DDP graph, and each
+run's outputs are fresh buffers handed out zero copy. Every rank holds all images of the split —
+a ray of any image may cross its cell.
+
+The stream of cell j is keyed by (seed, rank=j, world_size=C): identical whichever rank trains the
+cell. ``state_dict()`` = {"run_start", "offset"}: the run's first stream position and the rays of
+it already handed out; the op is deterministic given ``start``, so resume is exact.
+
+>>> src = SpatialRayLoader(scene, partition, cell=0, rays_per_batch=4096)
+>>> next(src)["origins"].shape
+torch.Size([4096, 3])
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dali_nerf.errors import ConfigError
+from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline
+from dali_nerf.sources.base import BatchSource, BatchStats, resolve_device, run_graph
+
+__all__ = ["SpatialRayLoader"]
+
+
+class SpatialRayLoader(BatchSource):
+    """Batches of rays crossing one cell, sampled ahead by DALI (``prefetch`` runs).
+
+    Args:
+        scene: the split; cache: its ImageCache (all images, world_size 1) or None to decode.
+        partition: :class:`~dali_nerf.partition.Partition`; cell: the cell j.
+        rays_per_batch: B; rays_per_run: rounded up to K * B accepted rays per op run.
+        prefetch: runs DALI computes ahead (0: synchronous, each run's outputs copied).
+    Yields:
+        the batch dict (origins, directions, rgb, indices, near, far), B rays of cell j: the
+        accepted rays in stream order, so neither ``prefetch`` nor ``rays_per_run`` changes them.
+    """
+
+    def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, prefetch: int = 2,
+                 mode: str = "random", device: str = "cpu", num_threads: int = 2, rays_per_run: int = 262144,
+                 cache=None, decode_batch: int = 8):
+        if not 0 <= cell < partition.num_cells:
+            raise ConfigError(f"cell={cell}: partition has {partition.num_cells} cells")
+        if not scene.has_bounds:
+            raise ConfigError(f"{scene.root}: spatial routing needs per-image near/far bounds; use a scene format that defines them")
+        self.scene, self.partition, self.cell = scene, partition, int(cell)
+        self.rays_per_batch, self.seed, self.mode = int(rays_per_batch), int(seed), mode
+        self.prefetch = int(prefetch)
+        self.device = resolve_device(device)
+        self.num_threads = int(num_threads)
+        self.steps_per_run = max(1, math.ceil(int(rays_per_run) / self.rays_per_batch))
+        self.rays_per_run = self.steps_per_run * self.rays_per_batch
+        self.cache = cache if cache is not None else decode_cache(scene, 0, 1, device=self.device,
+                                                                  num_threads=self.num_threads, batch=decode_batch)
+        self.run_start, self.offset = 0, 0
+        self._run = None            # (start, consumed, {name: (R, ...) tensor}) of the current run
+        self._next_run_start = 0    # stream position of the next run the pipeline delivers
+        self._consumed_total = 0
+        self._accepted_total = 0
+        self._stats = BatchStats()
+        self._pipe = None
+        self._closed = False
+
+    # ---- producing ---------------------------------------------------------------------------
+    def _fetch_run(self):
+        """The pipeline's next run (a pipeline is built at ``_next_run_start`` when there is none)."""
+        if self._pipe is None:
+            device_id = torch.cuda.current_device() if self.device == "cuda" else None
+            self._pipe = ray_pipeline(self.cache, self.rays_per_run, self.mode, self.seed, self.cell,
+                                      self.partition.num_cells, first_start=self._next_run_start,
+                                      prefetch=self.prefetch, device=self.device, num_threads=self.num_threads,
+                                      device_id=device_id, partition=self.partition, cell=self.cell)
+        consumed, run = run_graph(self._pipe, self.device, RAY_OUTPUTS[:-1], copy=self.prefetch <= 0)
+        start = self._next_run_start
+        self._next_run_start += consumed
+        return start, consumed, run
+
+    def _drop_pipeline(self):
+        if self._pipe is not None:
+            pipe, self._pipe = self._pipe, None
+            release_pipeline(pipe)
+
+    # ---- iteration ---------------------------------------------------------------------------
+    def __next__(self) -> dict:
+        if self._closed:
+            raise RuntimeError("SpatialRayLoader is closed")
+        t = self._stats.start()
+        B = self.rays_per_batch
+        if self._run is None or self.offset + B > self.rays_per_run:
+            nxt = self.run_start + self._run[1] if self._run is not None else self.run_start
+            if nxt != self._next_run_start:  # after load_state_dict: restart the pipeline there
+                self._drop_pipeline()
+                self._next_run_start = nxt
+            start, consumed, run = self._fetch_run()
+            if self._run is not None:
+                self.offset = 0
+            self._run = (start, consumed, run)
+            self.run_start = start
+            self._stats.runs += 1
+            self._consumed_total += consumed
+            self._accepted_total += self.rays_per_run
+        run = self._run[2]
+        batch = {k: v[self.offset:self.offset + B] for k, v in run.items()}
+        self.offset += B
+        self._stats.stop(t, B)
+        return batch
+
+    def state_dict(self) -> dict:
+        start, off = self.run_start, self.offset
+        if self._run is not None and off >= self.rays_per_run:
+            start, off = start + self._run[1], 0
+        return {"run_start": int(start), "offset": int(off), "cell": self.cell, "seed": self.seed,
+                "mode": self.mode, "rays_per_batch": self.rays_per_batch, "rays_per_run": self.rays_per_run}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("cell", "seed", "mode", "rays_per_batch", "rays_per_run"):
+            if k in state and state[k] != getattr(self, k):
+                raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this loader has {getattr(self, k)!r}")
+        self._drop_pipeline()
+        self._run = None
+        self.run_start, self.offset = int(state["run_start"]), int(state["offset"])
+        self._next_run_start = self.run_start
+
+    def stats(self) -> dict:
+        d = self._stats.as_dict()
+        d["acceptance"] = self._accepted_total / self._consumed_total if self._consumed_total else None
+        return d
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._drop_pipeline()

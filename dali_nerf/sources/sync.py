@@ -1,0 +1,470 @@
+"""The study's synchronous baselines: same interface, batch contract and ``stats()`` as
+:class:`~dali_nerf.sources.rays.RayLoader`.
+
+Honest, vectorised torch implementations over the same decoded cache (``decode_cache``):
+
+* :class:`SyncLocalSampler` — each rank samples its own batch in the training thread:
+  ``torch.randint`` pixel ids over its shard -> uint8 gather -> :func:`dali_nerf.rays.rays_from_indices`.
+* :class:`SyncGlobalSampler` — the paper's setting: rank 0 holds ALL images, samples the global
+  batch (B * world_size) inside the training step and scatters one slice to each rank
+  (:func:`scatter_batches`; needs an initialised process group when world_size > 1).
+* :class:`TorchWorkersSampler` — a ``torch.utils.data.DataLoader`` over an ``IterableDataset`` whose
+  ``workers`` processes each produce whole batches (nerfstudio's parallel data manager).
+* :class:`RoutedSyncLocal` / :class:`RoutedSyncGlobal` — the spatial-segmentation settings:
+  candidate blocks from a :class:`PixelSampler` kept if they cross the cell
+  (:func:`dali_nerf.partition.ray_cells`, vectorised numpy), sampled by the rank itself or by
+  rank 0 for every rank's cell and scattered.
+
+Streams are position-based like RayLoader's (step k = positions [k*B, (k+1)*B)): random mode
+draws position block k with a generator seeded by :func:`dali_nerf.seeds.block_seed` (seed,
+stream, k); epoch mode maps position s through ``torch.randperm(P)`` of epoch ``s // P`` seeded
+by :func:`dali_nerf.seeds.perm_seed` (seed, stream, epoch). The stream id is the rank (or
+:func:`dali_nerf.seeds.routed_stream` for the routed ones). They are deterministic and resumable
+but are not the same random stream as the operator's.
+
+>>> src = SyncLocalSampler(scene, rays_per_batch=4096, rank=0, world_size=1)
+>>> next(src)["rgb"].shape
+torch.Size([4096, 3])
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dali_nerf.errors import ConfigError
+from dali_nerf.partition import ray_cells
+from dali_nerf.pipelines.decode import decode_cache, shard_sizes
+from dali_nerf.rays import rays_from_indices
+from dali_nerf.seeds import block_seed, perm_seed, routed_stream
+from dali_nerf.sources.base import BatchSource, BatchStats, check_common, resolve_device, scene_from_config
+
+__all__ = ["SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "PixelSampler", "RoutedSyncLocal",
+           "RoutedSyncGlobal", "scatter_batches"]
+
+_FLOAT_KEYS = ("origins", "directions", "rgb")
+
+
+def scatter_batches(batches, rank: int, rays_per_batch: int, has_bounds: bool, device="cpu") -> dict:
+    """Rank 0 hands batch ``r`` of ``batches`` to rank r (``torch.distributed.scatter``; a
+    collective: every rank calls it, ranks other than 0 with ``batches=None``).
+
+    The float keys (origins, directions, rgb[, near, far]) travel packed as one (B, 9 | 11) f32
+    tensor, the indices as one (B, 3) i64 tensor. Returns this rank's batch dict (views of the two).
+    """
+    B = int(rays_per_batch)
+    keys = _FLOAT_KEYS + (("near", "far") if has_bounds else ())
+    fl = torch.empty((B, 11 if has_bounds else 9), dtype=torch.float32, device=device)
+    ix = torch.empty((B, 3), dtype=torch.int64, device=device)
+    if rank == 0:
+        dist.scatter(fl, [torch.cat([g[k] for k in keys], dim=1).contiguous() for g in batches], src=0)
+        dist.scatter(ix, [g["indices"].contiguous() for g in batches], src=0)
+    else:
+        dist.scatter(fl, None, src=0)
+        dist.scatter(ix, None, src=0)
+    b = {"origins": fl[:, 0:3], "directions": fl[:, 3:6], "rgb": fl[:, 6:9], "indices": ix}
+    if has_bounds:
+        b["near"], b["far"] = fl[:, 9:10], fl[:, 10:11]
+    return b
+
+
+class PixelSampler:
+    """Pixel ids -> batch dicts over one ImageCache, in torch (picklable; used in worker processes).
+
+    Args:
+        cache: ImageCache (pixels (P, 3) u8, cameras (N, 18), layout (N, 4)).
+        scene: the split (c2w, intrinsics, near/far by split camera index).
+        seed, rank: stream key; mode: "random" | "epoch"; device: "cpu" | "cuda".
+    """
+
+    def __init__(self, cache, scene, seed: int, rank: int, mode: str, device: str = "cpu"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only cache arrays: we never write
+            px = cache.pixels if isinstance(cache.pixels, torch.Tensor) else torch.from_numpy(cache.pixels)
+        self.device = device
+        self.pixels = px.to(device)
+        lay = torch.from_numpy(np.array(cache.layout))
+        self.offsets = lay[:, 0].contiguous().to(device)
+        self.widths = lay[:, 1].contiguous().to(device)
+        self.cams = lay[:, 3].contiguous().to(device)
+        self.c2w = torch.from_numpy(np.array(scene.c2w)).to(device)
+        self.intrinsics = torch.from_numpy(np.array(scene.intrinsics)).to(device)
+        self.near = torch.from_numpy(np.array(scene.near)).to(device) if scene.has_bounds else None
+        self.far = torch.from_numpy(np.array(scene.far)).to(device) if scene.has_bounds else None
+        self.P = int(cache.num_pixels)
+        self.seed, self.rank, self.mode = int(seed), int(rank), mode
+        self._perms: dict = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        p = self._perms.get(epoch)
+        if p is None:
+            g = torch.Generator().manual_seed(perm_seed(self.seed, self.rank, epoch))
+            p = torch.randperm(self.P, generator=g).to(self.device)
+            self._perms = {k: v for k, v in self._perms.items() if k >= epoch - 1}
+            self._perms[epoch] = p
+        return p
+
+    def pixel_ids(self, position: int, n: int) -> torch.Tensor:
+        """(n,) int64 pixel ids of stream positions [position, position + n)."""
+        if self.mode == "random":
+            g = torch.Generator().manual_seed(block_seed(self.seed, self.rank, position))
+            return torch.randint(0, self.P, (n,), generator=g).to(self.device)
+        parts, s, end = [], position, position + n
+        while s < end:
+            e, off = divmod(s, self.P)
+            take = min(end - s, self.P - off)
+            parts.append(self._perm(e)[off:off + take])
+            s += take
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def batch(self, pid: torch.Tensor) -> dict:
+        """Batch dict (origins, directions, rgb (B, 3) f32, indices (B, 3) i64, near/far (B, 1)) of pixel ids (B,)."""
+        img = torch.searchsorted(self.offsets, pid, right=True) - 1
+        local = pid - self.offsets[img]
+        w = self.widths[img]
+        row = torch.div(local, w, rounding_mode="floor")
+        col = local - row * w
+        cam = self.cams[img]
+        indices = torch.stack([cam, row, col], dim=-1)
+        rgb = self.pixels[pid].to(torch.float32).div_(255.0)
+        o, d = rays_from_indices(self.c2w, self.intrinsics, indices)
+        out = {"origins": o, "directions": d, "rgb": rgb, "indices": indices}
+        if self.near is not None:
+            out["near"] = self.near[cam][:, None]
+            out["far"] = self.far[cam][:, None]
+        return out
+
+    def sample(self, position: int, n: int) -> dict:
+        return self.batch(self.pixel_ids(position, n))
+
+
+class _Source(BatchSource):
+    """Common state of a batch source: position/epoch/state_dict/stats/close/context manager."""
+
+    _global = False
+
+    def _init_common(self, scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device):
+        check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode)
+        self.scene = scene
+        self.rays_per_batch = int(rays_per_batch)
+        self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
+        self.prefetch, self.mode = int(prefetch), mode
+        self.device = resolve_device(device)
+        self.position = 0
+        self.epoch = 0
+        self._stats = BatchStats()
+        self._closed = False
+
+    # rays this rank's stream advances per step, and pixels per stream epoch
+    def _stride(self) -> int:
+        return self.rays_per_batch
+
+    def __len__(self) -> int:
+        if self.mode != "epoch":
+            raise TypeError(f"{type(self).__name__} in random mode is an infinite stream and has no len()")
+        return self._epoch_steps()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch mode: move to the start of permutation ``epoch``; random mode: recorded only."""
+        if not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ConfigError(f"set_epoch({epoch!r}): epoch must be an integer >= 0")
+        self.epoch = int(epoch)
+        if self.mode == "epoch":
+            self._seek(self.epoch * self._epoch_pixels())
+
+    def _seek(self, position: int) -> None:
+        self.position = int(position)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "epoch": self.epoch, "steps": self._stats.steps, "mode": self.mode,
+                "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
+                "rays_per_batch": self.rays_per_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("mode", "seed", "rank", "world_size", "rays_per_batch"):
+            if k in state and state[k] != getattr(self, k):
+                raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this sampler has {getattr(self, k)!r}; "
+                                  f"resume with the same settings")
+        self.epoch = int(state.get("epoch", 0))
+        self._seek(int(state["position"]))
+
+    def close(self) -> None:
+        self._closed = True
+
+    @classmethod
+    def from_config(cls, cfg, rank: int = 0, world_size: int = 1, scene=None):
+        """Build from a :class:`~dali_nerf.config.Config` (``cfg.pipeline``)."""
+        if scene is None:
+            scene = scene_from_config(cfg)
+        p = cfg.pipeline
+        kw = dict(rays_per_batch=p.rays_per_batch, rank=rank, world_size=world_size, seed=p.seed,
+                  prefetch=p.prefetch, mode=p.mode, device=cfg.train.device, num_threads=p.num_threads)
+        if cls is TorchWorkersSampler:
+            kw["workers"] = p.workers
+        return cls(scene, **kw)
+
+
+class SyncLocalSampler(_Source):
+    """Each rank samples its own batch over its DALI shard, synchronously in ``__next__``.
+
+    Args: as RayLoader (``prefetch`` is accepted and ignored: nothing runs ahead).
+    Yields: the batch contract dict, B = rays_per_batch.
+    """
+
+    def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 prefetch: int = 0, mode: str = "random", device: str = "cpu", num_threads: int = 2, cache=None):
+        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device)
+        if cache is None:
+            cache = decode_cache(scene, self.rank, self.world_size, num_threads=num_threads)
+        self.cache = cache
+        self.sampler = PixelSampler(cache, scene, self.seed, self.rank, mode, self.device)
+
+    def _epoch_pixels(self) -> int:
+        return self.sampler.P
+
+    def _epoch_steps(self) -> int:
+        return math.ceil(int(shard_sizes(self.scene, self.world_size).max()) / self.rays_per_batch)
+
+    def __next__(self) -> dict:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        t = self._stats.start()
+        b = self.sampler.sample(self.position, self.rays_per_batch)
+        self.position += self.rays_per_batch
+        self._stats.stop(t, self.rays_per_batch)
+        return b
+
+
+class SyncGlobalSampler(_Source):
+    """Rank 0 holds all images, samples the global batch B * world_size and scatters it.
+
+    Every rank must call ``next()`` each step (a collective). Rank r receives rows
+    ``[r * B, (r + 1) * B)`` of rank 0's global batch. The stream is the global one
+    (key: seed, rank 0), so ``position`` advances by ``B * world_size`` per step.
+    """
+
+    _global = True
+
+    def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 prefetch: int = 0, mode: str = "random", device: str = "cpu", num_threads: int = 2, cache=None):
+        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device)
+        if self.world_size > 1:
+            if not dist.is_available() or not dist.is_initialized():
+                raise ConfigError("pipeline.name=sync_global with world_size > 1 needs an initialised "
+                                  "torch.distributed process group; run under torchrun")
+        self.has_bounds = scene.has_bounds
+        self.sampler = None
+        if self.rank == 0:
+            if cache is None:
+                cache = decode_cache(scene, 0, 1, num_threads=num_threads)
+            self.cache = cache
+            self.sampler = PixelSampler(cache, scene, self.seed, 0, mode, self.device)
+        self._P = scene.num_pixels
+
+    def _epoch_pixels(self) -> int:
+        return self._P
+
+    def _epoch_steps(self) -> int:
+        return math.ceil(self._P / (self.rays_per_batch * self.world_size))
+
+    def __next__(self) -> dict:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        t = self._stats.start()
+        B, W = self.rays_per_batch, self.world_size
+        if W == 1:
+            b = self.sampler.sample(self.position, B)
+        else:
+            parts = None
+            if self.rank == 0:
+                g = self.sampler.sample(self.position, B * W)
+                parts = [{k: v[r * B:(r + 1) * B] for k, v in g.items()} for r in range(W)]
+            b = scatter_batches(parts, self.rank, B, self.has_bounds, self.device)
+        self.position += B * W
+        self._stats.stop(t, B)
+        return b
+
+
+class _WorkerStream(torch.utils.data.IterableDataset):
+    """Worker w of n yields the batches of steps w, w + n, w + 2n, ... from ``base`` (whole batches)."""
+
+    def __init__(self, sampler: PixelSampler, base: int, B: int):
+        self.sampler, self.base, self.B = sampler, base, B
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, n = (0, 1) if info is None else (info.id, info.num_workers)
+        j = w
+        while True:
+            yield self.sampler.sample(self.base + j * self.B, self.B)
+            j += n
+
+
+def _worker_init(_):
+    torch.set_num_threads(1)
+
+
+class TorchWorkersSampler(_Source):
+    """A torch DataLoader with ``workers`` processes, each producing whole batches of this rank's shard.
+
+    Batches arrive in step order (DataLoader's round-robin over workers), so the stream equals
+    SyncLocalSampler's for the same arguments. ``workers=0`` samples in-process.
+    """
+
+    def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 prefetch: int = 2, mode: str = "random", device: str = "cpu", num_threads: int = 2,
+                 workers: int = 2, cache=None):
+        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device)
+        if not isinstance(workers, (int, np.integer)) or workers < 0:
+            raise ConfigError(f"workers={workers!r}: must be an integer >= 0")
+        self.workers = int(workers)
+        if cache is None:
+            cache = decode_cache(scene, self.rank, self.world_size, num_threads=num_threads)
+        self.cache = cache
+        # workers sample on the CPU; batches are pinned and moved to the GPU by the consumer side
+        self.sampler = PixelSampler(cache, scene, self.seed, self.rank, mode, "cpu")
+        self._it = None
+        self._dl = None
+
+    def _epoch_pixels(self) -> int:
+        return self.sampler.P
+
+    def _epoch_steps(self) -> int:
+        return math.ceil(int(shard_sizes(self.scene, self.world_size).max()) / self.rays_per_batch)
+
+    def _seek(self, position: int) -> None:
+        if int(position) != self.position:
+            self._shutdown()
+        self.position = int(position)
+
+    def _start(self):
+        ds = _WorkerStream(self.sampler, self.position, self.rays_per_batch)
+        kw = {}
+        if self.workers > 0:
+            kw = dict(persistent_workers=True, prefetch_factor=max(1, self.prefetch), worker_init_fn=_worker_init)
+        self._dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.workers,
+                                               pin_memory=self.device == "cuda", **kw)
+        self._it = iter(self._dl)
+
+    def __next__(self) -> dict:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        t = self._stats.start()
+        if self._it is None:
+            self._start()
+        b = next(self._it)
+        if self.device == "cuda":  # pragma: no cover - needs a GPU
+            b = {k: v.to("cuda", non_blocking=True) for k, v in b.items()}
+        self.position += self.rays_per_batch
+        self._stats.stop(t, self.rays_per_batch)
+        return b
+
+    def _shutdown(self):
+        it, self._it = self._it, None
+        self._dl = None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# routed baselines (spatial segmentation)
+
+
+class _RoutedSampler:
+    """Candidate blocks from a PixelSampler, kept if they cross ``cell`` (numpy exact routing)."""
+
+    def __init__(self, cache, scene, partition, seed: int, key: int, block: int):
+        self.sampler = PixelSampler(cache, scene, seed, key, "random")
+        self.partition, self.block = partition, int(block)
+
+    def sample(self, position: int, cell: int, n: int):
+        """(batch of n rays of ``cell``, next position)."""
+        parts, got, pos = [], 0, position
+        while got < n:
+            b = self.sampler.sample(pos, self.block)
+            pos += self.block
+            keep = ray_cells(self.partition, b["origins"].numpy(), b["directions"].numpy(),
+                             b["near"].numpy()[:, 0], b["far"].numpy()[:, 0])[:, cell]
+            idx = torch.from_numpy(np.nonzero(keep)[0])
+            parts.append({k: v[idx] for k, v in b.items()})
+            got += len(idx)
+        out = {k: torch.cat([p[k] for p in parts])[:n] for k in parts[0]}
+        return out, pos
+
+
+class RoutedSyncLocal(BatchSource):
+    """SS ``sync_local``: the rank samples its cell's batch in the training thread."""
+
+    def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, cache=None, num_threads: int = 2):
+        cache = cache if cache is not None else decode_cache(scene, 0, 1, num_threads=num_threads)
+        self.cell, self.rays_per_batch = int(cell), int(rays_per_batch)
+        self._s = _RoutedSampler(cache, scene, partition, seed, routed_stream(cell=cell), 2 * rays_per_batch)
+        self.position = 0
+        self._stats = BatchStats()
+
+    def __next__(self):
+        t = self._stats.start()
+        b, self.position = self._s.sample(self.position, self.cell, self.rays_per_batch)
+        self._stats.stop(t, self.rays_per_batch)
+        return b
+
+    def state_dict(self):
+        return {"position": self.position, "cell": self.cell}
+
+    def load_state_dict(self, s):
+        self.position = int(s["position"])
+
+
+
+class RoutedSyncGlobal(BatchSource):
+    """SS ``sync_global`` (the study's setting): rank 0 samples the batches of every rank's
+    ``slot``-th cell in the training step and scatters them. A collective: every rank calls
+    ``next()`` on its slot-th source in the same order."""
+
+    def __init__(self, scene, partition, cells_per_rank, rank: int, slot: int, rays_per_batch: int = 4096,
+                 seed: int = 0, cache=None, num_threads: int = 2):
+        self.world_size = len(cells_per_rank)
+        if len({len(c) for c in cells_per_rank}) != 1:
+            raise ConfigError(f"pipeline.name=sync_global with method ss needs the same number of cells on every rank "
+                              f"({[len(c) for c in cells_per_rank]}); make partition cells a multiple of the world size")
+        if self.world_size > 1 and not dist.is_initialized():
+            raise ConfigError("pipeline.name=sync_global with world_size > 1 needs torchrun (an initialised process group)")
+        self.rank, self.slot, self.rays_per_batch = int(rank), int(slot), int(rays_per_batch)
+        self.cells = [c[slot] for c in cells_per_rank]
+        self.position = [0] * self.world_size
+        self._s = None
+        if self.rank == 0:
+            cache = cache if cache is not None else decode_cache(scene, 0, 1, num_threads=num_threads)
+            self._s = _RoutedSampler(cache, scene, partition, seed, routed_stream(slot=slot), 2 * rays_per_batch)
+        self._stats = BatchStats()
+
+    def __next__(self):
+        t = self._stats.start()
+        B, W = self.rays_per_batch, self.world_size
+        if W == 1:
+            b, self.position[0] = self._s.sample(self.position[0], self.cells[0], B)
+        else:
+            parts = None
+            if self.rank == 0:
+                parts = []
+                for r in range(W):
+                    g, self.position[r] = self._s.sample(self.position[r], self.cells[r], B)
+                    parts.append(g)
+            b = scatter_batches(parts, self.rank, B, has_bounds=True)
+        self._stats.stop(t, B)
+        return b
+
+    def state_dict(self):
+        return {"position": list(self.position), "slot": self.slot}
+
+    def load_state_dict(self, s):
+        self.position = [int(p) for p in s["position"]]
