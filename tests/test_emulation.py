@@ -48,7 +48,9 @@ def _run(src, dev, steps=12):
     for k in range(steps):
         emulated_step(src, dev, t)
         recs.append(t.record(k + 1, 64))
-    return {p: float(np.median([r[f"{p}_s"] for r in recs])) for p in PH + ("step",)}
+    out = {p: float(np.median([r[f"{p}_s"] for r in recs])) for p in PH + ("step",)}
+    out["gap"] = float(np.median([r["step_s"] - sum(r[f"{p}_s"] for p in PH) for r in recs]))
+    return out
 
 
 def test_slow_source_is_wait_and_compute_unchanged():
@@ -60,7 +62,7 @@ def test_slow_source_is_wait_and_compute_unchanged():
     # the device phase is the same with either source: the 20 ms went to wait, not to compute
     assert slow["forward"] == pytest.approx(fast["forward"], abs=0.003)
     assert fast["forward"] == pytest.approx(0.005, abs=0.003)
-    assert slow["step"] == pytest.approx(slow["wait"] + slow["h2d"] + slow["forward"], abs=0.002)
+    assert 0 <= slow["gap"] < 0.002 and 0 <= fast["gap"] < 0.002  # the phases cover the step
 
 
 def test_slow_device_is_its_own_phase_not_wait():
@@ -242,3 +244,39 @@ def test_git_commit_ignores_docs_study(tmp_path):
     git("checkout", "code.py")
     (tmp_path / "untracked.py").write_text("")
     assert study.git_commit(tmp_path) == head + "-dirty"
+
+
+def test_routed_torch_workers(tmp_path):
+    """SS torch_workers: every ray crosses the cell, batches do not depend on the worker count,
+    and state_dict resumes exactly."""
+    from dali_nerf.config import PartitionConfig
+    from dali_nerf.partition import Partition, ray_cells
+    from dali_nerf.routed_workers import RoutedTorchWorkers
+    from dali_nerf.scenegen import make_scene
+    from dali_nerf.scenes import load_scene
+
+    make_scene("objects", tmp_path / "s", width=16, height=16, n_train=6, n_val=1, n_test=1)
+    scene = load_scene(tmp_path / "s", split="train")
+    part = Partition.from_config(PartitionConfig(grid=[2, 1]), scene)
+    a = RoutedTorchWorkers(scene, part, cell=1, rays_per_batch=64, workers=0)
+    b = RoutedTorchWorkers(scene, part, cell=1, rays_per_batch=64, workers=1)
+    try:
+        xs = [next(a) for _ in range(3)]
+        ys = [next(b) for _ in range(3)]
+        for x, y in zip(xs, ys):
+            assert x["origins"].shape == (64, 3)
+            assert torch.equal(x["origins"], y["origins"]) and torch.equal(x["indices"], y["indices"])
+            keep = ray_cells(part, x["origins"].numpy(), x["directions"].numpy(), x["near"].numpy()[:, 0],
+                             x["far"].numpy()[:, 0])[:, 1]
+            assert keep.all()
+        st = a.state_dict()
+        nxt = next(a)
+        a.load_state_dict(st)
+        assert torch.equal(next(a)["origins"], nxt["origins"])
+        with pytest.raises(ConfigError, match="cell"):
+            a.load_state_dict(st | {"cell": 0})
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(ConfigError, match="cell=5"):
+        RoutedTorchWorkers(scene, part, cell=5)

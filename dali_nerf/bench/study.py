@@ -655,9 +655,10 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
             if g:
                 top = max(c["ranks"] for c in g)
                 parts = [f"{100 * c['stall']:.1f}% at {c['emulated_step_ms']:g} ms" for c in g if c["ranks"] == top]
-                low = [f"{100 * c['stall']:.1f}%" for c in g if c["ranks"] == min(x["ranks"] for x in g)]
+                w0 = min(x["ranks"] for x in g)
+                low = [f"{100 * c['stall']:.1f}%" for c in g if c["ranks"] == w0]
                 L.append(f"- {m.upper()} sync_global stall at {top} emulated GPUs: " + ", ".join(parts)
-                         + f" (at {min(x['ranks'] for x in g)}: {', '.join(low)}); the study: up to 43.3%.")
+                         + (f" (at {w0}: {', '.join(low)})" if w0 != top else "") + "; the study: up to 43.3%.")
             sp = [x for x in emu_sp if x["method"] == m and x["rays_per_rank"] == meta["rays"]]
             if sp:
                 L.append(f"- {m.upper()} speedup of pipelined sampling over the emulated pairs: mean "
