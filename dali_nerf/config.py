@@ -262,9 +262,11 @@ class BenchConfig:
     emulated_grad_bytes: int = 0
     """Bytes all-reduced per emulated DDP step (0 = the study model's gradients)."""
     check_rays: List[int] = field(default_factory=lambda: [2048, 16384])
-    """Other batch sizes run once per emulated DDP launch at check_step_ms (cost-model check)."""
+    """Other batch sizes run once in the emulated DDP launches of check_ranks, at check_step_ms (cost-model check)."""
     check_step_ms: float = 2.0
     """Emulated device step ms of the check_rays segments."""
+    check_ranks: List[int] = field(default_factory=lambda: [4])
+    """DDP world sizes whose emulated launch also runs the check_rays segments."""
     fit_ranks: List[int] = field(default_factory=lambda: [1, 2])
     """The cost model is fit on emulated DDP runs at these world sizes and pipeline.rays_per_batch only."""
 
@@ -295,7 +297,7 @@ class BenchConfig:
         _positive(f"{key}.emulated_steps", self.emulated_steps)
         _nonneg(f"{key}.emulated_warmup", self.emulated_warmup)
         _nonneg(f"{key}.emulated_grad_bytes", self.emulated_grad_bytes)
-        for name in ("emulated_ranks", "emulated_ranks_ss", "check_rays", "fit_ranks"):
+        for name in ("emulated_ranks", "emulated_ranks_ss", "check_rays", "check_ranks", "fit_ranks"):
             for i, v in enumerate(getattr(self, name)):
                 _positive(f"{key}.{name}[{i}]", v)
         for i, v in enumerate(self.emulated_step_ms):

@@ -212,23 +212,31 @@ def _key(r: dict) -> tuple:
     return (r["device"], r["method"], r["ranks"], r["emulated_step_ms"], r["rays_per_rank"], r["sampler"])
 
 
-def _cause(b: dict, p: dict, ratio: float) -> str:
-    """Why a pair's speedup differs from its ideal, from the numbers: the ideal assumes the
-    pipelined run keeps the baseline's non-wait time and waits 0."""
-    rest_b = b["step_s"] - b["phases_s"]["wait"]
-    rest_p = p["step_s"] - p["phases_s"]["wait"]
-    parts = []
-    if rest_p > 0:
-        q = rest_b / rest_p
-        if q > 1.05:
-            parts.append(f"the baseline's time outside the wait is {100 * (q - 1):.0f}% above the pipelined run's "
-                         f"(its sampling also slows the step outside next(): thread budgets / cache effects)")
-        elif q < 0.95:
-            parts.append(f"the pipelined run's time outside the wait is {100 * (1 / q - 1):.0f}% above the "
-                         f"baseline's (its loader threads take cores from the training thread)")
+_HINTS = {
+    "sync": "waiting at the lockstep / all-reduce for ranks still sampling: a straggler's sampling reaches every "
+            "rank through the collective, and the per-rank wait does not count it",
+    "h2d": "the copy's wait ends late: the rank's thread is woken late because the cores are busy sampling",
+    "forward": "compute slowed or woken late: sampling competes with it for the cores and caches (thread budgets)",
+    "backward": "compute slowed: sampling competes with it for the cores and caches (thread budgets)",
+    "optimizer": "compute slowed: sampling competes with it for the cores and caches (thread budgets)",
+}
+
+
+def _cause(b: dict, p: dict) -> str:
+    """Why a pair's speedup differs from its ideal, from the phases: the ideal assumes the pipelined
+    run differs from the baseline only by the baseline's wait. States the step difference phase by
+    phase and names the largest phase outside the wait."""
+    d = {k: b["phases_s"][k] - p["phases_s"][k] for k in PHASE_KEYS}
+    parts = [f"step {1e3 * (b['step_s'] - p['step_s']):+.2f} ms = "
+             + ", ".join(f"{k} {1e3 * v:+.2f}" for k, v in d.items() if abs(v) >= 5e-5)]
+    other = {k: v for k, v in d.items() if k != "wait"}
+    k = max(other, key=lambda x: abs(other[x]))
+    if abs(other[k]) > 0.1 * max(abs(d["wait"]), 1e-9) and abs(other[k]) > 0.02 * b["step_s"]:
+        parts.append(f"{k} {'longer' if other[k] > 0 else 'shorter'} in the baseline: " + (
+            _HINTS[k] if other[k] > 0 else "the pipelined loader's threads slow the training thread (shared cores)"))
     if p["stall"] > 0.02:
         parts.append(f"the pipelined run still waits {100 * p['stall']:.1f}% of its step (the host does not keep up)")
-    if not parts:
+    if len(parts) == 1:
         parts.append("trial-to-trial spread (run order / machine drift): see the interval")
     return "; ".join(parts)
 
@@ -282,6 +290,12 @@ def derive(run_dirs: Sequence, warmup: Optional[int] = None) -> dict:
         f = ckey.get((c["device"], c["method"], c["ranks"], c["emulated_step_ms"], c["rays_per_rank"], em.FLOOR))
         c["floor_step_s"] = f["step_s"] if f is not None else None
         c["step_over_floor"] = c["step_s"] / f["step_s"] if f is not None and f["step_s"] > 0 else None
+        # lockstep ranks: a rank also waits at the collective for ranks still sampling; the part of
+        # its sync above the floor's is data stall the per-rank wait does not count
+        c["stall_lockstep"] = None
+        if f is not None and c["step_s"] > 0:
+            extra = max(0.0, c["phases_s"]["sync"] - f["phases_s"]["sync"])
+            c["stall_lockstep"] = min(1.0, (c["phases_s"]["wait"] + extra) / c["step_s"])
 
     speedups = []
     for k, rs in groups.items():
@@ -319,14 +333,17 @@ def derive(run_dirs: Sequence, warmup: Optional[int] = None) -> dict:
         if not BAND[0] <= ratio <= BAND[1]:
             flags.append(f"speedup/ideal {ratio:.2f} outside [{BAND[0]}, {BAND[1]}]")
         bmean = {"step_s": float(np.mean([b["step_s"] for b in bl])), "stall": float(np.mean([b["stall"] for b in bl])),
-                 "phases_s": {"wait": float(np.mean([b["phases_s"]["wait"] for b in bl]))}}
+                 "phases_s": {k: float(np.mean([b["phases_s"][k] for b in bl])) for k in PHASE_KEYS}}
         pmean = {"step_s": float(np.mean([p["step_s"] for p in pl])), "stall": float(np.mean([p["stall"] for p in pl])),
-                 "phases_s": {"wait": float(np.mean([p["phases_s"]["wait"] for p in pl]))}}
+                 "phases_s": {k: float(np.mean([p["phases_s"][k] for p in pl])) for k in PHASE_KEYS}}
+        bc = ckey.get((device, method, ranks, ems, rays, sampler))
+        sl = bc.get("stall_lockstep") if bc else None
         speedups.append({
+            "ideal_speedup_lockstep": (1.0 / (1.0 - sl) if sl < 1 else float("inf")) if sl is not None else None,
             "method": method, "ranks": ranks, "device": device, "emulated_step_ms": ems, "rays_per_rank": rays,
             "baseline": sampler, "speedup": sp, "speedup_trials": sp_t, "speedup_ci": sp_ci,
             "ideal_speedup": ideal, "ideal_trials": id_t, "ideal_ci": id_ci, "ratio": ratio, "flags": flags,
-            "cause": _cause(bmean, pmean, ratio) if flags else None,
+            "cause": _cause(bmean, pmean) if flags else None,
             "step_baseline_s": bmean["step_s"], "step_pipelined_s": pmean["step_s"],
             "stall_baseline": bmean["stall"], "stall_pipelined": pmean["stall"], "trials": len(trials),
         })
@@ -514,7 +531,8 @@ def run_grid(cfg: Config, config_path: str, overrides: Sequence[str], log=print)
 def run_emulated(cfg: Config, grad_bytes: int, log=print) -> dict:
     """The emulated launches: for each method and its ``bench.emulated_ranks[_ss]``, one launch
     running the floor and ``bench.emulated_samplers`` at every ``bench.emulated_step_ms``,
-    ``bench.trials`` times in rotation (DDP also the ``bench.check_rays`` segments, once).
+    ``bench.trials`` times in rotation (DDP at ``bench.check_ranks`` also the ``bench.check_rays``
+    segments, once).
 
     Returns {"dirs": [segment folders], "launches": [{"method", "ranks", "wall_s", "barrier_s",
     "budget", "segments"}]}."""
@@ -528,7 +546,8 @@ def run_emulated(cfg: Config, grad_bytes: int, log=print) -> dict:
         for W in (b.emulated_ranks if m == "ddp" else b.emulated_ranks_ss):
             budget = host_budget(B, local_ranks=W)
             segs = em.schedule(b.emulated_samplers, b.emulated_step_ms, b.trials, B,
-                               check_rays=b.check_rays if m == "ddp" else (), check_step_ms=b.check_step_ms)
+                               check_rays=b.check_rays if (m == "ddp" and W in b.check_ranks) else (),
+                               check_step_ms=b.check_step_ms)
             out = root / f"emu_{m}_{W}"
             if out.exists():
                 import shutil
@@ -713,12 +732,24 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
         for la in (emulation or {}).get("launches", []):
             L.append(f"| {la['method']} | {la['ranks']} | {la['cells'] or '-'} | {la['barrier_s'] * 1e6:.0f} | "
                      f"{la['budget']['threads']} | {la['budget']['rays_per_run']} | {la['wall_s']:.0f} | {la['segments']} |")
+        capacity = None
+        prof = (sampling or {}).get("profile")
+        if prof is not None and prof.loader_per_ray_core_s > 0:
+            capacity = (os.cpu_count() or 1) / prof.loader_per_ray_core_s
+            L += ["", f"Host capacity of the pipelined sampler: {capacity / 1e6:.1f} Mrays/s on {os.cpu_count()} cores "
+                      f"(the loader's cost per ray and core, measured on its own below); demand = ranks x rays per rank / "
+                      f"floor step."]
         L += ["", "| method | device step ms | rays/rank | ranks | sampler | step ms [95% CI] | floor ms | step / floor | stall [95% CI] | wait | h2d | compute | sync | host keeps up |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in emu:
             ph = c["phases_s"]
             ku = keeps_up(c)
-            mark = "-" if ku is None else ("yes" if ku else f"**no** ({c['ranks'] * c['rays_per_rank'] / (c['floor_step_s'] or 1) / 1e6:.1f} Mrays/s demanded)")
+            if ku is None:
+                mark = "-"
+            else:
+                demand = c["ranks"] * c["rays_per_rank"] / (c["floor_step_s"] or 1)
+                mark = ("yes" if ku else "**no**") + f" (demand {demand / 1e6:.1f}" + (
+                    f" vs host {capacity / 1e6:.1f} Mrays/s)" if capacity else " Mrays/s)")
             sof = f"{c['step_over_floor']:.2f}" if c.get("step_over_floor") is not None else "-"
             L.append(f"| {c['method']} | {c['emulated_step_ms']:g} | {c['rays_per_rank']} | {c['ranks']} | {c['sampler']} | "
                      f"{_ci_ms(c)} | {_fmt_ms(c['floor_step_s'])} | {sof} | {_ci_pct(c)} | {_fmt_ms(ph['wait'])} | "
@@ -729,14 +760,19 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
           f"ideal = 1 / (1 - stall of the baseline) per trial. A pair is flagged when its speedup interval lies above "
           f"the ideal or speedup / ideal is outside [{BAND[0]}, {BAND[1]}]; the cause column decomposes the step "
           "(the ideal assumes the pipelined run keeps the baseline's time outside the wait and waits 0).", "",
-          "| device | method | step ms | rays/rank | ranks | baseline | speedup [95% CI] | ideal [95% CI] | speedup / ideal | stall baseline | stall pipelined | flag: cause |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "",
+          "ideal (lockstep) = 1 / (1 - (wait + sync above the floor's) / step) of the baseline: DDP ranks also wait "
+          "at the all-reduce for ranks still sampling, data stall that the per-rank wait does not count "
+          "(emulated rows, where the floor gives the sync without sampling).", "",
+          "| device | method | step ms | rays/rank | ranks | baseline | speedup [95% CI] | ideal [95% CI] | speedup / ideal | ideal (lockstep) | stall baseline | stall pipelined | flag: cause |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in sps:
         fl = "-" if not x["flags"] else f"**{'; '.join(x['flags'])}**: {x['cause']}"
         L.append(f"| {x['device']} | {x['method']} | {'-' if x['emulated_step_ms'] is None else format(x['emulated_step_ms'], 'g')} | "
                  f"{x['rays_per_rank']} | {x['ranks']} | {x['baseline']} | {x['speedup']:.2f}x [{x['speedup_ci'][0]:.2f}, "
                  f"{x['speedup_ci'][1]:.2f}] | {x['ideal_speedup']:.2f}x [{x['ideal_ci'][0]:.2f}, {x['ideal_ci'][1]:.2f}] | "
-                 f"{x['ratio']:.2f} | {100 * x['stall_baseline']:.1f}% | {100 * x['stall_pipelined']:.1f}% | {fl} |")
+                 f"{x['ratio']:.2f} | {'-' if x.get('ideal_speedup_lockstep') is None else format(x['ideal_speedup_lockstep'], '.2f') + 'x'} | "
+                 f"{100 * x['stall_baseline']:.1f}% | {100 * x['stall_pipelined']:.1f}% | {fl} |")
     L += ["", "## Sampler throughput", ""]
     if sampler_table:
         L += [sampler_table.strip(), ""]
