@@ -43,13 +43,16 @@ class _SleepySource:
 
 
 def _run(src, dev, steps=12):
+    """Per phase: (min, median) seconds over the steps (min: robust to preemption on a busy machine)."""
     t = PhaseTimer()
     recs = []
     for k in range(steps):
         emulated_step(src, dev, t)
         recs.append(t.record(k + 1, 64))
-    out = {p: float(np.median([r[f"{p}_s"] for r in recs])) for p in PH + ("step",)}
-    out["gap"] = float(np.median([r["step_s"] - sum(r[f"{p}_s"] for p in PH) for r in recs]))
+    out = {p: (float(np.min([r[f"{p}_s"] for r in recs])), float(np.median([r[f"{p}_s"] for r in recs])))
+           for p in PH + ("step",)}
+    gaps = [r["step_s"] - sum(r[f"{p}_s"] for p in PH) for r in recs]
+    out["gap"] = (float(np.min(gaps)), float(np.median(gaps)))
     return out
 
 
@@ -57,23 +60,23 @@ def test_slow_source_is_wait_and_compute_unchanged():
     dev = EmulatedDevice(step_ms=5.0 * 4096 / 64)  # 5 ms for the 64-ray batch
     fast = _run(ReadyBatch(_batch()), dev)
     slow = _run(_SleepySource(0.020), dev)
-    assert slow["wait"] == pytest.approx(0.020, abs=0.006)
-    assert fast["wait"] < 0.002
-    # the device phase is the same with either source: the 20 ms went to wait, not to compute
-    assert slow["forward"] == pytest.approx(fast["forward"], abs=0.003)
-    assert fast["forward"] == pytest.approx(0.005, abs=0.003)
-    assert 0 <= slow["gap"] < 0.002 and 0 <= fast["gap"] < 0.002  # the phases cover the step
+    assert 0.0199 <= slow["wait"][0] and slow["wait"][1] < 0.032  # the 20 ms went to wait
+    assert fast["wait"][1] < 0.002
+    # the device phase is the same with either source: compute unchanged
+    assert 0.005 <= fast["forward"][0] < 0.007 and 0.005 <= slow["forward"][0] < 0.007
+    assert slow["forward"][0] == pytest.approx(fast["forward"][0], abs=0.0015)
+    assert 0 <= slow["gap"][0] and slow["gap"][1] < 0.002 and fast["gap"][1] < 0.002  # the phases cover the step
 
 
 def test_slow_device_is_its_own_phase_not_wait():
     ms = _run(ReadyBatch(_batch()), EmulatedDevice(step_ms=20.0 * 4096 / 64))
-    assert ms["forward"] == pytest.approx(0.020, abs=0.006)
-    assert ms["wait"] < 0.002 and ms["sync"] == 0.0
+    assert 0.0199 <= ms["forward"][0] and ms["forward"][1] < 0.032
+    assert ms["wait"][1] < 0.002 and ms["sync"][1] == 0.0
     # a lockstep that takes time shows up as sync
     t = PhaseTimer()
     emulated_step(ReadyBatch(_batch()), EmulatedDevice(0.0), t, lockstep=lambda: time.sleep(0.015))
     rec = t.record(1, 64)
-    assert rec["sync_s"] == pytest.approx(0.015, abs=0.006) and rec["wait_s"] < 0.002
+    assert 0.0149 <= rec["sync_s"] < 0.04 and rec["wait_s"] < 0.005
     with pytest.raises(ValueError, match="unknown phase"):
         with t.phase("nope"):
             pass
@@ -281,3 +284,20 @@ def test_routed_torch_workers(tmp_path):
         b.close()
     with pytest.raises(ConfigError, match="cell=5"):
         RoutedTorchWorkers(scene, part, cell=5)
+
+
+@pytest.mark.slow
+def test_launch_reports_a_failed_rank(tmp_path):
+    """A rank that fails (here: a sampler with no emulated source) ends the launch with one error
+    naming the rank's log, and no process is left waiting at the barrier."""
+    from dali_nerf.config import load_config
+    from dali_nerf.emulation import DeviceLinks
+    from dali_nerf.errors import DaliNerfError
+    from dali_nerf.scenegen import make_scene
+
+    make_scene("objects", tmp_path / "s", width=16, height=16, n_train=4, n_val=1, n_test=1)
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "study.yaml"),
+                      [f"scene.path={tmp_path / 's'}"], check_paths=False)
+    segs = [em.Segment("x", 0, 1.0, "bogus", 64, 0)]
+    with pytest.raises(DaliNerfError, match=r"rank \d failed \(DaliNerfError: bench.samplers: 'bogus'.*rank\d.log"):
+        em.launch(cfg, "ddp", 2, segs, tmp_path / "out", host_budget(64, 2, 2), DeviceLinks(), 0, 2, 1, timeout_s=30)

@@ -98,9 +98,9 @@ def schedule(samplers: Sequence[str], step_ms: Sequence[float], trials: int, ray
     """Every segment of one launch, in run order.
 
     Per trial, the device step times in an order rotated by the trial; per step time the samplers
-    in :func:`pair_order` and the floor between two of its groups (a position rotated by the trial). Then, once, at
-    ``check_step_ms`` and each of ``check_rays`` (other batch sizes, for the cost model's
-    out-of-sample check): the samplers once each."""
+    in :func:`pair_order` and the floor between two of its groups (a position rotated by the
+    trial). Then, once, at ``check_step_ms`` and each of ``check_rays`` (other batch sizes, for the
+    cost model's out-of-sample check): the samplers once each, in :func:`pair_order`'s order."""
     base = [s for s in samplers if s != PIPELINED]
     has_p = PIPELINED in samplers
     segs: List[Segment] = []
@@ -110,39 +110,35 @@ def schedule(samplers: Sequence[str], step_ms: Sequence[float], trials: int, ray
         segs.append(Segment(name, trial, float(ms), sampler, int(B), len(segs), pair))
         return name
 
+    def rotation(t):
+        if has_p:
+            return pair_order(base, t)
+        r = t % max(1, len(base))
+        return [(s, -1) for s in base[r:] + base[:r]]
+
+    def add_all(t, ms, B, order):
+        start = len(segs)
+        pname = {}
+        for s, g in order:
+            add(t, ms, s, B)
+            if s == PIPELINED:
+                pname[g] = segs[-1].name
+        for i, (s, g) in enumerate(order):
+            if s not in (PIPELINED, FLOOR) and g in pname:
+                segs[start + i] = dataclasses.replace(segs[start + i], pair=pname[g])
+
     steps = list(step_ms)
     for t in range(trials):
         k = t % len(steps) if steps else 0
         for ms in steps[k:] + steps[:k]:
-            if has_p:
-                order = pair_order(base, t)
-            else:
-                r = t % max(1, len(base))
-                order = [(s, -1) for s in base[r:] + base[:r]]
+            order = rotation(t)
             # the floor goes between groups (never between a baseline and its pair), rotating
             cuts = [0] + [i for i in range(1, len(order)) if order[i][1] != order[i - 1][1] or order[i][1] < 0] + [len(order)]
             order.insert(cuts[t % len(cuts)], (FLOOR, -1))
-            start = len(segs)
-            pname = {}
-            for s, g in order:
-                add(t, ms, s, rays)
-                if s == PIPELINED:
-                    pname[g] = segs[-1].name
-            for i, (s, g) in enumerate(order):
-                if s not in (PIPELINED, FLOOR) and g in pname:
-                    segs[start + i] = dataclasses.replace(segs[start + i], pair=pname[g])
+            add_all(t, ms, rays, order)
     if check_step_ms is not None:
         for B in check_rays:
-            start = len(segs)
-            pn = None
-            for s in list(samplers):
-                add(trials, check_step_ms, s, B)
-                if s == PIPELINED:
-                    pn = segs[-1].name
-            if pn is not None:
-                for i in range(start, len(segs)):
-                    if segs[i].sampler != PIPELINED:
-                        segs[i] = dataclasses.replace(segs[i], pair=pn)
+            add_all(trials, check_step_ms, B, rotation(0))
     return segs
 
 
@@ -355,18 +351,21 @@ def launch(cfg, method: str, ranks: int, segments: List[Segment], out: Path, bud
             else:
                 os.environ[k] = v
     done: Dict[int, tuple] = {}
-    err = None
+    err, t_err = None, None
     while len(done) < ranks:
         try:
             r, status, val = msgs.get(timeout=5.0)
             done[r] = (status, val)
-            if status != "ok" and err is None:
-                err = (r, val)
+            # the first failure that is not a broken barrier (the others' reaction to it) names the cause
+            if status != "ok" and (err is None or err[1].startswith("BrokenBarrierError")):
+                err, t_err = (r, val), t_err or time.perf_counter()
         except _queue.Empty:
             dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in done]
             if dead:
                 err = err or (dead[0], f"exit code {procs[dead[0]].exitcode}")
                 break
+            if t_err is not None and time.perf_counter() - t_err > 60:
+                break  # a rank that neither finishes nor fails after another failed: give up on it
     for p in procs:
         p.join(timeout=30 if err is None else 5)
         if p.is_alive():
