@@ -60,17 +60,17 @@ def test_slow_source_is_wait_and_compute_unchanged():
     dev = EmulatedDevice(step_ms=5.0 * 4096 / 64)  # 5 ms for the 64-ray batch
     fast = _run(ReadyBatch(_batch()), dev)
     slow = _run(_SleepySource(0.020), dev)
-    assert 0.0199 <= slow["wait"][0] and slow["wait"][1] < 0.032  # the 20 ms went to wait
+    assert 0.0199 <= slow["wait"][0] and slow["wait"][1] < 0.040  # the 20 ms went to wait
     assert fast["wait"][1] < 0.002
     # the device phase is the same with either source: compute unchanged
-    assert 0.005 <= fast["forward"][0] < 0.007 and 0.005 <= slow["forward"][0] < 0.007
+    assert 0.005 <= fast["forward"][0] < 0.009 and 0.005 <= slow["forward"][0] < 0.009
     assert slow["forward"][0] == pytest.approx(fast["forward"][0], abs=0.0015)
-    assert 0 <= slow["gap"][0] and slow["gap"][1] < 0.002 and fast["gap"][1] < 0.002  # the phases cover the step
+    assert 0 <= slow["gap"][0] and slow["gap"][1] < 0.004 and fast["gap"][1] < 0.004  # the phases cover the step
 
 
 def test_slow_device_is_its_own_phase_not_wait():
     ms = _run(ReadyBatch(_batch()), EmulatedDevice(step_ms=20.0 * 4096 / 64))
-    assert 0.0199 <= ms["forward"][0] and ms["forward"][1] < 0.032
+    assert 0.0199 <= ms["forward"][0] and ms["forward"][1] < 0.040
     assert ms["wait"][1] < 0.002 and ms["sync"][1] == 0.0
     # a lockstep that takes time shows up as sync
     t = PhaseTimer()
