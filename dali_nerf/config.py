@@ -249,7 +249,7 @@ class BenchConfig:
     """Trials per configuration, in an order rotated between trials (speedups per trial from adjacent pairs)."""
     emulated_ranks: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     """DDP world sizes of the emulated-device launches ([] skips them)."""
-    emulated_ranks_ss: List[int] = field(default_factory=lambda: [1, 2, 4])
+    emulated_ranks_ss: List[int] = field(default_factory=lambda: [1, 2])
     """SS world sizes of the emulated-device launches (one cell per rank; [] skips them)."""
     emulated_samplers: List[str] = field(default_factory=lambda: ["sync_global", "sync_local", "torch_workers", "rays"])
     """Batch sources of the emulated launches (the floor, a ready batch, is always added)."""
