@@ -850,10 +850,10 @@ def _machine_desc() -> str:
     return desc
 
 
-STEP_MS_SOURCE = ("stated, not measured on a GPU by this project: the range of published per-step times of "
-                  "fast NeRF training on one datacenter GPU (Instant-NGP / nerfacc report tens of thousands of "
-                  "training steps per minute, i.e. ~1-10 ms per step, with 4096-ray-class batches); "
-                  "bench.emulated_step_ms sets them")
+STEP_MS_SOURCE = ("a stated assumption, not a measurement (no GPU was measured by this project): a range meant to "
+                  "cover fast grid-based NeRF training steps on one datacenter GPU, whose fused field kernels take "
+                  "milliseconds per step at batch sizes of this order; measure the study model's own step with "
+                  "scripts/gpu_study.sh on a GPU and pass it as bench.emulated_step_ms")
 
 
 def fit_and_check(derived: dict, b, rays: int, grad_bytes: int, sampling: Optional[dict],
