@@ -228,7 +228,7 @@ class BenchConfig:
     warmup: int = 10
     """Untimed steps before timing."""
     ranks: List[int] = field(default_factory=lambda: [1, 2])
-    """World sizes of the study grid."""
+    """World sizes of the study's CPU rows (trainer processes with CPU compute; [] = none)."""
     methods: List[str] = field(default_factory=lambda: ["ddp", "ss"])
     """Training methods of the study grid."""
     samplers: List[str] = field(default_factory=lambda: ["sync_global", "sync_local", "rays"])
@@ -255,6 +255,30 @@ class BenchConfig:
     """Free text for the report: why these knobs (image count, resolution, rays, model size)."""
     sampler_seconds: float = 1.0
     """Seconds per measurement of the `bench sampler` table in the report (0 skips the table)."""
+    trials: int = 3
+    """Trials per configuration, in an order rotated between trials (speedups per trial from adjacent pairs)."""
+    emulated_ranks: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    """DDP world sizes of the emulated-device launches ([] skips them)."""
+    emulated_ranks_ss: List[int] = field(default_factory=lambda: [1, 2])
+    """SS world sizes of the emulated-device launches (one cell per rank; [] skips them)."""
+    emulated_samplers: List[str] = field(default_factory=lambda: ["sync_global", "sync_local", "torch_workers", "rays"])
+    """Batch sources of the emulated launches (the floor, a ready batch, is always added)."""
+    emulated_step_ms: List[float] = field(default_factory=lambda: [1.0, 2.0, 5.0, 10.0])
+    """Emulated device compute ms (forward + backward + optimizer) per 4096-ray step."""
+    emulated_steps: int = 30
+    """Timed steps per emulated segment."""
+    emulated_warmup: int = 5
+    """Untimed steps per emulated segment, after draining what the source prefetched meanwhile."""
+    emulated_grad_bytes: int = 0
+    """Bytes all-reduced per emulated DDP step (0 = the study model's gradients)."""
+    check_rays: List[int] = field(default_factory=lambda: [2048, 16384])
+    """Other batch sizes run once in the emulated DDP launches of check_ranks, at check_step_ms (cost-model check)."""
+    check_step_ms: float = 2.0
+    """Emulated device step ms of the check_rays segments."""
+    check_ranks: List[int] = field(default_factory=lambda: [4])
+    """DDP world sizes whose emulated launch also runs the check_rays segments."""
+    fit_ranks: List[int] = field(default_factory=lambda: [1, 2])
+    """The cost model is fit on emulated DDP runs at these world sizes and pipeline.rays_per_batch only."""
 
     def validate(self, key: str):
         _positive(f"{key}.steps", self.steps)
@@ -271,12 +295,26 @@ class BenchConfig:
         if not self.cores_per_gpu > 0:
             raise ConfigError(f"{key}.cores_per_gpu: must be > 0, got {self.cores_per_gpu}")
         _nonneg(f"{key}.sampler_seconds", self.sampler_seconds)
-        if not self.ranks or min(self.ranks) < 1:
-            raise ConfigError(f"{key}.ranks: must be a non-empty list of integers >= 1, got {self.ranks}")
+        if self.ranks and min(self.ranks) < 1:
+            raise ConfigError(f"{key}.ranks: must be a list of integers >= 1 ([] = no CPU rows), got {self.ranks}")
         for m in self.methods:
             _choice(f"{key}.methods", m, ("ddp", "ss"))
         for s in self.samplers:
             _choice(f"{key}.samplers", s, ("rays", "sync_global", "sync_local", "torch_workers"))
+        for s in self.emulated_samplers:
+            _choice(f"{key}.emulated_samplers", s, ("rays", "sync_global", "sync_local", "torch_workers"))
+        _positive(f"{key}.trials", self.trials)
+        _positive(f"{key}.emulated_steps", self.emulated_steps)
+        _nonneg(f"{key}.emulated_warmup", self.emulated_warmup)
+        _nonneg(f"{key}.emulated_grad_bytes", self.emulated_grad_bytes)
+        for name in ("emulated_ranks", "emulated_ranks_ss", "check_rays", "check_ranks", "fit_ranks"):
+            for i, v in enumerate(getattr(self, name)):
+                _positive(f"{key}.{name}[{i}]", v)
+        for i, v in enumerate(self.emulated_step_ms):
+            if not v > 0:
+                raise ConfigError(f"{key}.emulated_step_ms[{i}]: must be > 0 ms, got {v}")
+        if not self.check_step_ms > 0:
+            raise ConfigError(f"{key}.check_step_ms: must be > 0 ms, got {self.check_step_ms}")
 
 
 @dataclass

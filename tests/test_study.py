@@ -197,10 +197,10 @@ def test_report_from_hand_written_runs(tmp_path):
     proj = cm.project(model, a)
     meta = {"machine": "cpu-2core-test", "machine_desc": "test", "command": "dali-nerf bench study --config X",
             "commit": "abc123-dirty", "date": "now", "wall_s": 1.0, "steps": 5, "warmup": 3, "workload": "w",
-            "regime": "tiny"}
+            "regime": "tiny", "trials": 1, "rays": 1024}
     out = study.write_report(tmp_path / "out", d, model, val, proj, a, meta)
     text = out.read_text()
-    assert "dali-nerf bench study --config X" in text and "abc123-dirty" in text
+    assert "dali-nerf bench study --config X" in text and "abc123-dirty" in text and "NOT a clean commit" in text
     for png in ("phases.png", "speedup.png", "model_check.png", "projection.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000
         assert (tmp_path / "out" / png).read_bytes()[:4] == b"\x89PNG"
@@ -217,9 +217,26 @@ def test_machine_slug_and_commit():
     assert c == "unknown" or len(c.split("-")[0]) == 40
 
 
+DERIVED_RUN_KEYS = ("method", "sampler", "ranks", "device", "emulated_step_ms", "step_s", "step_s_trials", "stall",
+                    "stall_trials")
+DERIVED_PAIR_KEYS = ("speedup", "speedup_ci", "ideal_speedup")
+
+
+def _check_recomputed(raw):
+    """derived.json's numbers are those of the metrics files on disk."""
+    again = study.derive([r["dir"] for r in raw["derived"]["trial_runs"]])
+    want = {(c["device"], c["method"], c["sampler"], c["ranks"], c["emulated_step_ms"], c["rays_per_rank"]): c
+            for c in raw["derived"]["runs"]}
+    for c in again["runs"]:
+        w = want[(c["device"], c["method"], c["sampler"], c["ranks"], c["emulated_step_ms"], c["rays_per_rank"])]
+        assert c["step_s_trials"] == pytest.approx(w["step_s_trials"]) and c["stall"] == pytest.approx(w["stall"])
+    for a, b in zip(again["speedups"], raw["derived"]["speedups"]):
+        assert a["speedup"] == pytest.approx(b["speedup"]) and a["ideal_speedup"] == pytest.approx(b["ideal_speedup"])
+
+
 @pytest.mark.slow
 def test_study_smoke_end_to_end(tmp_path, monkeypatch):
-    """The real grid at tiny size: trainer processes (1 and 2 ranks), derive, cost model, report."""
+    """The CPU rows at tiny size: trainer processes (1 and 2 ranks), derive, cost model, report."""
     import argparse
 
     from dali_nerf.scenegen import make_scene
@@ -228,7 +245,8 @@ def test_study_smoke_end_to_end(tmp_path, monkeypatch):
     make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=6, n_val=1, n_test=1)
     ov = [f"scene.path={tmp_path / 'scene'}", f"train.runs_dir={tmp_path / 'runs'}", f"bench.out={tmp_path / 'docs'}",
           "bench.steps=4", "bench.warmup=1", "pipeline.rays_per_batch=128", "pipeline.rays_per_run=512",
-          "bench.sampling_sizes=[128,256]", "bench.sampler_seconds=0", "bench.methods=[ddp,ss]",
+          "bench.sampling_sizes=[128,256]", "bench.sampler_seconds=0", "bench.methods=[ddp,ss]", "bench.trials=1",
+          "bench.samplers=[sync_global,sync_local,rays]", "bench.emulated_ranks=[]", "bench.emulated_ranks_ss=[]",
           "model.samples_per_ray=4", "model.resolution=8"]
     rc = study.main(argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
     assert rc == 0
@@ -240,7 +258,43 @@ def test_study_smoke_end_to_end(tmp_path, monkeypatch):
     raw = json.loads((out / "derived.json").read_text())
     done = {(r["method"], r["sampler"], r["ranks"]) for r in raw["derived"]["runs"]}
     assert {("ddp", s, w) for s in ("sync_global", "sync_local", "rays") for w in (1, 2)} <= done
-    # the derived numbers are those of the metrics files on disk
-    again = study.derive([r["dir"] for r in raw["derived"]["runs"]], warmup=1)
+    assert all(r["device"] == "cpu" and r["steps_used"] == 4 for r in raw["derived"]["runs"])
+    again = study.derive([r["dir"] for r in raw["derived"]["trial_runs"]], warmup=1)
     assert again["summary"]["mean_speedup"] == pytest.approx(raw["derived"]["summary"]["mean_speedup"])
-    assert all(r["steps_used"] == 4 for r in raw["derived"]["runs"])
+
+
+@pytest.mark.slow
+def test_study_smoke_emulated(tmp_path, monkeypatch):
+    """One emulated 4-rank launch, 2 samplers, 1 trial, tiny steps: report, plots, derived.json with
+    the documented keys, and its numbers recomputed from the metrics files."""
+    import argparse
+
+    from dali_nerf.scenegen import make_scene
+
+    monkeypatch.chdir(tmp_path)
+    make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=8, n_val=1, n_test=1)
+    ov = [f"scene.path={tmp_path / 'scene'}", f"train.runs_dir={tmp_path / 'runs'}", f"bench.out={tmp_path / 'docs'}",
+          "bench.ranks=[]", "bench.methods=[ddp]", "bench.emulated_ranks=[4]", "bench.emulated_ranks_ss=[]",
+          "bench.emulated_samplers=[sync_global,rays]", "bench.emulated_step_ms=[2]", "bench.trials=1",
+          "bench.emulated_steps=4", "bench.emulated_warmup=1", "pipeline.rays_per_batch=256", "bench.check_rays=[]",
+          "bench.sampling_sizes=[128,256]", "bench.sampler_seconds=0"]
+    rc = study.main(argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
+    assert rc == 0
+    out = tmp_path / "docs" / study.machine_slug()
+    text = (out / "report.md").read_text()
+    assert "device compute emulated by a timed wait; host work real" in text
+    assert "Lockstep cost" in text and "floor ms" in text
+    for png in ("phases.png", "speedup.png", "model_check.png", "projection.png", "scaling.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    raw = json.loads((out / "derived.json").read_text())
+    runs = raw["derived"]["runs"]
+    assert {(r["sampler"], r["ranks"], r["device"]) for r in runs} == {
+        ("sync_global", 4, "emulated"), ("rays", 4, "emulated"), ("ready", 4, "emulated")}
+    for r in runs:
+        assert all(k in r for k in DERIVED_RUN_KEYS)
+        assert r["emulated_step_ms"] == 2.0 and len(r["step_s_trials"]) == 1 and len(r["stall_trials"]) == 1
+        assert r["floor_step_s"] > 0
+    (sp,) = raw["derived"]["speedups"]
+    assert all(k in sp for k in DERIVED_PAIR_KEYS) and len(sp["speedup_ci"]) == 2
+    assert raw["emulation"]["launches"][0]["ranks"] == 4 and raw["emulation"]["launches"][0]["barrier_s"] > 0
+    _check_recomputed(raw)

@@ -1,8 +1,9 @@
 """PNG plots of the study (matplotlib, Agg backend; imported only when a report is written).
 
 * :func:`plot_phases`      stacked bars of the per-phase breakdown per configuration (ms per step);
-* :func:`plot_speedups`    measured speedup of the pipelined loader against the ideal 1/(1-stall);
-* :func:`plot_model_check` measured vs cost-model step time;
+* :func:`plot_speedups`    measured speedup (95% CI) of the pipelined loader against the ideal 1/(1-stall);
+* :func:`plot_scaling`     emulated rows: stall and step / floor against the number of GPUs;
+* :func:`plot_model_check` measured vs cost-model step time (fit set and out-of-sample check);
 * :func:`plot_projection`  projected stall and speedup to many GPUs per node and several nodes.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Sequence
 
-__all__ = ["plot_phases", "plot_speedups", "plot_model_check", "plot_projection", "PHASE_COLORS"]
+__all__ = ["plot_phases", "plot_speedups", "plot_scaling", "plot_model_check", "plot_projection", "PHASE_COLORS"]
 
 PHASE_COLORS = {"wait": "#d62728", "h2d": "#9467bd", "forward": "#1f77b4", "backward": "#2ca02c",
                 "sync": "#ff7f0e", "optimizer": "#8c564b"}
@@ -56,18 +57,70 @@ def plot_phases(runs: Sequence[dict], path: Path) -> Path:
 
 
 def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
-    """Bars of measured speedup with the ideal 1/(1 - stall_baseline) beside each."""
+    """Measured speedup (mean, 95% interval) against its ideal 1/(1 - stall_baseline), one point per
+    pair; the y = x line and the band [0.9, 1.15] x ideal inside which the stall explains the speedup."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.8 * len(speedups) + 2), 4.0))
-    x = list(range(len(speedups)))
-    ax.bar([i - 0.2 for i in x], [s["speedup"] for s in speedups], width=0.4, label="measured", color="#1f77b4")
-    ax.bar([i + 0.2 for i in x], [s["ideal_speedup"] for s in speedups], width=0.4, label="ideal 1/(1-stall)",
-           color="#aec7e8")
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks(x)
-    ax.set_xticklabels([f"{s['method']} x{s['ranks']}\nvs {s['baseline']}" for s in speedups], fontsize=7)
-    ax.set_ylabel("step-time speedup of pipelined sampling")
-    ax.legend(fontsize=8)
+    fig, ax = plt.subplots(figsize=(6.4, 5.2))
+    colors = {"sync_global": "#d62728", "sync_local": "#ff7f0e", "torch_workers": "#9467bd"}
+    markers = {"cpu": "s", "emulated": "o", "cuda": "^"}
+    seen = set()
+    for x in speedups:
+        lo, hi = x.get("speedup_ci") or (x["speedup"], x["speedup"])
+        lab = f"{x['device']} vs {x['baseline']}"
+        ax.errorbar([x["ideal_speedup"]], [x["speedup"]], yerr=[[x["speedup"] - lo], [hi - x["speedup"]]],
+                    fmt=markers.get(x["device"], "x"), color=colors.get(x["baseline"], "gray"), ms=4, lw=0.8,
+                    label=None if lab in seen else lab)
+        seen.add(lab)
+    vals = [x["ideal_speedup"] for x in speedups] + [x["speedup"] for x in speedups] + [1.0]
+    top = max(v for v in vals if v == v and v != float("inf")) * 1.15
+    ax.plot([0.9, top], [0.9, top], color="black", lw=0.8, label="speedup = ideal")
+    ax.fill_between([0.9, top], [0.9 * 0.9, 0.9 * top], [1.15 * 0.9, 1.15 * top], color="gray", alpha=0.15,
+                    label="[0.9, 1.15] x ideal")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("ideal speedup 1 / (1 - stall of the baseline)")
+    ax.set_ylabel("measured speedup of pipelined sampling (95% CI)")
+    ax.set_title("Speedup explained by the stall? (outside the band: flagged)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    return _save(plt, fig, path)
+
+
+def plot_scaling(configs: Sequence[dict], path: Path) -> Path:
+    """Emulated rows: stall (left) and step / floor (right) against the number of emulated GPUs,
+    one row of panels per method, one colour per sampler, one line style per device step time
+    (the study's batch size only)."""
+    plt = _plt()
+    rays = max({c["rays_per_rank"] for c in configs}, key=lambda b: sum(c["rays_per_rank"] == b for c in configs))
+    rows = [c for c in configs if c["rays_per_rank"] == rays and c["sampler"] != "ready"]
+    methods = sorted({c["method"] for c in rows})
+    fig, axes = plt.subplots(len(methods), 2, figsize=(11, 3.8 * len(methods)), squeeze=False)
+    colors = {"sync_global": "#d62728", "sync_local": "#ff7f0e", "torch_workers": "#9467bd", "rays": "#2ca02c"}
+    steps = sorted({c["emulated_step_ms"] for c in rows})
+    styles = ["-", "--", ":", "-."]
+    for mi, m in enumerate(methods):
+        a1, a2 = axes[mi]
+        for s, col in colors.items():
+            for si, ms in enumerate(steps):
+                pts = sorted((c["ranks"], c) for c in rows if c["method"] == m and c["sampler"] == s and c["emulated_step_ms"] == ms)
+                if not pts:
+                    continue
+                xs = [p[0] for p in pts]
+                a1.plot(xs, [100 * p[1]["stall"] for p in pts], color=col, ls=styles[si % 4], marker=".",
+                        label=f"{s} {ms:g} ms")
+                a2.plot(xs, [p[1].get("step_over_floor") or float("nan") for p in pts], color=col, ls=styles[si % 4],
+                        marker=".", label=f"{s} {ms:g} ms")
+        a2.axhline(1.15, color="gray", lw=0.6, ls="--")
+        for a in (a1, a2):
+            a.set_xscale("log", base=2)
+            a.set_xlabel("emulated GPUs (ranks)")
+            a.grid(alpha=0.3)
+        a1.set_ylabel(f"{m.upper()}: stall (% of step)")
+        a2.set_ylabel(f"{m.upper()}: step / emulation floor")
+        a2.set_yscale("log")
+        a1.legend(fontsize=5, ncol=2)
+    fig.suptitle(f"Emulated GPUs, {rays} rays per rank: device compute emulated by a timed wait; host work real",
+                 fontsize=9)
     return _save(plt, fig, path)
 
 
@@ -79,16 +132,19 @@ def plot_model_check(rows: Sequence[dict], path: Path) -> Path:
     pred = [r["step_predicted_s"] * 1e3 for r in rows]
     markers = {"sync_global": "o", "sync_local": "s", "rays": "^"}
     for r, m, p in zip(rows, meas, pred):
-        ax.scatter([m], [p], marker=markers.get(r["sampler"], "x"), color="#1f77b4" if r["ranks"] == 1 else "#d62728")
-    hi = max(meas + pred + [1e-3]) * 1.1
-    ax.plot([0, hi], [0, hi], color="gray", lw=0.8)
-    ax.plot([0, hi], [0, 1.15 * hi], color="gray", lw=0.5, ls="--")
-    ax.plot([0, hi], [0, hi / 1.15], color="gray", lw=0.5, ls="--")
-    ax.set_xlim(0, hi)
-    ax.set_ylim(0, hi)
+        ax.scatter([m], [p], marker=markers.get(r["sampler"], "x"), color="#d62728" if r.get("set") == "check" else "#1f77b4")
+    hi = max(meas + pred + [1e-3]) * 1.3
+    lo = max(1e-3, min([v for v in meas + pred if v > 0] + [1.0]) / 1.3)
+    ax.plot([lo, hi], [lo, hi], color="gray", lw=0.8)
+    ax.plot([lo, hi], [1.15 * lo, 1.15 * hi], color="gray", lw=0.5, ls="--")
+    ax.plot([lo, hi], [lo / 1.15, hi / 1.15], color="gray", lw=0.5, ls="--")
     ax.set_xlabel("measured ms per step")
     ax.set_ylabel("cost model ms per step")
-    ax.set_title("Cost model check (o global, s local, ^ pipelined;\nblue 1 rank, red 2; dashed +-15%)", fontsize=9)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_title("Cost model check (o global, s local, ^ pipelined;\nblue: fit set, red: runs it did not see; dashed +-15%)", fontsize=9)
     return _save(plt, fig, path)
 
 

@@ -1,0 +1,377 @@
+"""The study's emulated-device launches: one launch per (method, ranks) runs every sampler, device
+step time and trial in-process, in rotation (:func:`schedule`).
+
+``launch`` spawns W rank processes (``multiprocessing`` spawn, no torch.distributed): each builds
+its real batch sources once (decode, DALI pipelines, worker processes), then runs the segments in
+order; a segment is ``warmup + steps`` steps of :func:`dali_nerf.emulation.emulated_step` with one
+source at one device step time, and writes ``<out>/<segment>/metrics.jsonl`` (rank 0),
+``metrics.rank<R>.jsonl``, ``config.yaml`` and ``study.json`` — the layout
+:func:`dali_nerf.bench.study.read_run` reads. Label of every such row:
+:data:`~dali_nerf.emulation.EMULATED_LABEL`.
+
+Lockstep: a ``multiprocessing.Barrier`` (POSIX semaphores in shared memory, no sockets): every
+segment starts with one; in DDP every step's all-reduce is emulated as this barrier (its
+rendezvous: slower ranks hold the others, as NCCL does) plus the link's all-reduce time;
+``sync_global`` scatters through shared memory after one. Its own cost — W ranks calling it back to
+back with no work — is measured at the start of each launch and reported.
+
+Budgets (equal for every sampler): ``threads`` sampler threads per rank from
+:func:`dali_nerf.hostbudget.host_budget` (DALI threads for ``rays``, worker processes for
+``torch_workers``, the training thread's torch threads for ``sync_*``), the same run size for the
+DALI sources, and ``train.torch_threads`` for the rank's own thread.
+
+SS: one cell per rank (``ss_grid(W)`` cells), every rank holding all images.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue as _queue
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+from ..emulation import (DeviceLinks, EmulatedDevice, PhaseTimer, ReadyBatch, ShmScatter, emulated_step)
+from ..errors import DaliNerfError
+from ..hostbudget import HostBudget
+
+__all__ = ["Segment", "schedule", "pair_order", "launch", "ss_grid", "FLOOR", "PIPELINED"]
+
+FLOOR = "ready"
+"""Sampler name of the emulation floor (a source that hands out a ready batch)."""
+PIPELINED = "rays"
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    trial: int
+    step_ms: float
+    sampler: str
+    rays: int
+    order: int
+    """Position in the launch (0-based)."""
+    pair: Optional[str] = None
+    """For a baseline: the name of the pipelined segment next to it (its speedup pair)."""
+
+
+def pair_order(baselines: Sequence[str], trial: int, pipelined: str = PIPELINED) -> List[Tuple[str, int]]:
+    """One rotation's order: [(sampler, group)]; each group is ``b P b`` (or ``b P``), so every
+    baseline runs next to the pipelined run of its group. Baselines rotate by ``trial`` and groups
+    rotate by ``trial`` (one baseline: the pair is reversed on odd trials), so no sampler is always
+    first or last.
+
+    >>> [s for s, _ in pair_order(["g", "l", "w"], 0)]
+    ['g', 'rays', 'l', 'w', 'rays']
+    >>> [s for s, _ in pair_order(["g", "l", "w"], 1)]
+    ['g', 'rays', 'l', 'rays', 'w']
+    >>> [s for s, _ in pair_order(["g", "l"], 1)]
+    ['l', 'rays', 'g']
+    """
+    b = list(baselines)
+    if not b:
+        return [(pipelined, 0)]
+    r = trial % len(b)
+    b = b[r:] + b[:r]
+    groups = []
+    for i in range(0, len(b), 2):
+        g = b[i:i + 2]
+        groups.append([g[0], pipelined] + g[1:])
+    k = trial % len(groups)
+    groups = groups[k:] + groups[:k]
+    out = []
+    for gi, g in enumerate(groups):
+        if trial % 2 and len(b) == 1:
+            g = g[::-1]
+        out += [(s, gi) for s in g]
+    return out
+
+
+def schedule(samplers: Sequence[str], step_ms: Sequence[float], trials: int, rays: int,
+             check_rays: Sequence[int] = (), check_step_ms: Optional[float] = None) -> List[Segment]:
+    """Every segment of one launch, in run order.
+
+    Per trial, the device step times in an order rotated by the trial; per step time the samplers
+    in :func:`pair_order` and the floor between two of its groups (a position rotated by the
+    trial). Then, once, at ``check_step_ms`` and each of ``check_rays`` (other batch sizes, for the
+    cost model's out-of-sample check): the samplers once each, in :func:`pair_order`'s order."""
+    base = [s for s in samplers if s != PIPELINED]
+    has_p = PIPELINED in samplers
+    segs: List[Segment] = []
+
+    def add(trial, ms, sampler, B, pair=None):
+        name = f"{sampler}_{ms:g}ms_b{B}_t{trial}_{len(segs)}"
+        segs.append(Segment(name, trial, float(ms), sampler, int(B), len(segs), pair))
+        return name
+
+    def rotation(t):
+        if has_p:
+            return pair_order(base, t)
+        r = t % max(1, len(base))
+        return [(s, -1) for s in base[r:] + base[:r]]
+
+    def add_all(t, ms, B, order):
+        start = len(segs)
+        pname = {}
+        for s, g in order:
+            add(t, ms, s, B)
+            if s == PIPELINED:
+                pname[g] = segs[-1].name
+        for i, (s, g) in enumerate(order):
+            if s not in (PIPELINED, FLOOR) and g in pname:
+                segs[start + i] = dataclasses.replace(segs[start + i], pair=pname[g])
+
+    steps = list(step_ms)
+    for t in range(trials):
+        k = t % len(steps) if steps else 0
+        for ms in steps[k:] + steps[:k]:
+            order = rotation(t)
+            # the floor goes between groups (never between a baseline and its pair), rotating
+            cuts = [0] + [i for i in range(1, len(order)) if order[i][1] != order[i - 1][1] or order[i][1] < 0] + [len(order)]
+            order.insert(cuts[t % len(cuts)], (FLOOR, -1))
+            add_all(t, ms, rays, order)
+    if check_step_ms is not None:
+        for B in check_rays:
+            add_all(trials, check_step_ms, B, rotation(0))
+    return segs
+
+
+def ss_grid(ranks: int) -> List[int]:
+    """The SS partition grid of the emulated launches: one cell per rank, as square as possible."""
+    a = int(ranks ** 0.5)
+    while ranks % a:
+        a -= 1
+    return [ranks // a, a]
+
+
+# ---------------------------------------------------------------------------------------------
+# the rank processes
+
+
+def _ahead(sampler: str, src, budget: HostBudget, prefetch: int) -> int:
+    """Batches a source may hold ready when its segment starts (filled while other segments ran):
+    the segment's warm-up drains them first, so the timed steps see the source's steady state."""
+    if sampler == PIPELINED:
+        return (max(1, prefetch) + 1) * int(getattr(src, "steps_per_run", 1))
+    if sampler == "torch_workers":
+        return budget.threads * max(1, prefetch) + 1
+    return 0
+
+
+def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scene, st: dict,
+                 budget: HostBudget, dev: EmulatedDevice, buf, bar):
+    """The one place that builds batch sources from today's modules (re-point here when they move)."""
+    from ..baseline import PixelSampler, SyncLocalSampler, TorchWorkersSampler
+    from ..loader import RayLoader
+    from ..pipelines.decode import decode_cache
+    from ..pipelines.spatial import RoutedSyncLocal, SpatialRayLoader
+    from ..routed_workers import RoutedTorchWorkers, routed_batch
+
+    p = cfg.pipeline
+    th = budget.threads
+
+    def full():
+        if "full" not in st:
+            st["full"] = decode_cache(scene, 0, 1, num_threads=th, batch=cfg.cache.decode_batch)
+        return st["full"]
+
+    def shard():
+        if W == 1:
+            return full()
+        if "shard" not in st:
+            st["shard"] = decode_cache(scene, rank, W, num_threads=th, batch=cfg.cache.decode_batch)
+        return st["shard"]
+
+    if method == "ddp":
+        if sampler in (FLOOR, "sync_local"):
+            s = SyncLocalSampler(scene, B, rank, W, p.seed, mode="random", cache=shard())
+            return ReadyBatch(next(s)) if sampler == FLOOR else s
+        if sampler == "torch_workers":
+            return TorchWorkersSampler(scene, B, rank, W, p.seed, prefetch=p.prefetch, mode="random",
+                                       workers=th, cache=shard())
+        if sampler == PIPELINED:
+            return RayLoader(scene, B, rank, W, p.seed, prefetch=p.prefetch, mode="random", num_threads=th,
+                             rays_per_run=budget.rays_per_run, cache=shard())
+        if sampler == "sync_global":
+            sample = None
+            if rank == 0:
+                ps = PixelSampler(full(), scene, p.seed, 0, "random")
+
+                def sample(step, ps=ps):
+                    g = ps.sample(step * B * W, B * W)
+                    return [{k: v[r * B:(r + 1) * B] for k, v in g.items()} for r in range(W)]
+            return ShmScatter(sample, buf, bar, rank, W, B, dev)
+    else:
+        from ..partition import Partition
+
+        if "partition" not in st:
+            pc = dataclasses.replace(cfg.partition, kind="grid", grid=ss_grid(W))
+            st["partition"] = Partition.from_config(pc, scene)
+        part = st["partition"]
+        if sampler in (FLOOR, "sync_local"):
+            s = RoutedSyncLocal(scene, part, rank, B, p.seed, cache=full())
+            return ReadyBatch(next(s)) if sampler == FLOOR else s
+        if sampler == "torch_workers":
+            return RoutedTorchWorkers(scene, part, rank, B, p.seed, prefetch=p.prefetch, cache=full(), workers=th)
+        if sampler == PIPELINED:
+            return SpatialRayLoader(scene, part, rank, B, p.seed, prefetch=p.prefetch, mode="random", num_threads=th,
+                                    rays_per_run=budget.rays_per_run, cache=full())
+        if sampler == "sync_global":
+            sample = None
+            if rank == 0:
+                ps = PixelSampler(full(), scene, p.seed, 10_000, "random")
+
+                def sample(step, ps=ps):
+                    return [routed_batch(ps, part, c, step, B, 2 * B) for c in range(W)]
+            return ShmScatter(sample, buf, bar, rank, W, B, dev)
+    raise DaliNerfError(f"bench.samplers: {sampler!r} has no emulated source for method {method}")
+
+
+def _write_segment(out: Path, seg: Segment, rank: int, recs: List[dict], meta: dict) -> None:
+    d = out / seg.name
+    d.mkdir(parents=True, exist_ok=True)
+    name = "metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"
+    (d / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    if rank == 0:
+        (d / "config.yaml").write_text(yaml.safe_dump(meta["config"], sort_keys=False))
+        (d / "study.json").write_text(json.dumps(meta["study"], indent=1))
+
+
+def _rank_main(rank: int, W: int, cfg, method: str, segments: List[Segment], out: str, barrier, buf,
+               budget: HostBudget, links: DeviceLinks, grad_bytes: int, steps: int, warmup: int,
+               timeout_s: float, msgs) -> None:
+    import torch
+
+    from ..scenes import load_scene
+
+    out_p = Path(out)
+    log = open(out_p / f"rank{rank}.log", "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sources: Dict[tuple, object] = {}
+    try:
+        torch.set_num_threads(max(1, budget.threads))
+        bar = lambda: barrier.wait(timeout_s)  # noqa: E731
+        sc = cfg.scene
+        scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale,
+                           background=sc.background)
+        if not scene.has_bounds:
+            raise DaliNerfError(f"{sc.path}: the emulated study needs a scene with near/far bounds (sync_global "
+                                f"packs them); generate it with dali-nerf make-scene")
+        st: dict = {}
+        dev0 = EmulatedDevice(0.0, links)
+        for seg in segments:  # build every source before timing anything (decode, pipelines, workers)
+            key = (seg.sampler, seg.rays)
+            if key not in sources:
+                sources[key] = _make_source(cfg, method, seg.sampler, seg.rays, rank, W, scene, st, budget, dev0, buf, bar)
+        bar()
+        n = 200
+        t0 = time.perf_counter()
+        for _ in range(n):
+            bar()
+        barrier_s = (time.perf_counter() - t0) / n
+        lock = bar if (method == "ddp" and W > 1) else None
+        for seg in segments:
+            src = sources[(seg.sampler, seg.rays)]
+            dev = EmulatedDevice(seg.step_ms, links)
+            if isinstance(src, ShmScatter):
+                src.dev = dev
+            warm = warmup + _ahead(seg.sampler, src, budget, cfg.pipeline.prefetch)
+            bar()
+            timer = PhaseTimer()
+            recs = []
+            for k in range(1, warm + steps + 1):
+                emulated_step(src, dev, timer, on_device=isinstance(src, ShmScatter), lockstep=lock,
+                              grad_bytes=grad_bytes, ranks=W)
+                recs.append(timer.record(k, seg.rays))
+            meta = {"config": {"name": seg.name, "method": method,
+                               "pipeline": {"name": seg.sampler, "rays_per_batch": seg.rays, "num_threads": budget.threads,
+                                            "rays_per_run": budget.rays_per_run, "prefetch": cfg.pipeline.prefetch},
+                               "train": {"device": "emulated", "emulated_step_ms": seg.step_ms,
+                                         "torch_threads": budget.threads},
+                               "bench": {"warmup": warm, "steps": steps}},
+                    "study": {"trial": seg.trial, "order": seg.order, "pair": seg.pair, "device": "emulated",
+                              "emulated_step_ms": seg.step_ms, "ranks": W, "barrier_s": barrier_s,
+                              "cells": W if method == "ss" else None, "grad_bytes": grad_bytes,
+                              "budget": dataclasses.asdict(budget)}}
+            _write_segment(out_p, seg, rank, recs, meta)
+        msgs.put((rank, "ok", barrier_s))
+    except BaseException as e:  # reported by the parent with this rank's log
+        traceback.print_exc()
+        msgs.put((rank, "error", f"{type(e).__name__}: {e}"))
+        try:
+            barrier.abort()
+        except Exception:
+            pass
+    finally:
+        for s in sources.values():
+            try:
+                s.close()
+            except Exception:
+                pass
+        log.flush()
+
+
+def launch(cfg, method: str, ranks: int, segments: List[Segment], out: Path, budget: HostBudget,
+           links: DeviceLinks, grad_bytes: int, steps: int, warmup: int, timeout_s: float = 300.0) -> dict:
+    """Run ``segments`` on ``ranks`` spawned rank processes; returns {"dirs" (segment folders),
+    "barrier_s" (mean seconds of one lockstep barrier with no work, max over ranks), "wall_s"}.
+
+    Raises :class:`DaliNerfError` naming the failed rank's log when a rank fails."""
+    import multiprocessing as mp
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(ranks)
+    maxB = max(s.rays for s in segments)
+    buf = ctx.RawArray("B", ShmScatter.buffer_bytes(ranks, maxB))
+    msgs = ctx.Queue()
+    env_keep = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")}
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["LOCAL_WORLD_SIZE"] = str(ranks)
+    t0 = time.perf_counter()
+    procs = []
+    try:
+        for r in range(ranks):
+            p = ctx.Process(target=_rank_main, args=(r, ranks, cfg, method, segments, str(out), barrier, buf, budget,
+                                                     links, grad_bytes, steps, warmup, timeout_s, msgs), daemon=False)
+            p.start()
+            procs.append(p)
+    finally:
+        for k, v in env_keep.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    done: Dict[int, tuple] = {}
+    err, t_err = None, None
+    while len(done) < ranks:
+        try:
+            r, status, val = msgs.get(timeout=5.0)
+            done[r] = (status, val)
+            # the first failure that is not a broken barrier (the others' reaction to it) names the cause
+            if status != "ok" and (err is None or err[1].startswith("BrokenBarrierError")):
+                err, t_err = (r, val), t_err or time.perf_counter()
+        except _queue.Empty:
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in done]
+            if dead:
+                err = err or (dead[0], f"exit code {procs[dead[0]].exitcode}")
+                break
+            if t_err is not None and time.perf_counter() - t_err > 60:
+                break  # a rank that neither finishes nor fails after another failed: give up on it
+    for p in procs:
+        p.join(timeout=30 if err is None else 5)
+        if p.is_alive():
+            p.terminate()
+            p.join()
+    if err is not None:
+        raise DaliNerfError(f"emulated {method} x{ranks}: rank {err[0]} failed ({err[1]}); log {out / f'rank{err[0]}.log'}")
+    return {"dirs": [out / s.name for s in segments], "wall_s": time.perf_counter() - t0,
+            "barrier_s": max(v for s, v in done.values())}

@@ -1,0 +1,263 @@
+"""Emulated devices: device-side work as timed waits that release the CPU; host work real.
+
+A GPU rank's step is host work (wait for the batch, launch work) plus device work (host-to-device
+copy, forward/backward/optimizer kernels, NCCL collectives) during which the host thread is
+blocked in a CUDA/NCCL wait and its core is free. :class:`EmulatedDevice` replaces the device work
+by ``time.sleep`` of the time the device would take, so that many emulated ranks fit on a few
+cores while everything on the host — decode, sampling (synchronous or pipelined on real threads),
+the loaders' queues, rank 0 sampling the global batch — runs for real.
+
+Device figures (:class:`DeviceLinks`, all overridable):
+
+* compute: ``step_ms`` per ``ref_rays`` (4096) rays, linear in the rays of the step;
+* host-to-device copy: PCIe Gen5 x16, 64 GB/s per direction raw (32 GT/s x 16 lanes, PCI-SIG
+  PCIe 5.0 spec; H100/H200 datasheets: 128 GB/s bidirectional); we use 50 GB/s achieved for
+  pinned copies and 10 us per copy (launch + DMA setup, the order CUDA's bandwidthTest shows for
+  small copies);
+* collectives: NVLink 4 (H100/H200 SXM, NVIDIA datasheets: 900 GB/s bidirectional per GPU,
+  450 GB/s per direction); we use an NCCL bus bandwidth of 360 GB/s (80% of one direction, the
+  efficiency nccl-tests' all_reduce_perf reaches on large messages) and 20 us latency per
+  collective (NCCL's small-message all-reduce latency inside one NVLink node is tens of us).
+  Ring all-reduce: ``latency + 2 (G-1)/G * bytes / bus_bw``; scatter of a slice: ``latency +
+  bytes / bus_bw``.
+
+These are stated assumptions, not measurements of ours: no GPU was measured on this project's
+machines. A timed wait overshoots (scheduler wake-up); the study measures that as the emulation
+floor (:class:`ReadyBatch` beside each configuration).
+
+>>> dev = EmulatedDevice(step_ms=2.0)
+>>> dev.compute(4096)              # sleeps 2 ms, returns the seconds it was asked to wait
+0.002
+>>> round(dev.links.allreduce_s(4_000_000, 8) * 1e6)    # 20 us + 1.75 * 4 MB / 360 GB/s
+39
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+
+__all__ = ["DeviceLinks", "EmulatedDevice", "PhaseTimer", "ReadyBatch", "ShmScatter", "emulated_step",
+           "batch_nbytes", "PHASES", "RAY_FLOATS", "EMULATED_LABEL"]
+
+PHASES = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
+"""The phases of a step, as the trainer records them (``<phase>_s`` in metrics.jsonl)."""
+
+RAY_FLOATS = 11
+"""float32 columns of a packed ray: origins 3, directions 3, rgb 3, near 1, far 1 (+ 3 int64 indices)."""
+
+EMULATED_LABEL = "device compute emulated by a timed wait; host work real"
+
+
+@dataclass(frozen=True)
+class DeviceLinks:
+    """Device-side costs of one emulated GPU (see the module docstring for the sources)."""
+
+    ref_rays: int = 4096
+    """Rays per step at which ``step_ms`` is given; compute scales linearly with the step's rays."""
+    h2d_bytes_per_s: float = 50e9
+    """Host-to-device copy bandwidth (PCIe Gen5 x16, achieved for pinned memory)."""
+    h2d_latency_s: float = 10e-6
+    """Fixed cost of one host-to-device copy."""
+    link_bytes_per_s: float = 360e9
+    """NCCL bus bandwidth between GPUs of one node (NVLink 4)."""
+    link_latency_s: float = 20e-6
+    """Latency of one NCCL collective inside a node."""
+
+    def h2d_s(self, nbytes: int) -> float:
+        return self.h2d_latency_s + nbytes / self.h2d_bytes_per_s
+
+    def allreduce_s(self, nbytes: int, ranks: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        return self.link_latency_s + 2.0 * (ranks - 1) / ranks * nbytes / self.link_bytes_per_s
+
+    def scatter_s(self, nbytes_per_rank: int, ranks: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        return self.link_latency_s + nbytes_per_rank / self.link_bytes_per_s
+
+    def lines(self) -> List[str]:
+        return [f"compute: step_ms per {self.ref_rays} rays, linear in the step's rays",
+                f"host-to-device copy: {self.h2d_latency_s * 1e6:.0f} us + bytes / {self.h2d_bytes_per_s / 1e9:.0f} GB/s "
+                f"(PCIe Gen5 x16: 64 GB/s per direction raw, 50 GB/s taken as achieved)",
+                f"all-reduce (ring): {self.link_latency_s * 1e6:.0f} us + 2(G-1)/G bytes / {self.link_bytes_per_s / 1e9:.0f} GB/s "
+                f"(NVLink 4: 450 GB/s per direction, 80% as NCCL bus bandwidth)",
+                f"scatter from rank 0's GPU: {self.link_latency_s * 1e6:.0f} us + slice bytes / "
+                f"{self.link_bytes_per_s / 1e9:.0f} GB/s, after rank 0's host-to-device copy of the global batch"]
+
+
+def _sleep(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+@dataclass
+class EmulatedDevice:
+    """One rank's emulated GPU: each call blocks the calling thread (and frees its core) for the
+    time the device would take, and returns that time (the requested wait, not the overshoot)."""
+
+    step_ms: float
+    """Forward + backward + optimizer milliseconds per ``links.ref_rays`` rays."""
+    links: DeviceLinks = field(default_factory=DeviceLinks)
+
+    def compute_s(self, rays: int) -> float:
+        return self.step_ms * 1e-3 * rays / self.links.ref_rays
+
+    def compute(self, rays: int) -> float:
+        s = self.compute_s(rays)
+        _sleep(s)
+        return s
+
+    def h2d(self, nbytes: int) -> float:
+        s = self.links.h2d_s(nbytes)
+        _sleep(s)
+        return s
+
+    def allreduce(self, nbytes: int, ranks: int) -> float:
+        s = self.links.allreduce_s(nbytes, ranks)
+        _sleep(s)
+        return s
+
+    def scatter(self, nbytes_per_rank: int, ranks: int) -> float:
+        s = self.links.scatter_s(nbytes_per_rank, ranks)
+        _sleep(s)
+        return s
+
+
+class PhaseTimer:
+    """Seconds per phase of one step: ``with t.phase("wait"): ...``; :meth:`record` closes the step."""
+
+    def __init__(self):
+        self.s: Dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._t0 = time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if name not in self.s:
+            raise ValueError(f"unknown phase {name!r}; one of {', '.join(PHASES)}")
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.s[name] += time.perf_counter() - t
+
+    def record(self, step: int, rays: int) -> dict:
+        """The metrics.jsonl record of the step (``<phase>_s``, ``step_s`` since construction); resets."""
+        now = time.perf_counter()
+        rec = {"step": int(step), "rays": int(rays)} | {f"{k}_s": v for k, v in self.s.items()}
+        rec["step_s"] = now - self._t0
+        self.s = dict.fromkeys(PHASES, 0.0)
+        self._t0 = now
+        return rec
+
+
+def batch_nbytes(batch: dict) -> int:
+    """Bytes of a batch dict's tensors (what a host-to-device copy moves)."""
+    return int(sum(v.numel() * v.element_size() for v in batch.values()))
+
+
+def emulated_step(source, dev: EmulatedDevice, timer: PhaseTimer, *, on_device: bool = False,
+                  lockstep=None, grad_bytes: int = 0, ranks: int = 1) -> dict:
+    """One training step of an emulated rank; returns the batch.
+
+    wait = ``next(source)`` (real host work); h2d = the batch's copy (skipped when ``on_device``:
+    the source already delivered it to the device, as sync_global's scatter does); forward = the
+    device's compute (forward, backward and optimizer as one wait; backward and optimizer stay 0);
+    sync (``lockstep`` given) = the lockstep barrier (the all-reduce's rendezvous: it includes
+    waiting for slower ranks) + the all-reduce of ``grad_bytes``."""
+    with timer.phase("wait"):
+        batch = next(source)
+    rays = int(next(iter(batch.values())).shape[0])
+    if not on_device:
+        with timer.phase("h2d"):
+            dev.h2d(batch_nbytes(batch))
+    with timer.phase("forward"):
+        dev.compute(rays)
+    if lockstep is not None:
+        with timer.phase("sync"):
+            lockstep()
+            dev.allreduce(grad_bytes, ranks)
+    return batch
+
+
+class ReadyBatch:
+    """The emulation floor's source: hands out one ready batch, again and again (no host work)."""
+
+    def __init__(self, batch: dict):
+        self.batch = batch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        return self.batch
+
+    def close(self) -> None:
+        pass
+
+
+class ShmScatter:
+    """sync_global across emulated ranks: rank 0 samples every rank's batch in its training thread
+    (real host work), writes them into shared memory, and every rank copies its slice out (a real
+    host copy) after a barrier, then waits the emulated transfer (rank 0: host-to-device copy of
+    the global batch before the barrier; every rank: the NCCL scatter of its slice after it).
+
+    Args:
+        sample: on rank 0, ``sample(step) -> list of W batch dicts`` (B rays each, with near/far);
+            None on the other ranks.
+        buf: a shared ``multiprocessing`` RawArray of ``2 * W * B * 68`` bytes (two slots: rank 0
+            writes step s+2's slot only after every rank passed step s+1's barrier, so after every
+            rank copied step s out).
+        barrier: ``barrier()`` blocks until all W ranks called it (the scatter's rendezvous).
+    """
+
+    def __init__(self, sample, buf, barrier, rank: int, world_size: int, rays_per_batch: int, dev: EmulatedDevice):
+        self.sample, self.barrier, self.dev = sample, barrier, dev
+        self.rank, self.W, self.B = int(rank), int(world_size), int(rays_per_batch)
+        n = self.W * self.B
+        raw = np.frombuffer(buf, dtype=np.uint8)
+        need = 2 * n * (RAY_FLOATS * 4 + 24)
+        if raw.size < need:
+            raise ValueError(f"ShmScatter: shared buffer holds {raw.size} bytes, needs {need}")
+        fbytes = n * RAY_FLOATS * 4
+        self._slots = []
+        for s in range(2):
+            base = s * n * (RAY_FLOATS * 4 + 24)
+            fl = raw[base:base + fbytes].view(np.float32).reshape(n, RAY_FLOATS)
+            ix = raw[base + fbytes:base + fbytes + n * 24].view(np.int64).reshape(n, 3)
+            self._slots.append((fl, ix))
+        self.step = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        fl, ix = self._slots[self.step % 2]
+        B, W = self.B, self.W
+        if self.rank == 0:
+            parts = self.sample(self.step)
+            for r, g in enumerate(parts):
+                fl[r * B:(r + 1) * B] = torch.cat([g["origins"], g["directions"], g["rgb"], g["near"], g["far"]], 1).numpy()
+                ix[r * B:(r + 1) * B] = g["indices"].numpy()
+            self.dev.h2d(W * B * (RAY_FLOATS * 4 + 24))
+        if W > 1:
+            self.barrier()
+        mine_f = torch.from_numpy(fl[self.rank * B:(self.rank + 1) * B].copy())
+        mine_i = torch.from_numpy(ix[self.rank * B:(self.rank + 1) * B].copy())
+        self.dev.scatter(B * (RAY_FLOATS * 4 + 24), W)
+        self.step += 1
+        return {"origins": mine_f[:, 0:3], "directions": mine_f[:, 3:6], "rgb": mine_f[:, 6:9],
+                "near": mine_f[:, 9:10], "far": mine_f[:, 10:11], "indices": mine_i}
+
+    def close(self) -> None:
+        pass
+
+    @staticmethod
+    def buffer_bytes(world_size: int, rays_per_batch: int) -> int:
+        return 2 * int(world_size) * int(rays_per_batch) * (RAY_FLOATS * 4 + 24)

@@ -1,0 +1,140 @@
+"""SS ``torch_workers``: routed batches of one cell from a torch DataLoader with worker processes.
+
+The background baseline of spatial segmentation, as ``baseline.TorchWorkersSampler`` is data
+parallel's (nerfstudio-style parallel data manager): ``workers`` processes each sample whole
+batches of the cell — candidate rays from :class:`~dali_nerf.baseline.PixelSampler`, kept when
+they cross the cell (:func:`dali_nerf.partition.ray_cells`, the routed baselines' numpy test) —
+and the DataLoader hands them out in batch order with ``prefetch`` batches per worker ahead.
+
+Stream: batch j draws its candidates from stream positions ``j * 2**32 + k * block`` (k = 0, 1, ...
+until B rays crossed the cell), so each batch is independent of the others and of which worker
+made it, and ``state_dict`` = {"batch": j} resumes exactly. It is not the same random stream as
+``RoutedSyncLocal``'s (which continues one stream) nor the operator's.
+
+>>> src = RoutedTorchWorkers(scene, partition, cell=0, rays_per_batch=4096, workers=2)
+>>> next(src)["origins"].shape
+torch.Size([4096, 3])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+from .loader import BatchSource, BatchStats
+
+__all__ = ["RoutedTorchWorkers", "routed_batch"]
+
+_STRIDE = 1 << 32
+
+
+def routed_batch(sampler, partition, cell: int, j: int, n: int, block: int) -> dict:
+    """Batch j of ``cell``: the first ``n`` candidates from positions ``j * 2**32 + ...`` that cross it."""
+    from .partition import ray_cells
+
+    parts, got, pos = [], 0, int(j) * _STRIDE
+    while got < n:
+        b = sampler.sample(pos, block)
+        pos += block
+        keep = ray_cells(partition, b["origins"].numpy(), b["directions"].numpy(),
+                         b["near"].numpy()[:, 0], b["far"].numpy()[:, 0])[:, cell]
+        idx = torch.from_numpy(np.nonzero(keep)[0])
+        parts.append({k: v[idx] for k, v in b.items()})
+        got += len(idx)
+    return {k: torch.cat([p[k] for p in parts])[:n] for k in parts[0]}
+
+
+class _RoutedStream(torch.utils.data.IterableDataset):
+    """Worker w of n yields batches j = base + w, base + w + n, ... of the cell."""
+
+    def __init__(self, sampler, partition, cell: int, base: int, B: int, block: int):
+        self.sampler, self.partition, self.cell = sampler, partition, cell
+        self.base, self.B, self.block = base, B, block
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, n = (0, 1) if info is None else (info.id, info.num_workers)
+        j = self.base + w
+        while True:
+            yield routed_batch(self.sampler, self.partition, self.cell, j, self.B, self.block)
+            j += n
+
+
+def _worker_init(_):
+    torch.set_num_threads(1)
+
+
+class RoutedTorchWorkers(BatchSource):
+    """Batches of rays crossing ``cell`` from ``workers`` DataLoader processes (0: in-process).
+
+    Args:
+        scene: the split (needs near/far bounds); partition, cell: the routing.
+        rays_per_batch: B; seed: stream key (the cell is part of it); prefetch: batches per worker ahead.
+        cache: ImageCache of all images of the split (every SS rank holds all of them).
+        workers: worker processes (1 thread each).
+    Yields:
+        the batch dict (origins, directions, rgb (B, 3) f32, indices (B, 3) i64, near/far (B, 1) f32).
+    """
+
+    def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, prefetch: int = 2,
+                 cache=None, workers: int = 2, num_threads: int = 2):
+        from .baseline import PixelSampler
+        from .pipelines.decode import decode_cache
+
+        if not 0 <= cell < partition.num_cells:
+            raise ConfigError(f"cell={cell}: partition has {partition.num_cells} cells")
+        if not scene.has_bounds:
+            raise ConfigError(f"{scene.root}: spatial routing needs per-image near/far bounds; use a scene format that defines them")
+        if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 0:
+            raise ConfigError(f"pipeline.workers={workers!r}: must be an integer >= 0")
+        if int(rays_per_batch) < 1:
+            raise ConfigError(f"pipeline.rays_per_batch={rays_per_batch!r}: must be >= 1")
+        self.partition, self.cell = partition, int(cell)
+        self.rays_per_batch, self.seed = int(rays_per_batch), int(seed)
+        self.prefetch, self.workers = max(1, int(prefetch)), int(workers)
+        cache = cache if cache is not None else decode_cache(scene, 0, 1, num_threads=num_threads)
+        self.sampler = PixelSampler(cache, scene, self.seed, 20_000 + self.cell, "random")
+        self.batch = 0
+        self._stats = BatchStats()
+        self._it = None
+        self._closed = False
+
+    def _start(self):
+        ds = _RoutedStream(self.sampler, self.partition, self.cell, self.batch, self.rays_per_batch,
+                           2 * self.rays_per_batch)
+        kw = {}
+        if self.workers > 0:
+            kw = dict(persistent_workers=True, prefetch_factor=self.prefetch, worker_init_fn=_worker_init)
+        self._it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.workers, **kw))
+
+    def __next__(self) -> dict:
+        if self._closed:
+            raise RuntimeError("RoutedTorchWorkers is closed")
+        t = self._stats.start()
+        if self._it is None:
+            self._start()
+        b = next(self._it)
+        self.batch += 1
+        self._stats.stop(t, self.rays_per_batch)
+        return b
+
+    def state_dict(self) -> dict:
+        return {"batch": self.batch, "cell": self.cell, "seed": self.seed, "rays_per_batch": self.rays_per_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("cell", "seed", "rays_per_batch"):
+            if k in state and state[k] != getattr(self, k):
+                raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this source has {getattr(self, k)!r}")
+        self._shutdown()
+        self.batch = int(state["batch"])
+
+    def _shutdown(self):
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._shutdown()

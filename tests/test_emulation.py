@@ -1,0 +1,303 @@
+"""Emulated devices and the study's trial machinery: phase attribution (a slow source shows up as
+wait, a slow device as its own phase), the shared-memory scatter, the host budget, the rotated
+schedule, the SS torch_workers source, intervals and pairs from hand-written trials, and the
+clean-commit check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from dali_nerf.bench import emulated as em
+from dali_nerf.bench import study
+from dali_nerf.emulation import EmulatedDevice, PhaseTimer, ReadyBatch, ShmScatter, emulated_step
+from dali_nerf.errors import ConfigError
+from dali_nerf.hostbudget import host_budget
+
+PH = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
+
+
+def _batch(n=64, fill=0.0):
+    f = torch.full((n, 3), fill)
+    return {"origins": f.clone(), "directions": f.clone(), "rgb": f.clone(), "indices": torch.zeros((n, 3), dtype=torch.int64),
+            "near": torch.zeros((n, 1)), "far": torch.ones((n, 1))}
+
+
+class _SleepySource:
+    """Hands out a ready batch after sleeping ``s`` seconds (a slow sampler)."""
+
+    def __init__(self, s):
+        self.s, self.b = s, _batch()
+
+    def __next__(self):
+        time.sleep(self.s)
+        return self.b
+
+
+def _run(src, dev, steps=12):
+    """Per phase: (min, median) seconds over the steps (min: robust to preemption on a busy machine)."""
+    t = PhaseTimer()
+    recs = []
+    for k in range(steps):
+        emulated_step(src, dev, t)
+        recs.append(t.record(k + 1, 64))
+    out = {p: (float(np.min([r[f"{p}_s"] for r in recs])), float(np.median([r[f"{p}_s"] for r in recs])))
+           for p in PH + ("step",)}
+    gaps = [r["step_s"] - sum(r[f"{p}_s"] for p in PH) for r in recs]
+    out["gap"] = (float(np.min(gaps)), float(np.median(gaps)))
+    return out
+
+
+def test_slow_source_is_wait_and_compute_unchanged():
+    dev = EmulatedDevice(step_ms=5.0 * 4096 / 64)  # 5 ms for the 64-ray batch
+    fast = _run(ReadyBatch(_batch()), dev)
+    slow = _run(_SleepySource(0.020), dev)
+    assert 0.0199 <= slow["wait"][0] and slow["wait"][1] < 0.040  # the 20 ms went to wait
+    assert fast["wait"][1] < 0.002
+    # the device phase is the same with either source: compute unchanged
+    assert 0.005 <= fast["forward"][0] < 0.009 and 0.005 <= slow["forward"][0] < 0.009
+    assert slow["forward"][0] == pytest.approx(fast["forward"][0], abs=0.0015)
+    assert 0 <= slow["gap"][0] and slow["gap"][1] < 0.004 and fast["gap"][1] < 0.004  # the phases cover the step
+
+
+def test_slow_device_is_its_own_phase_not_wait():
+    ms = _run(ReadyBatch(_batch()), EmulatedDevice(step_ms=20.0 * 4096 / 64))
+    assert 0.0199 <= ms["forward"][0] and ms["forward"][1] < 0.040
+    assert ms["wait"][1] < 0.002 and ms["sync"][1] == 0.0
+    # a lockstep that takes time shows up as sync
+    t = PhaseTimer()
+    emulated_step(ReadyBatch(_batch()), EmulatedDevice(0.0), t, lockstep=lambda: time.sleep(0.015))
+    rec = t.record(1, 64)
+    assert 0.0149 <= rec["sync_s"] < 0.04 and rec["wait_s"] < 0.005
+    with pytest.raises(ValueError, match="unknown phase"):
+        with t.phase("nope"):
+            pass
+
+
+def test_device_times():
+    dev = EmulatedDevice(step_ms=2.0)
+    assert dev.compute_s(4096) == pytest.approx(0.002)
+    assert dev.compute_s(8192) == pytest.approx(0.004)
+    L = dev.links
+    assert L.allreduce_s(1000, 1) == 0.0
+    assert L.allreduce_s(360_000_000, 2) == pytest.approx(L.link_latency_s + 1e-3)
+    assert L.h2d_s(50_000_000) == pytest.approx(L.h2d_latency_s + 1e-3)
+    assert L.scatter_s(360_000, 4) == pytest.approx(L.link_latency_s + 1e-6)
+
+
+def test_shm_scatter_two_ranks_get_their_slices():
+    W, B, steps = 2, 8, 5
+    buf = bytearray(ShmScatter.buffer_bytes(W, B))
+    bar = threading.Barrier(W)
+
+    def sample(step):
+        return [_batch(B, fill=100 * step + r) for r in range(W)]
+
+    got = {r: [] for r in range(W)}
+
+    def rank(r):
+        src = ShmScatter(sample if r == 0 else None, buf, bar.wait, r, W, B, EmulatedDevice(0.0))
+        for _ in range(steps):
+            b = next(src)
+            got[r].append((float(b["origins"][0, 0]), b["origins"].shape, float(b["far"][0, 0])))
+
+    th = [threading.Thread(target=rank, args=(r,)) for r in range(W)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(10)
+    for r in range(W):
+        assert [g[0] for g in got[r]] == [100.0 * s + r for s in range(steps)]
+        assert all(g[1] == (B, 3) and g[2] == 1.0 for g in got[r])
+    with pytest.raises(ValueError, match="needs"):
+        ShmScatter(None, bytearray(10), bar.wait, 1, W, B, EmulatedDevice(0.0))
+
+
+def test_host_budget():
+    b = host_budget(4096, local_ranks=16, cores=2)
+    assert (b.threads, b.rays_per_run) == (1, 65536)
+    assert host_budget(4096, local_ranks=1, cores=2).threads == 1
+    assert host_budget(4096, local_ranks=8, cores=32).threads == 3
+    big = host_budget(4096, local_ranks=1, cores=64)
+    assert big.threads == 4 and big.rays_per_run == 262144
+    assert host_budget(5000, local_ranks=1, cores=8).rays_per_run % 5000 == 0
+    with pytest.raises(ConfigError, match="rays_per_batch"):
+        host_budget(0)
+
+
+def test_host_budget_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert host_budget(4096, cores=16).local_ranks == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE"):
+        host_budget(4096)
+
+
+@pytest.mark.parametrize("baselines", [["a"], ["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d"]])
+def test_schedule_rotates_and_pairs_are_adjacent(baselines):
+    samplers = baselines + ["rays"]
+    segs = em.schedule(samplers, [1.0, 2.0], 3, 4096)
+    first, last = set(), set()
+    for t in range(3):
+        for ms in (1.0, 2.0):
+            run = [s for s in segs if s.trial == t and s.step_ms == ms]
+            assert sorted(s.sampler for s in run if s.sampler not in ("rays",)) == sorted(baselines + [em.FLOOR])
+            names = [s.name for s in run]
+            for i, s in enumerate(run):
+                if s.sampler in baselines:  # its pair is right next to it
+                    j = names.index(s.pair)
+                    assert abs(i - j) == 1 and run[j].sampler == "rays"
+            core = [s.sampler for s in run if s.sampler != em.FLOOR]
+            first.add(core[0])
+            last.add(core[-1])
+    assert len(first) > 1 and len(last) > 1  # no sampler always first or last
+    assert len({s.name for s in segs}) == len(segs)
+
+
+def test_ss_grid():
+    assert [em.ss_grid(w) for w in (1, 2, 4, 8, 16)] == [[1, 1], [2, 1], [2, 2], [4, 2], [4, 4]]
+
+
+def test_mean_ci():
+    m, (lo, hi) = study.mean_ci([1.0, 2.0, 3.0])
+    assert m == 2.0 and hi - m == pytest.approx(4.303 * 1.0 / np.sqrt(3), rel=1e-3) and m - lo == pytest.approx(hi - m)
+    assert study.mean_ci([5.0]) == (5.0, [5.0, 5.0])
+
+
+def _seg(root: Path, name, method, sampler, ranks, trial, wait, rest, pair=None, ems=2.0, steps=4):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"name": name, "method": method,
+                                                   "pipeline": {"name": sampler, "rays_per_batch": 512, "num_threads": 1},
+                                                   "train": {"device": "emulated", "emulated_step_ms": ems},
+                                                   "bench": {"warmup": 1}}))
+    (d / "study.json").write_text(json.dumps({"trial": trial, "pair": pair, "device": "emulated", "emulated_step_ms": ems}))
+    for r in range(ranks):
+        recs = []
+        for s in range(1, steps + 1):
+            ph = {"wait": wait, "h2d": 0.0, "forward": rest, "backward": 0.0, "sync": 0.0, "optimizer": 0.0}
+            if s == 1:
+                ph = {k: 1.0 for k in ph}
+            recs.append(json.dumps({"step": s, "rays": 512, **{f"{k}_s": v for k, v in ph.items()},
+                                    "step_s": sum(ph.values())}))
+        (d / ("metrics.jsonl" if r == 0 else f"metrics.rank{r}.jsonl")).write_text("\n".join(recs) + "\n")
+    return d
+
+
+def test_derive_trials_pairs_and_flags(tmp_path):
+    dirs = []
+    # three trials: baseline waits 5 ms of a 10 ms step (ideal 2x); the pipelined runs next to it
+    # take 5.0, 5.5, 6.0 ms (speedups 2.0, 1.82, 1.67); a second pipelined run per trial, not
+    # adjacent, is 20 ms and must not enter the pairs
+    for t, p in enumerate((0.005, 0.0055, 0.006)):
+        dirs.append(_seg(tmp_path, f"g{t}", "ddp", "sync_global", 2, t, 0.005, 0.005, pair=f"p{t}"))
+        dirs.append(_seg(tmp_path, f"p{t}", "ddp", "rays", 2, t, 0.0, p))
+        dirs.append(_seg(tmp_path, f"q{t}", "ddp", "rays", 2, t, 0.0, 0.020))
+        dirs.append(_seg(tmp_path, f"f{t}", "ddp", em.FLOOR, 2, t, 0.0, 0.004))
+        # sync_local: waits 1 ms of 5 ms (ideal 1.25x) but its pair is 2 ms: speedup 2.5x, unexplained
+        dirs.append(_seg(tmp_path, f"l{t}", "ddp", "sync_local", 2, t, 0.001, 0.004, pair=f"r{t}"))
+        dirs.append(_seg(tmp_path, f"r{t}", "ddp", "rays", 2, t, 0.0, 0.002 + 1e-4 * t))
+    d = study.derive(dirs)
+    runs = {c["sampler"]: c for c in d["runs"]}
+    g = runs["sync_global"]
+    assert g["device"] == "emulated" and g["emulated_step_ms"] == 2.0 and g["ranks"] == 2 and g["trials"] == 3
+    assert g["step_s_trials"] == pytest.approx([0.01] * 3) and g["stall_trials"] == pytest.approx([0.5] * 3)
+    assert g["floor_step_s"] == pytest.approx(0.004) and g["step_over_floor"] == pytest.approx(2.5)
+    assert g["stall_lockstep"] == pytest.approx(0.5)  # no sync above the floor's: the per-rank stall
+    sp = {s["baseline"]: s for s in d["speedups"]}
+    exp = [0.01 / 0.005, 0.01 / 0.0055, 0.01 / 0.006]
+    assert sp["sync_global"]["speedup_trials"] == pytest.approx(exp)
+    m, ci = study.mean_ci(exp)
+    assert sp["sync_global"]["speedup"] == pytest.approx(m) and sp["sync_global"]["speedup_ci"] == pytest.approx(ci)
+    assert sp["sync_global"]["ideal_speedup"] == pytest.approx(2.0)
+    assert sp["sync_global"]["flags"] == []
+    loc = sp["sync_local"]
+    assert loc["ideal_speedup"] == pytest.approx(1.25) and loc["speedup"] > 2.3
+    assert any("above the ideal" in f for f in loc["flags"]) and any("outside" in f for f in loc["flags"])
+    assert "forward" in loc["cause"] and "longer in the baseline" in loc["cause"]
+    assert d["summary"]["flagged_pairs"] == 1 and d["summary"]["pairs"] == 2
+
+
+def test_git_commit_ignores_docs_study(tmp_path):
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    (tmp_path / "docs" / "study").mkdir(parents=True)
+    (tmp_path / "docs" / "study" / "report.md").write_text("a")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert study.git_commit(tmp_path) == head
+    (tmp_path / "docs" / "study" / "report.md").write_text("regenerated")
+    (tmp_path / "docs" / "study" / "new.png").write_text("png")
+    assert study.git_commit(tmp_path) == head  # the report's own folder does not count
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert study.git_commit(tmp_path) == head + "-dirty"
+    git("checkout", "code.py")
+    (tmp_path / "untracked.py").write_text("")
+    assert study.git_commit(tmp_path) == head + "-dirty"
+
+
+def test_routed_torch_workers(tmp_path):
+    """SS torch_workers: every ray crosses the cell, batches do not depend on the worker count,
+    and state_dict resumes exactly."""
+    from dali_nerf.config import PartitionConfig
+    from dali_nerf.partition import Partition, ray_cells
+    from dali_nerf.routed_workers import RoutedTorchWorkers
+    from dali_nerf.scenegen import make_scene
+    from dali_nerf.scenes import load_scene
+
+    make_scene("objects", tmp_path / "s", width=16, height=16, n_train=6, n_val=1, n_test=1)
+    scene = load_scene(tmp_path / "s", split="train")
+    part = Partition.from_config(PartitionConfig(grid=[2, 1]), scene)
+    a = RoutedTorchWorkers(scene, part, cell=1, rays_per_batch=64, workers=0)
+    b = RoutedTorchWorkers(scene, part, cell=1, rays_per_batch=64, workers=1)
+    try:
+        xs = [next(a) for _ in range(3)]
+        ys = [next(b) for _ in range(3)]
+        for x, y in zip(xs, ys):
+            assert x["origins"].shape == (64, 3)
+            assert torch.equal(x["origins"], y["origins"]) and torch.equal(x["indices"], y["indices"])
+            keep = ray_cells(part, x["origins"].numpy(), x["directions"].numpy(), x["near"].numpy()[:, 0],
+                             x["far"].numpy()[:, 0])[:, 1]
+            assert keep.all()
+        st = a.state_dict()
+        nxt = next(a)
+        a.load_state_dict(st)
+        assert torch.equal(next(a)["origins"], nxt["origins"])
+        with pytest.raises(ConfigError, match="cell"):
+            a.load_state_dict(st | {"cell": 0})
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(ConfigError, match="cell=5"):
+        RoutedTorchWorkers(scene, part, cell=5)
+
+
+@pytest.mark.slow
+def test_launch_reports_a_failed_rank(tmp_path):
+    """A rank that fails (here: a sampler with no emulated source) ends the launch with one error
+    naming the rank's log, and no process is left waiting at the barrier."""
+    from dali_nerf.config import load_config
+    from dali_nerf.emulation import DeviceLinks
+    from dali_nerf.errors import DaliNerfError
+    from dali_nerf.scenegen import make_scene
+
+    make_scene("objects", tmp_path / "s", width=16, height=16, n_train=4, n_val=1, n_test=1)
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "study.yaml"),
+                      [f"scene.path={tmp_path / 's'}"], check_paths=False)
+    segs = [em.Segment("x", 0, 1.0, "bogus", 64, 0)]
+    with pytest.raises(DaliNerfError, match=r"rank \d failed \(DaliNerfError: bench.samplers: 'bogus'.*rank\d.log"):
+        em.launch(cfg, "ddp", 2, segs, tmp_path / "out", host_budget(64, 2, 2), DeviceLinks(), 0, 2, 1, timeout_s=30)
