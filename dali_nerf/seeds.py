@@ -111,12 +111,16 @@ def perm_seed(seed: int, stream: int, epoch: int) -> int:
     return mix63(seed, stream, epoch, 1)
 
 
-def routed_stream(cell: int | None = None, slot: int | None = None) -> int:
-    """Stream id of a routed (SS) baseline: the cell's own (sync_local) or rank 0's shared
-    candidate stream of slot ``slot`` (sync_global: ``10_000 + slot``)."""
-    if (cell is None) == (slot is None):
-        raise ValueError("routed_stream: give exactly one of cell, slot")
-    return int(cell) if slot is None else 10_000 + int(slot)
+def routed_stream(cell: int | None = None, slot: int | None = None, workers_cell: int | None = None) -> int:
+    """Stream id of a routed (SS) baseline: the cell's own (sync_local: ``cell``), rank 0's shared
+    candidate stream of slot ``slot`` (sync_global: ``10_000 + slot``), or the cell's stream of the
+    worker-process source (torch_workers: ``20_000 + workers_cell``)."""
+    given = [v for v in (cell, slot, workers_cell) if v is not None]
+    if len(given) != 1:
+        raise ValueError("routed_stream: give exactly one of cell, slot, workers_cell")
+    if cell is not None:
+        return int(cell)
+    return 10_000 + int(slot) if slot is not None else 20_000 + int(workers_cell)
 
 
 # ---- the operator (mirror of the C++ stream_key) ------------------------------------------------

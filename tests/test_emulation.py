@@ -255,7 +255,7 @@ def test_routed_torch_workers(tmp_path):
     and state_dict resumes exactly."""
     from dali_nerf.config import PartitionConfig
     from dali_nerf.partition import Partition, ray_cells
-    from dali_nerf.routed_workers import RoutedTorchWorkers
+    from dali_nerf.sources import RoutedTorchWorkers
     from dali_nerf.scenegen import make_scene
     from dali_nerf.scenes import load_scene
 
@@ -284,6 +284,30 @@ def test_routed_torch_workers(tmp_path):
         b.close()
     with pytest.raises(ConfigError, match="cell=5"):
         RoutedTorchWorkers(scene, part, cell=5)
+
+
+def test_registry_builds_ss_torch_workers(tmp_path):
+    """method ss + pipeline.name=torch_workers: the registry gives one RoutedTorchWorkers per cell of
+    the rank, sampling its own cell with pipeline.workers processes."""
+    from dali_nerf.config import Config, PartitionConfig
+    from dali_nerf.partition import Partition
+    from dali_nerf.scenegen import make_scene
+    from dali_nerf.scenes import load_scene
+    from dali_nerf.sources import RoutedTorchWorkers, build_source
+
+    make_scene("objects", tmp_path / "s", width=16, height=16, n_train=6, n_val=1, n_test=1)
+    scene = load_scene(tmp_path / "s", split="train")
+    part = Partition.from_config(PartitionConfig(grid=[2, 1]), scene)
+    cfg = Config()
+    cfg.pipeline.name, cfg.pipeline.rays_per_batch, cfg.pipeline.workers = "torch_workers", 32, 0
+    srcs = build_source(cfg, scene, 1, 2, cells=[[0], [1]], partition=part)
+    try:
+        assert len(srcs) == 1 and isinstance(srcs[0], RoutedTorchWorkers)
+        assert srcs[0].cell == 1 and srcs[0].workers == 0
+        assert next(srcs[0])["origins"].shape == (32, 3)
+    finally:
+        for s in srcs:
+            s.close()
 
 
 @pytest.mark.slow

@@ -51,6 +51,7 @@ def test_training_seeds_match_the_old_formulas(seed, rank, step, cell):
 
 def test_routed_streams():
     assert seeds.routed_stream(cell=3) == 3 and seeds.routed_stream(slot=2) == 10_002
+    assert seeds.routed_stream(workers_cell=1) == 20_001  # SS torch_workers (was 20_000 + cell inline)
     with pytest.raises(ValueError):
         seeds.routed_stream()
     with pytest.raises(ValueError):

@@ -40,6 +40,11 @@ import yaml
 from ..emulation import (DeviceLinks, EmulatedDevice, PhaseTimer, ReadyBatch, ShmScatter, emulated_step)
 from ..errors import DaliNerfError
 from ..hostbudget import HostBudget
+from ..pipelines.decode import decode_cache
+from ..seeds import routed_stream
+from ..sources import (PixelSampler, RayLoader, RoutedSyncLocal, SpatialRayLoader, SyncLocalSampler,
+                       TorchWorkersSampler)
+from ..sources.routed_workers import RoutedTorchWorkers, routed_batch
 
 __all__ = ["Segment", "schedule", "pair_order", "launch", "ss_grid", "FLOOR", "PIPELINED"]
 
@@ -166,13 +171,7 @@ def _ahead(sampler: str, src, budget: HostBudget, prefetch: int) -> int:
 
 def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scene, st: dict,
                  budget: HostBudget, dev: EmulatedDevice, buf, bar):
-    """The one place that builds batch sources from today's modules (re-point here when they move)."""
-    from ..baseline import PixelSampler, SyncLocalSampler, TorchWorkersSampler
-    from ..loader import RayLoader
-    from ..pipelines.decode import decode_cache
-    from ..pipelines.spatial import RoutedSyncLocal, SpatialRayLoader
-    from ..routed_workers import RoutedTorchWorkers, routed_batch
-
+    """The one place that builds the emulated launch's batch sources (with this host's budget)."""
     p = cfg.pipeline
     th = budget.threads
 
@@ -225,7 +224,7 @@ def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scen
         if sampler == "sync_global":
             sample = None
             if rank == 0:
-                ps = PixelSampler(full(), scene, p.seed, 10_000, "random")
+                ps = PixelSampler(full(), scene, p.seed, routed_stream(slot=0), "random")
 
                 def sample(step, ps=ps):
                     return [routed_batch(ps, part, c, step, B, 2 * B) for c in range(W)]

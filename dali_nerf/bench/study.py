@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import yaml
 
+from ..atomic import atomic_write_text
 from ..config import Config, config_to_dict, load_config
 from ..emulation import EMULATED_LABEL, DeviceLinks
 from ..errors import ConfigError, DaliNerfError
@@ -48,15 +49,13 @@ from . import costmodel as cm
 from . import emulated as em
 
 __all__ = ["main", "derive", "read_run", "machine_slug", "git_commit", "run_grid", "run_emulated",
-           "measure_sampling", "write_report", "observations", "mean_ci", "derive_summary", "fit_and_check", "keeps_up", "write_text_atomic", "PHASE_KEYS",
+           "measure_sampling", "write_report", "observations", "mean_ci", "derive_summary", "fit_and_check", "keeps_up", "PHASE_KEYS",
            "BAND"]
 
 PHASE_KEYS = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
 BASELINES = ("sync_global", "sync_local", "torch_workers")
 BAND = (0.9, 1.15)
 """speedup / ideal outside this band flags a pair (the speedup is not explained by the stall)."""
-CPU_UNSUPPORTED = {("ss", "torch_workers"): "SS torch_workers is not wired into the SS trainer yet "
-                   "(dali_nerf/routed_workers.py has the source; it runs in the emulated rows)"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,17 +89,6 @@ def git_commit(repo: Optional[Path] = None, exclude: str = "docs/study") -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("-dirty" if dirty else "")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file and ``os.replace`` (a reader never sees half a file)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,15 +448,11 @@ def _cell_name(method: str, sampler: str, ranks: int, trial: int = 0, k: int = 0
 
 
 def cpu_plan(methods: Sequence[str], samplers: Sequence[str], ranks: Sequence[int], trials: int):
-    """[(method, ranks, trial, sampler, k, pair k or None)] in run order, and [(cell, reason)] skipped.
+    """[(method, ranks, trial, sampler, k, pair k or None)] in run order.
 
     Per (method, ranks) and trial, the samplers in :func:`~dali_nerf.bench.emulated.pair_order`."""
-    plan, skipped = [], []
+    plan, ok = [], list(samplers)
     for m in methods:
-        ok = [s for s in samplers if (m, s) not in CPU_UNSUPPORTED]
-        for s in samplers:
-            if (m, s) in CPU_UNSUPPORTED:
-                skipped.append((f"{m} {s}", CPU_UNSUPPORTED[(m, s)]))
         for r in ranks:
             for t in range(trials):
                 base = [s for s in ok if s != em.PIPELINED]
@@ -476,7 +460,7 @@ def cpu_plan(methods: Sequence[str], samplers: Sequence[str], ranks: Sequence[in
                 pk = {g: i for i, (s, g) in enumerate(order) if s == em.PIPELINED}
                 for i, (s, g) in enumerate(order):
                     plan.append((m, r, t, s, i, pk.get(g) if s != em.PIPELINED else None))
-    return plan, skipped
+    return plan
 
 
 def run_grid(cfg: Config, config_path: str, overrides: Sequence[str], log=print):
@@ -485,14 +469,13 @@ def run_grid(cfg: Config, config_path: str, overrides: Sequence[str], log=print)
     pair).
 
     Returns (run folders that finished, [(cell name, one-line reason, log file)] of those that
-    failed or were skipped); the report lists the failed ones. Every cell failing raises
+    failed); the report lists the failed ones. Every cell failing raises
     :class:`DaliNerfError` naming the first log file."""
     b = cfg.bench
     root = Path(cfg.train.runs_dir)
     root.mkdir(parents=True, exist_ok=True)
     dirs, failed = [], []
-    plan, skipped = cpu_plan(b.methods, b.samplers, b.ranks, b.trials)
-    failed += [(n, why, "-") for n, why in skipped]
+    plan = cpu_plan(b.methods, b.samplers, b.ranks, b.trials)
     for i, (m, r, t, s, k, pk) in enumerate(plan):
         name = _cell_name(m, s, r, t, k)
         ov = list(overrides) + [f"method={m}", f"pipeline.name={s}", f"train.steps={b.warmup + b.steps}",
@@ -519,11 +502,11 @@ def run_grid(cfg: Config, config_path: str, overrides: Sequence[str], log=print)
             log(f"[{i + 1}/{len(plan)}] {name}: FAILED ({reason}); log {logf}")
             continue
         pair = _cell_name(m, em.PIPELINED, r, t, pk) if pk is not None else None
-        write_text_atomic(root / name / "study.json", json.dumps({"trial": t, "order": k, "pair": pair, "device": "cpu"}))
+        atomic_write_text(root / name / "study.json", json.dumps({"trial": t, "order": k, "pair": pair, "device": "cpu"}))
         log(f"[{i + 1}/{len(plan)}] {name}: {time.perf_counter() - t0:.1f} s")
         dirs.append(root / name)
-    if not dirs and len(failed) > len(skipped):
-        first = failed[len(skipped)]
+    if not dirs and failed:
+        first = failed[0]
         raise DaliNerfError(f"every study cell failed; first: {first[0]} ({first[1]}) — log: {first[2]}")
     return dirs, failed
 
@@ -822,12 +805,12 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
             L.append(f"| {p['nodes']} | {p['gpus_per_node']} | {p['sampler']} | {_fmt_ms(p['step_s'])} | {100 * p['stall']:.1f}% | {p['speedup_of_rays']:.2f}x |")
     L.append("")
     report = out_dir / "report.md"
-    write_text_atomic(report, "\n".join(L))
+    atomic_write_text(report, "\n".join(L))
     raw = {"meta": meta, "derived": derived, "cost_model": md, "validation": validation,
            "projection_assumptions": assumptions.lines(), "projection": projection,
            "emulation": {k: v for k, v in (emulation or {}).items() if k != "dirs"},
            "sampling": {k: v for k, v in (sampling or {}).items() if k != "profile"}}
-    write_text_atomic(out_dir / "derived.json", json.dumps(raw, indent=1, default=lambda o: str(o) if isinstance(o, Path) else float(o)))
+    atomic_write_text(out_dir / "derived.json", json.dumps(raw, indent=1, default=lambda o: str(o) if isinstance(o, Path) else float(o)))
     return report
 
 

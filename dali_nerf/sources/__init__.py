@@ -18,6 +18,7 @@ Importing this package imports no DALI: the graphs import it when they are built
 from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, check_common, dali_to_torch,
                                     resolve_device, run_graph, scene_from_config)
 from dali_nerf.sources.rays import RayLoader
+from dali_nerf.sources.routed_workers import RoutedTorchWorkers, routed_batch
 from dali_nerf.sources.registry import SOURCES, SS_SOURCES, build_source
 from dali_nerf.sources.spatial import SpatialRayLoader
 from dali_nerf.sources.streaming import WindowStream, plan_window_images, window_plan
@@ -28,5 +29,5 @@ __all__ = [
     "BATCH_KEYS", "BatchSource", "BatchStats", "check_common", "dali_to_torch", "resolve_device", "run_graph",
     "scene_from_config", "RayLoader", "SpatialRayLoader", "WindowStream", "plan_window_images", "window_plan",
     "PixelSampler", "SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "RoutedSyncLocal",
-    "RoutedSyncGlobal", "scatter_batches", "build_source", "SOURCES", "SS_SOURCES",
+    "RoutedSyncGlobal", "RoutedTorchWorkers", "routed_batch", "scatter_batches", "build_source", "SOURCES", "SS_SOURCES",
 ]

@@ -7,7 +7,7 @@ name          DDP (``cells=None``)                         SS (``cells`` = cells
 rays          :class:`~.rays.RayLoader` (DALI graph + op)  :class:`~.spatial.SpatialRayLoader`
 sync_local    :class:`~.sync.SyncLocalSampler`             :class:`~.sync.RoutedSyncLocal`
 sync_global   :class:`~.sync.SyncGlobalSampler`            :class:`~.sync.RoutedSyncGlobal`
-torch_workers :class:`~.sync.TorchWorkersSampler`          (not offered)
+torch_workers :class:`~.sync.TorchWorkersSampler`          :class:`~.routed_workers.RoutedTorchWorkers`
 ============= ============================================ ===========================================
 
 This is also the one place the SS sources' image cache is decoded: every cell of a rank samples
@@ -22,6 +22,7 @@ from __future__ import annotations
 from dali_nerf.errors import ConfigError
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.sources.rays import RayLoader
+from dali_nerf.sources.routed_workers import RoutedTorchWorkers
 from dali_nerf.sources.spatial import SpatialRayLoader
 from dali_nerf.sources.sync import (RoutedSyncGlobal, RoutedSyncLocal, SyncGlobalSampler, SyncLocalSampler,
                                     TorchWorkersSampler)
@@ -31,7 +32,7 @@ __all__ = ["build_source", "SOURCES", "SS_SOURCES"]
 SOURCES = ("rays", "sync_global", "sync_local", "torch_workers")
 """Valid ``pipeline.name`` values (data parallel)."""
 
-SS_SOURCES = ("rays", "sync_local", "sync_global")
+SS_SOURCES = ("rays", "sync_local", "sync_global", "torch_workers")
 """Valid ``pipeline.name`` values with ``method: ss``."""
 
 _DDP = {"rays": RayLoader, "sync_global": SyncGlobalSampler, "sync_local": SyncLocalSampler,
@@ -74,6 +75,9 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
                                    prefetch=p.prefetch, mode=p.mode, device=cfg.train.device,
                                    num_threads=p.num_threads, rays_per_run=p.rays_per_run, cache=cache,
                                    decode_batch=cfg.cache.decode_batch)
+        elif p.name == "torch_workers":
+            src = RoutedTorchWorkers(scene, partition, cell, p.rays_per_batch, p.seed, prefetch=p.prefetch,
+                                     cache=cache, workers=p.workers, num_threads=p.num_threads)
         elif p.name == "sync_local":
             src = RoutedSyncLocal(scene, partition, cell, p.rays_per_batch, p.seed, cache=cache,
                                   num_threads=p.num_threads)

@@ -1,8 +1,8 @@
 """SS ``torch_workers``: routed batches of one cell from a torch DataLoader with worker processes.
 
-The background baseline of spatial segmentation, as ``baseline.TorchWorkersSampler`` is data
+The background baseline of spatial segmentation, as ``sources.sync.TorchWorkersSampler`` is data
 parallel's (nerfstudio-style parallel data manager): ``workers`` processes each sample whole
-batches of the cell — candidate rays from :class:`~dali_nerf.baseline.PixelSampler`, kept when
+batches of the cell — candidate rays from :class:`~dali_nerf.sources.sync.PixelSampler`, kept when
 they cross the cell (:func:`dali_nerf.partition.ray_cells`, the routed baselines' numpy test) —
 and the DataLoader hands them out in batch order with ``prefetch`` batches per worker ahead.
 
@@ -21,8 +21,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .errors import ConfigError
-from .loader import BatchSource, BatchStats
+from dali_nerf import seeds
+from dali_nerf.errors import ConfigError
+from dali_nerf.partition import ray_cells
+from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.sources.base import BatchSource, BatchStats
+from dali_nerf.sources.sync import PixelSampler
 
 __all__ = ["RoutedTorchWorkers", "routed_batch"]
 
@@ -31,8 +35,6 @@ _STRIDE = 1 << 32
 
 def routed_batch(sampler, partition, cell: int, j: int, n: int, block: int) -> dict:
     """Batch j of ``cell``: the first ``n`` candidates from positions ``j * 2**32 + ...`` that cross it."""
-    from .partition import ray_cells
-
     parts, got, pos = [], 0, int(j) * _STRIDE
     while got < n:
         b = sampler.sample(pos, block)
@@ -79,9 +81,6 @@ class RoutedTorchWorkers(BatchSource):
 
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, prefetch: int = 2,
                  cache=None, workers: int = 2, num_threads: int = 2):
-        from .baseline import PixelSampler
-        from .pipelines.decode import decode_cache
-
         if not 0 <= cell < partition.num_cells:
             raise ConfigError(f"cell={cell}: partition has {partition.num_cells} cells")
         if not scene.has_bounds:
@@ -94,7 +93,7 @@ class RoutedTorchWorkers(BatchSource):
         self.rays_per_batch, self.seed = int(rays_per_batch), int(seed)
         self.prefetch, self.workers = max(1, int(prefetch)), int(workers)
         cache = cache if cache is not None else decode_cache(scene, 0, 1, num_threads=num_threads)
-        self.sampler = PixelSampler(cache, scene, self.seed, 20_000 + self.cell, "random")
+        self.sampler = PixelSampler(cache, scene, self.seed, seeds.routed_stream(workers_cell=self.cell), "random")
         self.batch = 0
         self._stats = BatchStats()
         self._it = None
