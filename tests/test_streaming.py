@@ -5,6 +5,7 @@ ray geometry from a float64 numpy formula, window membership from the sets of ca
 """
 
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -60,7 +61,10 @@ def test_streams_with_bounded_memory(scene, monkeypatch):
     alive = []  # weak references to every window's pixel buffer (spy on the real decoder)
     real = decode_mod.decode_cache
 
+    started = []  # one entry per decode begun (the successor's runs on the engine's thread)
+
     def spy(*a, **kw):
+        started.append(1)
         c = real(*a, **kw)
         alive.append((weakref.ref(c.pixels), c.nbytes))
         return c
@@ -72,6 +76,11 @@ def test_streams_with_bounded_memory(scene, monkeypatch):
         max_live = 0
         for _ in range(2 * len(L)):
             next(L)
+            # let a background successor decode finish before looking (on a loaded machine it may
+            # otherwise still run when the consumer reaches the window's end: double buffering not seen)
+            t0 = time.monotonic()
+            while len(alive) < len(started) and time.monotonic() - t0 < 30:
+                time.sleep(0.002)
             live = [(r, nb) for r, nb in alive if r() is not None]
             max_live = max(max_live, len(live))
             assert len(live) <= 2 and sum(nb for _, nb in live) <= MAX_BYTES
