@@ -87,3 +87,29 @@ def test_trainer_summary_and_printed_json_split_warmup(tmp_path):
     assert s["phase_timing"] == "host" and s["sync_in_backward"] is False
     st = s["source_stats"]
     assert st["warmup_s"] > 0 and 0 <= st["stall_fraction_steady"] <= 1
+
+
+def test_ddp_comm_hook_times_on_gloo_and_keeps_overlap_under_nccl(tmp_path, monkeypatch):
+    """gloo: the host-timed hook (sync_s measured). NCCL: torch's asynchronous allreduce_hook, no
+    per-bucket wait (timer.measured False: the all-reduce is inside backward_s)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dali_nerf import training
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        env = training.DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))  # "distributed"
+        field = torch.nn.Linear(4, 3)
+        module, timer = training.wrap_ddp(field, env)
+        module(torch.ones(2, 4)).sum().backward()
+        assert timer.measured and timer.seconds > 0  # gloo: the timed hook ran and waited
+
+        hooks = []
+        monkeypatch.setattr(DistributedDataParallel, "register_comm_hook", lambda self, st, h: hooks.append((st, h)))
+        monkeypatch.setattr(training.dist, "get_backend", lambda *a: "nccl")
+        _, timer = training.wrap_ddp(torch.nn.Linear(4, 3), env)
+        assert hooks == [(None, default_hooks.allreduce_hook)] and timer.measured is False
+    finally:
+        dist.destroy_process_group()
