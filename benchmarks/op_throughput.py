@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from dali_nerf import hostmem
+from dali_nerf.pipelines.rays import pixel_feed
 
 
 def make_cache(n_images: int, res: int, seed: int = 0):
@@ -67,10 +68,13 @@ class Runner:
             def const(a):
                 return lambda: [a]
 
-            # --gpu: the pixels are device-resident (moved once in main(), fed without a copy);
+            px = pixel_feed(pixels, gpu)
+
+            # --gpu: the pixels are device-resident (moved once in main(), fed as one (1, P, 3)
+            # batch without a copy, pixel_feed);
             # cameras, layout and centroids stay CPU inputs of the GPU op (its host-side checks
             # and tables need them on the host)
-            ins = [fn.external_source(source=const(pixels), batch=True, no_copy=True,
+            ins = [fn.external_source(source=lambda: px, batch=True, no_copy=True,
                                       device="gpu" if gpu else "cpu")]
             ins += [fn.external_source(source=const(a), batch=True, no_copy=True, device="cpu") for a in (cams, lay)]
             if routed:

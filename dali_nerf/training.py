@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -61,7 +62,7 @@ from .validate import scan_images
 __all__ = ["Task", "Method", "DistEnv", "setup_distributed", "train", "trainer_main", "PHASES",
            "evaluate_field", "eval_subset", "write_renders", "scene_aabb", "prepare_run_dir", "load_scenes",
            "read_resume_state", "restore_tasks", "run_steps", "evaluate_and_summarise", "LoopResult",
-           "seed_everything", "step_generator"]
+           "seed_everything", "step_generator", "PhaseTimer"]
 
 PHASES = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
 
@@ -174,18 +175,21 @@ class Method:
 
 
 class _SyncTimer:
+    """Seconds spent in the timed all-reduce hook (gloo); ``measured`` is False under NCCL, where
+    the hook does not time (sync overlaps backward and is inside ``backward_s``)."""
+
     def __init__(self):
         self.seconds = 0.0
+        self.measured = True
 
 
 def _timed_allreduce_hook(state: _SyncTimer, bucket):
+    """gloo (CPU): the all-reduce of one bucket, waited for and timed on the host."""
     t0 = time.perf_counter()
     buf = bucket.buffer()
     buf.div_(dist.get_world_size())
     work = dist.all_reduce(buf, async_op=True)
     work.wait()
-    if buf.is_cuda:
-        torch.cuda.current_stream().synchronize()
     state.seconds += time.perf_counter() - t0
     fut = torch.futures.Future()
     fut.set_result(buf)
@@ -193,7 +197,11 @@ def _timed_allreduce_hook(state: _SyncTimer, bucket):
 
 
 def wrap_ddp(field: torch.nn.Module, env: DistEnv):
-    """DistributedDataParallel with a timing all-reduce hook; returns (module, timer)."""
+    """DistributedDataParallel with a timing all-reduce hook; returns (module, timer).
+
+    gloo: :func:`_timed_allreduce_hook` (host-timed ``sync_s``). NCCL: torch's own asynchronous
+    ``allreduce_hook`` (no per-bucket synchronisation, so communication overlaps backward as DDP
+    intends); ``timer.measured`` is False and the all-reduce time is inside ``backward_s``."""
     timer = _SyncTimer()
     if not env.distributed:
         return field, timer
@@ -201,8 +209,64 @@ def wrap_ddp(field: torch.nn.Module, env: DistEnv):
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         ddp = DistributedDataParallel(field, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                   broadcast_buffers=False)
-    ddp.register_comm_hook(timer, _timed_allreduce_hook)
+    if dist.get_backend() == "nccl":
+        timer.measured = False
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    else:
+        ddp.register_comm_hook(timer, _timed_allreduce_hook)
     return ddp, timer
+
+
+class PhaseTimer:
+    """Phase durations of one training step, on the host (CPU) or with CUDA events (GPU).
+
+    ``mark()`` returns a boundary: CPU ``time.perf_counter()``; CUDA an event recorded on
+    ``torch.cuda.current_stream()`` (torch's stream only: DALI's prefetch kernels on its own
+    streams are not waited for, unlike ``torch.cuda.synchronize()``). ``span(phase, a, b,
+    minus)`` adds ``(b - a) - minus`` seconds to ``phase`` once resolved; ``host(phase, s)`` adds
+    host seconds now (the wait for a batch). ``resolve(ph)`` at the end of the step: CUDA
+    synchronises the last recorded event (one wait on torch's stream, not the device) and reads
+    ``elapsed_time`` of every span; then adds everything into the dict ``ph``.
+
+    >>> t = PhaseTimer(torch.device("cpu")); a = t.mark(); b = t.mark(); t.span("forward", a, b)
+    >>> ph = {"forward": 0.0}; t.resolve(ph); ph["forward"] >= 0
+    True
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._spans = []
+        self._host = []
+        self._last = None
+
+    @property
+    def kind(self) -> str:
+        """"cuda_events" or "host"."""
+        return "cuda_events" if self.cuda else "host"
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream())
+            self._last = ev
+            return ev
+        return time.perf_counter()
+
+    def span(self, phase: str, a, b, minus: float = 0.0) -> None:
+        self._spans.append((phase, a, b, minus))
+
+    def host(self, phase: str, seconds: float) -> None:
+        self._host.append((phase, seconds))
+
+    def resolve(self, ph: dict) -> None:
+        if self.cuda and self._last is not None:
+            self._last.synchronize()
+        for phase, seconds in self._host:
+            ph[phase] += seconds
+        for phase, a, b, minus in self._spans:
+            d = a.elapsed_time(b) / 1000.0 if self.cuda else b - a
+            ph[phase] += d - minus
+        self._spans, self._host, self._last = [], [], None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,6 +562,26 @@ class LoopResult:
     last: dict                    # the last step's metrics row
     wall: float                   # seconds from the loop's start to its last checkpoint
     source_stats: list            # stats() of each task's source
+    phase_timing: str = "host"    # PhaseTimer.kind: "host" or "cuda_events"
+    sync_measured: bool = True    # False under NCCL: the all-reduce is inside backward_s
+
+
+def _steady_stall(totals: dict, first_step_wait, steps_run: int):
+    """Wait / step time over the steps after the run's first (whose wait is the warm-up: plugin
+    load, pipeline build, first run); None with fewer than 2 steps."""
+    if first_step_wait is None or steps_run < 2:
+        return None
+    return (totals["wait"] - first_step_wait[0]) / max(totals["step"] - first_step_wait[1], 1e-9)
+
+
+def _bar_stall(totals: dict, first_step_wait) -> dict:
+    """The progress bar's stall fields: the steady stall (after the first step) and the warm-up
+    seconds (the first step's wait), shown apart."""
+    if first_step_wait is None:
+        return {}
+    steady = _steady_stall(totals, first_step_wait, 2)
+    rest = totals["step"] - first_step_wait[1]
+    return {"stall": f"{100 * steady:.2f}%" if rest > 0 else "n/a", "warmup": f"{first_step_wait[0]:.2f}s"}
 
 
 def _progress_bar(cfg: Config, method: Method, env: DistEnv, start_step: int):
@@ -507,42 +591,40 @@ def _progress_bar(cfg: Config, method: Method, env: DistEnv, start_step: int):
     return None
 
 
-def _train_task_step(cfg: Config, env: DistEnv, task: Task, step: int, scene, bg, sync_timers, device_sync, ph: dict):
-    """One optimisation step of one task, timed by phase into ``ph``; returns (loss, rays)."""
+def _train_task_step(cfg: Config, env: DistEnv, task: Task, step: int, scene, bg, sync_timers, timer: "PhaseTimer"):
+    """One optimisation step of one task, its phases recorded in ``timer`` (resolved by the
+    caller at the end of the step); returns (loss tensor, rays)."""
     t0 = time.perf_counter()
     batch = next(task.batches())
     t1 = time.perf_counter()
+    timer.host("wait", t1 - t0)
+    m1 = t1 if not timer.cuda else timer.mark()
     batch = _to_device(batch, env.device)
-    device_sync()
-    t2 = time.perf_counter()
+    m2 = timer.mark()
     near, far = _near_far(batch, scene)
     gen = step_generator(cfg.pipeline.seed, env.rank, step, task.cell, device=env.device)
     out = render_rays(task.field, batch["origins"], batch["directions"], near, far, bg,
                       occupancy=task.occupancy, samples=cfg.model.samples_per_ray, generator=gen, train=True)
     loss = torch.mean((out["rgb"] - batch["rgb"]) ** 2)
-    device_sync()
-    t3 = time.perf_counter()
-    timer = sync_timers.get(task.name)
-    s0 = timer.seconds if timer is not None else 0.0
+    m3 = timer.mark()
+    sync_timer = sync_timers.get(task.name)
+    s0 = sync_timer.seconds if sync_timer is not None else 0.0
     task.optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    device_sync()
-    t4 = time.perf_counter()
-    sync = (timer.seconds - s0) if timer is not None else 0.0
+    m4 = timer.mark()
+    sync = (sync_timer.seconds - s0) if sync_timer is not None else 0.0
     task.optimizer.step()
     if task.scheduler is not None:
         task.scheduler.step()
     if task.occupancy is not None:
         task.occupancy.update(task.raw_field, step)
-    device_sync()
-    t5 = time.perf_counter()
-    ph["wait"] += t1 - t0
-    ph["h2d"] += t2 - t1
-    ph["forward"] += t3 - t2
-    ph["backward"] += (t4 - t3) - sync
-    ph["sync"] += sync
-    ph["optimizer"] += t5 - t4
-    return float(loss.detach()), int(batch["origins"].shape[0])
+    m5 = timer.mark()
+    timer.span("h2d", m1, m2)
+    timer.span("forward", m2, m3)
+    timer.span("backward", m3, m4, sync)
+    timer.host("sync", sync)
+    timer.span("optimizer", m4, m5)
+    return loss.detach(), int(batch["origins"].shape[0])
 
 
 class _PeriodicEval:
@@ -586,7 +668,7 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
     rays_total = 0
     sync_timers = getattr(method, "sync_timers", {})
     t_start = time.perf_counter()
-    device_sync = (lambda: torch.cuda.synchronize()) if env.device.type == "cuda" else (lambda: None)
+    timer = PhaseTimer(env.device)
     last = {}
     end_step = min(cfg.train.stop_after or cfg.train.steps, cfg.train.steps)
     eval_every = cfg.train.eval_every
@@ -594,11 +676,14 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
         for step in range(start_step + 1, end_step + 1):
             ph = {p: 0.0 for p in PHASES}
             t_step = time.perf_counter()
-            loss_sum, nrays = 0.0, 0
+            loss_sum, nrays, losses = 0.0, 0, []
             for task in tasks:
-                loss, n = _train_task_step(cfg, env, task, step, scene, bg, sync_timers, device_sync, ph)
-                loss_sum += loss
+                loss, n = _train_task_step(cfg, env, task, step, scene, bg, sync_timers, timer)
+                losses.append(loss)
                 nrays += n
+            timer.resolve(ph)  # CUDA: the one wait of the step, on its last event
+            for loss in losses:
+                loss_sum += float(loss)
             step_s = time.perf_counter() - t_step
             loss_v = loss_sum / len(tasks)
             rec = {"step": step, "loss": loss_v, "psnr": -10.0 * math.log10(max(loss_v, 1e-12)), "rays": nrays}
@@ -615,9 +700,8 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
             if bar is not None:
                 bar.update(1)
                 if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                    stall = totals["wait"] / max(totals["step"], 1e-9)
-                    bar.set_postfix(loss=f"{loss_v:.4f}", psnr=f"{rec['psnr']:.1f}",
-                                    Mrays=f"{rays_total / max(totals['step'], 1e-9) / 1e6 * env.world_size:.2f}", stall=f"{100 * stall:.1f}%")
+                    bar.set_postfix(**_bar_stall(totals, first_step_wait), loss=f"{loss_v:.4f}", psnr=f"{rec['psnr']:.1f}",
+                                    Mrays=f"{rays_total / max(totals['step'], 1e-9) / 1e6 * env.world_size:.2f}")
             if step % cfg.train.log_every == 0:
                 writer.flush()
                 if bar is None and env.rank == 0:
@@ -640,7 +724,8 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
             bar.close()
         source_stats = [t.source.stats() if hasattr(t.source, "stats") else {} for t in tasks]
         _close_sources(tasks)
-    return LoopResult(start_step, end_step, totals, first_step_wait, rays_total, last, wall, source_stats)
+    return LoopResult(start_step, end_step, totals, first_step_wait, rays_total, last, wall, source_stats,
+                      timer.kind, all(t.measured for t in sync_timers.values()))
 
 
 def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], eval_scene,
@@ -669,8 +754,10 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
         "phase_totals_s": {p_: totals[p_] for p_ in PHASES} | {"step": totals["step"]},
         "stall_fraction": totals["wait"] / max(totals["step"], 1e-9),
         # the first step includes building the DALI pipeline and the first sampling run
-        "stall_fraction_after_first_step": (totals["wait"] - r.first_step_wait[0]) / max(totals["step"] - r.first_step_wait[1], 1e-9)
-        if r.first_step_wait is not None and steps_run > 1 else None,
+        "stall_fraction_after_first_step": _steady_stall(totals, r.first_step_wait, steps_run),
+        "warmup_wait_s": r.first_step_wait[0] if r.first_step_wait is not None else None,
+        "phase_timing": r.phase_timing,
+        "sync_in_backward": not r.sync_measured,
         "rays_per_s": r.rays_total * env.world_size / max(totals["step"], 1e-9),
         "wall_s": r.wall,
         "source_stats": r.source_stats[0] if len(r.source_stats) == 1 else r.source_stats,
@@ -713,7 +800,8 @@ def trainer_main(method_factory: Callable[[], Method], default_config: str, argv
             raise ConfigError(f"{args.config}: method: is {cfg.method!r} but this trainer runs {method.name!r}; use trainers/{'ddp' if cfg.method == 'ddp' else 'spatial'}.py")
         summary = train(cfg, method, resume=args.resume)
         if summary:
-            print(json.dumps({k: summary[k] for k in ("name", "test_psnr", "stall_fraction", "rays_per_s", "wall_s")}), flush=True)
+            print(json.dumps({k: summary[k] for k in ("name", "test_psnr", "stall_fraction", "stall_fraction_after_first_step",
+                                                     "warmup_wait_s", "rays_per_s", "wall_s")}), flush=True)
         return 0
 
     return run_cli(go)

@@ -35,7 +35,7 @@ import numpy as np
 
 from dali_nerf._dali import ray_graph_api
 
-__all__ = ["ray_pipeline", "release_pipeline", "StartFeed", "RAY_OUTPUTS"]
+__all__ = ["ray_pipeline", "release_pipeline", "StartFeed", "RAY_OUTPUTS", "pixel_feed"]
 
 RAY_OUTPUTS = ("origins", "directions", "rgb", "indices", "near", "far", "consumed")
 """Output names of :func:`ray_pipeline`, in order."""
@@ -56,6 +56,18 @@ class StartFeed:
         return [np.array(v, dtype=np.int64)]
 
 
+def pixel_feed(pixels, gpu: bool):
+    """What the ``pixels`` external source returns each run (a batch of one sample, no copy).
+
+    GPU: one contiguous (1, P, 3) tensor (a view of ``pixels``): DALI's ``external_source``
+    documents that with ``no_copy`` a GPU batch given as a list of separate tensors is copied
+    internally every run, while one contiguous buffer is used as is. CPU: ``[pixels]`` (a list of
+    contiguous arrays is passed without a copy on the CPU; unchanged, so the CPU bits and speed
+    are too).
+    """
+    return pixels.unsqueeze(0) if gpu else [pixels]
+
+
 def _routing_args(partition, cell: int) -> dict:
     """The op's routing arguments for ``cell`` of ``partition``."""
     return dict(cell=int(cell), margin=float(partition.margin), up=[float(u) for u in partition.up],
@@ -74,7 +86,9 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, worl
         rays_per_run: R, rays per run (one output sample; accepted rays when routed).
         mode: "random" | "epoch"; seed, rank, world_size: the stream's key.
         first_start: stream position of run 0's first ray.
-        device: "cpu" or "cuda" (GPU backend of the op; ``cache.pixels`` on the GPU).
+        device: "cpu" or "cuda" (GPU backend of the op; ``cache.pixels`` must then be a CUDA
+            tensor, fed as one (1, P, 3) batch, :func:`pixel_feed`; cameras/layout/centroids
+            stay CPU inputs).
         prefetch: runs DALI computes ahead (0 = synchronous executor, whose output buffers are
             reused by the next run).
         partition, cell: route to ``cell`` of this :class:`~dali_nerf.partition.Partition`
@@ -85,7 +99,7 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, worl
     fn, pipeline_def, types = ray_graph_api()
     gpu = device == "cuda"
     feed = StartFeed(first_start)
-    srcs = [[cache.pixels], [cache.cameras], [cache.layout]]
+    srcs = [[pixel_feed(cache.pixels, gpu)], [cache.cameras], [cache.layout]]
     if partition is not None:
         srcs.append([np.ascontiguousarray(partition.centroids, np.float32)])
     routing = _routing_args(partition, cell) if partition is not None else {}
@@ -93,7 +107,7 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, worl
     @pipeline_def
     def _rays():
         dev = "gpu" if gpu else "cpu"
-        pixels = fn.external_source(source=lambda: srcs[0], batch=True, no_copy=True, device=dev,
+        pixels = fn.external_source(source=lambda: srcs[0][0], batch=True, no_copy=True, device=dev,
                                     dtype=types.UINT8, ndim=2, name="pixels")
         cameras = fn.external_source(source=lambda: srcs[1], batch=True, no_copy=True, device="cpu",
                                      dtype=types.FLOAT, ndim=2, name="cameras")
@@ -105,8 +119,8 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, worl
                                              dtype=types.FLOAT, ndim=2, name="centroids"))
         start = fn.external_source(source=feed, batch=True, device="cpu", dtype=types.INT64, ndim=0,
                                    name="start")
-        if gpu:
-            inputs = [x.gpu() for x in inputs]
+        # the GPU op takes cameras, layout and centroids as CPU inputs (its host-side checks and
+        # tables read them there); only the pixels live on the device
         return tuple(fn.dali_nerf.ray_sampler(
             pixels, *inputs, rays=int(rays_per_run), mode=mode, seed=int(seed), rank=int(rank),
             world_size=int(world_size), start=start, device=dev, **routing,

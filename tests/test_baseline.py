@@ -104,3 +104,47 @@ def test_sync_global_two_ranks_scatter_disjoint_slices(scene, tmp_path):
             _check(scene, cache, got[r][step], 64)
             for k in g:
                 assert torch.equal(got[r][step][k], g[k][r * 64:(r + 1) * 64]), (step, r, k)
+
+
+def test_collective_device_is_the_local_gpu_under_nccl(monkeypatch):
+    from dali_nerf.sources.sync import collective_device
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert collective_device("nccl") == torch.device("cuda", 1)  # NCCL refuses CPU tensors
+    assert collective_device("gloo", "cpu") == torch.device("cpu")
+
+
+def record_scatter(monkeypatch, backend="nccl"):
+    """Run sync_global's scatter in-process as if under ``backend``: the process group calls are
+    replaced by recorders of the tensors' devices; ``meta`` stands for the device
+    collective_device names (no GPU here)."""
+    from dali_nerf.sources import sync
+
+    seen = []
+    real = sync.collective_device
+
+    def fake_device(b, device="cpu"):
+        assert b == backend and real(b, device) == torch.device("cuda", 0)
+        return torch.device("meta")
+
+    def scatter(out, parts=None, src=0):
+        seen.append((out.device, None if parts is None else [p.device for p in parts]))
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(sync, "collective_device", fake_device)
+    monkeypatch.setattr(sync.dist, "get_backend", lambda *a: backend)
+    monkeypatch.setattr(sync.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sync.dist, "scatter", scatter)
+    return seen
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sync_global_scatters_device_tensors_under_nccl(scene, monkeypatch, rank):
+    seen = record_scatter(monkeypatch)
+    src = SyncGlobalSampler(scene, rays_per_batch=32, rank=rank, world_size=2, seed=1)
+    b = next(src)
+    meta = torch.device("meta")
+    assert len(seen) == 2  # the packed floats and the indices
+    for out, parts in seen:
+        assert out == meta and (parts is None if rank else parts == [meta, meta])
+    assert all(v.device == meta for v in b.values())

@@ -256,6 +256,35 @@ def test_one_rank_cuda_ddp_run(tmp_path):
         "pipeline.rays_per_batch=1024", "pipeline.rays_per_run=8192"], tmp_path)
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses and all(torch.isfinite(torch.tensor(losses)))
+    # the pipelined stall, measured with CUDA-event phase timing (PhaseTimer): wait is host time
+    # in __next__, the other phases events on torch's stream; they fit inside the step
+    s = json.loads((tmp_path / "runs" / "gpu_ddp" / "summary.json").read_text())
+    assert s["phase_timing"] == "cuda_events" and s["device"].startswith("cuda")
+    assert s["warmup_wait_s"] == rows[0]["wait_s"] > 0 and 0 <= s["stall_fraction_after_first_step"] <= 1
+    for r in (r for r in rows if "loss" in r):
+        phases = [r[f"{p}_s"] for p in ("wait", "h2d", "forward", "backward", "sync", "optimizer")]
+        assert min(phases) >= 0 and sum(phases) <= r["step_s"] * 1.001 + 1e-4, r
+
+
+def test_phase_timer_uses_events_on_torchs_stream_not_a_device_sync(monkeypatch):
+    """PhaseTimer on CUDA: spans are event times on the current stream, resolved by one wait on
+    the last event; torch.cuda.synchronize (which would also wait for DALI's streams) is never called."""
+    from dali_nerf.training import PhaseTimer
+
+    def no_device_sync(*a, **k):
+        raise AssertionError("PhaseTimer called torch.cuda.synchronize()")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_device_sync)
+    t = PhaseTimer(torch.device("cuda", torch.cuda.current_device()))
+    assert t.kind == "cuda_events"
+    a = t.mark()
+    torch.cuda._sleep(50_000_000)  # GPU work enqueued between the marks
+    b = t.mark()
+    assert isinstance(a, torch.cuda.Event)
+    t.span("forward", a, b)
+    ph = {"forward": 0.0}
+    t.resolve(ph)
+    assert b.query() and ph["forward"] > 0
 
 
 def test_one_rank_cuda_ss_run(tmp_path):

@@ -1,5 +1,6 @@
 """RayLoader: batch contract, determinism, resume, prefetch/rays_per_run invariance, stats, shutdown."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -138,6 +139,18 @@ def test_stats_and_amortisation(scene, cache):
     assert {"steps", "wait_s", "stall_fraction", "rays_per_s", "elapsed_s", "runs"} <= set(s)
     assert s["steps"] == 25 and s["runs"] == 3
     assert 0 <= s["wait_s"] <= s["elapsed_s"] and 0 <= s["stall_fraction"] <= 1 and s["rays_per_s"] > 0
+    # warm-up = the first next()'s wait; steady = the stall after the first batch (BatchStats)
+    assert 0 < s["warmup_s"] <= s["wait_s"] and 0 <= s["stall_fraction_steady"] <= 1
+    assert s["stall_fraction_steady"] == pytest.approx((s["wait_s"] - s["warmup_s"]) / (s["elapsed_s"] - s["warmup_s"]), rel=1e-3)
+
+
+def test_cache_on_another_device_is_refused_naming_the_fix(scene, cache):
+    """A cache decoded for another device than the loader's is a one-line ConfigError (a host
+    cache fed to a GPU graph would fail or be copied to the device every run)."""
+    on_gpu = dataclasses.replace(cache, device="cuda")  # what decode_cache(device="cuda") labels its cache
+    with pytest.raises(ConfigError, match=r"cache: decoded on cuda but RayLoader runs on cpu; decode it with "
+                                          r"decode_cache\(\.\.\., device='cpu'\)"):
+        RayLoader(scene, rays_per_batch=64, cache=on_gpu)
 
 
 def test_batches_stay_valid_after_later_runs(scene, cache):

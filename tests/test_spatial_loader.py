@@ -2,12 +2,15 @@
 that stay valid after later runs, exact resume, and the op's ``start = -1`` continuation that
 lets DALI run a routed pipeline ahead."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from _tiny_scene import assert_batch_contract
 from dali_nerf.config import PartitionConfig
+from dali_nerf.errors import ConfigError
 from dali_nerf.partition import Partition, ray_cells
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.pipelines.rays import ray_pipeline
@@ -37,6 +40,12 @@ def _take(loader, n, clone=True):
 
 def _same(a, b):
     return len(a) == len(b) and all(all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+
+
+def test_cache_on_another_device_is_refused(setup):
+    scene, part, cache = setup
+    with pytest.raises(ConfigError, match="cache: decoded on cuda but SpatialRayLoader runs on cpu"):
+        SpatialRayLoader(scene, part, 0, rays_per_batch=64, cache=dataclasses.replace(cache, device="cuda"))
 
 
 def test_batches_are_rays_of_the_cell(setup):
@@ -109,3 +118,18 @@ def test_op_start_minus_one_without_a_previous_run_is_an_error(setup):
     pipe = spatial_pipeline(cache, part, 1, 100, "random", 0, first_start=-1, prefetch=0)
     with pytest.raises(RuntimeError, match="continue"):
         pipe.run()
+
+
+def test_ss_sync_global_scatters_device_tensors_under_nccl(setup, monkeypatch):
+    """SS sync_global (RoutedSyncGlobal) goes through the same scatter: under NCCL rank 0 sends
+    and receives on the collective device (the GPU), never CPU tensors."""
+    from test_baseline import record_scatter
+    from dali_nerf.sources.sync import RoutedSyncGlobal
+
+    scene, part, cache = setup
+    seen = record_scatter(monkeypatch)
+    src = RoutedSyncGlobal(scene, part, [[0], [1]], rank=0, slot=0, rays_per_batch=16, seed=2, cache=cache)
+    b = next(src)
+    meta = torch.device("meta")
+    assert [s[0] for s in seen] == [meta, meta] and all(p == [meta, meta] for _, p in seen)
+    assert all(v.device == meta for v in b.values())

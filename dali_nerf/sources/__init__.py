@@ -1,6 +1,7 @@
 """Every batch source behind one small base (:mod:`.base`), and one registry (:mod:`.registry`).
 
-* :mod:`.base`       BatchSource, BatchStats, dali_to_torch, resolve_device, check_common, run_graph
+* :mod:`.base`       BatchSource, BatchStats, dali_to_torch, resolve_device, check_common,
+  check_cache_device, run_graph
 * :mod:`.rays`       RayLoader: our DALI ray graph + op, prefetching (DDP)
 * :mod:`.streaming`  WindowStream: a shard larger than ``cache.max_bytes`` through decoded windows
 * :mod:`.spatial`    SpatialRayLoader: the ray graph routed to one cell (SS)
@@ -15,7 +16,7 @@ Importing this package imports no DALI: the graphs import it when they are built
 >>> batch = next(src)      # origins/directions/rgb (B, 3), indices (B, 3), near/far (B, 1)
 """
 
-from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, check_common, dali_to_torch,
+from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, check_cache_device, check_common, dali_to_torch,
                                     resolve_device, run_graph, scene_from_config)
 from dali_nerf.sources.rays import RayLoader
 from dali_nerf.sources.routed_workers import RoutedTorchWorkers, routed_batch
@@ -23,11 +24,12 @@ from dali_nerf.sources.registry import SOURCES, SS_SOURCES, build_source
 from dali_nerf.sources.spatial import SpatialRayLoader
 from dali_nerf.sources.streaming import WindowStream, plan_window_images, window_plan
 from dali_nerf.sources.sync import (PixelSampler, RoutedSyncGlobal, RoutedSyncLocal, SyncGlobalSampler,
-                                    SyncLocalSampler, TorchWorkersSampler, scatter_batches)
+                                    SyncLocalSampler, TorchWorkersSampler, collective_device, scatter_batches)
 
 __all__ = [
-    "BATCH_KEYS", "BatchSource", "BatchStats", "check_common", "dali_to_torch", "resolve_device", "run_graph",
+    "BATCH_KEYS", "BatchSource", "BatchStats", "check_cache_device", "check_common", "dali_to_torch", "resolve_device", "run_graph",
     "scene_from_config", "RayLoader", "SpatialRayLoader", "WindowStream", "plan_window_images", "window_plan",
     "PixelSampler", "SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "RoutedSyncLocal",
-    "RoutedSyncGlobal", "RoutedTorchWorkers", "routed_batch", "scatter_batches", "build_source", "SOURCES", "SS_SOURCES",
+    "RoutedSyncGlobal", "RoutedTorchWorkers", "routed_batch", "scatter_batches", "collective_device", "build_source",
+    "SOURCES", "SS_SOURCES",
 ]

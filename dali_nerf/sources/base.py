@@ -21,7 +21,7 @@ from dali_nerf.pipelines.rays import RAY_OUTPUTS
 from dali_nerf.scenes import load_scene
 
 __all__ = ["BatchSource", "BatchStats", "BATCH_KEYS", "resolve_device", "dali_to_torch", "check_common",
-           "check_positive", "run_graph", "scene_from_config"]
+           "check_positive", "check_cache_device", "run_graph", "scene_from_config"]
 
 BATCH_KEYS = ("origins", "directions", "rgb", "indices", "near", "far")
 """Keys a batch may carry (near/far only when the scene has bounds)."""
@@ -41,7 +41,14 @@ def resolve_device(device: str) -> str:
 class BatchStats:
     """Time blocked in ``__next__`` vs wall time since the first ``__next__`` (shared by every source).
 
-    ``as_dict()`` -> {"steps", "wait_s", "stall_fraction", "rays_per_s", "elapsed_s", "runs"}.
+    ``as_dict()`` -> {"steps", "wait_s", "stall_fraction", "warmup_s", "stall_fraction_steady",
+    "rays_per_s", "elapsed_s", "runs"}:
+
+    * ``stall_fraction`` = wait_s / elapsed_s, everything since the first ``next()`` was entered;
+    * ``warmup_s`` = the wait for the first batch (building the pipeline, loading the operator,
+      the first run): the first ``next()``'s duration;
+    * ``stall_fraction_steady`` = (wait_s - warmup_s) / (elapsed_s - warmup_s): the stall after
+      the first batch arrived (None before the first batch).
     """
 
     def __init__(self):
@@ -50,6 +57,7 @@ class BatchStats:
         self.rays = 0
         self.runs = 0
         self.t0: Optional[float] = None
+        self.warmup_s: Optional[float] = None
 
     def start(self) -> float:
         now = time.perf_counter()
@@ -58,16 +66,25 @@ class BatchStats:
         return now
 
     def stop(self, t_enter: float, rays: int) -> None:
-        self.wait_s += time.perf_counter() - t_enter
+        waited = time.perf_counter() - t_enter
+        self.wait_s += waited
+        if self.steps == 0:
+            self.warmup_s = waited
         self.steps += 1
         self.rays += rays
 
     def as_dict(self) -> dict:
         elapsed = 0.0 if self.t0 is None else time.perf_counter() - self.t0
+        steady = None
+        if self.warmup_s is not None:
+            rest = elapsed - self.warmup_s
+            steady = (self.wait_s - self.warmup_s) / rest if rest > 0 else 0.0
         return {
             "steps": self.steps,
             "wait_s": self.wait_s,
             "stall_fraction": (self.wait_s / elapsed) if elapsed > 0 else 0.0,
+            "warmup_s": self.warmup_s,
+            "stall_fraction_steady": steady,
             "rays_per_s": (self.rays / elapsed) if elapsed > 0 else 0.0,
             "elapsed_s": elapsed,
             "runs": self.runs,
@@ -78,6 +95,15 @@ def check_positive(name, v):
     """ConfigError unless ``v`` is an integer > 0."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
         raise ConfigError(f"{name}={v!r}: must be an integer > 0")
+
+
+def check_cache_device(cache, device: str, who: str) -> None:
+    """ConfigError unless the pre-decoded ``cache`` holds its pixels on ``device`` (a host cache
+    fed to a GPU graph would be an error or a copy of the whole split every run)."""
+    have = getattr(cache, "device", "cpu")
+    if have != device:
+        raise ConfigError(f"cache: decoded on {have} but {who} runs on {device}; decode it with "
+                          f"decode_cache(..., device={device!r}) or build {who} with device={have!r}")
 
 
 def check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode):
@@ -130,7 +156,8 @@ class BatchSource:
         return self
 
     def stats(self) -> dict:
-        """{"steps", "wait_s", "stall_fraction", "rays_per_s", "elapsed_s", "runs"} since the first next()."""
+        """{"steps", "wait_s", "stall_fraction", "warmup_s", "stall_fraction_steady", "rays_per_s",
+        "elapsed_s", "runs"} since the first next() (see :class:`BatchStats`)."""
         return self._stats.as_dict()
 
     def close(self) -> None:

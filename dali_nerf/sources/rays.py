@@ -45,7 +45,7 @@ import torch
 from dali_nerf.errors import ConfigError
 from dali_nerf.pipelines.decode import decode_cache, shard_range, shard_sizes
 from dali_nerf.pipelines.rays import ray_pipeline
-from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, check_common, check_positive,
+from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, check_cache_device, check_common, check_positive,
                                     resolve_device, run_graph, scene_from_config)
 from dali_nerf.sources.streaming import WindowStream, plan_window_images
 
@@ -129,6 +129,8 @@ class RayLoader(BatchSource):
                                  num_threads=self.num_threads, batch=decode_batch)
         elif (cache.rank, cache.world_size) != (self.rank, self.world_size):
             raise ConfigError(f"cache: holds shard {cache.rank}/{cache.world_size}, loader is {self.rank}/{self.world_size}")
+        else:
+            check_cache_device(cache, self.device, "RayLoader")
         self.cache = cache
         self.num_pixels = cache.num_pixels if cache is not None else int(self._shard_pixels[self.rank])
         self.position = 0
@@ -210,7 +212,10 @@ class RayLoader(BatchSource):
         else:  # a seek landed inside the run off the step grid
             batch = {k: v[off:off + B] for k, v in self._run.items()}
         self.position += B
-        st.wait_s += perf_counter() - t  # BatchStats.stop, inlined (this is the per-step hot path)
+        waited = perf_counter() - t  # BatchStats.stop, inlined (this is the per-step hot path)
+        st.wait_s += waited
+        if st.steps == 0:
+            st.warmup_s = waited
         st.steps += 1
         st.rays += B
         return batch
@@ -291,7 +296,8 @@ class RayLoader(BatchSource):
 
     # ---- stats, shutdown ------------------------------------------------------------------------
     def stats(self) -> dict:
-        """{"steps", "wait_s", "stall_fraction", "rays_per_s", "elapsed_s", "runs"} since the first next();
+        """{"steps", "wait_s", "stall_fraction", "warmup_s", "stall_fraction_steady", "rays_per_s",
+        "elapsed_s", "runs"} since the first next() (definitions: :class:`~.base.BatchStats`);
         when streaming also {"streaming", "window_images", "windows_per_cycle", "windows_decoded",
         "bytes_held", "peak_bytes", "decode_wait_s"} (decoded-window bytes now / at most so far)."""
         d = self._stats.as_dict()

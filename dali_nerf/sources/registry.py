@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dali_nerf.errors import ConfigError
 from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.sources.base import resolve_device
 from dali_nerf.sources.rays import RayLoader
 from dali_nerf.sources.routed_workers import RoutedTorchWorkers
 from dali_nerf.sources.spatial import SpatialRayLoader
@@ -48,7 +49,8 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
         rank, world_size: this process's place.
         cells: None for data parallel; for spatial segmentation the cells of every rank
             (``cells[r]``, e.g. :func:`dali_nerf.partition.assign_rank`), with ``partition``.
-        cache: SS only: an ImageCache of all images of the split (None = decode it here, once).
+        cache: SS only: an ImageCache of all images of the split (None = decode it here, once:
+            on ``train.device`` for ``rays``, on the host for the routed baselines).
     Returns:
         DDP: one source. SS: a list of sources, one per cell of ``cells[rank]`` in that order
         (slot i samples cell ``cells[rank][i]``).
@@ -67,7 +69,10 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
     if p.name != "rays" and p.mode != "random":
         raise ConfigError(f"pipeline.mode={p.mode}: the SS baselines sample iid rays only; use pipeline.mode=random")
     if cache is None:
-        cache = decode_cache(scene, 0, 1, num_threads=p.num_threads, batch=cfg.cache.decode_batch)
+        # the op's graph samples the cache where it runs (CUDA pixels for a CUDA run, nvJPEG);
+        # the routed baselines sample and route on the host
+        device = resolve_device(cfg.train.device) if p.name == "rays" else "cpu"
+        cache = decode_cache(scene, 0, 1, device=device, num_threads=p.num_threads, batch=cfg.cache.decode_batch)
     out = []
     for slot, cell in enumerate(cells[rank]):
         if p.name == "rays":

@@ -28,7 +28,7 @@ import torch
 from dali_nerf.errors import ConfigError
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline
-from dali_nerf.sources.base import BatchSource, BatchStats, resolve_device, run_graph
+from dali_nerf.sources.base import BatchSource, BatchStats, check_cache_device, resolve_device, run_graph
 
 __all__ = ["SpatialRayLoader"]
 
@@ -60,6 +60,8 @@ class SpatialRayLoader(BatchSource):
         self.num_threads = int(num_threads)
         self.steps_per_run = max(1, math.ceil(int(rays_per_run) / self.rays_per_batch))
         self.rays_per_run = self.steps_per_run * self.rays_per_batch
+        if cache is not None:
+            check_cache_device(cache, self.device, "SpatialRayLoader")
         self.cache = cache if cache is not None else decode_cache(scene, 0, 1, device=self.device,
                                                                   num_threads=self.num_threads, batch=decode_batch)
         self.run_start, self.offset = 0, 0

@@ -30,6 +30,7 @@ torch.Size([4096, 3])
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import numpy as np
@@ -44,9 +45,18 @@ from dali_nerf.seeds import block_seed, perm_seed, routed_stream
 from dali_nerf.sources.base import BatchSource, BatchStats, check_common, resolve_device, scene_from_config
 
 __all__ = ["SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "PixelSampler", "RoutedSyncLocal",
-           "RoutedSyncGlobal", "scatter_batches"]
+           "RoutedSyncGlobal", "scatter_batches", "collective_device"]
 
 _FLOAT_KEYS = ("origins", "directions", "rgb")
+
+
+def collective_device(backend: str, device="cpu") -> torch.device:
+    """Where the tensors a collective sends and receives must live: NCCL takes only CUDA tensors,
+    on this process's GPU (``torch.device("cuda", LOCAL_RANK)``); other backends (gloo) use
+    ``device``."""
+    if backend == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(device)
 
 
 def scatter_batches(batches, rank: int, rays_per_batch: int, has_bounds: bool, device="cpu") -> dict:
@@ -54,15 +64,18 @@ def scatter_batches(batches, rank: int, rays_per_batch: int, has_bounds: bool, d
     collective: every rank calls it, ranks other than 0 with ``batches=None``).
 
     The float keys (origins, directions, rgb[, near, far]) travel packed as one (B, 9 | 11) f32
-    tensor, the indices as one (B, 3) i64 tensor. Returns this rank's batch dict (views of the two).
+    tensor, the indices as one (B, 3) i64 tensor, both sent and received on
+    :func:`collective_device` (this rank's GPU under NCCL, else ``device``). Returns this rank's
+    batch dict (views of the two, on that device). Used by the DDP and the SS ``sync_global``.
     """
     B = int(rays_per_batch)
     keys = _FLOAT_KEYS + (("near", "far") if has_bounds else ())
-    fl = torch.empty((B, 11 if has_bounds else 9), dtype=torch.float32, device=device)
-    ix = torch.empty((B, 3), dtype=torch.int64, device=device)
+    dev = collective_device(dist.get_backend(), device)
+    fl = torch.empty((B, 11 if has_bounds else 9), dtype=torch.float32, device=dev)
+    ix = torch.empty((B, 3), dtype=torch.int64, device=dev)
     if rank == 0:
-        dist.scatter(fl, [torch.cat([g[k] for k in keys], dim=1).contiguous() for g in batches], src=0)
-        dist.scatter(ix, [g["indices"].contiguous() for g in batches], src=0)
+        dist.scatter(fl, [torch.cat([g[k] for k in keys], dim=1).to(dev).contiguous() for g in batches], src=0)
+        dist.scatter(ix, [g["indices"].to(dev).contiguous() for g in batches], src=0)
     else:
         dist.scatter(fl, None, src=0)
         dist.scatter(ix, None, src=0)
