@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -17,6 +18,8 @@ from pathlib import Path
 from .atomic import atomic_write_text
 from .config import load_config
 from .errors import DaliNerfError
+from .scenegen import make_scene
+from .validate import validate_scene
 
 __all__ = ["main", "launch_trainer", "write_report", "warmup_wait_s"]
 
@@ -101,9 +104,6 @@ def write_report(run_dir: Path) -> str:
 
 
 def main(args) -> int:
-    from .scenegen import make_scene
-    from .validate import validate_scene
-
     data = Path(args.data)
     config = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
     overrides = [f"scene.path={data}"] + list(args.overrides)
@@ -123,8 +123,6 @@ def main(args) -> int:
     if args.nproc > 1:
         rc = launch_trainer(module, args.nproc, config, overrides)
     else:
-        import importlib
-
         rc = importlib.import_module(module).main((["--config", config] if config else []) + overrides)
     if rc != 0:
         raise DaliNerfError(f"training failed (exit code {rc}); see the messages above")

@@ -36,6 +36,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import cv2
 import numpy as np
 
 from .errors import DataError
@@ -276,8 +277,6 @@ def decode_image_cv2(path, max_pixels: Optional[int] = None) -> np.ndarray:
         >>> decode_image_cv2("train/r_0.png").shape
         (800, 800, 4)
     """
-    import cv2
-
     h = read_header(path)
     _check_header(path, h, None, max_pixels)
     with open(path, "rb") as f:

@@ -19,6 +19,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tqdm import tqdm
+
 from .errors import SceneError
 from .imageio import check_image
 from .scenes import SPLITS, FORMATS, detect_format, load_scene
@@ -92,8 +94,6 @@ def scan_images(scene, progress: bool = True, max_pixels: Optional[int] = None) 
     sizes = scene.file_wh if scene.file_wh is not None else list(zip(scene.width, scene.height))
     items = list(zip(scene.image_paths, sizes))
     if progress and len(items) > PROGRESS_MIN_IMAGES:
-        from tqdm import tqdm
-
         items = tqdm(items, desc=f"check {scene.split} images", unit="img", leave=False)
     for path, wh in items:
         check_image(path, expected_wh=wh, max_pixels=max_pixels)

@@ -50,8 +50,11 @@ from typing import Optional, Sequence
 
 import cv2
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from dali_nerf import hostmem
+from dali_nerf._dali import dali_api
 from dali_nerf.errors import DataError, SceneError
 from dali_nerf.imageio import check_image, decode_image_cv2
 from dali_nerf.scenes._util import opencv_matrix
@@ -232,8 +235,6 @@ def available_memory(device: str = "cpu") -> int:
     """Bytes that can be allocated now without swapping: ``MemAvailable`` of ``/proc/meminfo``
     (else free physical pages) for "cpu", free device memory for "cuda"."""
     if device == "cuda":
-        import torch
-
         return int(torch.cuda.mem_get_info()[0])
     try:
         with open("/proc/meminfo") as f:
@@ -282,17 +283,6 @@ def _find_culprit(scene, candidates: Sequence[int], err: Exception) -> str:
             f"checks and decodes with OpenCV; re-export them as PNG or JPEG")
 
 
-def _import_dali():
-    from dali_nerf.hostmem import dali_host_pool
-
-    dali_host_pool()  # before DALI's first host allocation (dali_nerf.hostmem)
-    try:
-        from nvidia.dali import fn, pipeline_def, types
-    except ImportError as e:  # pragma: no cover - dali is a dependency
-        raise SceneError(f"nvidia-dali is not importable ({e}); pip install nvidia-dali-cuda120==2.4.0") from None
-    return fn, pipeline_def, types
-
-
 def decode_pipeline(files, labels, shard_id, num_shards, *, device="cpu",
                     batch_size=8, num_threads=2, device_id=None, prefetch_queue_depth=2):
     """Build (not run) the decode pipeline: ``readers.file`` (sharded, named "Reader",
@@ -308,7 +298,7 @@ def decode_pipeline(files, labels, shard_id, num_shards, *, device="cpu",
     Returns:
         A built DALI pipeline whose outputs are (images (H, W, C) uint8, labels (1,) int32).
     """
-    fn, pipeline_def, types = _import_dali()
+    fn, pipeline_def, types = dali_api()
 
     @pipeline_def
     def _decode():
@@ -473,7 +463,6 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
     dali_device = "mixed" if use_gpu else "cpu"
     dev_id = None
     if use_gpu:
-        import torch
         dev_id = torch.cuda.current_device()
 
     n = len(want)
@@ -484,7 +473,6 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
     pos_of = {int(c): k for k, c in enumerate(want)}
     _check_memory(scene, total * 3, n, rank, world_size, device if use_gpu else "cpu", indices is not None)
     if use_gpu:
-        import torch
         pixels = torch.empty((total, 3), dtype=torch.uint8, device="cuda")
         bg_t = torch.as_tensor(background_u8(bg).astype(np.int32), device="cuda")
         gpu_aux: dict = {}  # GPU copies of the maps (as grids) and area weights
@@ -554,8 +542,6 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
 
 def _finish_gpu(tensor_gpu, bg255, out, maps, aux: dict):  # pragma: no cover - needs a GPU
     """:func:`finish_torch` of one decoded DALI TensorGPU (fh, fw, C) into ``out`` (h, w, 3) uint8 CUDA."""
-    import torch
-
     img = torch.as_tensor(tensor_gpu, device="cuda")  # __cuda_array_interface__, no host copy
     finish_torch(img, bg255, out, maps, aux)
     torch.cuda.current_stream().synchronize()  # DALI may reuse the decode buffer on the next run
@@ -577,9 +563,6 @@ def finish_torch(img, bg255, out, maps=None, aux: Optional[dict] = None):
     float64; rounded. Equal to the CPU path without resampling; within 1 LSB of it (cv2's
     fixed-point rounding) otherwise.
     """
-    import torch
-    import torch.nn.functional as F
-
     aux = {} if aux is None else aux
     dev = img.device
     fh, fw, c = img.shape

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing as mp
 import os
 import queue as _queue
 import time
@@ -35,12 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
 import yaml
 
 from ..emulation import (DeviceLinks, EmulatedDevice, PhaseTimer, ReadyBatch, ShmScatter, emulated_step)
 from ..errors import DaliNerfError
 from ..hostbudget import HostBudget
+from ..partition import Partition
 from ..pipelines.decode import decode_cache
+from ..scenes import load_scene
 from ..seeds import routed_stream
 from ..sources import (PixelSampler, RayLoader, RoutedSyncLocal, SpatialRayLoader, SyncLocalSampler,
                        TorchWorkersSampler)
@@ -187,6 +191,15 @@ def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scen
             st["shard"] = decode_cache(scene, rank, W, num_threads=th, batch=cfg.cache.decode_batch)
         return st["shard"]
 
+    def scatter(key: int, batches):
+        """sync_global: rank 0 samples the step's W batches, ``batches(ps, step)``, from its own
+        PixelSampler (stream ``key``, all images); ShmScatter hands every rank its own."""
+        sample = None
+        if rank == 0:
+            ps = PixelSampler(full(), scene, p.seed, key, "random")
+            sample = lambda step: batches(ps, step)  # noqa: E731
+        return ShmScatter(sample, buf, bar, rank, W, B, dev)
+
     if method == "ddp":
         if sampler in (FLOOR, "sync_local"):
             s = SyncLocalSampler(scene, B, rank, W, p.seed, mode="random", cache=shard())
@@ -198,17 +211,11 @@ def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scen
             return RayLoader(scene, B, rank, W, p.seed, prefetch=p.prefetch, mode="random", num_threads=th,
                              rays_per_run=budget.rays_per_run, cache=shard())
         if sampler == "sync_global":
-            sample = None
-            if rank == 0:
-                ps = PixelSampler(full(), scene, p.seed, 0, "random")
-
-                def sample(step, ps=ps):
-                    g = ps.sample(step * B * W, B * W)
-                    return [{k: v[r * B:(r + 1) * B] for k, v in g.items()} for r in range(W)]
-            return ShmScatter(sample, buf, bar, rank, W, B, dev)
+            def split(ps, step):
+                g = ps.sample(step * B * W, B * W)
+                return [{k: v[r * B:(r + 1) * B] for k, v in g.items()} for r in range(W)]
+            return scatter(0, split)
     else:
-        from ..partition import Partition
-
         if "partition" not in st:
             pc = dataclasses.replace(cfg.partition, kind="grid", grid=ss_grid(W))
             st["partition"] = Partition.from_config(pc, scene)
@@ -222,13 +229,8 @@ def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scen
             return SpatialRayLoader(scene, part, rank, B, p.seed, prefetch=p.prefetch, mode="random", num_threads=th,
                                     rays_per_run=budget.rays_per_run, cache=full())
         if sampler == "sync_global":
-            sample = None
-            if rank == 0:
-                ps = PixelSampler(full(), scene, p.seed, routed_stream(slot=0), "random")
-
-                def sample(step, ps=ps):
-                    return [routed_batch(ps, part, c, step, B, 2 * B) for c in range(W)]
-            return ShmScatter(sample, buf, bar, rank, W, B, dev)
+            return scatter(routed_stream(slot=0),
+                           lambda ps, step: [routed_batch(ps, part, c, step, B, 2 * B) for c in range(W)])
     raise DaliNerfError(f"bench.samplers: {sampler!r} has no emulated source for method {method}")
 
 
@@ -245,10 +247,6 @@ def _write_segment(out: Path, seg: Segment, rank: int, recs: List[dict], meta: d
 def _rank_main(rank: int, W: int, cfg, method: str, segments: List[Segment], out: str, barrier, buf,
                budget: HostBudget, links: DeviceLinks, grad_bytes: int, steps: int, warmup: int,
                timeout_s: float, msgs) -> None:
-    import torch
-
-    from ..scenes import load_scene
-
     out_p = Path(out)
     log = open(out_p / f"rank{rank}.log", "w")
     os.dup2(log.fileno(), 1)
@@ -323,8 +321,6 @@ def launch(cfg, method: str, ranks: int, segments: List[Segment], out: Path, bud
     "barrier_s" (mean seconds of one lockstep barrier with no work, max over ranks), "wall_s"}.
 
     Raises :class:`DaliNerfError` naming the failed rank's log when a rank fails."""
-    import multiprocessing as mp
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")

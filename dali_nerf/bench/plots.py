@@ -1,4 +1,5 @@
-"""PNG plots of the study (matplotlib, Agg backend; imported only when a report is written).
+"""PNG plots of the study (matplotlib's object API: a Figure saved by the Agg canvas; no pyplot, so no
+backend is selected and no global figure state is touched).
 
 * :func:`plot_phases`      stacked bars of the per-phase breakdown per configuration (ms per step);
 * :func:`plot_speedups`    measured speedup (95% CI) of the pipelined loader against the ideal 1/(1-stall);
@@ -12,35 +13,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Sequence
 
+from matplotlib.figure import Figure
+
 __all__ = ["plot_phases", "plot_speedups", "plot_scaling", "plot_model_check", "plot_projection", "PHASE_COLORS"]
 
 PHASE_COLORS = {"wait": "#d62728", "h2d": "#9467bd", "forward": "#1f77b4", "backward": "#2ca02c",
                 "sync": "#ff7f0e", "optimizer": "#8c564b"}
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-
-def _save(plt, fig, path, tight: bool = True) -> Path:
-    """Write ``fig`` as a PNG (dpi 110) and free it."""
+def _save(fig: Figure, path, tight: bool = True) -> Path:
+    """Write ``fig`` as a PNG (dpi 110)."""
     if tight:
         fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return Path(path)
+
 
 def plot_phases(runs: Sequence[dict], path: Path) -> Path:
     """Stacked bars, one per run (``derive()["runs"]``): mean ms per step of each phase."""
-    plt = _plt()
     labels = [f"{r['method']}\n{r['sampler']}\nx{r['ranks']}" for r in runs]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(runs) + 2), 4.5))
+    fig = Figure(figsize=(max(6.0, 0.9 * len(runs) + 2), 4.5))
+    ax = fig.subplots()
     bottom = [0.0] * len(runs)
     for ph, color in PHASE_COLORS.items():
         vals = [r["phases_s"][ph] * 1e3 for r in runs]
@@ -53,14 +46,14 @@ def plot_phases(runs: Sequence[dict], path: Path) -> Path:
     ax.set_ylabel("ms per step (mean over ranks)")
     ax.set_title("Phase breakdown per configuration (label: data-wait share)")
     ax.legend(fontsize=8, ncol=3)
-    return _save(plt, fig, path)
+    return _save(fig, path)
 
 
 def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
     """Measured speedup (mean, 95% interval) against its ideal 1/(1 - stall_baseline), one point per
     pair; the y = x line and the band [0.9, 1.15] x ideal inside which the stall explains the speedup."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 5.2))
+    fig = Figure(figsize=(6.4, 5.2))
+    ax = fig.subplots()
     colors = {"sync_global": "#d62728", "sync_local": "#ff7f0e", "torch_workers": "#9467bd"}
     markers = {"cpu": "s", "emulated": "o", "cuda": "^"}
     seen = set()
@@ -83,18 +76,18 @@ def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
     ax.set_title("Speedup explained by the stall? (outside the band: flagged)", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
-    return _save(plt, fig, path)
+    return _save(fig, path)
 
 
 def plot_scaling(configs: Sequence[dict], path: Path) -> Path:
     """Emulated rows: stall (left) and step / floor (right) against the number of emulated GPUs,
     one row of panels per method, one colour per sampler, one line style per device step time
     (the study's batch size only)."""
-    plt = _plt()
     rays = max({c["rays_per_rank"] for c in configs}, key=lambda b: sum(c["rays_per_rank"] == b for c in configs))
     rows = [c for c in configs if c["rays_per_rank"] == rays and c["sampler"] != "ready"]
     methods = sorted({c["method"] for c in rows})
-    fig, axes = plt.subplots(len(methods), 2, figsize=(11, 3.8 * len(methods)), squeeze=False)
+    fig = Figure(figsize=(11, 3.8 * len(methods)))
+    axes = fig.subplots(len(methods), 2, squeeze=False)
     colors = {"sync_global": "#d62728", "sync_local": "#ff7f0e", "torch_workers": "#9467bd", "rays": "#2ca02c"}
     steps = sorted({c["emulated_step_ms"] for c in rows})
     styles = ["-", "--", ":", "-."]
@@ -121,13 +114,13 @@ def plot_scaling(configs: Sequence[dict], path: Path) -> Path:
         a1.legend(fontsize=5, ncol=2)
     fig.suptitle(f"Emulated GPUs, {rays} rays per rank: device compute emulated by a timed wait; host work real",
                  fontsize=9)
-    return _save(plt, fig, path)
+    return _save(fig, path)
 
 
 def plot_model_check(rows: Sequence[dict], path: Path) -> Path:
     """Measured vs predicted step time (ms), one point per configuration, y = x line."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(4.8, 4.5))
+    fig = Figure(figsize=(4.8, 4.5))
+    ax = fig.subplots()
     meas = [r["step_measured_s"] * 1e3 for r in rows]
     pred = [r["step_predicted_s"] * 1e3 for r in rows]
     markers = {"sync_global": "o", "sync_local": "s", "rays": "^"}
@@ -145,15 +138,15 @@ def plot_model_check(rows: Sequence[dict], path: Path) -> Path:
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_title("Cost model check (o global, s local, ^ pipelined;\nblue: fit set, red: runs it did not see; dashed +-15%)", fontsize=9)
-    return _save(plt, fig, path)
+    return _save(fig, path)
 
 
 def plot_projection(rows: Sequence[dict], assumptions: List[str], path: Path) -> Path:
     """Two panels over GPUs per node (log2 x): stall fraction per sampler, and speedup of the
     pipelined loader over each baseline (log y); one line style per node count; assumptions
     printed below."""
-    plt = _plt()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 5.6))
+    fig = Figure(figsize=(11, 5.6))
+    a1, a2 = fig.subplots(1, 2)
     colors = {"sync_global": "#d62728", "sync_local": "#ff7f0e", "rays": "#2ca02c"}
     styles = ["-", "--", ":", "-."]
     nodes = sorted({r["nodes"] for r in rows})
@@ -179,4 +172,4 @@ def plot_projection(rows: Sequence[dict], assumptions: List[str], path: Path) ->
     a2.legend(fontsize=6, ncol=2)
     fig.text(0.01, 0.01, "Assumptions: " + "; ".join(assumptions), fontsize=6, wrap=True, va="bottom")
     fig.tight_layout(rect=(0, 0.12, 1, 1))
-    return _save(plt, fig, path, tight=False)
+    return _save(fig, path, tight=False)

@@ -30,12 +30,26 @@ import os
 import socket
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
+import cv2
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from filelock import FileLock
 
+from dali_nerf.config import PartitionConfig
 from dali_nerf.errors import ConfigError
+from dali_nerf.partition import Partition
+from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.rays import rays_from_indices
+from dali_nerf.scenegen import make_scene
+from dali_nerf.scenes import load_scene
+from dali_nerf.scenes.base import Scene
+from dali_nerf.sources import (RayLoader, SpatialRayLoader, SyncGlobalSampler, SyncLocalSampler,
+                               TorchWorkersSampler)
 
 __all__ = ["main", "measure", "default_scene", "decode_rate", "torch_gather_source"]
 
@@ -47,11 +61,6 @@ def default_scene_dir() -> Path:
 
 def default_scene():
     """The 100-image 400x400 objects scene (generated once, under a file lock)."""
-    from filelock import FileLock
-
-    from dali_nerf.scenegen import make_scene
-    from dali_nerf.scenes import load_scene
-
     out = default_scene_dir()
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
@@ -63,10 +72,6 @@ def default_scene():
 
 def torch_gather_source(cache, scene, B: int, seed: int = 0):
     """Infinite generator of batches: iid pixel ids over all of ``cache``, uint8 gather, rays_from_indices."""
-    from dali_nerf.rays import rays_from_indices
-
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         pixels = torch.from_numpy(cache.pixels)
@@ -124,10 +129,6 @@ def _free_port() -> int:
 
 
 def _global_worker(rank, scene, cache, B, seconds, port, out):
-    import torch.distributed as dist
-
-    from dali_nerf.sources import SyncGlobalSampler
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -152,8 +153,6 @@ def _global_worker(rank, scene, cache, B, seconds, port, out):
 
 def sync_global_rate(scene, cache, B: int, seconds: float) -> float:
     """Rank 0's delivered global-batch rays/s with 2 gloo ranks (spawned processes)."""
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rate")
         mp.start_processes(_global_worker, args=(scene, cache, B, seconds, _free_port(), out), nprocs=2,
@@ -165,11 +164,6 @@ def decode_rate(fmt: str, n: int = 100, size: int = 800, threads: int = 2, reps:
     """Images/s of decode_cache on ``n`` synthetic ``size``^2 images (jpg RGB q95 | png RGBA):
     the best of ``reps`` timed calls after a warm one. Each call builds its own DALI pipeline
     (~5 ms, included): ``n`` = 100 is a realistic dataset, where that is ~1% of the time."""
-    import cv2
-
-    from dali_nerf.pipelines.decode import decode_cache
-    from dali_nerf.scenes.base import Scene
-
     with tempfile.TemporaryDirectory() as d:
         yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
         paths = []
@@ -195,11 +189,6 @@ def decode_rate(fmt: str, n: int = 100, size: int = 800, threads: int = 2, reps:
 
 
 def main(args) -> int:
-    from dali_nerf.sources import SyncLocalSampler, TorchWorkersSampler
-    from dali_nerf.sources import RayLoader
-    from dali_nerf.pipelines.decode import decode_cache
-    from dali_nerf.scenes import load_scene
-
     try:
         batches = [int(b) for b in str(args.batches).split(",") if b.strip()]
     except ValueError:
@@ -222,9 +211,6 @@ def main(args) -> int:
 
     part = None
     if scene.has_bounds:  # spatial segmentation: a 2x2 grid over the cameras, routed to cell 0
-        from dali_nerf.config import PartitionConfig
-        from dali_nerf.partition import Partition
-
         part = Partition.from_config(PartitionConfig(kind="grid", grid=[2, 2]), scene)
     rows, ss = [], {}
     for B in batches:
@@ -237,8 +223,6 @@ def main(args) -> int:
             with RayLoader(scene, rays_per_batch=B, cache=cache, prefetch=2, rays_per_run=max(262144, B)) as L:
                 r["rays"] = max(r["rays"], measure(L, B, seconds))
             if part is not None:
-                from dali_nerf.sources import SpatialRayLoader
-
                 with SpatialRayLoader(scene, part, 0, rays_per_batch=B, cache=cache, prefetch=2,
                                       rays_per_run=max(262144, B)) as S:
                     best_ss = max(best_ss, measure(S, B, seconds))

@@ -25,28 +25,39 @@ on those it did not see, and ``<bench.out>/<machine>/report.md`` is written with
 
 from __future__ import annotations
 
+import argparse
+import copy
 import dataclasses
 import json
 import math
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+import torch
 import yaml
 
 from ..atomic import atomic_write_text
 from ..config import Config, config_to_dict, load_config
-from ..emulation import EMULATED_LABEL, DeviceLinks
+from ..emulation import EMULATED_LABEL, RAY_FLOATS, DeviceLinks, EmulatedDevice
 from ..errors import ConfigError, DaliNerfError
 from ..hostbudget import host_budget
+from ..models import build_field
+from ..scenegen import make_scene
+from ..scenes import load_scene
+from ..sources import build_source
 from . import costmodel as cm
 from . import emulated as em
+from . import plots
+from . import sampler as sb
 
 __all__ = ["main", "derive", "read_run", "machine_slug", "git_commit", "run_grid", "run_emulated",
            "measure_sampling", "write_report", "observations", "mean_ci", "derive_summary", "fit_and_check", "keeps_up", "PHASE_KEYS",
@@ -68,12 +79,10 @@ def machine_slug() -> str:
     arch = platform.machine() or "unknown"
     gpu = None
     try:
-        import torch
-
         if torch.cuda.is_available():
             name = torch.cuda.get_device_name(0).lower().replace("nvidia", "").strip()
             gpu = f"gpu-{'-'.join(name.split())}-{torch.cuda.device_count()}x"
-    except Exception:  # no torch / driver: a CPU machine
+    except Exception:  # no driver: a CPU machine
         gpu = None
     return f"{gpu or 'cpu'}-{cores}core-{arch}"
 
@@ -386,8 +395,6 @@ def observations(derived: dict, cores: Optional[int] = None, device: Optional[st
 
 
 def _time_source(cfg: Config, scene, batches: int) -> float:
-    from ..sources import build_source
-
     if cfg.pipeline.name == "rays":  # cover several DALI runs, not just pops of one prefetched run
         per_run = -(-cfg.pipeline.rays_per_run // cfg.pipeline.rays_per_batch)
         batches = max(batches, 3 * per_run)
@@ -411,12 +418,6 @@ def measure_sampling(cfg: Config, sizes: Sequence[int], batches: int = 20) -> di
 
     Returns {"sizes", "sync_s" [...], "loader_s" [...], "sync_cores", "loader_cores", "profile"
     (a :class:`~dali_nerf.bench.costmodel.SamplingProfile`, per-core costs)}."""
-    import copy
-
-    import torch
-
-    from ..scenes import load_scene
-
     sc = cfg.scene
     scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
     cores = os.cpu_count() or 1
@@ -533,8 +534,6 @@ def run_emulated(cfg: Config, grad_bytes: int, log=print) -> dict:
                                check_step_ms=b.check_step_ms)
             out = root / f"emu_{m}_{W}"
             if out.exists():
-                import shutil
-
                 shutil.rmtree(out)
             r = em.launch(cfg, m, W, segs, out, budget, links, gb, b.emulated_steps, b.emulated_warmup)
             log(f"emulated {m} x{W}: {len(segs)} segments in {r['wall_s']:.1f} s "
@@ -548,10 +547,6 @@ def run_emulated(cfg: Config, grad_bytes: int, log=print) -> dict:
 
 def _grad_bytes(cfg: Config) -> int:
     """Bytes of the gradients DDP all-reduces (the radiance field's parameters, float32)."""
-    import torch
-
-    from ..models import build_field
-
     aabb = torch.tensor([[-1.5] * 3, [1.5] * 3])
     field = build_field(cfg.model, aabb)
     return int(sum(p.numel() * p.element_size() for p in field.parameters() if p.requires_grad))
@@ -560,14 +555,7 @@ def _grad_bytes(cfg: Config) -> int:
 def _sampler_table(cfg: Config) -> Optional[str]:
     """The ``dali-nerf bench sampler`` table (markdown) on the study's scene, at the study's batch
     size and 65536 (``bench.sampler_seconds`` per measurement; 0 skips it)."""
-    import argparse
-    import tempfile
-
     if cfg.bench.sampler_seconds <= 0:
-        return None
-    try:
-        from . import sampler as sb
-    except ImportError:
         return None
     with tempfile.TemporaryDirectory() as td:
         out = Path(td) / "sampler.md"
@@ -610,8 +598,6 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
                  sampling: Optional[dict] = None, sampler_table: Optional[str] = None,
                  emulation: Optional[dict] = None) -> Path:
     """Write ``report.md``, ``derived.json`` and the PNG plots into ``out_dir``; returns the report path."""
-    from . import plots
-
     out_dir.mkdir(parents=True, exist_ok=True)
     runs, sps = derived["runs"], derived["speedups"]
     cpu = [c for c in runs if c["device"] != "emulated"]
@@ -822,8 +808,6 @@ def _machine_desc() -> str:
                 if line.startswith("model name"):
                     desc += f" ({line.split(':', 1)[1].strip()})"
                     break
-        import torch
-
         if torch.cuda.is_available():
             desc += f", {torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
         else:
@@ -848,8 +832,6 @@ def fit_and_check(derived: dict, b, rays: int, grad_bytes: int, sampling: Option
     step time and host-to-device copy), so predictions take it as given and the model answers for
     the host side: the wait and the sync. Else (CPU rows only) fit and check on the CPU DDP rows,
     in sample, said so. Returns (model, validation rows with "set" fit | check, description)."""
-    from ..emulation import EmulatedDevice, RAY_FLOATS
-
     links = links or DeviceLinks()
     emu_rows = [c for c in derived["runs"] if c["device"] == "emulated" and c["method"] == "ddp"
                 and c["sampler"] in cm.SAMPLERS]
@@ -897,8 +879,6 @@ def main(args) -> int:
     t_start = time.perf_counter()
     load0 = os.getloadavg()[0]
     if not Path(cfg.scene.path).exists():
-        from ..scenegen import make_scene
-
         print(f"generating the study scene ({b.scene_kind}, {b.scene_images} images, {b.scene_resolution} px) into {cfg.scene.path}", flush=True)
         make_scene(b.scene_kind, Path(cfg.scene.path), width=b.scene_resolution, height=b.scene_resolution,
                    n_train=b.scene_images)

@@ -18,15 +18,15 @@ torch.Size([4096, 3])
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
-import torch
 
 from dali_nerf import seeds
 from dali_nerf.errors import ConfigError
-from dali_nerf.partition import ray_cells
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.sources.base import BatchSource, BatchStats
-from dali_nerf.sources.sync import PixelSampler
+from dali_nerf.sources.sync import PixelSampler, WorkerBatches, WorkerLoader, routed_rays
 
 __all__ = ["RoutedTorchWorkers", "routed_batch"]
 
@@ -35,39 +35,10 @@ _STRIDE = 1 << 32
 
 def routed_batch(sampler, partition, cell: int, j: int, n: int, block: int) -> dict:
     """Batch j of ``cell``: the first ``n`` candidates from positions ``j * 2**32 + ...`` that cross it."""
-    parts, got, pos = [], 0, int(j) * _STRIDE
-    while got < n:
-        b = sampler.sample(pos, block)
-        pos += block
-        keep = ray_cells(partition, b["origins"].numpy(), b["directions"].numpy(),
-                         b["near"].numpy()[:, 0], b["far"].numpy()[:, 0])[:, cell]
-        idx = torch.from_numpy(np.nonzero(keep)[0])
-        parts.append({k: v[idx] for k, v in b.items()})
-        got += len(idx)
-    return {k: torch.cat([p[k] for p in parts])[:n] for k in parts[0]}
+    return routed_rays(sampler, partition, cell, int(j) * _STRIDE, n, block)[0]
 
 
-class _RoutedStream(torch.utils.data.IterableDataset):
-    """Worker w of n yields batches j = base + w, base + w + n, ... of the cell."""
-
-    def __init__(self, sampler, partition, cell: int, base: int, B: int, block: int):
-        self.sampler, self.partition, self.cell = sampler, partition, cell
-        self.base, self.B, self.block = base, B, block
-
-    def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        w, n = (0, 1) if info is None else (info.id, info.num_workers)
-        j = self.base + w
-        while True:
-            yield routed_batch(self.sampler, self.partition, self.cell, j, self.B, self.block)
-            j += n
-
-
-def _worker_init(_):
-    torch.set_num_threads(1)
-
-
-class RoutedTorchWorkers(BatchSource):
+class RoutedTorchWorkers(WorkerLoader, BatchSource):
     """Batches of rays crossing ``cell`` from ``workers`` DataLoader processes (0: in-process).
 
     Args:
@@ -100,12 +71,9 @@ class RoutedTorchWorkers(BatchSource):
         self._closed = False
 
     def _start(self):
-        ds = _RoutedStream(self.sampler, self.partition, self.cell, self.batch, self.rays_per_batch,
-                           2 * self.rays_per_batch)
-        kw = {}
-        if self.workers > 0:
-            kw = dict(persistent_workers=True, prefetch_factor=self.prefetch, worker_init_fn=_worker_init)
-        self._it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.workers, **kw))
+        batch = functools.partial(routed_batch, self.sampler, self.partition, self.cell, n=self.rays_per_batch,
+                                  block=2 * self.rays_per_batch)
+        self._start_workers(WorkerBatches(batch, first=self.batch), self.workers, self.prefetch)
 
     def __next__(self) -> dict:
         if self._closed:
@@ -127,13 +95,3 @@ class RoutedTorchWorkers(BatchSource):
                 raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this source has {getattr(self, k)!r}")
         self._shutdown()
         self.batch = int(state["batch"])
-
-    def _shutdown(self):
-        it, self._it = self._it, None
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._shutdown()

@@ -29,6 +29,7 @@ torch.Size([4096, 3])
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -45,7 +46,7 @@ from dali_nerf.seeds import block_seed, perm_seed, routed_stream
 from dali_nerf.sources.base import BatchSource, BatchStats, check_common, resolve_device, scene_from_config
 
 __all__ = ["SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "PixelSampler", "RoutedSyncLocal",
-           "RoutedSyncGlobal", "scatter_batches", "collective_device"]
+           "RoutedSyncGlobal", "scatter_batches", "collective_device", "WorkerBatches", "WorkerLoader", "routed_rays"]
 
 _FLOAT_KEYS = ("origins", "directions", "rgb")
 
@@ -302,18 +303,24 @@ class SyncGlobalSampler(_Source):
         return b
 
 
-class _WorkerStream(torch.utils.data.IterableDataset):
-    """Worker w of n yields the batches of steps w, w + n, w + 2n, ... from ``base`` (whole batches)."""
+# ---------------------------------------------------------------------------------------------
+# DataLoader worker processes (TorchWorkersSampler, sources.routed_workers.RoutedTorchWorkers)
 
-    def __init__(self, sampler: PixelSampler, base: int, B: int):
-        self.sampler, self.base, self.B = sampler, base, B
+
+class WorkerBatches(torch.utils.data.IterableDataset):
+    """Worker w of n yields ``batch(first + w)``, ``batch(first + w + n)``, ... (whole batches), so
+    the DataLoader's round-robin over workers hands them out in batch order. ``batch`` (j -> dict)
+    must pickle (a module-level function or a functools.partial of one)."""
+
+    def __init__(self, batch, first: int = 0):
+        self.batch, self.first = batch, int(first)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         w, n = (0, 1) if info is None else (info.id, info.num_workers)
-        j = w
+        j = self.first + w
         while True:
-            yield self.sampler.sample(self.base + j * self.B, self.B)
+            yield self.batch(j)
             j += n
 
 
@@ -321,7 +328,39 @@ def _worker_init(_):
     torch.set_num_threads(1)
 
 
-class TorchWorkersSampler(_Source):
+class WorkerLoader:
+    """Mixin of the sources whose batches come from DataLoader worker processes: ``_start_workers``
+    starts them, ``_shutdown`` stops them (the next batch starts them again), ``close`` for good.
+    State: ``self._it`` (the DataLoader iterator or None) and ``self._closed``."""
+
+    _it = None
+    _closed = False
+
+    def _start_workers(self, dataset: WorkerBatches, workers: int, prefetch: int, pin_memory: bool = False) -> None:
+        """``workers`` persistent processes (1 torch thread each, ``prefetch`` batches each ahead;
+        0 workers: in-process)."""
+        kw = {}
+        if workers > 0:
+            kw = dict(persistent_workers=True, prefetch_factor=prefetch, worker_init_fn=_worker_init)
+        self._it = iter(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers,
+                                                    pin_memory=pin_memory, **kw))
+
+    def _shutdown(self) -> None:
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._shutdown()
+
+
+def _shard_batch(sampler: PixelSampler, base: int, B: int, j: int) -> dict:
+    return sampler.sample(base + j * B, B)
+
+
+class TorchWorkersSampler(WorkerLoader, _Source):
     """A torch DataLoader with ``workers`` processes, each producing whole batches of this rank's shard.
 
     Batches arrive in step order (DataLoader's round-robin over workers), so the stream equals
@@ -341,7 +380,6 @@ class TorchWorkersSampler(_Source):
         # workers sample on the CPU; batches are pinned and moved to the GPU by the consumer side
         self.sampler = PixelSampler(cache, scene, self.seed, self.rank, mode, "cpu")
         self._it = None
-        self._dl = None
 
     def _epoch_pixels(self) -> int:
         return self.sampler.P
@@ -355,13 +393,8 @@ class TorchWorkersSampler(_Source):
         self.position = int(position)
 
     def _start(self):
-        ds = _WorkerStream(self.sampler, self.position, self.rays_per_batch)
-        kw = {}
-        if self.workers > 0:
-            kw = dict(persistent_workers=True, prefetch_factor=max(1, self.prefetch), worker_init_fn=_worker_init)
-        self._dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.workers,
-                                               pin_memory=self.device == "cuda", **kw)
-        self._it = iter(self._dl)
+        ds = WorkerBatches(functools.partial(_shard_batch, self.sampler, self.position, self.rays_per_batch))
+        self._start_workers(ds, self.workers, max(1, self.prefetch), pin_memory=self.device == "cuda")
 
     def __next__(self) -> dict:
         if self._closed:
@@ -376,20 +409,25 @@ class TorchWorkersSampler(_Source):
         self._stats.stop(t, self.rays_per_batch)
         return b
 
-    def _shutdown(self):
-        it, self._it = self._it, None
-        self._dl = None
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._shutdown()
-
 
 # ---------------------------------------------------------------------------------------------
 # routed baselines (spatial segmentation)
+
+
+def routed_rays(sampler: PixelSampler, partition, cell: int, position: int, n: int, block: int):
+    """(batch of the first ``n`` rays of ``sampler``'s stream from ``position`` that cross ``cell``,
+    next position): candidate blocks of ``block`` rays, kept by the numpy exact routing test
+    (:func:`dali_nerf.partition.ray_cells`)."""
+    parts, got, pos = [], 0, position
+    while got < n:
+        b = sampler.sample(pos, block)
+        pos += block
+        keep = ray_cells(partition, b["origins"].numpy(), b["directions"].numpy(),
+                         b["near"].numpy()[:, 0], b["far"].numpy()[:, 0])[:, cell]
+        idx = torch.from_numpy(np.nonzero(keep)[0])
+        parts.append({k: v[idx] for k, v in b.items()})
+        got += len(idx)
+    return {k: torch.cat([p[k] for p in parts])[:n] for k in parts[0]}, pos
 
 
 class _RoutedSampler:
@@ -401,17 +439,7 @@ class _RoutedSampler:
 
     def sample(self, position: int, cell: int, n: int):
         """(batch of n rays of ``cell``, next position)."""
-        parts, got, pos = [], 0, position
-        while got < n:
-            b = self.sampler.sample(pos, self.block)
-            pos += self.block
-            keep = ray_cells(self.partition, b["origins"].numpy(), b["directions"].numpy(),
-                             b["near"].numpy()[:, 0], b["far"].numpy()[:, 0])[:, cell]
-            idx = torch.from_numpy(np.nonzero(keep)[0])
-            parts.append({k: v[idx] for k, v in b.items()})
-            got += len(idx)
-        out = {k: torch.cat([p[k] for p in parts])[:n] for k in parts[0]}
-        return out, pos
+        return routed_rays(self.sampler, self.partition, cell, position, n, self.block)
 
 
 class RoutedSyncLocal(BatchSource):
