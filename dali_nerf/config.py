@@ -96,11 +96,13 @@ class PipelineConfig:
     """Base seed; the stream is a function of (seed, rank, world size, step)."""
     prefetch: int = 2
     """Batches of rays sampled ahead of the consumer (0 = synchronous)."""
-    rays_per_run: int = 262144
+    rays_per_run: int = 0
     """Rays sampled per DALI pipeline run (amortises the fixed per-run cost); rounded up to a
-    multiple of rays_per_batch."""
-    num_threads: int = 2
-    """DALI CPU threads per rank."""
+    multiple of rays_per_batch. 0 = this host's budget: 65536 per sampler thread, at most 262144
+    (dali_nerf/hostbudget.py)."""
+    num_threads: int = 0
+    """Sampler threads per rank (DALI CPU threads; decode threads). 0 = this host's budget: the
+    usable cores per local rank (LOCAL_WORLD_SIZE) minus one, 1 to 4 (dali_nerf/hostbudget.py)."""
     workers: int = 2
     """Worker processes for the torch_workers baseline."""
 
@@ -108,8 +110,8 @@ class PipelineConfig:
         _choice(f"{key}.name", self.name, ("rays", "sync_global", "sync_local", "torch_workers"))
         _choice(f"{key}.mode", self.mode, ("random", "epoch"))
         _positive(f"{key}.rays_per_batch", self.rays_per_batch)
-        _positive(f"{key}.rays_per_run", self.rays_per_run)
-        _positive(f"{key}.num_threads", self.num_threads)
+        _nonneg(f"{key}.rays_per_run", self.rays_per_run)
+        _nonneg(f"{key}.num_threads", self.num_threads)
         _nonneg(f"{key}.prefetch", self.prefetch)
         _nonneg(f"{key}.workers", self.workers)
         _nonneg(f"{key}.seed", self.seed)

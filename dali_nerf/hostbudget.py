@@ -27,7 +27,7 @@ from typing import Optional
 
 from .errors import ConfigError
 
-__all__ = ["HostBudget", "host_budget", "usable_cores", "local_world_size", "RAYS_PER_THREAD"]
+__all__ = ["HostBudget", "host_budget", "loader_budget", "usable_cores", "local_world_size", "RAYS_PER_THREAD"]
 
 RAYS_PER_THREAD = 65536
 """Rays per DALI run per sampler thread (the run size measured best with 1 thread, 16 ranks on 2 cores)."""
@@ -89,3 +89,14 @@ def host_budget(rays_per_batch: int, local_ranks: Optional[int] = None, cores: O
     run = max(B, min(int(max_run), RAYS_PER_THREAD * threads))
     run = -(-run // B) * B
     return HostBudget(c, n, per, threads, run)
+
+
+def loader_budget(rays_per_batch: int, num_threads: Optional[int] = None,
+                  rays_per_run: Optional[int] = None) -> tuple:
+    """(threads, rays_per_run) for a loader: the given values where set (> 0), else this host's
+    :func:`host_budget` (the loaders' and ``pipeline.num_threads`` / ``pipeline.rays_per_run``
+    default: 0 or None = auto)."""
+    if num_threads and rays_per_run:
+        return int(num_threads), int(rays_per_run)
+    b = host_budget(rays_per_batch)
+    return int(num_threads or b.threads), int(rays_per_run or b.rays_per_run)

@@ -196,3 +196,22 @@ def test_build_source_from_config(scene, name):
         assert {"steps", "wait_s", "stall_fraction", "rays_per_s", "elapsed_s"} <= set(src.stats())
     finally:
         src.close()
+
+
+def test_defaults_follow_the_host_budget(scene, cache, monkeypatch):
+    """RayLoader's num_threads / rays_per_run default to this host's budget per local rank
+    (hostbudget.host_budget); explicit values win; the stream does not depend on them."""
+    from dali_nerf.hostbudget import host_budget, loader_budget
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # many co-located ranks: 1 thread, 65536 rays per run
+    b = host_budget(64)
+    assert loader_budget(64) == (b.threads, b.rays_per_run) == (1, 65536)
+    assert loader_budget(64, 3, 1024) == (3, 1024)
+    with RayLoader(scene, rays_per_batch=64, cache=cache) as auto, \
+            RayLoader(scene, rays_per_batch=64, cache=cache, num_threads=2, rays_per_run=256) as fixed:
+        assert (auto.num_threads, auto.rays_per_run) == (1, 65536)
+        assert (fixed.num_threads, fixed.rays_per_run) == (2, 256)
+        for a, f in zip(_take(auto, 6), _take(fixed, 6)):
+            assert torch.equal(a["indices"], f["indices"]) and torch.equal(a["origins"], f["origins"])
+    with pytest.raises(ConfigError, match="num_threads"):
+        RayLoader(scene, rays_per_batch=64, cache=cache, num_threads=-1)

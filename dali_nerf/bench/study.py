@@ -49,7 +49,7 @@ from ..atomic import atomic_write_text
 from ..config import Config, config_to_dict, load_config
 from ..emulation import EMULATED_LABEL, RAY_FLOATS, DeviceLinks, EmulatedDevice
 from ..errors import ConfigError, DaliNerfError
-from ..hostbudget import host_budget
+from ..hostbudget import host_budget, loader_budget
 from ..models import build_field
 from ..scenegen import make_scene
 from ..scenes import load_scene
@@ -396,7 +396,8 @@ def observations(derived: dict, cores: Optional[int] = None, device: Optional[st
 
 def _time_source(cfg: Config, scene, batches: int) -> float:
     if cfg.pipeline.name == "rays":  # cover several DALI runs, not just pops of one prefetched run
-        per_run = -(-cfg.pipeline.rays_per_run // cfg.pipeline.rays_per_batch)
+        per_run = -(-loader_budget(cfg.pipeline.rays_per_batch, cfg.pipeline.num_threads,
+                                   cfg.pipeline.rays_per_run)[1] // cfg.pipeline.rays_per_batch)
         batches = max(batches, 3 * per_run)
     src = build_source(cfg, scene, 0, 1)
     try:
@@ -432,7 +433,8 @@ def measure_sampling(cfg: Config, sizes: Sequence[int], batches: int = 20) -> di
         c.pipeline.name = "rays"
         out["loader_s"].append(_time_source(c, scene, batches))
     sync_cores = threads
-    loader_cores = min(cfg.pipeline.num_threads, cores)
+    loader_cores = min(loader_budget(cfg.pipeline.rays_per_batch, cfg.pipeline.num_threads,
+                                     cfg.pipeline.rays_per_run)[0], cores)
     s0, ks = cm.fit_linear(sizes, out["sync_s"])
     p0, kp = cm.fit_linear(sizes, out["loader_s"])
     out["sync_cores"], out["loader_cores"] = sync_cores, loader_cores
@@ -920,7 +922,7 @@ def main(args) -> int:
     machine = machine_slug()
     cmd = "dali-nerf bench study --config " + shlex.quote(str(config_path)) + "".join(" " + shlex.quote(o) for o in overrides)
     cpu_threads = cfg.train.torch_threads or "cores / ranks"
-    budgets = (f"CPU rows: {cfg.pipeline.num_threads} sampler thread(s) per rank (DALI threads for rays, "
+    budgets = (f"CPU rows: {cfg.pipeline.num_threads or 'host-budget'} sampler thread(s) per rank (DALI threads for rays, "
                f"{cfg.pipeline.workers} worker process(es) for torch_workers, the training thread for sync_*) beside "
                f"{cpu_threads} torch thread(s) for compute")
     if emulation:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from dali_nerf.errors import ConfigError
+from dali_nerf.hostbudget import loader_budget
 from dali_nerf.pipelines.decode import decode_cache, shard_range, shard_sizes
 from dali_nerf.pipelines.rays import ray_pipeline
 from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, check_cache_device, check_common, check_positive,
@@ -62,8 +63,10 @@ class RayLoader(BatchSource):
         seed: stream key; mode: "random" (iid) | "epoch" (each pixel once per epoch).
         prefetch: DALI runs computed ahead of the consumer (0 = synchronous).
         device: "cpu" | "cuda" (nvJPEG decode, GPU op, CUDA tensors) | "auto".
-        num_threads: DALI CPU threads.
-        rays_per_run: rays per DALI run, rounded up to a multiple of B (K = ceil(rays_per_run / B)).
+        num_threads: DALI CPU threads (None/0: this host's budget per local rank,
+            :func:`dali_nerf.hostbudget.host_budget`: cores per rank - 1, 1..4).
+        rays_per_run: rays per DALI run, rounded up to a multiple of B (K = ceil(rays_per_run / B));
+            None/0: 65536 per thread, at most 262144 (the host budget).
         cache: a pre-decoded :class:`~dali_nerf.pipelines.decode.ImageCache` of this shard.
         output_map: batch keys to return (near/far dropped when the scene has no bounds).
         max_bytes: decoded-image budget per rank (None = unlimited); a shard whose decoded pixels
@@ -79,12 +82,13 @@ class RayLoader(BatchSource):
     """
 
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 prefetch: int = 2, mode: str = "random", device: str = "cpu", num_threads: int = 2,
-                 rays_per_run: int = 262144, cache=None,
+                 prefetch: int = 2, mode: str = "random", device: str = "cpu", num_threads: Optional[int] = None,
+                 rays_per_run: Optional[int] = None, cache=None,
                  output_map: Sequence[str] = ("origins", "directions", "rgb", "indices", "near", "far"),
                  max_bytes: Optional[int] = None, decode_batch: int = 8, window_images: int = 0,
                  rays_per_window: int = 0):
         check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode)
+        num_threads, rays_per_run = loader_budget(rays_per_batch, num_threads, rays_per_run)
         check_positive("rays_per_run", rays_per_run)
         check_positive("num_threads", num_threads)
         for k in output_map:

@@ -20,6 +20,7 @@ the same cache (all images of the split), decoded once here.
 from __future__ import annotations
 
 from dali_nerf.errors import ConfigError
+from dali_nerf.hostbudget import loader_budget
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.sources.base import resolve_device
 from dali_nerf.sources.rays import RayLoader
@@ -68,11 +69,12 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
         raise ConfigError(f"pipeline.name={p.name}: method ss supports {', '.join(SS_SOURCES)}")
     if p.name != "rays" and p.mode != "random":
         raise ConfigError(f"pipeline.mode={p.mode}: the SS baselines sample iid rays only; use pipeline.mode=random")
+    threads = loader_budget(p.rays_per_batch, p.num_threads, p.rays_per_run)[0]
     if cache is None:
         # the op's graph samples the cache where it runs (CUDA pixels for a CUDA run, nvJPEG);
         # the routed baselines sample and route on the host
         device = resolve_device(cfg.train.device) if p.name == "rays" else "cpu"
-        cache = decode_cache(scene, 0, 1, device=device, num_threads=p.num_threads, batch=cfg.cache.decode_batch)
+        cache = decode_cache(scene, 0, 1, device=device, num_threads=threads, batch=cfg.cache.decode_batch)
     out = []
     for slot, cell in enumerate(cells[rank]):
         if p.name == "rays":
@@ -82,12 +84,12 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
                                    decode_batch=cfg.cache.decode_batch)
         elif p.name == "torch_workers":
             src = RoutedTorchWorkers(scene, partition, cell, p.rays_per_batch, p.seed, prefetch=p.prefetch,
-                                     cache=cache, workers=p.workers, num_threads=p.num_threads)
+                                     cache=cache, workers=p.workers, num_threads=threads)
         elif p.name == "sync_local":
             src = RoutedSyncLocal(scene, partition, cell, p.rays_per_batch, p.seed, cache=cache,
-                                  num_threads=p.num_threads)
+                                  num_threads=threads)
         else:
             src = RoutedSyncGlobal(scene, partition, cells, rank, slot, p.rays_per_batch, p.seed, cache=cache,
-                                   num_threads=p.num_threads)
+                                   num_threads=threads)
         out.append(src)
     return out

@@ -22,10 +22,12 @@ torch.Size([4096, 3])
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 from dali_nerf.errors import ConfigError
+from dali_nerf.hostbudget import loader_budget
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline
 from dali_nerf.sources.base import BatchSource, BatchStats, check_cache_device, resolve_device, run_graph
@@ -47,8 +49,8 @@ class SpatialRayLoader(BatchSource):
     """
 
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, prefetch: int = 2,
-                 mode: str = "random", device: str = "cpu", num_threads: int = 2, rays_per_run: int = 262144,
-                 cache=None, decode_batch: int = 8):
+                 mode: str = "random", device: str = "cpu", num_threads: Optional[int] = None,
+                 rays_per_run: Optional[int] = None, cache=None, decode_batch: int = 8):
         if not 0 <= cell < partition.num_cells:
             raise ConfigError(f"cell={cell}: partition has {partition.num_cells} cells")
         if not scene.has_bounds:
@@ -57,6 +59,7 @@ class SpatialRayLoader(BatchSource):
         self.rays_per_batch, self.seed, self.mode = int(rays_per_batch), int(seed), mode
         self.prefetch = int(prefetch)
         self.device = resolve_device(device)
+        num_threads, rays_per_run = loader_budget(self.rays_per_batch, num_threads, rays_per_run)
         self.num_threads = int(num_threads)
         self.steps_per_run = max(1, math.ceil(int(rays_per_run) / self.rays_per_batch))
         self.rays_per_run = self.steps_per_run * self.rays_per_batch

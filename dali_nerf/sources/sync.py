@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dali_nerf.errors import ConfigError
+from dali_nerf.hostbudget import loader_budget
 from dali_nerf.partition import ray_cells
 from dali_nerf.pipelines.decode import decode_cache, shard_sizes
 from dali_nerf.rays import rays_from_indices
@@ -216,7 +217,8 @@ class _Source(BatchSource):
             scene = scene_from_config(cfg)
         p = cfg.pipeline
         kw = dict(rays_per_batch=p.rays_per_batch, rank=rank, world_size=world_size, seed=p.seed,
-                  prefetch=p.prefetch, mode=p.mode, device=cfg.train.device, num_threads=p.num_threads)
+                  prefetch=p.prefetch, mode=p.mode, device=cfg.train.device,
+                  num_threads=loader_budget(p.rays_per_batch, p.num_threads, p.rays_per_run)[0])
         if cls is TorchWorkersSampler:
             kw["workers"] = p.workers
         return cls(scene, **kw)
