@@ -1,0 +1,74 @@
+"""TensorBoard event files: written by TBWriter, read back with tensorboard's own EventAccumulator."""
+
+import numpy as np
+import pytest
+
+from dali_nerf import tblog
+from dali_nerf.errors import ConfigError
+from dali_nerf.tblog import TBWriter, resolve_mode, step_scalars
+
+event_accumulator = pytest.importorskip(
+    "tensorboard.backend.event_processing.event_accumulator",
+    reason="tensorboard not installed (pip install -e '.[tensorboard]'); TBWriter is off without it")
+
+
+def _read(log_dir):
+    acc = event_accumulator.EventAccumulator(str(log_dir), size_guidance={event_accumulator.SCALARS: 0,
+                                                                          event_accumulator.IMAGES: 0})
+    acc.Reload()
+    return acc
+
+
+def test_scalars_and_images_read_back(tmp_path):
+    run = tmp_path / "run"
+    tb = TBWriter(run, mode="auto")
+    assert tb.enabled and not run.exists()  # nothing written before the first event
+    recs = [{"step": s, "loss": 1.0 / s, "psnr": 10.0 * s, "rays": 64, "wait_s": 0.01 * s, "h2d_s": 0.0,
+             "forward_s": 0.1, "backward_s": 0.2, "sync_s": 0.0, "optimizer_s": 0.05, "step_s": 0.4} for s in range(1, 6)]
+    for r in recs:
+        tb.scalars(r["step"], step_scalars(r, stall_fraction=r["wait_s"] / r["step_s"], rays_per_s=64 / r["step_s"]))
+    img = np.zeros((6, 8, 3), np.uint8)
+    img[:, :4, 0] = 255
+    tb.image(5, "test/0", img)
+    tb.image(5, "test/1", np.full((6, 8, 3), 0.5, np.float32))
+    tb.close()
+    acc = _read(run / "tensorboard")
+    tags = acc.Tags()
+    for t in ("train/loss", "train/psnr", "loader/stall_fraction", "loader/rays_per_s", "phase/wait_s",
+              "phase/forward_s", "phase/backward_s", "phase/sync_s", "phase/optimizer_s", "phase/step_s"):
+        assert t in tags["scalars"], t
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3, 4, 5]
+    assert np.allclose([e.value for e in loss], [1.0 / s for s in range(1, 6)])
+    assert np.allclose([e.value for e in acc.Scalars("phase/wait_s")], [0.01 * s for s in range(1, 6)])
+    assert set(tags["images"]) == {"test/0", "test/1"}
+    im = acc.Images("test/0")[0]
+    assert (im.step, im.width, im.height) == (5, 8, 6)
+
+
+def test_resume_purges_events_after_the_checkpoint(tmp_path):
+    tb = TBWriter(tmp_path, mode="always")
+    for s in range(1, 9):
+        tb.scalars(s, {"train/loss": float(s)})
+    tb.close()
+    tb = TBWriter(tmp_path, mode="always", purge_step=5)  # resumed from the step-4 checkpoint
+    for s in range(5, 7):
+        tb.scalars(s, {"train/loss": 100.0 + s})
+    tb.close()
+    ev = _read(tmp_path / "tensorboard").Scalars("train/loss")
+    assert [(e.step, e.value) for e in ev] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0), (6, 106.0)]
+
+
+def test_modes(tmp_path, monkeypatch):
+    assert resolve_mode("auto") and resolve_mode("always") and not resolve_mode("never")
+    tb = TBWriter(tmp_path, mode="never")
+    tb.scalars(1, {"train/loss": 1.0})
+    tb.close()
+    assert not (tmp_path / "tensorboard").exists()
+    with pytest.raises(ConfigError, match=r"train.tensorboard: must be one of auto, always, never, got True"):
+        resolve_mode(True)
+    # without the package: auto is off, always names the fix
+    monkeypatch.setattr(tblog, "tensorboard_available", lambda: False)
+    assert not TBWriter(tmp_path, mode="auto").enabled
+    with pytest.raises(ConfigError, match=r"train.tensorboard: 'always' needs the tensorboard package; pip install"):
+        TBWriter(tmp_path, mode="always")
