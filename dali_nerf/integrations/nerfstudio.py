@@ -26,7 +26,7 @@ returns what :class:`~nerfstudio.data.datamanagers.base_datamanager.VanillaDataM
   contract of nerfstudio's pixel samplers and ``RayGenerator``.
 
 Equality with nerfstudio's own ``RayGenerator`` applied to the same indices of the same images is
-tested (``tests/nerfstudio/test_datamanager.py``). Cameras that are not plain pinholes (distortion
+tested (``tests/nerfstudio_extra/test_datamanager.py``). Cameras that are not plain pinholes (distortion
 parameters, fisheye, equirectangular) or whose rotations are not orthonormal keep our sampling and
 colours but take their rays from nerfstudio's ``RayGenerator`` for the sampled indices.
 
@@ -54,6 +54,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Literal, Optional, Tuple, Type
 
+try:
+    import nerfstudio  # noqa: F401  (first, so that a missing extra is named as such)
+except ModuleNotFoundError as e:
+    raise ModuleNotFoundError("dali_nerf.integrations.nerfstudio needs nerfstudio: pip install -e '.[nerfstudio]' "
+                              "(its own environment; see constraints/nerfstudio.txt)", name="nerfstudio") from e
 import numpy as np
 import torch
 import torch.distributed as dist
