@@ -1,10 +1,18 @@
 """TensorBoard event files: written by TBWriter, read back with tensorboard's own EventAccumulator."""
 
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from dali_nerf import tblog
+from dali_nerf.config import TrainConfig
 from dali_nerf.errors import ConfigError
+from dali_nerf.scenegen import make_scene
 from dali_nerf.tblog import TBWriter, resolve_mode, step_scalars
 
 event_accumulator = pytest.importorskip(
@@ -72,3 +80,29 @@ def test_modes(tmp_path, monkeypatch):
     assert not TBWriter(tmp_path, mode="auto").enabled
     with pytest.raises(ConfigError, match=r"train.tensorboard: 'always' needs the tensorboard package; pip install"):
         TBWriter(tmp_path, mode="always")
+
+
+WIRED = any(f.name == "tensorboard" for f in dataclasses.fields(TrainConfig))
+
+
+@pytest.mark.skipif(not WIRED, reason="train.tensorboard not wired into dali_nerf/training.py yet (issue 19: the lead adds it)")
+def test_trainer_run_writes_tensorboard_events(tmp_path):
+    """A real 1-rank DDP trainer run: its event file holds every step's scalars and the eval images."""
+
+    repo = Path(__file__).resolve().parent.parent
+    scene = make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=4, n_val=1, n_test=1, seed=2)
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "dali_nerf.trainers.ddp", "--config", "configs/ddp_objects.yaml", f"scene.path={scene}",
+           f"train.runs_dir={runs}", "name=tb", "train.steps=6", "train.log_every=3", "train.checkpoint_every=0",
+           "train.eval_images=1", "pipeline.rays_per_batch=256", "pipeline.rays_per_run=1024", "model.resolution=16",
+           "model.samples_per_ray=16", "model.hidden=16", "train.tensorboard=always"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=repo)
+    assert r.returncode == 0, r.stderr[-4000:]
+    acc = _read(runs / "tb" / "tensorboard")
+    loss = acc.Scalars("train/loss")
+    want = [json.loads(l)["loss"] for l in (runs / "tb" / "metrics.jsonl").read_text().splitlines()]
+    assert [e.step for e in loss] == list(range(1, 7))
+    assert np.allclose([e.value for e in loss], want, rtol=1e-6)
+    for t in ("train/psnr", "loader/stall_fraction", "loader/rays_per_s", "phase/wait_s", "phase/forward_s"):
+        assert len(acc.Scalars(t)) == 6, t
+    assert acc.Tags()["images"], "no eval image in the event file"

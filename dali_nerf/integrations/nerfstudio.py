@@ -257,11 +257,14 @@ class DaliDataManager(VanillaDataManager):
 
 
 class _LpipsOff(torch.nn.Module):
-    """Stands in for torchmetrics' LPIPS while nerfacto's set-up runs, so no AlexNet download
-    happens; replaced by None right after (and the ``lpips`` metric is not reported)."""
+    """Takes the place of torchmetrics' LPIPS when ``lpips`` is off: built without downloading
+    anything; its NaN is dropped from the eval metrics by DaliNerfactoModel."""
 
     def __init__(self, *args, **kwargs):
         super().__init__()
+
+    def forward(self, gt, pred):
+        return torch.tensor(float("nan"))
 
 
 @dataclass
@@ -285,24 +288,18 @@ class DaliNerfactoModel(NerfactoModel):
             super().populate_modules()
             return
         real = tm_lpip.LearnedPerceptualImagePatchSimilarity
-        tm_lpip.LearnedPerceptualImagePatchSimilarity = _LpipsOff
+        tm_lpip.LearnedPerceptualImagePatchSimilarity = _LpipsOff  # nerfacto builds self.lpips from this name
         try:
             super().populate_modules()
         finally:
             tm_lpip.LearnedPerceptualImagePatchSimilarity = real
-        self.lpips = None
         CONSOLE.print("dali-nerfacto: LPIPS metric disabled (its AlexNet weights download from the internet); "
                       "enable with --pipeline.model.lpips True")
 
     def get_image_metrics_and_images(self, outputs, batch):
-        if self.lpips is not None:
-            return super().get_image_metrics_and_images(outputs, batch)
-        self.lpips = lambda a, b: torch.tensor(float("nan"))  # the parent calls it once; dropped below
-        try:
-            metrics, images = super().get_image_metrics_and_images(outputs, batch)
-        finally:
-            self.lpips = None
-        metrics.pop("lpips", None)
+        metrics, images = super().get_image_metrics_and_images(outputs, batch)
+        if not self.config.lpips:
+            metrics.pop("lpips", None)
         return metrics, images
 
 
