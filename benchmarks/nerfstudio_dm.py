@@ -1,8 +1,9 @@
 """nerfstudio 1.1.x datamanagers vs ours: rays/s of ``next_train`` and nerfacto iterations/s.
 
-    python benchmarks/nerfstudio.py [--scene DIR] [--res 200] [--images 40] [--rays 4096 65536]
+    python benchmarks/nerfstudio_dm.py [--scene DIR] [--res 200] [--images 40] [--rays 4096 65536]
         [--steps 30] [--rounds 3] [--train-steps 3] [--train-rounds 2] [--small-model] [--out FILE]
 
+(Not ``benchmarks/nerfstudio.py``: run as a script, that name would shadow the nerfstudio package.)
 Needs the [nerfstudio] extra's environment (bash scripts/test_nerfstudio.sh builds it). Without
 ``--scene`` it writes a generated Blender scene (``objects``, ``--images`` PNGs of ``--res`` pixels)
 to a temp folder; ``--scene`` takes any Blender-format scene (e.g. a real NeRF-synthetic one).
