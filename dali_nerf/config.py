@@ -185,6 +185,9 @@ class TrainConfig:
     stop_after: int = 0
     """Stop this run after this step (0 = run to train.steps), checkpointing there; continue later
     with --resume (e.g. to fit a cluster job's time limit). The schedule still spans train.steps."""
+    tensorboard: str = "auto"
+    """TensorBoard event files in runs/<name>/tensorboard/ (rank 0): auto = when the tensorboard
+    package is installed | always (an error without it) | never."""
 
     def validate(self, key: str):
         _positive(f"{key}.steps", self.steps)
@@ -194,6 +197,7 @@ class TrainConfig:
         for k in ("eval_every", "checkpoint_every", "eval_images", "torch_threads", "stop_after"):
             _nonneg(f"{key}.{k}", getattr(self, k))
         _choice(f"{key}.device", self.device, ("auto", "cpu", "cuda"))
+        _choice(f"{key}.tensorboard", self.tensorboard, ("auto", "always", "never"))
 
 
 @dataclass

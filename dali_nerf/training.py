@@ -52,6 +52,7 @@ from .checkpoint import (atomic_write_bytes, atomic_write_text, commit_checkpoin
                          load_rank_state, save_rank_state)
 from .cli import run_cli
 from .config import Config, config_to_dict, load_config
+from .tblog import TBWriter, step_scalars
 from .errors import ConfigError, DaliNerfError
 from .models import psnr as psnr_fn, render_image, render_rays, ssim as ssim_fn
 from .pipelines.decode import decode_cache
@@ -659,6 +660,8 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
     checkpoints and evaluations, the final checkpoint. Closes the tasks' sources."""
     metrics_name = "metrics.jsonl" if env.rank == 0 else f"metrics.rank{env.rank}.jsonl"
     writer = _MetricsWriter(cfg.run_dir / metrics_name, start_step)
+    tb = TBWriter(cfg.run_dir, cfg.train.tensorboard if env.rank == 0 else "never",
+                  purge_step=start_step + 1 if start_step else None)
     bar = _progress_bar(cfg, method, env, start_step)
     periodic_eval = _PeriodicEval(cfg, method, env, tasks, eval_scene)
     bg = torch.as_tensor(np.array(scene.background), device=env.device)
@@ -697,6 +700,10 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
             totals["step"] += step_s
             rays_total += nrays
             last = rec
+            # the steady stall (after the run's first step) and the warm-up apart, as the bar shows them
+            tb.scalars(step, step_scalars(rec, stall_fraction=_steady_stall(totals, first_step_wait, step - start_step),
+                                          rays_per_s=rays_total * env.world_size / max(totals["step"], 1e-9))
+                       | {"loader/warmup_s": first_step_wait[0]})
             if bar is not None:
                 bar.update(1)
                 if step % cfg.train.log_every == 0 or step == cfg.train.steps:
@@ -704,6 +711,7 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
                                     Mrays=f"{rays_total / max(totals['step'], 1e-9) / 1e6 * env.world_size:.2f}")
             if step % cfg.train.log_every == 0:
                 writer.flush()
+                tb.flush()
                 if bar is None and env.rank == 0:
                     print(f"step {step}/{cfg.train.steps} loss {loss_v:.5f} psnr {rec['psnr']:.2f}", flush=True)
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step != end_step:
@@ -720,6 +728,7 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
             _save_checkpoint(cfg.run_dir, end_step, tasks, env, cfg)
     finally:
         writer.close()
+        tb.close()
         if bar is not None:
             bar.close()
         source_stats = [t.source.stats() if hasattr(t.source, "stats") else {} for t in tasks]
@@ -740,6 +749,10 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
     field.eval()
     pairs, p, s, seconds = evaluate_field(field, occupancy, eval_scene, cfg, env.device, cfg.train.eval_images)
     renders = write_renders(pairs, cfg.run_dir / "renders", prefix=sc.eval_split)
+    with TBWriter(cfg.run_dir, cfg.train.tensorboard) as tb:
+        for i, (pred, gt) in enumerate(pairs):
+            tb.image(r.end_step, f"{sc.eval_split}/{i}", torch.cat([pred, gt], 1))  # prediction | ground truth
+        tb.scalars(r.end_step, {f"eval/{sc.eval_split}_psnr": p, f"eval/{sc.eval_split}_ssim": s})
     if cfg.train.eval_every:
         _append_metrics_row(cfg.run_dir / "metrics.jsonl",
                             {"step": r.end_step, "eval_psnr": p, "eval_ssim": s, "eval_render_s": seconds})

@@ -103,6 +103,8 @@ def test_trainer_run_writes_tensorboard_events(tmp_path):
     want = [json.loads(l)["loss"] for l in (runs / "tb" / "metrics.jsonl").read_text().splitlines()]
     assert [e.step for e in loss] == list(range(1, 7))
     assert np.allclose([e.value for e in loss], want, rtol=1e-6)
-    for t in ("train/psnr", "loader/stall_fraction", "loader/rays_per_s", "phase/wait_s", "phase/forward_s"):
+    for t in ("train/psnr", "loader/rays_per_s", "loader/warmup_s", "phase/wait_s", "phase/forward_s"):
         assert len(acc.Scalars(t)) == 6, t
+    # the steady stall (issue 18) is defined from the run's second step on: the first step's wait is the warm-up
+    assert [e.step for e in acc.Scalars("loader/stall_fraction")] == list(range(2, 7))
     assert acc.Tags()["images"], "no eval image in the event file"
