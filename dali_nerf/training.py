@@ -9,7 +9,7 @@ loop times every step by phase and writes ``runs/<name>/``:
   ``step, loss, psnr, rays, wait_s, h2d_s, forward_s, backward_s, sync_s, optimizer_s, step_s``;
   with ``train.eval_every`` = N > 0 also a row ``step, eval_psnr, eval_ssim, eval_render_s`` every
   N steps and at the last step (held-out PSNR curve; its time is outside every phase);
-* ``summary.json``     test PSNR/SSIM, stall fraction, rays/s, per-phase totals, wall time, and
+* ``summary.json``     test PSNR/SSIM (and ``mean_color_psnr``, the floor), stall fraction, rays/s, per-phase totals, wall time, and
   method specifics (SS: fusion overhead);
 * ``checkpoints/``     atomic per-rank checkpoints (:mod:`dali_nerf.checkpoint`);
 * ``renders/*.png``    held-out views, prediction beside ground truth.
