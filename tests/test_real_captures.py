@@ -186,8 +186,14 @@ def test_forward_scene_learns_in_ndc(scenes, tmp_path):
     floor = ndc["mean_color_psnr"]
     assert ndc["test_psnr"] > floor + 3.0, (ndc["test_psnr"], floor)
     # the space and the learned background travel in the checkpoint; render rebuilds the same PSNR
-    st = load_rank_state(latest_checkpoint(tmp_path / "ndc" / "checkpoints"), 0)["tasks"]["ddp"]
+    folder = latest_checkpoint(tmp_path / "ndc" / "checkpoints")
+    st = load_rank_state(folder, 0)["tasks"]["ddp"]
     assert st["space"]["kind"] == "ndc" and "background_logit" in st["field"]
+    # the learned background is all-reduced (equal on both ranks) and optimised (moved from white)
+    st1 = load_rank_state(folder, 1)["tasks"]["ddp"]
+    assert torch.equal(st["field"]["background_logit"], st1["field"]["background_logit"])
+    white = torch.full((3,), 0.999)
+    assert (st["field"]["background_logit"] - (torch.log(white) - torch.log1p(-white))).abs().max() > 1e-2
     cfg, field, occ, _, space = load_run_space(tmp_path / "ndc")
     assert space.kind == "ndc"
     eval_scene = load_scene(scenes / "forward", split="test", format="llff")
@@ -205,3 +211,8 @@ def test_unbounded_scene_learns_contracted_and_less_in_world_space(scenes, tmp_p
     assert con["test_psnr"] > world["test_psnr"] + 3.0, (con["test_psnr"], world["test_psnr"])
     rows = metrics(tmp_path / "contract")
     assert rows[-1]["step"] == 150
+    # random backgrounds: each training ray over its own colour; short run, it learns from the start
+    rnd = _run(tmp_path, "ddp_unbounded.yaml", scenes / "unbounded", "random", 60, "scene.background=random")
+    rows = [r for r in metrics(tmp_path / "random") if "loss" in r]
+    assert np.mean([r["loss"] for r in rows[-10:]]) < 0.95 * np.mean([r["loss"] for r in rows[:10]])
+    assert math.isfinite(rnd["test_psnr"])
