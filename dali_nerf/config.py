@@ -143,9 +143,22 @@ class ModelConfig:
     """First step at which the occupancy grid is updated (all cells occupied before)."""
     occupancy_threshold: float = 0.01
     """A cell is occupied while its decayed max density gives alpha above this over one sample step."""
+    space: str = "auto"
+    """Where the field lives (dali_nerf/models/ray_space.py): world (the scene box from
+    scenes/bounds.py::scene_bounds), ndc (forward-facing: rays in a reference camera's normalised
+    device coordinates, sampled linearly in NDC depth), contract (unbounded: the scene box is kept,
+    everything beyond squeezed into [-2, 2]^3, samples linear in disparity beyond it), or auto: a
+    scene with its own aabb (Blender, generated objects/city) -> world, an LLFF scene -> ndc, any
+    other scene without a box (nerfstudio/COLMAP captures) -> contract."""
+    contract_inner: float = 1.0
+    """space contract: the kept (uncontracted) region is the scene box scaled by this about its
+    centre (for outward-looking captures the scene box holds only the cameras)."""
 
     def validate(self, key: str):
         _choice(f"{key}.kind", self.kind, ("vm",))
+        _choice(f"{key}.space", self.space, ("auto", "world", "ndc", "contract"))
+        if not self.contract_inner > 0:
+            raise ConfigError(f"{key}.contract_inner: must be > 0, got {self.contract_inner}")
         for k in ("resolution", "density_components", "color_components", "hidden", "samples_per_ray",
                   "occupancy_every"):
             _positive(f"{key}.{k}", getattr(self, k))

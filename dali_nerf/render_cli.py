@@ -4,7 +4,9 @@
     dali-nerf render --checkpoint runs/ss_city/checkpoints/step_0002000 --out renders/ --orbit 24
 
 ``--checkpoint`` is a run folder (its ``checkpoints/latest`` is used) or a checkpoint step folder.
-DDP runs render the one model; SS runs the fused sub-models.
+DDP runs render the one model; SS runs the fused sub-models. The field's space (world / NDC /
+contracted, ``model.space``) is read from the checkpoint (``tasks.<name>.space``; checkpoints
+without it are rebuilt from the config), and a learned background is the run's.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from .checkpoint import latest_checkpoint, load_rank_state
 from .config import _build, Config
 from .errors import DaliNerfError
 from .models import build_field, build_occupancy, render_image
+from .models.ray_space import RaySpace
 from .partition import Partition
 from .scenes import load_scene
 from .trainers.spatial import build_fused
-from .training import evaluate_field, scene_aabb, write_renders
+from .training import eval_background, evaluate_field, scene_space, write_renders
 
-__all__ = ["load_run", "orbit_poses", "main"]
+__all__ = ["load_run", "load_run_space", "orbit_poses", "main"]
 
 
 def _resolve(path: Path):
@@ -47,20 +50,24 @@ def _resolve(path: Path):
     return cfg, folder, run_dir
 
 
-def load_run(path, device="cpu"):
-    """(cfg, field, occupancy, scene_train) of a run: DDP's model or SS's fused sub-models."""
+def load_run_space(path, device="cpu"):
+    """(cfg, field, occupancy, scene_train, space) of a run: DDP's model or SS's fused sub-models,
+    and the :class:`RaySpace` they were trained in."""
     cfg, folder, run_dir = _resolve(Path(path))
     sc = cfg.scene
     scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
-    aabb = scene_aabb(scene)
     st0 = load_rank_state(folder, 0)
+    first = next(iter(st0["tasks"].values()))
+    space = RaySpace.from_state(first["space"]) if "space" in first else scene_space(cfg, scene)
+    aabb = space.aabb
     if cfg.method == "ddp":
-        field = build_field(cfg.model, aabb)
-        field.load_state_dict(st0["tasks"]["ddp"]["field"])
+        fst = st0["tasks"]["ddp"]["field"]
+        field = build_field(cfg.model, aabb, fst["background_logit"].sigmoid() if "background_logit" in fst else None)
+        field.load_state_dict(fst)
         occ = build_occupancy(cfg.model, aabb)
         if occ is not None:
             occ.load_state_dict(st0["tasks"]["ddp"]["occupancy"])
-        return cfg, field.to(device).eval(), occ.to(device) if occ is not None else None, scene
+        return cfg, field.to(device).eval(), occ.to(device) if occ is not None else None, scene, space
     partition = Partition.load(run_dir / "partition.json")
     states = {}
     for r in range(int(st0["world_size"])):
@@ -68,7 +75,12 @@ def load_run(path, device="cpu"):
         for name, t in st["tasks"].items():
             states[int(name[4:])] = t
     field, occ = build_fused(cfg, partition, aabb, states, device)
-    return cfg, field, occ, scene
+    return cfg, field, occ, scene, space
+
+
+def load_run(path, device="cpu"):
+    """(cfg, field, occupancy, scene_train) of a run (:func:`load_run_space` without the space)."""
+    return load_run_space(path, device)[:4]
 
 
 def orbit_poses(scene, n: int) -> np.ndarray:
@@ -102,7 +114,7 @@ def orbit_poses(scene, n: int) -> np.ndarray:
 
 def main(args) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg, field, occ, train_scene = load_run(args.checkpoint, device)
+    cfg, field, occ, train_scene, space = load_run_space(args.checkpoint, device)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -115,17 +127,17 @@ def main(args) -> int:
         w, h = int(train_scene.width[0]), int(train_scene.height[0])
         near = float(train_scene.near[0]) if train_scene.near is not None else 0.0
         far = float(train_scene.far[0]) if train_scene.far is not None else 1e3
-        bg = torch.as_tensor(np.array(train_scene.background), device=device)
+        bg = eval_background(field, train_scene, device)
         pairs = []
         for p in poses:
             img = render_image(field, torch.as_tensor(p, device=device), K, w, h, near, far, bg, occupancy=occ,
-                               samples=cfg.model.samples_per_ray).cpu()
+                               samples=cfg.model.samples_per_ray, space=space).cpu()
             pairs.append((img, None))
         names = write_renders(pairs, out, prefix="orbit")
         print(f"wrote {len(names)} orbit views to {out}/")
         return 0
     scene = load_scene(sc.path, split=args.split, format=sc.format, downscale=sc.downscale, background=sc.background)
-    pairs, p, s, secs = evaluate_field(field, occ, scene, cfg, device, args.max_images)
+    pairs, p, s, secs = evaluate_field(field, occ, scene, cfg, device, args.max_images, space=space)
     names = write_renders(pairs, out, prefix=args.split)
     print(json.dumps({"split": args.split, "images": len(names), "psnr": p, "ssim": s, "render_s": secs, "out": str(out)}))
     return 0

@@ -9,7 +9,7 @@ loop times every step by phase and writes ``runs/<name>/``:
   ``step, loss, psnr, rays, wait_s, h2d_s, forward_s, backward_s, sync_s, optimizer_s, step_s``;
   with ``train.eval_every`` = N > 0 also a row ``step, eval_psnr, eval_ssim, eval_render_s`` every
   N steps and at the last step (held-out PSNR curve; its time is outside every phase);
-* ``summary.json``     test PSNR/SSIM, stall fraction, rays/s, per-phase totals, wall time, and
+* ``summary.json``     test PSNR/SSIM (and ``mean_color_psnr``, the floor), stall fraction, rays/s, per-phase totals, wall time, and
   method specifics (SS: fusion overhead);
 * ``checkpoints/``     atomic per-rank checkpoints (:mod:`dali_nerf.checkpoint`);
 * ``renders/*.png``    held-out views, prediction beside ground truth.
@@ -55,15 +55,18 @@ from .config import Config, config_to_dict, load_config
 from .tblog import TBWriter, step_scalars
 from .errors import ConfigError, DaliNerfError
 from .models import psnr as psnr_fn, render_image, render_rays, ssim as ssim_fn
+from .models.ray_space import RaySpace, build_space
 from .pipelines.decode import decode_cache
 from .scenes import load_scene
+from .scenes.bounds import scene_bounds
 from .seeds import process_seed, step_seed
 from .validate import scan_images
 
 __all__ = ["Task", "Method", "DistEnv", "setup_distributed", "train", "trainer_main", "PHASES",
            "evaluate_field", "eval_subset", "write_renders", "scene_aabb", "prepare_run_dir", "load_scenes",
            "read_resume_state", "restore_tasks", "run_steps", "evaluate_and_summarise", "LoopResult",
-           "seed_everything", "step_generator", "PhaseTimer"]
+           "seed_everything", "step_generator", "PhaseTimer", "scene_space", "train_background", "eval_background",
+           "learned_background_init", "mean_color_psnr"]
 
 PHASES = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
 
@@ -118,17 +121,44 @@ def setup_distributed(device_pref: str = "auto", torch_threads: int = 0) -> Dist
 
 
 def scene_aabb(scene) -> torch.Tensor:
-    """(2, 3) float32 box the radiance field covers: the scene's ``aabb`` when it has one, else
-    the box around every camera's optical axis between its near and far bound, else the Blender
-    box [-1.5, 1.5]^3."""
-    if scene.aabb is not None:
-        return torch.tensor(np.array(scene.aabb, np.float32))
-    if scene.has_bounds:
-        pos = np.asarray(scene.c2w[:, :, 3], np.float64)
-        fwd = -np.asarray(scene.c2w[:, :, 2], np.float64)
-        pts = np.concatenate([pos + fwd * np.asarray(scene.near)[:, None], pos + fwd * np.asarray(scene.far)[:, None]])
-        return torch.tensor(np.stack([pts.min(0), pts.max(0)]).astype(np.float32))
-    return torch.tensor([[-1.5] * 3, [1.5] * 3])
+    """(2, 3) float32 world box of the scene (:func:`dali_nerf.scenes.bounds.scene_bounds`): the
+    scene's ``aabb`` when it has one, else the box around every camera's full frustum between near
+    and a robust far, else the camera rule. The field's own box depends on ``model.space``
+    (:func:`scene_space`)."""
+    return torch.tensor(np.asarray(scene_bounds(scene), np.float32))
+
+
+def scene_space(cfg: Config, scene) -> RaySpace:
+    """The field's space for the training split ``scene`` (``model.space``; auto: world for scenes
+    with an aabb, ndc for LLFF, contract otherwise; :mod:`dali_nerf.models.ray_space`). Its
+    ``aabb`` is the box of the field and the occupancy grid."""
+    return build_space(cfg.model.space, scene, np.asarray(scene_aabb(scene), np.float64), cfg.model.contract_inner)
+
+
+def learned_background_init(scene):
+    """(3,) initial learned colour when ``scene.background_mode`` is "learned", else None (pass
+    to ``build_field``)."""
+    return np.array(scene.background, np.float32) if scene.background_mode == "learned" else None
+
+
+def train_background(scene, raw_field, color: torch.Tensor, generator, rays: int, device) -> torch.Tensor:
+    """The background a training batch is composited over (ARCHITECTURE.md, "Backgrounds the
+    trainer supplies"): "color": ``color`` (3,); "random": a fresh uniform colour per ray (B, 3)
+    drawn from the step's ``generator``; "learned": the field's learned colour (3,), with grad."""
+    mode = scene.background_mode
+    if mode == "random":
+        return torch.rand((rays, 3), generator=generator, device=device)
+    if mode == "learned":
+        return raw_field.background()
+    return color
+
+
+def eval_background(field, scene, device) -> torch.Tensor:
+    """(3,) background of evaluation renders: the learned colour when the field learned one (and
+    the scene asks for it), else ``scene.background`` (random's evaluation colour too)."""
+    if scene.background_mode == "learned" and getattr(field, "background_logit", None) is not None:
+        return field.background().detach().to(device)
+    return torch.as_tensor(np.array(scene.background), device=device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,6 +178,7 @@ class Task:
     scheduler: Optional[object] = None
     cell: int = -1
     iterator: object = None
+    space: Optional[RaySpace] = None  # the field's space (None: world, the rays as they are)
 
     def batches(self):
         if self.iterator is None:
@@ -156,9 +187,11 @@ class Task:
 
 
 class Method:
-    """What differs between DDP and SS. Subclasses live in trainers/."""
+    """What differs between DDP and SS. Subclasses live in trainers/. ``space`` is the
+    :class:`RaySpace` its fields live in (set by ``build_tasks``; evaluation uses it)."""
 
     name = "base"
+    space: Optional[RaySpace] = None
 
     def build_tasks(self, cfg: Config, scene, env: DistEnv) -> List[Task]:
         raise NotImplementedError
@@ -312,6 +345,9 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+_WORLD = RaySpace("world", [[0.0] * 3, [0.0] * 3])  # render_args of world space: the rays unchanged
+
+
 def _near_far(batch: dict, scene):
     if "near" in batch:
         return batch["near"], batch["far"]
@@ -332,16 +368,18 @@ def eval_subset(scene, max_images: int = 0):
 
 
 @torch.no_grad()
-def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int = 0, decode=None):
+def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int = 0, decode=None,
+                   space: Optional[RaySpace] = None):
     """Render held-out views; returns (list of (pred, gt) HxWx3 float tensors, psnr, ssim, seconds).
 
     Args:
         field: radiance field (``forward(x, d) -> sigma, rgb``), eval mode.
         scene: the eval split Scene; images are decoded with the same DALI decode stage.
+        space: the field's :class:`RaySpace` (the one it was trained in; None: world).
     """
     sub = eval_subset(scene, max_images)
     cache = decode if decode is not None else decode_cache(sub, 0, 1)
-    bg = torch.as_tensor(np.array(scene.background), device=device)
+    bg = eval_background(field, scene, device)
     pairs, ps, ss = [], [], []
     t0 = time.perf_counter()
     for i in range(sub.num_images):
@@ -350,12 +388,20 @@ def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int
         near = float(sub.near[i]) if sub.near is not None else 0.0
         far = float(sub.far[i]) if sub.far is not None else 1e3
         pred = render_image(field, torch.as_tensor(np.array(sub.c2w[i]), device=device), torch.as_tensor(np.array(sub.intrinsics[i]), device=device),
-                            w, h, near, far, bg, occupancy=occupancy, samples=cfg.model.samples_per_ray).cpu().clamp(0, 1)
+                            w, h, near, far, bg, occupancy=occupancy, samples=cfg.model.samples_per_ray,
+                            space=space).cpu().clamp(0, 1)
         pairs.append((pred, gt))
         ps.append(psnr_fn(pred, gt))
         ss.append(ssim_fn(pred, gt))
     seconds = time.perf_counter() - t0
     return pairs, float(np.mean(ps)), float(np.mean(ss)), seconds
+
+
+def mean_color_psnr(pairs) -> float:
+    """The floor every PSNR is read against: mean over the views of the PSNR of the view's own
+    mean colour (a constant image, the best a field that learned nothing but a colour can do).
+    ``pairs``: (pred, gt) HxWx3 as :func:`evaluate_field` returns them."""
+    return float(np.mean([psnr_fn(gt.mean(dim=(0, 1), keepdim=True).expand_as(gt), gt) for _, gt in pairs]))
 
 
 def write_renders(pairs, out_dir: Path, prefix: str = "test") -> List[str]:
@@ -425,6 +471,8 @@ def _task_state(task: Task) -> dict:
         "optimizer": task.optimizer.state_dict(),
         "source": task.source.state_dict() if hasattr(task.source, "state_dict") else {},
     }
+    if task.space is not None:
+        st["space"] = task.space.state()  # dali-nerf render rebuilds the same space from it
     if task.occupancy is not None:
         st["occupancy"] = task.occupancy.state_dict()
     if task.scheduler is not None:
@@ -604,8 +652,11 @@ def _train_task_step(cfg: Config, env: DistEnv, task: Task, step: int, scene, bg
     m2 = timer.mark()
     near, far = _near_far(batch, scene)
     gen = step_generator(cfg.pipeline.seed, env.rank, step, task.cell, device=env.device)
-    out = render_rays(task.field, batch["origins"], batch["directions"], near, far, bg,
-                      occupancy=task.occupancy, samples=cfg.model.samples_per_ray, generator=gen, train=True)
+    b = int(batch["origins"].shape[0])
+    bg_b = train_background(scene, task.raw_field, bg, gen, b, env.device)
+    kw = (task.space or _WORLD).render_args(batch["origins"], batch["directions"], near, far)  # world -> field space
+    out = render_rays(task.field, kw.pop("origins"), kw.pop("directions"), kw.pop("near"), kw.pop("far"), bg_b,
+                      occupancy=task.occupancy, samples=cfg.model.samples_per_ray, generator=gen, train=True, **kw)
     loss = torch.mean((out["rgb"] - batch["rgb"]) ** 2)
     m3 = timer.mark()
     sync_timer = sync_timers.get(task.name)
@@ -647,7 +698,7 @@ class _PeriodicEval:
             was_training = field.training
             field.eval()
             _, p, s, seconds = evaluate_field(field, occupancy, self.eval_scene, self.cfg, self.env.device, n,
-                                              decode=self.views)
+                                              decode=self.views, space=self.method.space)
             field.train(was_training)
             row = {"step": step, "eval_psnr": p, "eval_ssim": s, "eval_render_s": seconds}
         self.env.barrier()  # the other ranks wait here, not inside the next step's timed phases
@@ -747,7 +798,8 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
         return {}
     sc = cfg.scene
     field.eval()
-    pairs, p, s, seconds = evaluate_field(field, occupancy, eval_scene, cfg, env.device, cfg.train.eval_images)
+    pairs, p, s, seconds = evaluate_field(field, occupancy, eval_scene, cfg, env.device, cfg.train.eval_images,
+                                          space=method.space)
     renders = write_renders(pairs, cfg.run_dir / "renders", prefix=sc.eval_split)
     with TBWriter(cfg.run_dir, cfg.train.tensorboard) as tb:
         for i, (pred, gt) in enumerate(pairs):
@@ -761,7 +813,7 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
         "name": cfg.name, "method": method.name, "world_size": env.world_size, "device": str(env.device),
         "steps": r.end_step, "steps_planned": cfg.train.steps, "steps_this_run": steps_run, "resumed_from": r.start_step,
         "rays_per_batch": cfg.pipeline.rays_per_batch, "pipeline": cfg.pipeline.name,
-        "test_psnr": p, "test_ssim": s, "eval_split": sc.eval_split, "eval_images": len(pairs),
+        "test_psnr": p, "test_ssim": s, "mean_color_psnr": mean_color_psnr(pairs), "eval_split": sc.eval_split, "eval_images": len(pairs),
         "eval_render_s": seconds,
         "final_train_loss": r.last.get("loss"),
         "phase_totals_s": {p_: totals[p_] for p_ in PHASES} | {"step": totals["step"]},

@@ -17,7 +17,7 @@ import torch
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
 from dali_nerf.seeds import init_seed
 from dali_nerf.sources import build_source
-from dali_nerf.training import DistEnv, Method, Task, scene_aabb, trainer_main, wrap_ddp
+from dali_nerf.training import DistEnv, Method, Task, learned_background_init, scene_space, trainer_main, wrap_ddp
 
 __all__ = ["DDPMethod", "main"]
 
@@ -30,16 +30,18 @@ class DDPMethod(Method):
 
     def build_tasks(self, cfg, scene, env: DistEnv):
         source = build_source(cfg, scene, env.rank, env.world_size)
-        aabb = scene_aabb(scene)
+        self.space = scene_space(cfg, scene)  # world / ndc / contract; the field's box is in it
+        aabb = self.space.aabb
         torch.manual_seed(init_seed(cfg.pipeline.seed))  # identical initial replicas (DDP also broadcasts)
-        field = build_field(cfg.model, aabb).to(env.device)
+        # a learned background is a parameter of the field: all-reduced, optimised, checkpointed with it
+        field = build_field(cfg.model, aabb, learned_background_init(scene)).to(env.device)
         occupancy = build_occupancy(cfg.model, aabb)
         if occupancy is not None:
             occupancy = occupancy.to(env.device)
         module, timer = wrap_ddp(field, env)
         self.sync_timers["ddp"] = timer
         optimizer, scheduler = make_optimizer(field, cfg)
-        return [Task("ddp", source, module, field, occupancy, optimizer, scheduler)]
+        return [Task("ddp", source, module, field, occupancy, optimizer, scheduler, space=self.space)]
 
     def eval_field(self, cfg, tasks, env):
         return tasks[0].raw_field, tasks[0].occupancy

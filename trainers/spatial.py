@@ -25,7 +25,9 @@ from dali_nerf.partition import Partition, assign_rank
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.seeds import init_seed
 from dali_nerf.sources import build_source
-from dali_nerf.training import DistEnv, Method, Task, eval_subset, evaluate_field, scene_aabb, trainer_main
+from dali_nerf.errors import ConfigError
+from dali_nerf.training import (DistEnv, Method, Task, eval_subset, evaluate_field, learned_background_init, scene_space,
+                                trainer_main)
 
 __all__ = ["SpatialMethod", "build_fused", "main"]
 
@@ -33,12 +35,14 @@ __all__ = ["SpatialMethod", "build_fused", "main"]
 def build_fused(cfg, partition, aabb, cell_states: dict, device):
     """(FusedField, fused occupancy grid) from ``{cell: {"field": sd, "occupancy": sd}}``.
 
+    Sub-fields whose state holds a learned background (``background_logit``) get one; the fused
+    field's background is their mean (:meth:`FusedField.background`).
+
     The fused occupancy is the union of the sub-models' grids (conservative: a cell is skipped
     only if every sub-model finds it empty)."""
     fields, occ = [], build_occupancy(cfg.model, aabb)
     for c in range(partition.num_cells):
-        f = build_field(cfg.model, aabb)
-        f.load_state_dict(cell_states[c]["field"])
+        f = _cell_field(cfg, aabb, cell_states[c]["field"])
         fields.append(f.to(device).eval())
     if occ is not None:
         grids = []
@@ -55,6 +59,14 @@ def build_fused(cfg, partition, aabb, cell_states: dict, device):
     return FusedField(fields, partition).to(device).eval(), occ
 
 
+def _cell_field(cfg, aabb, state: dict):
+    """A sub-model built for ``state`` (with a learned background when the state has one) and loaded."""
+    init = state["background_logit"].sigmoid() if "background_logit" in state else None
+    f = build_field(cfg.model, aabb, init)
+    f.load_state_dict(state)
+    return f
+
+
 class SpatialMethod(Method):
     name = "ss"
 
@@ -64,16 +76,20 @@ class SpatialMethod(Method):
         if env.rank == 0:
             self.partition.save(cfg.run_dir / "partition.json")
         self.cells = cells_per_rank[env.rank]
-        self.aabb = scene_aabb(scene)
+        self.space = scene_space(cfg, scene)
+        if self.space.kind != "world":  # cells, routing and the fused blend are in world coordinates
+            raise ConfigError(f"model.space: the spatial-segmentation trainer needs world space, got {self.space.kind!r} "
+                              f"for {cfg.scene.path}; set model.space=world (or give the scene an aabb)")
+        self.aabb = self.space.aabb
         sources = build_source(cfg, scene, env.rank, env.world_size, cells=cells_per_rank, partition=self.partition)
         tasks = []
         for c, source in zip(self.cells, sources):
             torch.manual_seed(init_seed(cfg.pipeline.seed, c))
-            field = build_field(cfg.model, self.aabb).to(env.device)
+            field = build_field(cfg.model, self.aabb, learned_background_init(scene)).to(env.device)
             occ = build_occupancy(cfg.model, self.aabb)
             occ = occ.to(env.device) if occ is not None else None
             opt, sched = make_optimizer(field, cfg)
-            tasks.append(Task(f"cell{c}", source, field, field, occ, opt, sched, cell=c))
+            tasks.append(Task(f"cell{c}", source, field, field, occ, opt, sched, cell=c, space=self.space))
         return tasks
 
     def _gather_states(self, tasks, env):
@@ -102,18 +118,17 @@ class SpatialMethod(Method):
         views = decode_cache(eval_subset(eval_scene, n), 0, 1)  # decoded once for all the renders
         alone = []
         for c in range(self.partition.num_cells):
-            f = build_field(cfg.model, self.aabb)
-            f.load_state_dict(self.cell_states[c]["field"])
-            f = f.to(env.device).eval()
+            f = _cell_field(cfg, self.aabb, self.cell_states[c]["field"]).to(env.device).eval()
             occ = build_occupancy(cfg.model, self.aabb)
             if occ is not None:
                 occ.load_state_dict(self.cell_states[c]["occupancy"])
                 occ = occ.to(env.device)
-            _, p, _, secs = evaluate_field(f, occ, eval_scene, cfg, env.device, n, decode=views)
+            _, p, _, secs = evaluate_field(f, occ, eval_scene, cfg, env.device, n, decode=views, space=self.space)
             alone.append({"cell": c, "psnr": p, "render_s": secs})
         field.reset_stats() if hasattr(field, "reset_stats") else None
         t0 = time.perf_counter()
-        _, fused_psnr, _, fused_s = evaluate_field(field, occupancy, eval_scene, cfg, env.device, n, decode=views)
+        _, fused_psnr, _, fused_s = evaluate_field(field, occupancy, eval_scene, cfg, env.device, n, decode=views,
+                                                   space=self.space)
         stats = field.fusion_stats() if hasattr(field, "fusion_stats") else {}
         single_s = float(np.mean([a["render_s"] for a in alone]))
         return {

@@ -81,13 +81,17 @@ class TensorVMField(RadianceField):
         hidden: width of the colour MLP.
         view_dependent: append the view direction (3,) to the colour MLP's input.
         sigma_init: density of the initial field (before training), per world unit.
+        learned_background: (3,) RGB initial value of a learned background colour, or None (no
+            background parameter). When given, ``background_logit`` (3,) is a parameter of this
+            module (so DDP all-reduces it, the optimiser steps it and checkpoints hold it) and
+            :meth:`background` returns ``sigmoid(background_logit)``.
 
     Shapes: ``forward(x (P,3), d (P,3)) -> sigma (P,), rgb (P,3)``; ``density(x (P,3)) -> (P,)``.
     """
 
     def __init__(self, aabb: torch.Tensor, resolution: int = 128, density_components: int = 8,
                  color_components: int = 12, hidden: int = 32, view_dependent: bool = False,
-                 sigma_init: float = 0.1):
+                 sigma_init: float = 0.1, learned_background=None):
         super().__init__()
         aabb = torch.as_tensor(aabb, dtype=torch.float32).reshape(2, 3)
         self.register_buffer("aabb", aabb.clone())
@@ -97,6 +101,17 @@ class TensorVMField(RadianceField):
         self.color_vm = _VM(color_components, resolution, 0.1)
         self.color_basis = nn.Linear(3 * color_components + (3 if view_dependent else 0), hidden)
         self.color_out = nn.Linear(hidden, 3)
+        if learned_background is not None:
+            c = torch.as_tensor(learned_background, dtype=torch.float32).reshape(3).clamp(1e-3, 1 - 1e-3)
+            self.background_logit = nn.Parameter(torch.log(c) - torch.log1p(-c))
+        else:
+            self.background_logit = None
+
+    def background(self) -> torch.Tensor:
+        """(3,) learned background colour in (0, 1) (differentiable); needs ``learned_background``."""
+        if self.background_logit is None:
+            raise RuntimeError("TensorVMField.background: built without learned_background")
+        return torch.sigmoid(self.background_logit)
 
     def _normalise(self, x: torch.Tensor):
         """x (P,3) world -> (xn (P,3) in [-1,1] clamped, inside (P,) bool, perm (P,) or None).
@@ -141,12 +156,15 @@ class TensorVMField(RadianceField):
         return self._unsort(sigma, perm), self._unsort(rgb, perm)
 
 
-def build_field(cfg: ModelConfig, aabb: torch.Tensor) -> TensorVMField:
-    """The field described by ``cfg`` over ``aabb`` (2, 3) (min, max corner, world units).
+def build_field(cfg: ModelConfig, aabb: torch.Tensor, learned_background=None) -> TensorVMField:
+    """The field described by ``cfg`` over ``aabb`` (2, 3) (min, max corner, in the field's
+    coordinates: world, NDC or contracted, see :mod:`dali_nerf.models.ray_space`), with a learned
+    background colour (initial value (3,)) when ``learned_background`` is given.
 
     Example:
         >>> field = build_field(ModelConfig(resolution=64), torch.tensor([[-1.0] * 3, [1.0] * 3]))
     """
     return TensorVMField(aabb, resolution=cfg.resolution, density_components=cfg.density_components,
                          color_components=cfg.color_components, hidden=cfg.hidden,
-                         view_dependent=cfg.view_dependent, sigma_init=cfg.sigma_init)
+                         view_dependent=cfg.view_dependent, sigma_init=cfg.sigma_init,
+                         learned_background=learned_background)

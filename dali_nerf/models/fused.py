@@ -112,6 +112,20 @@ class FusedField(nn.Module):
             self.register_buffer("aabb", torch.stack([box[:, 0].amin(0), box[:, 1].amax(0)]), persistent=False)
         self.reset_stats()
 
+    @property
+    def background_logit(self):
+        """Not None when every sub-field learned a background colour (then :meth:`background` works)."""
+        logits = [getattr(f, "background_logit", None) for f in self.fields]
+        return None if not logits or any(l is None for l in logits) else torch.stack(list(logits))
+
+    def background(self) -> torch.Tensor:
+        """(3,) the fused learned background: the mean of the sub-fields' learned colours (each
+        sub-model learns the colour of the rays crossing its cell; a ray that hits nothing sees the
+        sky of every cell it crosses)."""
+        if self.background_logit is None:
+            raise RuntimeError("FusedField.background: the sub-fields have no learned background")
+        return torch.stack([f.background() for f in self.fields]).mean(0)
+
     # ---- statistics ------------------------------------------------------------------------
     def reset_stats(self) -> None:
         """Zero the counters of :meth:`fusion_stats`."""

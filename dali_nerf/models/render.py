@@ -70,7 +70,8 @@ def render_rays(field, origins: torch.Tensor, directions: torch.Tensor, near, fa
             (used for the no-grad pre-pass when present); may be DDP-wrapped.
         origins, directions: (B, 3) float32, directions unit length.
         near, far: (B, 1), (B,), a float, or None (0 / +inf: then an aabb must bound the rays).
-        background: (3,) RGB in [0, 1].
+        background: (3,) RGB in [0, 1], or (B, 3) one colour per ray (random backgrounds; a
+            learned colour may carry gradients).
         occupancy: optional :class:`OccupancyGrid` (anything with ``occupied(x (...,3)) -> bool``).
         samples: S stratified samples per ray inside [max(near, t_enter), min(far, t_exit)]
             (S / 4 while ``occupancy`` is given but not yet ``ready``: all cells occupied).
@@ -92,7 +93,8 @@ def render_rays(field, origins: torch.Tensor, directions: torch.Tensor, near, fa
     """
     b = origins.shape[0]
     dev, dt = origins.device, origins.dtype
-    bg = torch.as_tensor(background, dtype=dt, device=dev).reshape(3)
+    bg = torch.as_tensor(background, dtype=dt, device=dev)
+    bg = bg.reshape(3) if bg.numel() == 3 else bg.reshape(b, 3)  # one colour, or one per ray
     raw = _unwrap(field)
     if aabb is None and warp is None:
         aabb = getattr(occupancy, "aabb", None)
@@ -168,7 +170,7 @@ def render_rays(field, origins: torch.Tensor, directions: torch.Tensor, near, fa
 
 @torch.no_grad()
 def render_image(field, c2w: torch.Tensor, intrinsics: torch.Tensor, width: int, height: int, near, far,
-                 background, *, occupancy=None, samples: int = 192, chunk: int = 8192) -> torch.Tensor:
+                 background, *, occupancy=None, samples: int = 192, chunk: int = 8192, space=None) -> torch.Tensor:
     """Render one camera.
 
     Args:
@@ -176,6 +178,8 @@ def render_image(field, c2w: torch.Tensor, intrinsics: torch.Tensor, width: int,
         c2w: (3, 4) camera-to-world (OpenGL axes); intrinsics: (4,) fx, fy, cx, cy.
         width, height: image size; near, far: floats (or None, see render_rays).
         background: (3,); occupancy: optional grid; samples: per ray; chunk: rays per pass.
+        space: the field's :class:`~dali_nerf.models.ray_space.RaySpace` (its ``render_args`` map
+            the world rays; None: world space).
     Returns:
         (H, W, 3) float32 in [0, 1].
 
@@ -189,7 +193,12 @@ def render_image(field, c2w: torch.Tensor, intrinsics: torch.Tensor, width: int,
     o, d = o.to(dev), d.to(dev)
     out = []
     for i in range(0, o.shape[0], chunk):
-        r = render_rays(field, o[i:i + chunk], d[i:i + chunk], near, far, background,
-                        occupancy=occupancy, samples=samples, train=False)
+        if space is None:
+            r = render_rays(field, o[i:i + chunk], d[i:i + chunk], near, far, background,
+                            occupancy=occupancy, samples=samples, train=False)
+        else:
+            kw = space.render_args(o[i:i + chunk], d[i:i + chunk], near, far)
+            r = render_rays(field, kw.pop("origins"), kw.pop("directions"), kw.pop("near"), kw.pop("far"), background,
+                            occupancy=occupancy, samples=samples, train=False, **kw)
         out.append(r["rgb"])
     return torch.cat(out).reshape(int(height), int(width), 3).clamp(0.0, 1.0)
