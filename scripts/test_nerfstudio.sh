@@ -2,12 +2,14 @@
 # The [nerfstudio] extra's tests (tests/nerfstudio_extra), in their own virtual environment,
 # outside the core suite: nerfstudio 1.1.5 and its dependencies (~9 GB with torch 2.14.1), pinned by
 # constraints/nerfstudio.txt. The environment is reused when it exists (DALI_NERF_NS_VENV, default
-# .nsvenv in the checkout). Extra arguments go to pytest.
+# ~/.cache/dali_nerf/nsvenv: outside the checkout, so clean clones and CI reuse it instead of
+# building ~9 GB again; the editable install of dali_nerf is re-pointed to this checkout each run).
+# Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${DALI_NERF_NS_VENV:-.nsvenv}
+VENV=${DALI_NERF_NS_VENV:-$HOME/.cache/dali_nerf/nsvenv}
 C=constraints/nerfstudio.txt
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+[ -x "$VENV/bin/python" ] || { mkdir -p "$(dirname "$VENV")" && python3 -m venv "$VENV"; }
 PY="$VENV/bin/python"
 # the core's install_requires except its torch pin (the extra runs on torch 2.14.1; see $C)
 mapfile -t CORE < <(python3 - <<'PY'
