@@ -209,6 +209,10 @@ def main(args) -> int:
     print(f"scene: {scene}  ({cache.num_pixels / 1e6:.1f} M pixels cached, {rounds} rounds of {seconds:g} s "
           f"per source)", flush=True)
 
+    # one sampling budget for every source: the DALI loaders get as many threads as torch's intra-op
+    # pool and the torch_workers processes (the loaders' own default, hostbudget, keeps a core for
+    # the training thread, which this benchmark does not have)
+    threads = torch.get_num_threads()
     part = None
     if scene.has_bounds:  # spatial segmentation: a 2x2 grid over the cameras, routed to cell 0
         part = Partition.from_config(PartitionConfig(kind="grid", grid=[2, 2]), scene)
@@ -220,11 +224,12 @@ def main(args) -> int:
         r = {k: 0.0 for k in ("rays", "torch_gather", "sync_local", "torch_workers", "sync_global")}
         best_ss, acc = 0.0, None
         for _ in range(rounds):
-            with RayLoader(scene, rays_per_batch=B, cache=cache, prefetch=2, rays_per_run=max(262144, B)) as L:
+            with RayLoader(scene, rays_per_batch=B, cache=cache, prefetch=2, num_threads=threads,
+                           rays_per_run=max(262144, B)) as L:
                 r["rays"] = max(r["rays"], measure(L, B, seconds))
             if part is not None:
                 with SpatialRayLoader(scene, part, 0, rays_per_batch=B, cache=cache, prefetch=2,
-                                      rays_per_run=max(262144, B)) as S:
+                                      num_threads=threads, rays_per_run=max(262144, B)) as S:
                     best_ss = max(best_ss, measure(S, B, seconds))
                     acc = S.stats()["acceptance"]
             # training-thread torch samplers: best of torch's default intra-op threads and 1 thread
@@ -233,7 +238,7 @@ def main(args) -> int:
                 lambda: measure(torch_gather_source(cache, scene, B), B, seconds)))
             r["sync_local"] = max(r["sync_local"], _best_threads(
                 lambda: measure(SyncLocalSampler(scene, rays_per_batch=B, cache=cache), B, seconds)))
-            with TorchWorkersSampler(scene, rays_per_batch=B, cache=cache, workers=2) as tw:
+            with TorchWorkersSampler(scene, rays_per_batch=B, cache=cache, workers=threads) as tw:
                 r["torch_workers"] = max(r["torch_workers"], measure(tw, B, seconds))
             r["sync_global"] = max(r["sync_global"], sync_global_rate(scene, cache, B, seconds))
         if part is not None:
@@ -256,7 +261,7 @@ def main(args) -> int:
               f"pipeline build included, best of 2): JPEG {jpg:.0f} images/s, PNG RGBA {png:.0f} images/s.", "",
               f"Scene: {scene.num_images} images, {cache.num_pixels / 1e6:.1f} M pixels; {os.cpu_count()} CPU cores; "
               f"each source: the best of {rounds} interleaved rounds of {seconds:g} s; (Nx) = RayLoader's rate / that "
-              f"source's; torch_gather and sync_local: best of 1 and the default torch threads; sync_global = rank 0's "
+              f"source's; RayLoader and the SS loader: {threads} DALI threads, torch_workers: {threads} worker processes, torch_gather and sync_local: best of 1 and the default torch threads ({threads}); sync_global = rank 0's "
               f"global batch (2 ranks, gloo)."]
     table = "\n".join(lines)
     print(table)
