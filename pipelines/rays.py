@@ -1,12 +1,13 @@
 """The ray graph: ``external_source(cache, no_copy=True)`` -> ``fn.dali_nerf.ray_sampler``, with
 optional routing to one spatial-segmentation cell.
 
-The cache arrays are fed as the same (immutable) buffers every run, without a copy; the stream
-position of the first run's first ray (``start``) is fed by a second external source, which
-feeds -1 ("continue after your previous run", tracked by the op) for every later run
-(:class:`StartFeed`), so the pipeline can run ``prefetch_queue_depth`` runs ahead of the consumer
-in its own threads (``exec_async`` / ``exec_pipelined``) even when ``consumed`` depends on the
-data (routed runs).
+The cache arrays are fed once, without a copy, to external sources that repeat their last
+input every run (``repeat_last``: no Python callback per run, which cost ~0.1 ms each); the
+stream position of the first run's first ray is the op's constant ``start`` with
+``continue_runs=True`` (every later run continues where the previous one ended, tracked by the
+op), so the pipeline can run ``prefetch_queue_depth`` runs ahead of the consumer in its own
+threads (``exec_async`` / ``exec_pipelined``) even when ``consumed`` depends on the data (routed
+runs), and a run costs the caller no per-run input at all.
 
 Unrouted (DDP, streaming windows): run ``j`` of a pipeline built with ``first_start=s0`` samples
 stream positions ``[s0 + j * rays_per_run, s0 + (j + 1) * rays_per_run)``. Routed
@@ -35,35 +36,19 @@ import numpy as np
 
 from dali_nerf._dali import ray_graph_api
 
-__all__ = ["ray_pipeline", "release_pipeline", "StartFeed", "RAY_OUTPUTS", "pixel_feed"]
+__all__ = ["ray_pipeline", "release_pipeline", "RAY_OUTPUTS", "pixel_feed"]
 
 RAY_OUTPUTS = ("origins", "directions", "rgb", "indices", "near", "far", "consumed")
 """Output names of :func:`ray_pipeline`, in order."""
 
 
-class StartFeed:
-    """``start`` per run: ``first`` for run 0, then -1: the op continues right where its previous
-    run ended (start + consumed), so DALI can run a pipeline ahead even when ``consumed`` depends
-    on the data (routed runs)."""
-
-    def __init__(self, first: int):
-        self.first = int(first)
-        self.calls = 0
-
-    def __call__(self):
-        v = self.first if self.calls == 0 else -1
-        self.calls += 1
-        return [np.array(v, dtype=np.int64)]
-
-
 def pixel_feed(pixels, gpu: bool):
-    """What the ``pixels`` external source returns each run (a batch of one sample, no copy).
+    """What the ``pixels`` external source is fed (once; a batch of one sample, no copy).
 
     GPU: one contiguous (1, P, 3) tensor (a view of ``pixels``): DALI's ``external_source``
     documents that with ``no_copy`` a GPU batch given as a list of separate tensors is copied
     internally every run, while one contiguous buffer is used as is. CPU: ``[pixels]`` (a list of
-    contiguous arrays is passed without a copy on the CPU; unchanged, so the CPU bits and speed
-    are too).
+    contiguous arrays is passed without a copy on the CPU).
     """
     return pixels.unsqueeze(0) if gpu else [pixels]
 
@@ -98,39 +83,37 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, worl
     """
     fn, pipeline_def, types = ray_graph_api()
     gpu = device == "cuda"
-    feed = StartFeed(first_start)
-    srcs = [[pixel_feed(cache.pixels, gpu)], [cache.cameras], [cache.layout]]
+    names = ["pixels", "cameras", "layout"]
+    srcs = [pixel_feed(cache.pixels, gpu), [cache.cameras], [cache.layout]]
     if partition is not None:
+        names.append("centroids")
         srcs.append([np.ascontiguousarray(partition.centroids, np.float32)])
     routing = _routing_args(partition, cell) if partition is not None else {}
 
     @pipeline_def
     def _rays():
         dev = "gpu" if gpu else "cpu"
-        pixels = fn.external_source(source=lambda: srcs[0][0], batch=True, no_copy=True, device=dev,
-                                    dtype=types.UINT8, ndim=2, name="pixels")
-        cameras = fn.external_source(source=lambda: srcs[1], batch=True, no_copy=True, device="cpu",
-                                     dtype=types.FLOAT, ndim=2, name="cameras")
-        layout = fn.external_source(source=lambda: srcs[2], batch=True, no_copy=True, device="cpu",
-                                    dtype=types.INT64, ndim=2, name="layout")
-        inputs = [cameras, layout]
+        # fed once after build (below) and repeated every run without a copy
+        fed = dict(batch=True, no_copy=True, repeat_last=True)
+        pixels = fn.external_source(device=dev, dtype=types.UINT8, ndim=2, name="pixels", **fed)
+        inputs = [fn.external_source(device="cpu", dtype=types.FLOAT, ndim=2, name="cameras", **fed),
+                  fn.external_source(device="cpu", dtype=types.INT64, ndim=2, name="layout", **fed)]
         if routing:
-            inputs.append(fn.external_source(source=lambda: srcs[3], batch=True, no_copy=True, device="cpu",
-                                             dtype=types.FLOAT, ndim=2, name="centroids"))
-        start = fn.external_source(source=feed, batch=True, device="cpu", dtype=types.INT64, ndim=0,
-                                   name="start")
+            inputs.append(fn.external_source(device="cpu", dtype=types.FLOAT, ndim=2, name="centroids", **fed))
         # the GPU op takes cameras, layout and centroids as CPU inputs (its host-side checks and
         # tables read them there); only the pixels live on the device
         return tuple(fn.dali_nerf.ray_sampler(
             pixels, *inputs, rays=int(rays_per_run), mode=mode, seed=int(seed), rank=int(rank),
-            world_size=int(world_size), start=start, device=dev, **routing,
+            world_size=int(world_size), start=int(first_start), continue_runs=True, device=dev, **routing,
         ))
 
     sync = prefetch <= 0
     pipe = _rays(batch_size=1, num_threads=num_threads, device_id=device_id,
                  prefetch_queue_depth=max(1, int(prefetch)), exec_async=not sync, exec_pipelined=not sync)
     pipe.build()
-    pipe._dali_nerf_sources = tuple(srcs)  # for release_pipeline
+    for name, data in zip(names, srcs):
+        pipe.feed_input(name, data)
+    pipe._dali_nerf_sources = srcs  # kept alive while the pipeline exists; see release_pipeline
     return pipe
 
 
@@ -142,7 +125,7 @@ def release_pipeline(pipe) -> None:
     pipeline is gone frees the cache's buffers immediately (streaming windows rely on this to keep
     decoded memory bounded). The caller must not use ``pipe`` afterwards.
     """
-    sources = getattr(pipe, "_dali_nerf_sources", ())
+    sources = getattr(pipe, "_dali_nerf_sources", None)
     del pipe  # the Pipeline object itself is not in a cycle: its executor stops here
-    for lst in sources:
-        lst.clear()
+    if sources is not None:
+        sources.clear()

@@ -215,3 +215,48 @@ def test_defaults_follow_the_host_budget(scene, cache, monkeypatch):
             assert torch.equal(a["indices"], f["indices"]) and torch.equal(a["origins"], f["origins"])
     with pytest.raises(ConfigError, match="num_threads"):
         RayLoader(scene, rays_per_batch=64, cache=cache, num_threads=-1)
+
+
+# ---- RunAhead: the background hand-over of a graph's runs ------------------------------------
+
+def test_run_ahead_order_errors_and_close():
+    """Runs come back in order from another thread; a failure reaches every later get(); close()
+    ends a producer blocked on the full queue."""
+    from dali_nerf.sources.base import RunAhead
+
+    callers, counter = [], iter(range(1000))
+
+    def produce(pipe):
+        callers.append(threading.get_ident())
+        k = next(counter)
+        if pipe == "fail" and k == 3:
+            raise ValueError("run 3 failed")
+        return k
+
+    ra = RunAhead("ok", produce, depth=2)
+    assert [ra.get() for _ in range(5)] == [0, 1, 2, 3, 4]
+    assert threading.get_ident() not in callers
+    ra.close()  # the producer is blocked putting run 7 (queue of 2 full): close must still end it
+    assert not ra._thread.is_alive()
+    ra.close()
+
+    counter = iter(range(1000))
+    ra = RunAhead("fail", produce)
+    assert [ra.get() for _ in range(3)] == [0, 1, 2]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="run 3 failed"):
+            ra.get()
+    ra.close()
+
+
+def test_loader_dropped_without_close_ends_its_thread(scene, cache):
+    """The hand-over thread holds no reference to its loader: dropping the loader closes it."""
+    import gc
+
+    before = set(threading.enumerate())
+    L = RayLoader(scene, rays_per_batch=64, rays_per_run=256, cache=cache, prefetch=2)
+    _take(L, 5)
+    assert len(set(threading.enumerate()) - before) >= 1
+    del L
+    gc.collect()
+    assert set(threading.enumerate()) <= before

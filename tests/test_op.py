@@ -441,6 +441,32 @@ def test_defaults_without_start():
     assert np.array_equal(pixel_ids(cache, idx), ref_random_pixels(0, 0, 1, 0, 50, len(pixels)))
 
 
+def test_continue_runs_places_only_the_first_run():
+    """``continue_runs=True`` with a constant ``start`` = ``start`` fed per run as (s0, -1, -1, ...):
+    run j samples positions [s0 + j R, s0 + (j + 1) R); without it every run restarts at s0."""
+    cache = make_cache(np.random.default_rng(10))
+    pixels, cams, lay = cache
+    R, s0 = 40, 123
+
+    def build(cont):
+        @pipeline_def(batch_size=1, num_threads=1, device_id=None)
+        def pipe():
+            p = fn.external_source(source=lambda: [pixels], batch=True)
+            c = fn.external_source(source=lambda: [cams], batch=True)
+            l = fn.external_source(source=lambda: [lay], batch=True)
+            return fn.dali_nerf.ray_sampler(p, c, l, rays=R, seed=3, start=s0, continue_runs=cont)[3]
+        pp = pipe()
+        pp.build()
+        return pp
+
+    cont, plain = build(True), build(False)
+    for j in range(3):
+        got = pixel_ids(cache, np.array(cont.run()[0][0]))
+        assert np.array_equal(got, ref_random_pixels(3, 0, 1, s0 + j * R, R, len(pixels)))
+        again = pixel_ids(cache, np.array(plain.run()[0][0]))
+        assert np.array_equal(again, ref_random_pixels(3, 0, 1, s0, R, len(pixels)))
+
+
 @pytest.mark.parametrize("uniform", [False, True])
 def test_routing_with_bounds_matches_partition_reference(uniform):
     """With a routing box, only the part of the segment inside it decides (rays missing the box

@@ -84,6 +84,20 @@ def test_held_batches_stay_valid_after_later_runs(setup, prefetch):
         assert _same(held, copies)
 
 
+def test_close_leaves_no_threads(setup):
+    """The background hand-over thread (prefetch > 0 on the CPU) ends with close()."""
+    import threading
+
+    scene, part, cache = setup
+    before = set(threading.enumerate())
+    L = SpatialRayLoader(scene, part, 1, rays_per_batch=B, rays_per_run=2 * B, prefetch=2, cache=cache)
+    _take(L, 5)
+    assert len(set(threading.enumerate()) - before) == 1
+    L.close()
+    L.close()
+    assert set(threading.enumerate()) <= before
+
+
 @pytest.mark.parametrize("k", [5, 8])  # mid-run (4 steps a run) and at a run boundary
 def test_resume_is_exact(setup, k):
     scene, part, cache = setup

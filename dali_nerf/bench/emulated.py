@@ -166,8 +166,8 @@ def ss_grid(ranks: int) -> List[int]:
 def _ahead(sampler: str, src, budget: HostBudget, prefetch: int) -> int:
     """Batches a source may hold ready when its segment starts (filled while other segments ran):
     the segment's warm-up drains them first, so the timed steps see the source's steady state."""
-    if sampler == PIPELINED:
-        return (max(1, prefetch) + 1) * int(getattr(src, "steps_per_run", 1))
+    if sampler == PIPELINED:  # DALI's prefetch queue, the RunAhead queue and the run in hand
+        return (max(1, prefetch) + 2) * int(getattr(src, "steps_per_run", 1))
     if sampler == "torch_workers":
         return budget.threads * max(1, prefetch) + 1
     return 0

@@ -9,8 +9,10 @@ f32, ``directions`` (B, 3) f32 unit, ``rgb`` (B, 3) f32, ``indices`` (B, 3) i64,
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -21,7 +23,7 @@ from dali_nerf.pipelines.rays import RAY_OUTPUTS
 from dali_nerf.scenes import load_scene
 
 __all__ = ["BatchSource", "BatchStats", "BATCH_KEYS", "resolve_device", "dali_to_torch", "check_common",
-           "check_positive", "check_cache_device", "run_graph", "scene_from_config"]
+           "check_positive", "check_cache_device", "run_graph", "step_views", "RunAhead", "scene_from_config"]
 
 BATCH_KEYS = ("origins", "directions", "rgb", "indices", "near", "far")
 """Keys a batch may carry (near/far only when the scene has bounds)."""
@@ -145,6 +147,72 @@ def run_graph(pipe, device: str, keys: Sequence[str], copy: bool):
     consumed = out["consumed"].as_cpu() if device == "cuda" else out["consumed"]
     consumed = int(np.asarray(consumed[0]).reshape(-1)[0])
     return consumed, {k: dali_to_torch(out[k], device, copy) for k in keys}
+
+
+def step_views(run: dict, steps: int, rays_per_batch: int) -> list:
+    """The ``steps`` step batches of a run ``{key: (steps * B, ...)}`` as tuples of (B, ...) views
+    in ``run``'s key order, made with one C++ call per output (``unbind``: ~0.6 us a view against
+    ~3.7 us for a Python slice); a source hands out ``dict(zip(keys, views[i]))``."""
+    return list(zip(*(v.view(steps, rays_per_batch, *v.shape[1:]).unbind(0) for v in run.values())))
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _run_ahead_loop(pipe, produce, q: "queue.Queue", stop: threading.Event) -> None:
+    try:
+        while not stop.is_set():
+            q.put(produce(pipe))
+    except BaseException as e:  # handed to the consumer's next get()
+        q.put(_Failure(e))
+
+
+class RunAhead:
+    """Hands a ray graph's runs to the training thread from a background thread.
+
+    ``pipe.run()`` costs the calling thread ~0.3-1 ms of Python and DALI bookkeeping per run even
+    when DALI computed the run ahead (external-source feeds, scheduling the next run, wrapping the
+    outputs); done in ``__next__`` it stalls the step that crosses into a new run, and in DDP every
+    rank crosses on the same step, so on a shared host the whole lockstep waits for the slowest of
+    W such calls. Here one thread per source calls ``produce(pipe)`` (run the graph, convert to
+    torch, cut the step views) and keeps up to ``depth`` finished runs in a queue, so
+    ``__next__`` only takes a finished run. The thread is the only caller of ``pipe`` while it
+    lives; it holds no reference to the source (the source can be collected and closes it).
+
+    ``get()`` -> the next ``produce`` result, in run order (raises what ``produce`` raised);
+    ``close()`` stops and joins the thread (call it before releasing the pipeline). Idempotent.
+    """
+
+    def __init__(self, pipe, produce: Callable, depth: int = 1, name: str = "dali_nerf-run-ahead"):
+        self._q: "queue.Queue" = queue.Queue(maxsize=max(1, int(depth)))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=_run_ahead_loop, args=(pipe, produce, self._q, self._stop),
+                                        name=name, daemon=True)
+        self._thread.start()
+
+    def get(self):
+        item = self._q.get()
+        if isinstance(item, _Failure):
+            self._q.put(item)  # every later get() fails the same way
+            raise item.exc
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():  # unblock a put() on a full queue until the thread sees stop
+            try:
+                while True:
+                    self._q.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.01)
+        try:
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
 
 
 class BatchSource:

@@ -46,8 +46,8 @@ from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import loader_budget
 from dali_nerf.pipelines.decode import decode_cache, shard_range, shard_sizes
 from dali_nerf.pipelines.rays import ray_pipeline
-from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, check_cache_device, check_common, check_positive,
-                                    resolve_device, run_graph, scene_from_config)
+from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, RunAhead, check_cache_device, check_common,
+                                    check_positive, resolve_device, run_graph, scene_from_config, step_views)
 from dali_nerf.sources.streaming import WindowStream, plan_window_images
 
 __all__ = ["RayLoader"]
@@ -141,6 +141,7 @@ class RayLoader(BatchSource):
         self.epoch = 0
         self._stats = BatchStats()
         self._pipe = None
+        self._ahead: Optional[RunAhead] = None  # the background hand-over of self._pipe's runs (CPU, prefetch > 0)
         self._run = None  # dict of torch tensors (K*B, ...) of the current run
         self._steps = None  # K tuples of (B, ...) views of self._run, in output_map order
         self._run_start = 0  # stream position of self._run's first ray
@@ -177,19 +178,30 @@ class RayLoader(BatchSource):
                                   first_start=self.position, device=self.device, num_threads=self.num_threads,
                                   prefetch=self.prefetch, device_id=device_id)
         self._next_run_start = self.position
+        if self.prefetch > 0 and self.device == "cpu":
+            # runs handed over by a background thread (RunAhead); CUDA keeps the hand-over on the
+            # training thread, where the outputs are copied on torch's current stream
+            keys, K, B = self.output_map, self.steps_per_run, self.rays_per_batch
+
+            def produce(pipe):
+                consumed, run = run_graph(pipe, "cpu", keys, copy=False)
+                return consumed, run, step_views(run, K, B)
+
+            self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-rays-r{self.rank}")
 
     def _fetch_run(self):
         if self._pipe is None:
             self._build()
-        consumed, run = run_graph(self._pipe, self.device, self.output_map, copy=self.prefetch == 0)
+        if self._ahead is not None:
+            consumed, run, steps = self._ahead.get()
+        else:
+            consumed, run = run_graph(self._pipe, self.device, self.output_map, copy=self.prefetch == 0)
+            steps = step_views(run, self.steps_per_run, self.rays_per_batch)
         self._stats.runs += 1
         if consumed != self.rays_per_run:
             raise RuntimeError(f"ray_sampler consumed {consumed} positions for {self.rays_per_run} rays")
         self._run = run
-        # the K step batches as views made in one C++ call per output (unbind: ~0.6 us a view vs
-        # ~3.7 us for a Python slice); __next__ hands out dict(zip(keys, steps[i]))
-        K, B = self.steps_per_run, self.rays_per_batch
-        self._steps = list(zip(*(v.view(K, B, *v.shape[1:]).unbind(0) for v in run.values())))
+        self._steps = steps  # __next__ hands out dict(zip(keys, steps[i]))
         self._run_start = self._next_run_start
         self._next_run_start += self.rays_per_run
 
@@ -276,6 +288,9 @@ class RayLoader(BatchSource):
     def _drop_pipeline(self):
         self._run = None
         self._steps = None
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
         pipe, self._pipe = self._pipe, None
         del pipe
 

@@ -30,7 +30,8 @@ from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import loader_budget
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline
-from dali_nerf.sources.base import BatchSource, BatchStats, check_cache_device, resolve_device, run_graph
+from dali_nerf.sources.base import (BatchSource, BatchStats, RunAhead, check_cache_device, resolve_device, run_graph,
+                                    step_views)
 
 __all__ = ["SpatialRayLoader"]
 
@@ -74,23 +75,41 @@ class SpatialRayLoader(BatchSource):
         self._accepted_total = 0
         self._stats = BatchStats()
         self._pipe = None
+        self._ahead: Optional[RunAhead] = None  # background hand-over of self._pipe's runs (CPU, prefetch > 0)
+        self._steps = None          # K tuples of (B, ...) views of the current run, in RAY_OUTPUTS order
         self._closed = False
 
     # ---- producing ---------------------------------------------------------------------------
     def _fetch_run(self):
-        """The pipeline's next run (a pipeline is built at ``_next_run_start`` when there is none)."""
+        """The pipeline's next run (a pipeline is built at ``_next_run_start`` when there is none):
+        (start, consumed, {name: (R, ...) tensor}, K step views). With ``prefetch`` > 0 on the CPU
+        the runs come from a :class:`~.base.RunAhead` thread."""
+        K, B = self.steps_per_run, self.rays_per_batch
         if self._pipe is None:
             device_id = torch.cuda.current_device() if self.device == "cuda" else None
             self._pipe = ray_pipeline(self.cache, self.rays_per_run, self.mode, self.seed, self.cell,
                                       self.partition.num_cells, first_start=self._next_run_start,
                                       prefetch=self.prefetch, device=self.device, num_threads=self.num_threads,
                                       device_id=device_id, partition=self.partition, cell=self.cell)
-        consumed, run = run_graph(self._pipe, self.device, RAY_OUTPUTS[:-1], copy=self.prefetch <= 0)
+            if self.prefetch > 0 and self.device == "cpu":
+                def produce(pipe):
+                    consumed, run = run_graph(pipe, "cpu", RAY_OUTPUTS[:-1], copy=False)
+                    return consumed, run, step_views(run, K, B)
+
+                self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-cell{self.cell}")
+        if self._ahead is not None:
+            consumed, run, steps = self._ahead.get()
+        else:
+            consumed, run = run_graph(self._pipe, self.device, RAY_OUTPUTS[:-1], copy=self.prefetch <= 0)
+            steps = step_views(run, K, B)
         start = self._next_run_start
         self._next_run_start += consumed
-        return start, consumed, run
+        return start, consumed, run, steps
 
     def _drop_pipeline(self):
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
         if self._pipe is not None:
             pipe, self._pipe = self._pipe, None
             release_pipeline(pipe)
@@ -106,16 +125,20 @@ class SpatialRayLoader(BatchSource):
             if nxt != self._next_run_start:  # after load_state_dict: restart the pipeline there
                 self._drop_pipeline()
                 self._next_run_start = nxt
-            start, consumed, run = self._fetch_run()
+            start, consumed, run, steps = self._fetch_run()
             if self._run is not None:
                 self.offset = 0
             self._run = (start, consumed, run)
+            self._steps = steps
             self.run_start = start
             self._stats.runs += 1
             self._consumed_total += consumed
             self._accepted_total += self.rays_per_run
-        run = self._run[2]
-        batch = {k: v[self.offset:self.offset + B] for k, v in run.items()}
+        k, r = divmod(self.offset, B)
+        if r == 0:  # the usual case: a precomputed step view (a fresh dict, so callers may mutate it)
+            batch = dict(zip(RAY_OUTPUTS[:-1], self._steps[k]))
+        else:  # resumed off the step grid (load_state_dict with an offset that is not a multiple of B)
+            batch = {n: v[self.offset:self.offset + B] for n, v in self._run[2].items()}
         self.offset += B
         self._stats.stop(t, B)
         return batch

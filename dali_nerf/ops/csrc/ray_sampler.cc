@@ -203,6 +203,9 @@ consumed (1,) int64.)")
                              "where this operator's previous run of the same sample ended (start + "
                              "consumed), so that a pipeline running ahead (prefetch) continues a "
                              "routed stream whose `consumed` it does not know yet.", int64_t{0}, true)
+    .AddOptionalArg("continue_runs", "If true, `start` places only the first run of each sample; "
+                    "every later run continues right where the previous one ended (as `start` = -1 "
+                    "would), so a constant `start` needs no per-run input.", false)
     .AddOptionalArg("cell", "Cell to route to (index into `centroids`); -1: no routing.", -1)
     .AddOptionalArg("margin", "Routing margin m: keep a ray if some point p of its segment has "
                     "|p - c_cell| <= m |p - c_k| for all k.", 1.15f)

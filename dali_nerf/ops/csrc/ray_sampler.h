@@ -36,7 +36,8 @@ class RaySampler : public ::dali::Operator<Backend> {
         margin_(spec.GetArgument<float>("margin")),
         dims_(spec.GetArgument<int>("dims")),
         route_tile_(spec.GetArgument<int>("route_tile")),
-        simd_(spec.GetArgument<bool>("simd")) {
+        simd_(spec.GetArgument<bool>("simd")),
+        continue_runs_(spec.GetArgument<bool>("continue_runs")) {
     std::vector<float> bounds = spec.GetRepeatedArgument<float>("bounds");
     DALI_ENFORCE(bounds.empty() || bounds.size() == 6,
                  "dali_nerf ray_sampler: `bounds` must be empty or 6 values (min xyz, max xyz)");
@@ -96,7 +97,9 @@ class RaySampler : public ::dali::Operator<Backend> {
     starts_.resize(nsamples);
     for (int i = 0; i < nsamples; i++) {
       starts_[i] = this->spec_.template GetArgument<int64_t>("start", &ws, i);
-      if (starts_[i] == -1) {  // continue: right where this operator's previous run of sample i ended
+      if (continue_runs_ && i < static_cast<int>(next_start_.size()) && next_start_[i] >= 0) {
+        starts_[i] = next_start_[i];  // `start` placed the first run; every later one continues
+      } else if (starts_[i] == -1) {  // continue: right where this operator's previous run of sample i ended
         DALI_ENFORCE(i < static_cast<int>(next_start_.size()) && next_start_[i] >= 0,
                      "dali_nerf ray_sampler: `start` = -1 (continue) needs an earlier run of this "
                      "operator for the same sample; give the first run's stream position");
@@ -133,6 +136,7 @@ class RaySampler : public ::dali::Operator<Backend> {
   int dims_;
   int route_tile_;  // CPU routing: tile side of the per-image tile classification (0: per ray)
   bool simd_;       // CPU: AVX2 paths where the CPU has them (the same results as the scalar code)
+  bool continue_runs_;  // `start` applies to the first run of a sample only; later runs continue
   int mode_;
   double up_[3];
   bool has_bounds_ = false;
