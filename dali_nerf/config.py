@@ -87,7 +87,8 @@ class CacheConfig:
 @dataclass
 class PipelineConfig:
     name: str = "rays"
-    """Batch source: rays (our DALI pipeline + operator) | sync_global | sync_local | torch_workers."""
+    """Batch source: rays (our DALI pipeline + operator) | sync_global | sync_local | torch_workers | ready
+    (one batch again and again: the benchmarks' floor, for timing only)."""
     rays_per_batch: int = 4096
     """Rays per rank per training step."""
     mode: str = "random"
@@ -107,7 +108,7 @@ class PipelineConfig:
     """Worker processes for the torch_workers baseline."""
 
     def validate(self, key: str):
-        _choice(f"{key}.name", self.name, ("rays", "sync_global", "sync_local", "torch_workers"))
+        _choice(f"{key}.name", self.name, ("rays", "sync_global", "sync_local", "torch_workers", "ready"))
         _choice(f"{key}.mode", self.mode, ("random", "epoch"))
         _positive(f"{key}.rays_per_batch", self.rays_per_batch)
         _nonneg(f"{key}.rays_per_run", self.rays_per_run)

@@ -42,6 +42,8 @@ from typing import Dict, Iterator, List, Optional
 import numpy as np
 import torch
 
+from dali_nerf.sources.ready import ReadySource
+
 __all__ = ["DeviceLinks", "EmulatedDevice", "PhaseTimer", "ReadyBatch", "ShmScatter", "emulated_step",
            "batch_nbytes", "PHASES", "RAY_FLOATS", "EMULATED_LABEL"]
 
@@ -186,20 +188,9 @@ def emulated_step(source, dev: EmulatedDevice, timer: PhaseTimer, *, on_device: 
     return batch
 
 
-class ReadyBatch:
-    """The emulation floor's source: hands out one ready batch, again and again (no host work)."""
-
-    def __init__(self, batch: dict):
-        self.batch = batch
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        return self.batch
-
-    def close(self) -> None:
-        pass
+ReadyBatch = ReadySource
+"""The emulation floor's source (:class:`dali_nerf.sources.ReadySource`): one ready batch, again
+and again (no host work)."""
 
 
 class ShmScatter:

@@ -194,15 +194,17 @@ def _seg(root: Path, name, method, sampler, ranks, trial, wait, rest, pair=None,
 
 def test_derive_trials_pairs_and_flags(tmp_path):
     dirs = []
-    # three trials: baseline waits 5 ms of a 10 ms step (ideal 2x); the pipelined runs next to it
-    # take 5.0, 5.5, 6.0 ms (speedups 2.0, 1.82, 1.67); a second pipelined run per trial, not
-    # adjacent, is 20 ms and must not enter the pairs
+    # three trials: baseline waits 5 ms of a 10 ms step; the floor (same step, no data cost) takes
+    # 5 ms, so the data stall is 50% and the ideal 2x; the pipelined runs next to it take 5.0, 5.5,
+    # 6.0 ms (speedups 2.0, 1.82, 1.67); a second pipelined run per trial, not adjacent, is 20 ms
+    # and must not enter the pairs
     for t, p in enumerate((0.005, 0.0055, 0.006)):
         dirs.append(_seg(tmp_path, f"g{t}", "ddp", "sync_global", 2, t, 0.005, 0.005, pair=f"p{t}"))
         dirs.append(_seg(tmp_path, f"p{t}", "ddp", "rays", 2, t, 0.0, p))
         dirs.append(_seg(tmp_path, f"q{t}", "ddp", "rays", 2, t, 0.0, 0.020))
-        dirs.append(_seg(tmp_path, f"f{t}", "ddp", em.FLOOR, 2, t, 0.0, 0.004))
-        # sync_local: waits 1 ms of 5 ms (ideal 1.25x) but its pair is 2 ms: speedup 2.5x, unexplained
+        dirs.append(_seg(tmp_path, f"f{t}", "ddp", em.FLOOR, 2, t, 0.0, 0.005))
+        # sync_local: waits 1 ms of 5 ms, the floor's step: no data stall (ideal 1x), yet its pair
+        # is 2 ms: speedup 2.5x, faster than the floor: unexplained
         dirs.append(_seg(tmp_path, f"l{t}", "ddp", "sync_local", 2, t, 0.001, 0.004, pair=f"r{t}"))
         dirs.append(_seg(tmp_path, f"r{t}", "ddp", "rays", 2, t, 0.0, 0.002 + 1e-4 * t))
     d = study.derive(dirs)
@@ -210,20 +212,36 @@ def test_derive_trials_pairs_and_flags(tmp_path):
     g = runs["sync_global"]
     assert g["device"] == "emulated" and g["emulated_step_ms"] == 2.0 and g["ranks"] == 2 and g["trials"] == 3
     assert g["step_s_trials"] == pytest.approx([0.01] * 3) and g["stall_trials"] == pytest.approx([0.5] * 3)
-    assert g["floor_step_s"] == pytest.approx(0.004) and g["step_over_floor"] == pytest.approx(2.5)
+    assert g["floor_step_s"] == pytest.approx(0.005) and g["step_over_floor"] == pytest.approx(2.0)
     assert g["stall_lockstep"] == pytest.approx(0.5)  # no sync above the floor's: the per-rank stall
     sp = {s["baseline"]: s for s in d["speedups"]}
     exp = [0.01 / 0.005, 0.01 / 0.0055, 0.01 / 0.006]
-    assert sp["sync_global"]["speedup_trials"] == pytest.approx(exp)
+    glob = sp["sync_global"]
+    assert glob["speedup_trials"] == pytest.approx(exp)
     m, ci = study.mean_ci(exp)
-    assert sp["sync_global"]["speedup"] == pytest.approx(m) and sp["sync_global"]["speedup_ci"] == pytest.approx(ci)
-    assert sp["sync_global"]["ideal_speedup"] == pytest.approx(2.0)
-    assert sp["sync_global"]["flags"] == []
+    assert glob["speedup"] == pytest.approx(m) and glob["speedup_ci"] == pytest.approx(ci)
+    assert glob["ideal_basis"] == "floor" and glob["ideal_speedup"] == pytest.approx(2.0)
+    assert glob["stall_data"] == pytest.approx(0.5) and glob["ideal_speedup_wait"] == pytest.approx(2.0)
+    assert glob["ratio"] == pytest.approx(m / 2.0) and glob["flags"] == []
     loc = sp["sync_local"]
-    assert loc["ideal_speedup"] == pytest.approx(1.25) and loc["speedup"] > 2.3
+    assert loc["ideal_speedup"] == pytest.approx(1.0) and loc["ideal_speedup_wait"] == pytest.approx(1.25)
+    assert loc["speedup"] > 2.3
     assert any("above the ideal" in f for f in loc["flags"]) and any("outside" in f for f in loc["flags"])
-    assert "forward" in loc["cause"] and "longer in the baseline" in loc["cause"]
+    assert any("floor ran slow" in f for f in loc["flags"])  # it waits 20% but is no slower than the floor
+    assert "faster than the floor" in loc["cause"]
     assert d["summary"]["flagged_pairs"] == 1 and d["summary"]["pairs"] == 2
+
+
+def test_derive_without_a_floor_uses_the_wait(tmp_path):
+    """No floor in the trials: the ideal is 1 / (1 - wait stall), and a flagged pair's cause
+    decomposes the baseline's step against the pipelined one."""
+    dirs = []
+    for t in range(2):
+        dirs.append(_seg(tmp_path, f"l{t}", "ddp", "sync_local", 2, t, 0.001, 0.004, pair=f"r{t}"))
+        dirs.append(_seg(tmp_path, f"r{t}", "ddp", "rays", 2, t, 0.0, 0.002))
+    loc = study.derive(dirs)["speedups"][0]
+    assert loc["ideal_basis"] == "wait" and loc["ideal_speedup"] == pytest.approx(1.25) and loc["stall_data"] is None
+    assert "forward" in loc["cause"] and "longer in the baseline" in loc["cause"]
 
 
 def test_git_commit_ignores_docs_study(tmp_path):

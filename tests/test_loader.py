@@ -182,7 +182,7 @@ def test_bad_arguments_one_line(scene, cache):
         assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["rays", "sync_local", "sync_global", "torch_workers"])
+@pytest.mark.parametrize("name", ["rays", "sync_local", "sync_global", "torch_workers", "ready"])
 def test_build_source_from_config(scene, name):
     from dali_nerf.config import load_config
     from dali_nerf.sources import build_source
@@ -194,6 +194,13 @@ def test_build_source_from_config(scene, name):
         b = next(src)
         assert b["rgb"].shape == (128, 3) and b["indices"].dtype == torch.int64
         assert {"steps", "wait_s", "stall_fraction", "rays_per_s", "elapsed_s"} <= set(src.stats())
+        if name == "ready":  # the floor: sync_local's first batch, again and again
+            again = next(src)
+            assert again is not b and all(torch.equal(again[k], b[k]) for k in b)
+            cfg.pipeline.name = "sync_local"
+            with build_source(cfg, scene, 0, 1) as first:
+                f = next(first)
+                assert all(torch.equal(f[k], b[k]) for k in b), {k: torch.equal(f[k], b[k]) for k in b}
     finally:
         src.close()
 

@@ -219,7 +219,7 @@ def test_machine_slug_and_commit():
 
 DERIVED_RUN_KEYS = ("method", "sampler", "ranks", "device", "emulated_step_ms", "step_s", "step_s_trials", "stall",
                     "stall_trials")
-DERIVED_PAIR_KEYS = ("speedup", "speedup_ci", "ideal_speedup")
+DERIVED_PAIR_KEYS = ("speedup", "speedup_ci", "ideal_speedup", "ideal_basis", "ideal_speedup_wait", "stall_data")
 
 
 def _check_recomputed(raw):
@@ -257,8 +257,11 @@ def test_study_smoke_end_to_end(tmp_path, monkeypatch):
         assert (out / png).stat().st_size > 1000
     raw = json.loads((out / "derived.json").read_text())
     done = {(r["method"], r["sampler"], r["ranks"]) for r in raw["derived"]["runs"]}
-    assert {("ddp", s, w) for s in ("sync_global", "sync_local", "rays") for w in (1, 2)} <= done
+    assert {("ddp", s, w) for s in ("sync_global", "sync_local", "rays", "ready") for w in (1, 2)} <= done
     assert all(r["device"] == "cpu" and r["steps_used"] == 4 for r in raw["derived"]["runs"])
+    # every CPU pair has its floor (the trainers with pipeline.name=ready), so its ideal is the
+    # baseline's step over the floor's
+    assert all(sp["ideal_basis"] == "floor" and sp["step_floor_s"] > 0 for sp in raw["derived"]["speedups"])
     again = study.derive([r["dir"] for r in raw["derived"]["trial_runs"]], warmup=1)
     assert again["summary"]["mean_speedup"] == pytest.approx(raw["derived"]["summary"]["mean_speedup"])
 

@@ -50,7 +50,7 @@ from ..sources import (PixelSampler, RayLoader, RoutedSyncLocal, SpatialRayLoade
                        TorchWorkersSampler)
 from ..sources.routed_workers import RoutedTorchWorkers, routed_batch
 
-__all__ = ["Segment", "schedule", "pair_order", "launch", "ss_grid", "FLOOR", "PIPELINED"]
+__all__ = ["Segment", "schedule", "pair_order", "with_floor", "launch", "ss_grid", "FLOOR", "PIPELINED"]
 
 FLOOR = "ready"
 """Sampler name of the emulation floor (a source that hands out a ready batch)."""
@@ -102,6 +102,19 @@ def pair_order(baselines: Sequence[str], trial: int, pipelined: str = PIPELINED)
     return out
 
 
+def with_floor(order: List[Tuple[str, int]], trial: int) -> List[Tuple[str, int]]:
+    """``order`` (of :func:`pair_order`) with the floor inserted between two groups (never between
+    a baseline and its pair), at a position rotated by ``trial``.
+
+    >>> [s for s, _ in with_floor([("g", 0), ("rays", 0)], 1)]
+    ['g', 'rays', 'ready']
+    """
+    cuts = [0] + [i for i in range(1, len(order)) if order[i][1] != order[i - 1][1] or order[i][1] < 0] + [len(order)]
+    out = list(order)
+    out.insert(cuts[trial % len(cuts)], (FLOOR, -1))
+    return out
+
+
 def schedule(samplers: Sequence[str], step_ms: Sequence[float], trials: int, rays: int,
              check_rays: Sequence[int] = (), check_step_ms: Optional[float] = None) -> List[Segment]:
     """Every segment of one launch, in run order.
@@ -140,11 +153,7 @@ def schedule(samplers: Sequence[str], step_ms: Sequence[float], trials: int, ray
     for t in range(trials):
         k = t % len(steps) if steps else 0
         for ms in steps[k:] + steps[:k]:
-            order = rotation(t)
-            # the floor goes between groups (never between a baseline and its pair), rotating
-            cuts = [0] + [i for i in range(1, len(order)) if order[i][1] != order[i - 1][1] or order[i][1] < 0] + [len(order)]
-            order.insert(cuts[t % len(cuts)], (FLOOR, -1))
-            add_all(t, ms, rays, order)
+            add_all(t, ms, rays, with_floor(rotation(t), t))
     if check_step_ms is not None:
         for B in check_rays:
             add_all(trials, check_step_ms, B, rotation(0))

@@ -2,7 +2,7 @@
 backend is selected and no global figure state is touched).
 
 * :func:`plot_phases`      stacked bars of the per-phase breakdown per configuration (ms per step);
-* :func:`plot_speedups`    measured speedup (95% CI) of the pipelined loader against the ideal 1/(1-stall);
+* :func:`plot_speedups`    measured speedup (95% CI) of the pipelined loader against the ideal 1/(1-data stall);
 * :func:`plot_scaling`     emulated rows: stall and step / floor against the number of GPUs;
 * :func:`plot_model_check` measured vs cost-model step time (fit set and out-of-sample check);
 * :func:`plot_projection`  projected stall and speedup to many GPUs per node and several nodes.
@@ -50,7 +50,8 @@ def plot_phases(runs: Sequence[dict], path: Path) -> Path:
 
 
 def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
-    """Measured speedup (mean, 95% interval) against its ideal 1/(1 - stall_baseline), one point per
+    """Measured speedup (mean, 95% interval) against its ideal 1/(1 - data stall of the baseline) (its
+    step over the floor's; 1/(1 - wait stall) where no floor ran), one point per
     pair; the y = x line and the band [0.9, 1.15] x ideal inside which the stall explains the speedup."""
     fig = Figure(figsize=(6.4, 5.2))
     ax = fig.subplots()
@@ -71,7 +72,7 @@ def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
                     label="[0.9, 1.15] x ideal")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("ideal speedup 1 / (1 - stall of the baseline)")
+    ax.set_xlabel("ideal speedup 1 / (1 - data stall of the baseline) = baseline step / floor step")
     ax.set_ylabel("measured speedup of pipelined sampling (95% CI)")
     ax.set_title("Speedup explained by the stall? (outside the band: flagged)", fontsize=9)
     ax.legend(fontsize=7)

@@ -60,7 +60,7 @@ from . import plots
 from . import sampler as sb
 
 __all__ = ["main", "derive", "read_run", "machine_slug", "git_commit", "run_grid", "run_emulated",
-           "measure_sampling", "write_report", "observations", "mean_ci", "derive_summary", "fit_and_check", "keeps_up", "PHASE_KEYS",
+           "measure_sampling", "write_report", "observations", "mean_ci", "derive_summary", "fit_and_check", "keeps_up", "keeps_up_reason", "PHASE_KEYS",
            "BAND"]
 
 PHASE_KEYS = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
@@ -219,10 +219,26 @@ _HINTS = {
 }
 
 
-def _cause(b: dict, p: dict) -> str:
-    """Why a pair's speedup differs from its ideal, from the phases: the ideal assumes the pipelined
-    run differs from the baseline only by the baseline's wait. States the step difference phase by
-    phase and names the largest phase outside the wait."""
+def _cause(b: dict, p: dict, floor: Optional[dict] = None) -> str:
+    """Why a pair's speedup differs from its ideal, from the phases. With a ``floor`` (the same
+    step with no data cost) the ideal is the baseline's step over the floor's, so the pair is off
+    when the pipelined run is off the floor: its step minus the floor's, phase by phase. Without
+    one the ideal assumes the pipelined run differs from the baseline only by the baseline's wait:
+    the step difference phase by phase, naming the largest phase outside the wait."""
+    if floor is not None:
+        d = {k: p["phases_s"][k] - floor["phases_s"][k] for k in PHASE_KEYS}
+        parts = [f"pipelined step {p['step_s'] / floor['step_s']:.2f}x the floor's ({1e3 * (p['step_s'] - floor['step_s']):+.2f} ms = "
+                 + ", ".join(f"{k} {1e3 * v:+.2f}" for k, v in d.items() if abs(v) >= 5e-5) + ")"]
+        k = max(d, key=lambda x: d[x])
+        if k == "wait" and d[k] > 0:
+            parts.append("the pipelined run waits for batches (the host does not keep up)")
+        elif d[k] > 0:
+            parts.append(f"{k} longer than the floor's: the pipelined loader's host work (its sampling threads, "
+                         "the hand-over) takes cores the ranks' own threads need, and in lockstep the slowest "
+                         "rank sets every rank's step")
+        if p["step_s"] < floor["step_s"]:
+            parts.append("the pipelined run is faster than the floor: trial-to-trial spread (run order / machine drift)")
+        return "; ".join(parts)
     d = {k: b["phases_s"][k] - p["phases_s"][k] for k in PHASE_KEYS}
     parts = [f"step {1e3 * (b['step_s'] - p['step_s']):+.2f} ms = "
              + ", ".join(f"{k} {1e3 * v:+.2f}" for k, v in d.items() if abs(v) >= 5e-5)]
@@ -313,35 +329,51 @@ def derive(run_dirs: Sequence, warmup: Optional[int] = None) -> dict:
                                      "stall": float(np.mean([q["stall"] for q in same]))}
             pairs.append((r["trial"], r, p))
         trials = sorted({t for t, _, _ in pairs})
-        sp_t, id_t, sb, spp, stb, stp, bl, pl = [], [], [], [], [], [], [], []
+        fk = (device, method, ranks, ems, rays, em.FLOOR)
+        floor_t = {t: float(np.mean([q["step_s"] for q in groups[fk] if q["trial"] == t]))
+                   for t in trials if fk in groups and any(q["trial"] == t for q in groups[fk])}
+        use_floor = len(floor_t) == len(trials)
+        sp_t, id_t, iw_t, bl, pl = [], [], [], [], []
         for t in trials:
             tp = [(b, p) for tt, b, p in pairs if tt == t]
             sp_t.append(float(np.mean([b["step_s"] / p["step_s"] for b, p in tp])))
-            id_t.append(float(np.mean([1.0 / (1.0 - b["stall"]) if b["stall"] < 1 else float("inf") for b, _ in tp])))
+            iw_t.append(float(np.mean([1.0 / (1.0 - b["stall"]) if b["stall"] < 1 else float("inf") for b, _ in tp])))
+            # the data stall: the part of the baseline's step that the same step with no data cost
+            # (the floor, same trial) does not have, whatever phase it shows up in
+            id_t.append(float(np.mean([max(1.0, b["step_s"] / floor_t[t]) for b, _ in tp])) if use_floor else iw_t[-1])
             for b, p in tp:
                 bl.append(b)
                 pl.append(p)
         sp, sp_ci = mean_ci(sp_t)
         ideal, id_ci = mean_ci(id_t)
+        ideal_w, iw_ci = mean_ci(iw_t)
         ratio = sp / ideal if ideal > 0 else float("nan")
         flags = []
-        if len(sp_t) > 1 and sp_ci[0] > ideal:
-            flags.append("speedup interval above the ideal")
+        if len(sp_t) > 1 and sp_ci[0] > id_ci[1]:
+            flags.append("speedup interval above the ideal's")
         if not BAND[0] <= ratio <= BAND[1]:
             flags.append(f"speedup/ideal {ratio:.2f} outside [{BAND[0]}, {BAND[1]}]")
         bmean = {"step_s": float(np.mean([b["step_s"] for b in bl])), "stall": float(np.mean([b["stall"] for b in bl])),
                  "phases_s": {k: float(np.mean([b["phases_s"][k] for b in bl])) for k in PHASE_KEYS}}
         pmean = {"step_s": float(np.mean([p["step_s"] for p in pl])), "stall": float(np.mean([p["stall"] for p in pl])),
                  "phases_s": {k: float(np.mean([p["phases_s"][k] for p in pl])) for k in PHASE_KEYS}}
+        fc = ckey.get(fk) if use_floor else None
+        stall_data = 1.0 - 1.0 / ideal if use_floor and ideal > 0 else None
+        if stall_data is not None and bmean["stall"] > stall_data + 0.05:
+            flags.append(f"the baseline waits {100 * bmean['stall']:.1f}% of its step, more than its step exceeds "
+                         f"the floor's ({100 * stall_data:.1f}%): the floor ran slow")
         bc = ckey.get((device, method, ranks, ems, rays, sampler))
         sl = bc.get("stall_lockstep") if bc else None
         speedups.append({
             "ideal_speedup_lockstep": (1.0 / (1.0 - sl) if sl < 1 else float("inf")) if sl is not None else None,
             "method": method, "ranks": ranks, "device": device, "emulated_step_ms": ems, "rays_per_rank": rays,
             "baseline": sampler, "speedup": sp, "speedup_trials": sp_t, "speedup_ci": sp_ci,
-            "ideal_speedup": ideal, "ideal_trials": id_t, "ideal_ci": id_ci, "ratio": ratio, "flags": flags,
-            "cause": _cause(bmean, pmean) if flags else None,
+            "ideal_speedup": ideal, "ideal_trials": id_t, "ideal_ci": id_ci, "ideal_basis": "floor" if use_floor else "wait",
+            "ideal_speedup_wait": ideal_w, "ideal_wait_ci": iw_ci, "stall_data": stall_data,
+            "ratio": ratio, "flags": flags,
+            "cause": _cause(bmean, pmean, fc) if flags else None,
             "step_baseline_s": bmean["step_s"], "step_pipelined_s": pmean["step_s"],
+            "step_floor_s": float(np.mean(list(floor_t.values()))) if use_floor else None,
             "stall_baseline": bmean["stall"], "stall_pipelined": pmean["stall"], "trials": len(trials),
         })
     order = {"cpu": 0, "cuda": 1, "emulated": 2}
@@ -394,7 +426,9 @@ def observations(derived: dict, cores: Optional[int] = None, device: Optional[st
 # sampling micro-benchmark (independent of the training runs: the cost model is checked on them)
 
 
-def _time_source(cfg: Config, scene, batches: int) -> float:
+def _time_source(cfg: Config, scene, batches: int, cpu: Optional[list] = None) -> float:
+    """Wall seconds per batch of ``cfg.pipeline.name`` alone; ``cpu``: appends the process CPU
+    seconds per batch (every thread: the loader's DALI and hand-over threads too)."""
     if cfg.pipeline.name == "rays":  # cover several DALI runs, not just pops of one prefetched run
         per_run = -(-loader_budget(cfg.pipeline.rays_per_batch, cfg.pipeline.num_threads,
                                    cfg.pipeline.rays_per_run)[1] // cfg.pipeline.rays_per_batch)
@@ -404,9 +438,11 @@ def _time_source(cfg: Config, scene, batches: int) -> float:
         it = iter(src)
         for _ in range(2):
             next(it)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(batches):
             next(it)
+        if cpu is not None:
+            cpu.append((time.process_time() - c0) / batches)
         return (time.perf_counter() - t0) / batches
     finally:
         if hasattr(src, "close"):
@@ -417,21 +453,22 @@ def measure_sampling(cfg: Config, sizes: Sequence[int], batches: int = 20) -> di
     """Seconds per batch of the synchronous sampler (sync_local, world size 1, train.torch_threads) and of our
     pipelined loader with no consumer (its production rate), at each batch size.
 
-    Returns {"sizes", "sync_s" [...], "loader_s" [...], "sync_cores", "loader_cores", "profile"
+    Returns {"sizes", "sync_s" [...], "loader_s" [...], "loader_cpu_s" [...] (process CPU seconds per
+    batch, all threads), "sync_cores", "loader_cores", "profile"
     (a :class:`~dali_nerf.bench.costmodel.SamplingProfile`, per-core costs)}."""
     sc = cfg.scene
     scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
     cores = os.cpu_count() or 1
     threads = cfg.train.torch_threads or cores  # as the trainer's rank would run it
     torch.set_num_threads(threads)
-    out = {"sizes": list(sizes), "sync_s": [], "loader_s": []}
+    out = {"sizes": list(sizes), "sync_s": [], "loader_s": [], "loader_cpu_s": []}
     for b in sizes:
         c = copy.deepcopy(cfg)
         c.pipeline.rays_per_batch = int(b)
         c.pipeline.name = "sync_local"
         out["sync_s"].append(_time_source(c, scene, batches))
         c.pipeline.name = "rays"
-        out["loader_s"].append(_time_source(c, scene, batches))
+        out["loader_s"].append(_time_source(c, scene, batches, cpu=out["loader_cpu_s"]))
     sync_cores = threads
     loader_cores = min(loader_budget(cfg.pipeline.rays_per_batch, cfg.pipeline.num_threads,
                                      cfg.pipeline.rays_per_run)[0], cores)
@@ -453,13 +490,16 @@ def _cell_name(method: str, sampler: str, ranks: int, trial: int = 0, k: int = 0
 def cpu_plan(methods: Sequence[str], samplers: Sequence[str], ranks: Sequence[int], trials: int):
     """[(method, ranks, trial, sampler, k, pair k or None)] in run order.
 
-    Per (method, ranks) and trial, the samplers in :func:`~dali_nerf.bench.emulated.pair_order`."""
+    Per (method, ranks) and trial, the samplers in :func:`~dali_nerf.bench.emulated.pair_order`
+    and the floor (``ready``: the same training step with no data cost) between two of its groups
+    (:func:`~dali_nerf.bench.emulated.with_floor`)."""
     plan, ok = [], list(samplers)
     for m in methods:
         for r in ranks:
             for t in range(trials):
                 base = [s for s in ok if s != em.PIPELINED]
                 order = em.pair_order(base, t) if em.PIPELINED in ok else [(s, -1) for s in base]
+                order = em.with_floor(order, t)
                 pk = {g: i for i, (s, g) in enumerate(order) if s == em.PIPELINED}
                 for i, (s, g) in enumerate(order):
                     plan.append((m, r, t, s, i, pk.get(g) if s != em.PIPELINED else None))
@@ -595,6 +635,16 @@ def keeps_up(c: dict, band: float = BAND[1]) -> Optional[bool]:
     return c["stall"] <= 0.02 and c["step_over_floor"] <= band
 
 
+def keeps_up_reason(c: dict, band: float = BAND[1]) -> str:
+    """Which of :func:`keeps_up`'s rules a row breaks ("" when none)."""
+    why = []
+    if c["stall"] > 0.02:
+        why.append(f"stall {100 * c['stall']:.1f}% > 2%")
+    if (c.get("step_over_floor") or 0) > band:
+        why.append(f"step {c['step_over_floor']:.2f}x the floor > {band}x")
+    return ", ".join(why)
+
+
 def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: List[dict],
                  projection: List[dict], assumptions: "cm.ProjectionAssumptions", meta: dict,
                  sampling: Optional[dict] = None, sampler_table: Optional[str] = None,
@@ -656,15 +706,15 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
                          f"(the study: 1.95x average, 2.24x max).")
             p = [c for c in emu if c["method"] == m and c["sampler"] == em.PIPELINED and keeps_up(c) is False]
             if p:
-                L.append(f"- {m.upper()}: the pipelined CPU sampler does not keep up (stall > 2% or step > "
-                         f"{BAND[1]}x the floor) at " + ", ".join(f"{c['ranks']} GPUs / {c['emulated_step_ms']:g} ms / "
-                                                             f"{c['rays_per_rank']} rays" for c in p) + ".")
+                L.append(f"- {m.upper()}: the pipelined CPU sampler does not keep up at " + ", ".join(
+                    f"{c['ranks']} GPUs / {c['emulated_step_ms']:g} ms / {c['rays_per_rank']} rays ({keeps_up_reason(c)})"
+                    for c in p) + ".")
         L.append("")
     if s["mean_speedup"] is not None:
         L += [f"Over all {s['pairs']} pairs (CPU and emulated): baseline stall {100 * s['mean_stall_sync']:.1f}% on average "
               f"(max {100 * s['max_stall_sync']:.1f}%), pipelined stall at most {100 * s['max_stall_pipelined']:.1f}%; "
-              f"{s['flagged_pairs']} of {s['pairs']} pairs flagged (speedup not explained by the stall; causes in the "
-              f"speedup table).", ""]
+              f"{s['flagged_pairs']} of {s['pairs']} pairs flagged (speedup not explained by the baseline's data stall; "
+              f"causes in the speedup table).", ""]
     if meta.get("regime"):
         L += ["## CPU rows: regime", "", meta["regime"], ""]
     if cpu:
@@ -704,12 +754,13 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
             L.append(f"| {la['method']} | {la['ranks']} | {la['cells'] or '-'} | {la['barrier_s'] * 1e6:.0f} | "
                      f"{la['budget']['threads']} | {la['budget']['rays_per_run']} | {la['wall_s']:.0f} | {la['segments']} |")
         capacity = None
-        prof = (sampling or {}).get("profile")
-        if prof is not None and prof.loader_per_ray_core_s > 0:
-            capacity = (os.cpu_count() or 1) / prof.loader_per_ray_core_s
+        if sampling and sampling.get("loader_cpu_s"):
+            per_ray = max(cs / bb for bb, cs in zip(sampling["sizes"], sampling["loader_cpu_s"]))
+            capacity = (os.cpu_count() or 1) / per_ray
             L += ["", f"Host capacity of the pipelined sampler: {capacity / 1e6:.1f} Mrays/s on {os.cpu_count()} cores "
-                      f"(the loader's cost per ray and core, measured on its own below); demand = ranks x rays per rank / "
-                      f"floor step."]
+                      f"(its CPU time per ray, every thread, measured on its own below, at the costliest batch size); "
+                      f"demand = ranks x rays per rank / floor step. A row's host work is the demand's share of it: "
+                      f"on shared cores it also slows the ranks' own threads, which the step / floor column shows."]
         L += ["", "| method | device step ms | rays/rank | ranks | sampler | step ms [95% CI] | floor ms | step / floor | stall [95% CI] | wait | h2d | compute | sync | host keeps up |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in emu:
@@ -719,30 +770,35 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
                 mark = "-"
             else:
                 demand = c["ranks"] * c["rays_per_rank"] / (c["floor_step_s"] or 1)
-                mark = ("yes" if ku else "**no**") + f" (demand {demand / 1e6:.1f}" + (
-                    f" vs host {capacity / 1e6:.1f} Mrays/s)" if capacity else " Mrays/s)")
+                mark = ("yes" if ku else f"**no**: {keeps_up_reason(c)}") + f" (demand {demand / 1e6:.1f}" + (
+                    f" Mrays/s = {100 * demand / capacity:.0f}% of the host's)" if capacity else " Mrays/s)")
             sof = f"{c['step_over_floor']:.2f}" if c.get("step_over_floor") is not None else "-"
             L.append(f"| {c['method']} | {c['emulated_step_ms']:g} | {c['rays_per_rank']} | {c['ranks']} | {c['sampler']} | "
                      f"{_ci_ms(c)} | {_fmt_ms(c['floor_step_s'])} | {sof} | {_ci_pct(c)} | {_fmt_ms(ph['wait'])} | "
                      f"{_fmt_ms(ph['h2d'])} | {_fmt_ms(ph['forward'] + ph['backward'] + ph['optimizer'])} | {_fmt_ms(ph['sync'])} | {mark} |")
         L.append("")
     L += ["## Speedup of pipelined sampling", "", "![speedup](speedup.png)", "",
-          "speedup = baseline step / step of the pipelined run next to it, per trial, then mean and 95% interval; "
-          f"ideal = 1 / (1 - stall of the baseline) per trial. A pair is flagged when its speedup interval lies above "
-          f"the ideal or speedup / ideal is outside [{BAND[0]}, {BAND[1]}]; the cause column decomposes the step "
-          "(the ideal assumes the pipelined run keeps the baseline's time outside the wait and waits 0).", "",
-          "",
-          "ideal (lockstep) = 1 / (1 - (wait + sync above the floor's) / step) of the baseline: DDP ranks also wait "
-          "at the all-reduce for ranks still sampling, data stall that the per-rank wait does not count "
-          "(emulated rows, where the floor gives the sync without sampling).", "",
-          "| device | method | step ms | rays/rank | ranks | baseline | speedup [95% CI] | ideal [95% CI] | speedup / ideal | ideal (lockstep) | stall baseline | stall pipelined | flag: cause |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "speedup = baseline step / step of the pipelined run next to it, per trial, then mean and 95% interval.", "",
+          "ideal = 1 / (1 - data stall of the baseline), per trial, where the data stall is the share of the "
+          "baseline's step that the floor (the same step with a ready batch: no data cost, run in the same trial) does "
+          "not have: ideal = baseline step / floor step. It counts the stall wherever it shows up: the wait in next(), "
+          "and, on shared cores, what the baseline's sampling adds to the other phases (a DDP all-reduce waiting for "
+          "a rank still sampling, copies and compute woken late while the cores sample). speedup / ideal is then the "
+          "floor's step over the pipelined run's: 1 when pipelining removes all of the data stall. A pair is flagged "
+          f"when speedup / ideal is outside [{BAND[0]}, {BAND[1]}] or its speedup interval lies above the ideal's; the "
+          "cause column decomposes the pipelined step against the floor's, phase by phase.", "",
+          "ideal (wait) = 1 / (1 - wait / step): the ideal from the per-rank wait alone, for comparison (it misses "
+          "the stall outside next()); ideal (lockstep) adds the sync above the floor's.", "",
+          "| device | method | step ms | rays/rank | ranks | baseline | speedup [95% CI] | ideal [95% CI] | speedup / ideal | ideal (wait) | ideal (lockstep) | data stall baseline | stall baseline | stall pipelined | flag: cause |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in sps:
         fl = "-" if not x["flags"] else f"**{'; '.join(x['flags'])}**: {x['cause']}"
         L.append(f"| {x['device']} | {x['method']} | {'-' if x['emulated_step_ms'] is None else format(x['emulated_step_ms'], 'g')} | "
                  f"{x['rays_per_rank']} | {x['ranks']} | {x['baseline']} | {x['speedup']:.2f}x [{x['speedup_ci'][0]:.2f}, "
                  f"{x['speedup_ci'][1]:.2f}] | {x['ideal_speedup']:.2f}x [{x['ideal_ci'][0]:.2f}, {x['ideal_ci'][1]:.2f}] | "
-                 f"{x['ratio']:.2f} | {'-' if x.get('ideal_speedup_lockstep') is None else format(x['ideal_speedup_lockstep'], '.2f') + 'x'} | "
+                 f"{x['ratio']:.2f} | {x['ideal_speedup_wait']:.2f}x | "
+                 f"{'-' if x.get('ideal_speedup_lockstep') is None else format(x['ideal_speedup_lockstep'], '.2f') + 'x'} | "
+                 f"{'-' if x.get('stall_data') is None else format(100 * x['stall_data'], '.1f') + '%'} | "
                  f"{100 * x['stall_baseline']:.1f}% | {100 * x['stall_pipelined']:.1f}% | {fl} |")
     L += ["", "## Sampler throughput", ""]
     if sampler_table:

@@ -8,6 +8,8 @@ rays          :class:`~.rays.RayLoader` (DALI graph + op)  :class:`~.spatial.Spa
 sync_local    :class:`~.sync.SyncLocalSampler`             :class:`~.sync.RoutedSyncLocal`
 sync_global   :class:`~.sync.SyncGlobalSampler`            :class:`~.sync.RoutedSyncGlobal`
 torch_workers :class:`~.sync.TorchWorkersSampler`          :class:`~.routed_workers.RoutedTorchWorkers`
+ready         :class:`~.ready.ReadySource` (sync_local's   the same of each cell's RoutedSyncLocal
+              first batch, again and again: the floor)
 ============= ============================================ ===========================================
 
 This is also the one place the SS sources' image cache is decoded: every cell of a rank samples
@@ -24,6 +26,7 @@ from dali_nerf.hostbudget import loader_budget
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.sources.base import resolve_device
 from dali_nerf.sources.rays import RayLoader
+from dali_nerf.sources.ready import ReadySource
 from dali_nerf.sources.routed_workers import RoutedTorchWorkers
 from dali_nerf.sources.spatial import SpatialRayLoader
 from dali_nerf.sources.sync import (RoutedSyncGlobal, RoutedSyncLocal, SyncGlobalSampler, SyncLocalSampler,
@@ -31,10 +34,10 @@ from dali_nerf.sources.sync import (RoutedSyncGlobal, RoutedSyncLocal, SyncGloba
 
 __all__ = ["build_source", "SOURCES", "SS_SOURCES"]
 
-SOURCES = ("rays", "sync_global", "sync_local", "torch_workers")
+SOURCES = ("rays", "sync_global", "sync_local", "torch_workers", "ready")
 """Valid ``pipeline.name`` values (data parallel)."""
 
-SS_SOURCES = ("rays", "sync_local", "sync_global", "torch_workers")
+SS_SOURCES = ("rays", "sync_local", "sync_global", "torch_workers", "ready")
 """Valid ``pipeline.name`` values with ``method: ss``."""
 
 _DDP = {"rays": RayLoader, "sync_global": SyncGlobalSampler, "sync_local": SyncLocalSampler,
@@ -60,6 +63,8 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
     """
     p = cfg.pipeline
     if cells is None:
+        if p.name == "ready":
+            return ReadySource.first_of(SyncLocalSampler.from_config(cfg, rank, world_size, scene=scene))
         if p.name not in _DDP:
             raise ConfigError(f"pipeline.name: must be one of {', '.join(SOURCES)}, got {p.name!r}")
         return _DDP[p.name].from_config(cfg, rank, world_size, scene=scene)
@@ -85,9 +90,11 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
         elif p.name == "torch_workers":
             src = RoutedTorchWorkers(scene, partition, cell, p.rays_per_batch, p.seed, prefetch=p.prefetch,
                                      cache=cache, workers=p.workers, num_threads=threads)
-        elif p.name == "sync_local":
+        elif p.name in ("sync_local", "ready"):
             src = RoutedSyncLocal(scene, partition, cell, p.rays_per_batch, p.seed, cache=cache,
                                   num_threads=threads)
+            if p.name == "ready":
+                src = ReadySource.first_of(src)
         else:
             src = RoutedSyncGlobal(scene, partition, cells, rank, slot, p.rays_per_batch, p.seed, cache=cache,
                                    num_threads=threads)
