@@ -429,14 +429,16 @@ def observations(derived: dict, cores: Optional[int] = None, device: Optional[st
 def _time_source(cfg: Config, scene, batches: int, cpu: Optional[list] = None) -> float:
     """Wall seconds per batch of ``cfg.pipeline.name`` alone; ``cpu``: appends the process CPU
     seconds per batch (every thread: the loader's DALI and hand-over threads too)."""
-    if cfg.pipeline.name == "rays":  # cover several DALI runs, not just pops of one prefetched run
-        per_run = -(-loader_budget(cfg.pipeline.rays_per_batch, cfg.pipeline.num_threads,
-                                   cfg.pipeline.rays_per_run)[1] // cfg.pipeline.rays_per_batch)
-        batches = max(batches, 3 * per_run)
+    warm = 2
+    if cfg.pipeline.name == "rays":  # cover several DALI runs, not just pops of one prefetched run,
+        per_run = -(-loader_budget(cfg.pipeline.rays_per_batch, cfg.pipeline.num_threads,  # after the
+                                   cfg.pipeline.rays_per_run)[1] // cfg.pipeline.rays_per_batch)  # first runs
+        batches = max(batches, 8 * per_run)
+        warm = 3 * per_run
     src = build_source(cfg, scene, 0, 1)
     try:
         it = iter(src)
-        for _ in range(2):
+        for _ in range(warm):
             next(it)
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(batches):
