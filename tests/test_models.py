@@ -97,6 +97,36 @@ def test_empty_field_renders_background():
     torch.testing.assert_close(img, bg.expand(32, 32, 3))
 
 
+class TwoLayerField(nn.Module):
+    """Air (z > 0, grey 0.5, density ``air``) over a surface layer (z <= 0, colour 0.2, density
+    ``surf``): a transparent field seen from above, before it has learned where the surface is."""
+
+    def __init__(self, sigma=0.01):
+        super().__init__()
+        self.air = nn.Parameter(torch.tensor(float(sigma)))
+        self.surf = nn.Parameter(torch.tensor(float(sigma)))
+
+    def density(self, x):
+        return torch.where(x[:, 2] > 0, self.air, self.surf).expand(x.shape[0])
+
+    def forward(self, x, d):
+        rgb = torch.where((x[:, 2] > 0)[:, None], torch.full((1, 3), 0.5), torch.full((1, 3), 0.2))
+        return self.density(x), rgb
+
+
+@pytest.mark.parametrize("bg, air_grows", [(1.0, True), (0.5, False)])
+def test_background_decides_where_an_empty_field_grows(bg, air_grows):
+    """configs/ss_city.yaml's grey background: when every ray hits a surface (aerial views), a
+    transparent field over white gains density in the air too (every sample is darker than white),
+    over a grey like the air's colour only at the surface (whose colour beats the grey)."""
+    field = TwoLayerField()
+    o, d = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.0, 0.0, -1.0]])
+    out = render_rays(field, o, d, 0.0, 2.0, torch.full((3,), bg), samples=32, train=False)
+    ((out["rgb"] - 0.2) ** 2).sum().backward()
+    assert field.surf.grad < 0  # gradient descent raises the surface's density either way
+    assert (field.air.grad < -1e-3) == air_grows, float(field.air.grad)
+
+
 def test_opaque_sphere_centre_and_outside():
     c2w, k = _camera()
     img = render_image(SphereField(), c2w, k, 32, 32, 2.0, 6.0, BG, samples=128)

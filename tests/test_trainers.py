@@ -150,7 +150,7 @@ def test_ss_two_ranks_learns_and_fusion_beats_submodels(city_scene, tmp_path):
     for m in (m0, m1):
         assert np.mean([r["loss"] for r in m[-5:]]) < 0.8 * np.mean([r["loss"] for r in m[:5]])
         assert all(r["sync_s"] == 0.0 for r in m)  # no gradient sync in SS
-    assert s["fused_psnr"] > mean_colour_psnr(city_scene, "val")
+    assert s["fused_psnr"] > s["mean_color_psnr"]  # the floor of the run's own targets (its background)
     alone = [a["psnr"] for a in s["submodels_alone"]]
     assert s["fused_psnr"] > max(alone), (s["fused_psnr"], alone)
     assert s["fusion_overhead"] > 0
