@@ -18,7 +18,7 @@ import yaml
 
 from dali_nerf.bench import emulated as em
 from dali_nerf.bench import study
-from dali_nerf.emulation import EmulatedDevice, PhaseTimer, ReadyBatch, ShmScatter, emulated_step
+from dali_nerf.emulation import EmulatedDevice, LockstepBarrier, PhaseTimer, ReadyBatch, ShmScatter, emulated_step
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import host_budget
 
@@ -91,6 +91,48 @@ def test_device_times():
     assert L.allreduce_s(360_000_000, 2) == pytest.approx(L.link_latency_s + 1e-3)
     assert L.h2d_s(50_000_000) == pytest.approx(L.h2d_latency_s + 1e-3)
     assert L.scatter_s(360_000, 4) == pytest.approx(L.link_latency_s + 1e-6)
+
+
+def _lockstep_rank(bar, arrived, rank: int, rounds: int, errors) -> None:
+    """Rank body of the LockstepBarrier test: after round k's wait every rank has arrived at round
+    k (none is a round behind), and none is more than one round ahead."""
+    W = bar.parties
+    for k in range(1, rounds + 1):
+        arrived[rank] = k
+        bar.wait(30)
+        seen = [arrived[r] for r in range(W)]
+        if min(seen) < k or max(seen) > k + 1:
+            errors.value += 1
+
+
+def test_lockstep_barrier_keeps_ranks_in_rounds_across_processes():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    W, rounds = 4, 300
+    bar = LockstepBarrier(ctx, W)
+    arrived, errors = ctx.RawArray("i", W), ctx.RawValue("i", 0)
+    ps = [ctx.Process(target=_lockstep_rank, args=(bar, arrived, r, rounds, errors)) for r in range(W)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(60)
+    assert [p.exitcode for p in ps] == [0] * W
+    assert errors.value == 0 and list(arrived) == [rounds] * W
+
+
+def test_lockstep_barrier_timeout_and_abort_break_it():
+    import multiprocessing as mp
+
+    bar = LockstepBarrier(mp.get_context("spawn"), 2)
+    t = time.perf_counter()
+    with pytest.raises(threading.BrokenBarrierError):
+        bar.wait(0.05)  # the other rank never comes
+    assert time.perf_counter() - t < 5
+    with pytest.raises(threading.BrokenBarrierError):
+        bar.wait(5)  # broken for every later call, at once
+    one = LockstepBarrier(mp.get_context("spawn"), 1)
+    assert [one.wait(1) for _ in range(3)] == [0, 0, 0]  # a party of one never blocks
 
 
 def test_shm_scatter_two_ranks_get_their_slices():

@@ -9,7 +9,7 @@ source at one device step time, and writes ``<out>/<segment>/metrics.jsonl`` (ra
 :func:`dali_nerf.bench.study.read_run` reads. Label of every such row:
 :data:`~dali_nerf.emulation.EMULATED_LABEL`.
 
-Lockstep: a ``multiprocessing.Barrier`` (POSIX semaphores in shared memory, no sockets): every
+Lockstep: a :class:`~dali_nerf.emulation.LockstepBarrier` (POSIX semaphores in shared memory, no sockets): every
 segment starts with one; in DDP every step's all-reduce is emulated as this barrier (its
 rendezvous: slower ranks hold the others, as NCCL does) plus the link's all-reduce time;
 ``sync_global`` scatters through shared memory after one. Its own cost — W ranks calling it back to
@@ -39,7 +39,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import yaml
 
-from ..emulation import (DeviceLinks, EmulatedDevice, PhaseTimer, ReadyBatch, ShmScatter, emulated_step)
+from ..emulation import (DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer, ReadyBatch, ShmScatter,
+                         emulated_step)
 from ..errors import DaliNerfError
 from ..hostbudget import HostBudget
 from ..partition import Partition
@@ -333,7 +334,7 @@ def launch(cfg, method: str, ranks: int, segments: List[Segment], out: Path, bud
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(ranks)
+    barrier = LockstepBarrier(ctx, ranks)
     maxB = max(s.rays for s in segments)
     buf = ctx.RawArray("B", ShmScatter.buffer_bytes(ranks, maxB))
     msgs = ctx.Queue()
