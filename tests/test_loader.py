@@ -2,6 +2,7 @@
 
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -253,6 +254,30 @@ def test_run_ahead_order_errors_and_close():
     for _ in range(2):
         with pytest.raises(ValueError, match="run 3 failed"):
             ra.get()
+    ra.close()
+
+
+def test_run_ahead_frees_retired_runs_on_its_thread():
+    """A run handed back with retire() is freed by the RunAhead thread, not the caller's."""
+    import weakref
+
+    from dali_nerf.sources.base import RunAhead
+
+    class Run:
+        pass
+
+    freed_on = []
+    ra = RunAhead("p", lambda pipe: Run(), depth=1)
+    run = ra.get()
+    weakref.finalize(run, lambda: freed_on.append(threading.get_ident()))
+    ra.retire(run)
+    del run
+    assert freed_on == []  # the thread still holds it
+    ra.get()  # lets the thread put the next run and loop: it drops what was retired
+    deadline = time.time() + 5
+    while not freed_on and time.time() < deadline:
+        time.sleep(0.01)
+    assert freed_on and freed_on[0] != threading.get_ident()
     ra.close()
 
 

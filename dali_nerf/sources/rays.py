@@ -219,6 +219,8 @@ class RayLoader(BatchSource):
         if self._run is None or off < 0 or off + B > self.rays_per_run:
             if self._run is not None and self._pipe is not None and self.position != self._next_run_start:
                 self._drop_pipeline()
+            if self._ahead is not None and self._run is not None:
+                self._ahead.retire((self._run, self._steps))
             self._run = self._steps = None
             self._fetch_run()
             off = self.position - self._run_start

@@ -125,6 +125,8 @@ class SpatialRayLoader(BatchSource):
             if nxt != self._next_run_start:  # after load_state_dict: restart the pipeline there
                 self._drop_pipeline()
                 self._next_run_start = nxt
+            if self._ahead is not None and self._run is not None:
+                self._ahead.retire((self._run, self._steps))
             start, consumed, run, steps = self._fetch_run()
             if self._run is not None:
                 self.offset = 0
