@@ -71,7 +71,9 @@ def test_dali_host_pool_keeps_runs_from_page_faulting(tmp_path):
     assert value == hostmem.DALI_POOL_THRESHOLD
     value, default = _run_faults(tmp_path, "32M")
     assert value == "32M"
-    # a block: 10 runs x 4 x 65536 rays x 68 bytes: ~45 MiB of outputs, up to ~11,000 pages
-    # (about 5,100 faults measured with 32M on a 2-core AMD EPYC VM; ~15 with the pool)
-    assert default > 500, default
-    assert pooled < default / 10, (pooled, default)
+    # a block: 10 runs x 4 x 65536 rays x 68 bytes: ~45 MiB of outputs, up to ~11,000 pages.
+    # Pooled: 6-16 faults a block (2-core Intel Xeon VM), ~15 (2-core AMD EPYC VM). DALI's default
+    # path: 271-3,044 (Xeon; it depends on how many runs are alive when glibc trims its heap),
+    # ~5,100 (EPYC).
+    assert pooled < 110, (pooled, default)  # under 1% of the pages a block writes
+    assert default > 3 * pooled + 100, (pooled, default)
