@@ -76,6 +76,27 @@ def test_prefetch_and_rays_per_run_do_not_change_stream(scene, cache, mode):
         assert _same(ref, got), (prefetch, rpr)
 
 
+def test_paced_hand_over_keeps_the_stream(scene, monkeypatch):
+    """Co-located ranks release their run-ahead thread at different steps of a run (run_phase);
+    the batches do not depend on it, nor on a seek that lands after the release point."""
+    from dali_nerf.sources.base import run_phase
+
+    shard = decode_cache(scene, 3, 4)
+    kw = dict(rays_per_batch=96, cache=shard, rank=3, world_size=4)
+    ref = _take(RayLoader(scene, rays_per_run=96, prefetch=0, **kw), 30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert run_phase(3, 8) == 5
+    paced = RayLoader(scene, rays_per_run=96 * 8, prefetch=2, **kw)
+    assert _same(ref, _take(paced, 30))
+    assert paced._phase == 5
+    seeked = RayLoader(scene, rays_per_run=96 * 8, prefetch=2, **kw)
+    _take(seeked, 3)
+    state = seeked.state_dict()
+    state["position"] = 96 * 7  # past this rank's release step of run 0
+    seeked.load_state_dict(state)
+    assert _same(ref[7:20], _take(seeked, 13))
+
+
 @pytest.mark.parametrize("mode", ["random", "epoch"])
 def test_resume_exactly(scene, cache, mode):
     full = RayLoader(scene, rays_per_batch=100, rays_per_run=300, cache=cache, seed=1, mode=mode)
@@ -255,6 +276,38 @@ def test_run_ahead_order_errors_and_close():
         with pytest.raises(ValueError, match="run 3 failed"):
             ra.get()
     ra.close()
+
+
+def test_run_ahead_paced_produces_when_released():
+    """Paced, the thread produces a run only on release() or when get() finds the queue empty;
+    unpaced, it produces as soon as the queue has room."""
+    from dali_nerf.sources.base import RunAhead
+
+    def settle(ra, n):
+        deadline = time.time() + 5
+        while len(ra.made) < n and time.time() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.1)  # and no more than n
+        return len(ra.made)
+
+    def make(paced):
+        made = []
+        ra = RunAhead("p", lambda pipe: made.append(len(made)) or len(made), depth=1, paced=paced)
+        ra.made = made
+        return ra
+
+    ra = make(paced=False)
+    assert settle(ra, 2) == 2  # one in the queue, the next waiting for room
+    ra.close()
+
+    ra = make(paced=True)
+    assert settle(ra, 1) == 1  # the first run only
+    assert ra.get() == 1 and settle(ra, 1) == 1  # taking it does not start the next
+    ra.release()
+    assert settle(ra, 2) == 2 and ra.get() == 2
+    assert ra.get() == 3  # an empty queue: get() releases it itself instead of waiting forever
+    ra.close()
+    assert not ra._thread.is_alive()
 
 
 def test_run_ahead_frees_retired_runs_on_its_thread():

@@ -20,6 +20,7 @@ import torch
 
 from dali_nerf._dali import torch_feed
 from dali_nerf.errors import ConfigError
+from dali_nerf.hostbudget import local_world_size
 from dali_nerf.pipelines.rays import RAY_OUTPUTS
 from dali_nerf.scenes import load_scene
 
@@ -150,6 +151,24 @@ def run_graph(pipe, device: str, keys: Sequence[str], copy: bool):
     return consumed, {k: dali_to_torch(out[k], device, copy) for k in keys}
 
 
+def run_phase(rank: int, steps_per_run: int, local_world: Optional[int] = None) -> int:
+    """The step of each run at which a paced :class:`RunAhead` of this rank is released: spread
+    over the first K - 1 steps of the run by local rank (``rank`` modulo ``local_world``, default
+    ``LOCAL_WORLD_SIZE``), so co-located ranks in lockstep do not all produce on the same step, and
+    every rank leaves its thread at least one step to finish before the run is needed.
+
+    >>> [run_phase(r, 16, local_world=4) for r in range(5)]
+    [0, 3, 7, 11, 0]
+    >>> run_phase(5, 16, local_world=1), run_phase(1, 2, local_world=4)
+    (0, 0)
+    """
+    k = int(steps_per_run)
+    w = local_world_size() if local_world is None else int(local_world)
+    if k <= 2 or w <= 1:
+        return 0
+    return (int(rank) % w) * (k - 1) // w
+
+
 def step_views(run: dict, steps: int, rays_per_batch: int) -> list:
     """The ``steps`` step batches of a run ``{key: (steps * B, ...)}`` as tuples of (B, ...) views
     in ``run``'s key order, made with one C++ call per output (``unbind``: ~0.6 us a view against
@@ -162,9 +181,15 @@ class _Failure:
         self.exc = exc
 
 
-def _run_ahead_loop(pipe, produce, q: "queue.Queue", stop: threading.Event, retired: collections.deque) -> None:
+def _run_ahead_loop(pipe, produce, q: "queue.Queue", stop: threading.Event, retired: collections.deque,
+                    go: threading.Event, paced: bool) -> None:
     try:
         while not stop.is_set():
+            go.wait()  # paced: the consumer's release() (always set when unpaced)
+            if stop.is_set():
+                break
+            if paced:
+                go.clear()
             retired.clear()  # the consumer's finished runs die here, not on the training thread
             q.put(produce(pipe))
     except BaseException as e:  # handed to the consumer's next get()
@@ -188,17 +213,34 @@ class RunAhead:
     training thread does not pay for freeing its ~K x outputs tensors (~50-150 us a run, and in
     DDP every rank frees on the same step); ``close()`` stops and joins the thread (call it before
     releasing the pipeline). Idempotent.
+
+    ``paced``: the thread produces a run only when the consumer calls ``release()`` (and when
+    ``get()`` finds the queue empty, so it never waits for a run nobody asked for). Unpaced, it
+    produces as soon as the queue has room, i.e. right after each ``get()``: every co-located DDP
+    rank crosses into a new run on the same step, so all their threads (and the DALI runs each
+    ``pipe.run()`` schedules) would work in one burst; the loaders release at a step of the run
+    that differs per local rank (:func:`run_phase`), which spreads that work over the run.
     """
 
-    def __init__(self, pipe, produce: Callable, depth: int = 1, name: str = "dali_nerf-run-ahead"):
+    def __init__(self, pipe, produce: Callable, depth: int = 1, name: str = "dali_nerf-run-ahead",
+                 paced: bool = False):
         self._q: "queue.Queue" = queue.Queue(maxsize=max(1, int(depth)))
         self._stop = threading.Event()
         self._retired: collections.deque = collections.deque()
-        self._thread = threading.Thread(target=_run_ahead_loop, args=(pipe, produce, self._q, self._stop, self._retired),
+        self._go = threading.Event()
+        self._go.set()  # the first run is produced ahead either way
+        self._thread = threading.Thread(target=_run_ahead_loop,
+                                        args=(pipe, produce, self._q, self._stop, self._retired, self._go, bool(paced)),
                                         name=name, daemon=True)
         self._thread.start()
 
+    def release(self) -> None:
+        """Paced: let the thread produce its next run now (no-op when unpaced)."""
+        self._go.set()
+
     def get(self):
+        if self._q.empty():
+            self._go.set()  # a consumer about to wait must never wait for a run not yet allowed
         item = self._q.get()
         if isinstance(item, _Failure):
             self._q.put(item)  # every later get() fails the same way
@@ -212,6 +254,7 @@ class RunAhead:
 
     def close(self) -> None:
         self._stop.set()
+        self._go.set()
         while self._thread.is_alive():  # unblock a put() on a full queue until the thread sees stop
             try:
                 while True:

@@ -47,7 +47,8 @@ from dali_nerf.hostbudget import loader_budget
 from dali_nerf.pipelines.decode import decode_cache, shard_range, shard_sizes
 from dali_nerf.pipelines.rays import ray_pipeline
 from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, RunAhead, check_cache_device, check_common,
-                                    check_positive, resolve_device, run_graph, scene_from_config, step_views)
+                                    check_positive, resolve_device, run_graph, run_phase, scene_from_config,
+                                    step_views)
 from dali_nerf.sources.streaming import WindowStream, plan_window_images
 
 __all__ = ["RayLoader"]
@@ -142,6 +143,7 @@ class RayLoader(BatchSource):
         self._stats = BatchStats()
         self._pipe = None
         self._ahead: Optional[RunAhead] = None  # the background hand-over of self._pipe's runs (CPU, prefetch > 0)
+        self._phase = 0  # the step of each run at which self._ahead may produce the next (run_phase)
         self._run = None  # dict of torch tensors (K*B, ...) of the current run
         self._steps = None  # K tuples of (B, ...) views of self._run, in output_map order
         self._run_start = 0  # stream position of self._run's first ray
@@ -187,7 +189,10 @@ class RayLoader(BatchSource):
                 consumed, run = run_graph(pipe, "cpu", keys, copy=False)
                 return consumed, run, step_views(run, K, B)
 
-            self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-rays-r{self.rank}")
+            # paced: released at this rank's step of each run (run_phase), so co-located ranks
+            # in lockstep do not all hand over and schedule their next runs on the same step
+            self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-rays-r{self.rank}", paced=True)
+            self._phase = run_phase(self.rank, self.steps_per_run)
 
     def _fetch_run(self):
         if self._pipe is None:
@@ -227,6 +232,8 @@ class RayLoader(BatchSource):
         k, r = divmod(off, B)
         if r == 0:  # the usual case: a precomputed step (a fresh dict, so callers may mutate it)
             batch = dict(zip(self.output_map, self._steps[k]))
+            if k == self._phase and self._ahead is not None:
+                self._ahead.release()
         else:  # a seek landed inside the run off the step grid
             batch = {k: v[off:off + B] for k, v in self._run.items()}
         self.position += B

@@ -31,6 +31,7 @@ from dali_nerf.hostbudget import loader_budget
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline
 from dali_nerf.sources.base import (BatchSource, BatchStats, RunAhead, check_cache_device, resolve_device, run_graph,
+                                    run_phase,
                                     step_views)
 
 __all__ = ["SpatialRayLoader"]
@@ -76,6 +77,7 @@ class SpatialRayLoader(BatchSource):
         self._stats = BatchStats()
         self._pipe = None
         self._ahead: Optional[RunAhead] = None  # background hand-over of self._pipe's runs (CPU, prefetch > 0)
+        self._phase = 0  # the step of each run at which self._ahead may produce the next (run_phase)
         self._steps = None          # K tuples of (B, ...) views of the current run, in RAY_OUTPUTS order
         self._closed = False
 
@@ -96,7 +98,8 @@ class SpatialRayLoader(BatchSource):
                     consumed, run = run_graph(pipe, "cpu", RAY_OUTPUTS[:-1], copy=False)
                     return consumed, run, step_views(run, K, B)
 
-                self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-cell{self.cell}")
+                self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-cell{self.cell}", paced=True)
+                self._phase = run_phase(self.cell, K)
         if self._ahead is not None:
             consumed, run, steps = self._ahead.get()
         else:
@@ -139,6 +142,8 @@ class SpatialRayLoader(BatchSource):
         k, r = divmod(self.offset, B)
         if r == 0:  # the usual case: a precomputed step view (a fresh dict, so callers may mutate it)
             batch = dict(zip(RAY_OUTPUTS[:-1], self._steps[k]))
+            if k == self._phase and self._ahead is not None:
+                self._ahead.release()
         else:  # resumed off the step grid (load_state_dict with an offset that is not a multiple of B)
             batch = {n: v[self.offset:self.offset + B] for n, v in self._run[2].items()}
         self.offset += B
