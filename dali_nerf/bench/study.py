@@ -673,8 +673,9 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
          f"- commit: `{commit}` ({clean})",
          f"- machine: {meta['machine_desc']}",
          f"- date: {meta['date']}, study wall time {meta['wall_s']:.0f} s"
-         + (f"; 1-min load average {meta['load_avg_start']:.1f} at start, {meta['load_avg_end']:.1f} at end "
-            f"(above the core count = other processes shared the cores and inflated the timings)"
+         + (f"; 1-min load average {meta['load_avg_start']:.1f} at start (other processes: near 0 on a quiet "
+            f"machine; 1 or more means they shared the cores and inflated the timings), {meta['load_avg_end']:.1f} "
+            f"at end (the study's own rank processes count in it)"
             if "load_avg_start" in meta else ""),
          f"- workload: {meta['workload']}",
          f"- timing: {meta['trials']} trials per configuration in an order rotated between trials (each baseline "
