@@ -202,6 +202,12 @@ def test_schedule_rotates_and_pairs_are_adjacent(baselines):
             last.add(core[-1])
     assert len(first) > 1 and len(last) > 1  # no sampler always first or last
     assert len({s.name for s in segs}) == len(segs)
+    # the cost model's check segments (other batch sizes): every sampler once, beside their own floor
+    chk = em.schedule(samplers, [2.0], 1, 4096, check_rays=[2048], check_step_ms=2.0)
+    extra = [s for s in chk if s.rays == 2048]
+    assert {s.sampler for s in extra} == set(samplers) | {em.FLOOR}
+    assert [s.sampler for s in extra].count(em.FLOOR) == 1
+    assert all(s.trial == 1 and s.step_ms == 2.0 for s in extra)
 
 
 def test_ss_grid():

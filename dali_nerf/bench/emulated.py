@@ -123,7 +123,8 @@ def schedule(samplers: Sequence[str], step_ms: Sequence[float], trials: int, ray
     Per trial, the device step times in an order rotated by the trial; per step time the samplers
     in :func:`pair_order` and the floor between two of its groups (a position rotated by the
     trial). Then, once, at ``check_step_ms`` and each of ``check_rays`` (other batch sizes, for the
-    cost model's out-of-sample check): the samplers once each, in :func:`pair_order`'s order."""
+    cost model's out-of-sample check): the floor and the samplers once each, in :func:`pair_order`'s
+    order."""
     base = [s for s in samplers if s != PIPELINED]
     has_p = PIPELINED in samplers
     segs: List[Segment] = []
@@ -156,8 +157,8 @@ def schedule(samplers: Sequence[str], step_ms: Sequence[float], trials: int, ray
         for ms in steps[k:] + steps[:k]:
             add_all(t, ms, rays, with_floor(rotation(t), t))
     if check_step_ms is not None:
-        for B in check_rays:
-            add_all(trials, check_step_ms, B, rotation(0))
+        for B in check_rays:  # with their own floor: the ideal of a lockstep pair needs one
+            add_all(trials, check_step_ms, B, with_floor(rotation(0), 0))
     return segs
 
 
