@@ -22,7 +22,13 @@
 #   bash scripts/gpu_study.sh --cpu      # only step 4 on the CPU, small sizes (laptops)
 #
 # Budgets: GPU_STUDY_TOTAL (s, default 540) for the whole run; the torch study gets
-# GPU_STUDY_SECONDS (default 150) or --budget=SECONDS. QUALITY_STEPS (default 3000) caps step 5.
+# GPU_STUDY_SECONDS (default 150) or --budget=SECONDS. QUALITY_STEPS (default 3000) caps step 5;
+# without data/lego it trains on a generated scene of QUALITY_IMAGES (100) at QUALITY_RES (800).
+# A rerun of part of it: GPU_STUDY_SKIP=op-throughput,study,quality (step names, comma-separated)
+# and GPU_TESTS_K=<pytest -k expression> for step 2.
+# DALI travels in pieces (the GPU machine has none, and one call carries at most 64 MiB): here,
+# bash scripts/gpu_pack_dali.sh writes .whl/dali_site.tar.xz.part0..2 (DALI for CUDA 13 and its
+# dependencies, unpacked); carry one piece a call, the run unpacks them (step 0).
 # Feed the result to the projection: dali-nerf bench study bench.gpu_step_ms=<phases[B].step_ms>
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,6 +71,7 @@ run_step() {
   FAILED=1
   return 1
 }
+skip() { [[ ",${GPU_STUDY_SKIP:-}," == *",$1,"* ]]; }
 have_dali() { "$PY" -c "import nvidia.dali" >/dev/null 2>&1; }
 have_gpu() { "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; }
 have_nvcc() { "$PY" -c "import sys; from dali_nerf.ops import _find_nvcc; sys.exit(0 if _find_nvcc() else 1)" >/dev/null 2>&1; }
@@ -237,6 +244,16 @@ echo "gpu_study: mode $MODE, out $OUT_DIR, total budget ${TOTAL}s" | tee "$OUT_D
 DALI=0
 if have_dali; then
   DALI=1; note RAN dali "importable: $("$PY" -c 'import nvidia.dali as d; print(d.__version__)')"
+elif ls .whl/*.tar.xz.part* >/dev/null 2>&1 && [ "$MODE" != dry ]; then
+  # an unpacked site (DALI and its dependencies, made by scripts/gpu_pack_dali.sh), carried in pieces
+  SITE="${TMPDIR:-/tmp}/dali_nerf_dali_site"
+  mkdir -p "$SITE"
+  if cat $(ls .whl/*.tar.xz.part* | sort) | xz -d -T0 | tar -xf - -C "$SITE"; then
+    rm -f "$SITE/nvidia/__init__.py"  # nvimgcodec's: keep nvidia/ a namespace shared with torch's CUDA wheels
+    export PYTHONPATH="$PYTHONPATH:$SITE"
+  fi
+  if have_dali; then DALI=1; note RAN dali "unpacked from .whl/*.tar.xz.part*: $("$PY" -c 'import nvidia.dali as d; print(d.__version__)')"
+  else note FAILED dali "unpacked .whl/*.tar.xz.part* into $SITE but nvidia.dali is not importable"; FAILED=1; fi
 else
   WHEEL=$(ls .whl/*.whl 2>/dev/null | head -n 1)
   if [ -z "$WHEEL" ]; then
@@ -259,6 +276,11 @@ else
     fi
   fi
 fi
+# trainers/ and pipelines/ are installed inside the package (setup.cfg's package_dir): a bare
+# checkout on PYTHONPATH lacks dali_nerf.trainers / dali_nerf.pipelines until it is installed
+if ! "$PY" -c "import dali_nerf.pipelines, dali_nerf.trainers" >/dev/null 2>&1; then
+  run_step install 120 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+fi
 NVCC=0; have_nvcc && NVCC=1
 GPU=0; [ "$MODE" = gpu ] && GPU=1
 # the GPU run builds for its own GPU only (sm_90 on an H200: half the nvcc time of the default)
@@ -271,8 +293,9 @@ else run_step build "$(( $(left) < 600 ? $(left) : 600 ))" "$PY" -m dali_nerf bu
 fi
 
 # ---- 2. gpu tests -------------------------------------------------------------------------------
-if [ $DALI = 0 ]; then note SKIPPED gpu-tests "no DALI"
-elif [ $GPU = 1 ]; then run_step gpu-tests "$(( $(left) - 120 ))" "$PY" -m pytest -q -rs -m gpu tests/
+if skip gpu-tests; then note SKIPPED gpu-tests "GPU_STUDY_SKIP"
+elif [ $DALI = 0 ]; then note SKIPPED gpu-tests "no DALI"
+elif [ $GPU = 1 ]; then run_step gpu-tests "$(( $(left) - 120 ))" "$PY" -m pytest -q -rs -m gpu ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} tests/
 else
   # dry: the gpu tests must be collected and skipped, each with its reason
   if run_step gpu-tests-collect 300 "$PY" -m pytest -q -rs -m gpu tests/test_gpu.py; then
@@ -283,7 +306,8 @@ else
 fi
 
 # ---- 3. the op's throughput ---------------------------------------------------------------------
-if [ $DALI = 0 ]; then note SKIPPED op-throughput "no DALI"
+if skip op-throughput; then note SKIPPED op-throughput "GPU_STUDY_SKIP"
+elif [ $DALI = 0 ]; then note SKIPPED op-throughput "no DALI"
 elif [ $GPU = 1 ]; then
   run_step op-throughput "$(( $(left) < 150 ? $(left) : 150 ))" "$PY" benchmarks/op_throughput.py --gpu \
     --images 100 --res 800 --rays 262144,1048576 --seconds 4 --threads 4
@@ -293,7 +317,8 @@ else
 fi
 
 # ---- 4. the torch study -------------------------------------------------------------------------
-if [ $GPU = 1 ]; then
+if skip study; then note SKIPPED study "GPU_STUDY_SKIP"
+elif [ $GPU = 1 ]; then
   B=$(( $(left) - 90 )); (( B > ${BUDGET%.*} )) && B=${BUDGET%.*}
   run_step study "$(( B + 60 ))" "$PY" "$STUDY_PY" gpu "$OUT_DIR" "$B"
 else
@@ -302,12 +327,17 @@ fi
 
 # ---- 5. the GPU quality config ------------------------------------------------------------------
 CFG=configs/ddp_blender_gpu.yaml
-if [ $GPU = 1 ] && [ $DALI = 1 ]; then
+if skip quality; then note SKIPPED quality "GPU_STUDY_SKIP"
+elif [ $GPU = 1 ] && [ $DALI = 1 ]; then
   SCENE=data/lego
   if [ ! -d "$SCENE" ]; then
-    SCENE="${TMPDIR:-/tmp}/dali_nerf_objects800"
-    run_step make-scene "$(( $(left) / 3 ))" "$PY" -m dali_nerf make-scene objects --out "$SCENE" \
-      --resolution 800 --images 100 || SCENE=
+    QRES=${QUALITY_RES:-800}; QIMG=${QUALITY_IMAGES:-100}
+    SCENE="${TMPDIR:-/tmp}/dali_nerf_objects${QRES}x${QIMG}"
+    if [ -f "$SCENE/transforms_train.json" ]; then note RAN make-scene "reused $SCENE (an earlier call made it)"
+    else
+      run_step make-scene "$(( $(left) / 3 ))" "$PY" -m dali_nerf make-scene objects --out "$SCENE" \
+        --resolution "$QRES" --images "$QIMG" --force || SCENE=
+    fi
   fi
   if [ -n "$SCENE" ]; then
     run_step quality "$(( $(left) - 10 ))" "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
