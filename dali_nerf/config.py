@@ -193,7 +193,14 @@ class TrainConfig:
     runs_dir: str = "runs"
     """Folder that holds runs/<name>/."""
     device: str = "auto"
-    """auto (cuda when available) | cpu | cuda."""
+    """auto (cuda when available) | cpu | cuda | emulated (no model: each rank's device work is a
+    timed wait, host work real; measures whether this host feeds the GPUs, see
+    dali_nerf/emulated_train.py)."""
+    emulated_step_ms: float = 2.0
+    """train.device=emulated: device milliseconds of forward + backward + optimizer per 4096 rays
+    (linear in the step's rays)."""
+    emulated_floor_steps: int = 100
+    """train.device=emulated: steps timed with a ready batch first (the emulation floor; 0 = none)."""
     torch_threads: int = 0
     """Intra-op threads per rank for torch (0 = cores / ranks)."""
     stop_after: int = 0
@@ -210,7 +217,10 @@ class TrainConfig:
         _positive(f"{key}.log_every", self.log_every)
         for k in ("eval_every", "checkpoint_every", "eval_images", "torch_threads", "stop_after"):
             _nonneg(f"{key}.{k}", getattr(self, k))
-        _choice(f"{key}.device", self.device, ("auto", "cpu", "cuda"))
+        _choice(f"{key}.device", self.device, ("auto", "cpu", "cuda", "emulated"))
+        if not self.emulated_step_ms > 0:
+            raise ConfigError(f"{key}.emulated_step_ms: must be > 0 ms, got {self.emulated_step_ms}")
+        _nonneg(f"{key}.emulated_floor_steps", self.emulated_floor_steps)
         _choice(f"{key}.tensorboard", self.tensorboard, ("auto", "always", "never"))
 
 

@@ -34,18 +34,25 @@ floor (:class:`ReadyBatch` beside each configuration).
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import threading
 import time
 from contextlib import contextmanager
+from multiprocessing import resource_tracker, shared_memory
+from multiprocessing.synchronize import Semaphore
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
 
+from dali_nerf.seeds import routed_stream
+from dali_nerf.sources.sync import PixelSampler
 from dali_nerf.sources.ready import ReadySource
+from dali_nerf.sources.routed_workers import routed_batch
 
 __all__ = ["DeviceLinks", "EmulatedDevice", "LockstepBarrier", "PhaseTimer", "ReadyBatch", "ShmScatter", "emulated_step",
+           "shared_block", "global_scatter", "model_grad_bytes",
            "batch_nbytes", "PHASES", "RAY_FLOATS", "EMULATED_LABEL"]
 
 PHASES = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
@@ -212,6 +219,60 @@ class LockstepBarrier:
         self._broken = ctx.RawValue("b", 0)
         self._gates = (ctx.Semaphore(0), ctx.Semaphore(0))
         self._round = 0
+        self._shm = None
+
+    @classmethod
+    def named(cls, parties: int) -> "LockstepBarrier":
+        """The same barrier for processes this one did not start (torchrun's ranks on one host):
+        POSIX named semaphores and a shared-memory block that :meth:`attach` opens by the names in
+        :attr:`spec`. The creator owns them: they are unlinked when it exits (the others' handles
+        stay valid)."""
+        ctx = mp.get_context("spawn")  # spawn-context semaphores keep their names until exit
+        b = cls.__new__(cls)
+        b.parties, b._round = int(parties), 0
+        b._lock = ctx.Semaphore(1)
+        b._gates = (ctx.Semaphore(0), ctx.Semaphore(0))
+        b._shm, b._owner = shared_block(size=8), True
+        b._ints = b._shm.buf.cast("i")
+        b._ints[0] = b._ints[1] = 0
+        b._count, b._broken = _ShmInt(b._ints, 0), _ShmInt(b._ints, 1)
+        return b
+
+    @property
+    def spec(self) -> tuple:
+        """What :meth:`attach` needs (picklable: send it to the other ranks)."""
+        if self._shm is None:
+            raise ValueError("LockstepBarrier.spec: only a barrier made by LockstepBarrier.named has names")
+        sems = [(s._semlock.kind, s._semlock.maxvalue, s._semlock.name) for s in (self._lock, *self._gates)]
+        return self.parties, sems, self._shm.name
+
+    @classmethod
+    def attach(cls, spec: tuple) -> "LockstepBarrier":
+        """Open a :meth:`named` barrier in another process, by its :attr:`spec`."""
+        parties, sems, shm_name = spec
+        opened = []
+        for kind, maxvalue, name in sems:
+            s = Semaphore.__new__(Semaphore)
+            s.__setstate__((0, kind, maxvalue, name))  # sem_open(name): what unpickling in a child does
+            opened.append(s)
+        b = cls.__new__(cls)
+        b.parties, b._round = int(parties), 0
+        b._lock, b._gates = opened[0], (opened[1], opened[2])
+        b._shm, b._owner = shared_block(shm_name), False
+        b._ints = b._shm.buf.cast("i")
+        b._count, b._broken = _ShmInt(b._ints, 0), _ShmInt(b._ints, 1)
+        return b
+
+    def close(self) -> None:
+        """Release this process's view of a named barrier's shared block (the creator also
+        unlinks it: call it there after every rank is done with the barrier)."""
+        if self._shm is not None:
+            self._count = self._broken = None
+            self._ints.release()
+            self._shm.close()
+            if self._owner:
+                self._shm.unlink()
+            self._shm = None
 
     def wait(self, timeout: Optional[float] = None) -> int:
         """Block until all parties called it in this round; returns 0 on the last to arrive, else 1."""
@@ -241,6 +302,35 @@ class LockstepBarrier:
         for g in self._gates:
             for _ in range(self.parties):
                 g.release()
+
+
+class _ShmInt:
+    """One int32 of a shared block, with ``.value`` as ``multiprocessing.RawValue`` has."""
+
+    def __init__(self, ints: memoryview, i: int):
+        self._ints, self._i = ints, i
+
+    @property
+    def value(self) -> int:
+        return self._ints[self._i]
+
+    @value.setter
+    def value(self, v: int) -> None:
+        self._ints[self._i] = v
+
+
+def shared_block(name: Optional[str] = None, size: int = 0) -> shared_memory.SharedMemory:
+    """A shared-memory block: a new one of ``size`` bytes (``name`` None; this process owns it
+    and unlinks it at exit), or the existing block ``name`` (opened, not owned: Python < 3.13
+    would also register it for unlinking when this process exits, which this undoes)."""
+    if name is None:
+        return shared_memory.SharedMemory(create=True, size=max(1, int(size)))
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 (bpo-39959)
+    except Exception:
+        pass
+    return shm
 
 
 ReadyBatch = ReadySource
@@ -302,8 +392,39 @@ class ShmScatter:
                 "near": mine_f[:, 9:10], "far": mine_f[:, 10:11], "indices": mine_i}
 
     def close(self) -> None:
-        pass
+        self._slots = []  # its views of the shared buffer (a block cannot close while they exist)
 
     @staticmethod
     def buffer_bytes(world_size: int, rays_per_batch: int) -> int:
         return 2 * int(world_size) * int(rays_per_batch) * (RAY_FLOATS * 4 + 24)
+
+
+def global_scatter(method: str, scene, cache, seed: int, rank: int, world_size: int, rays_per_batch: int, buf,
+                   barrier, dev: EmulatedDevice, partition=None) -> ShmScatter:
+    """sync_global across emulated ranks: rank 0 samples the step's ``world_size`` batches in its
+    training thread from one sampler over all images (``cache``, needed on rank 0 only) — DDP: one
+    global batch split in rank order; SS: each cell's routed batch (one cell per rank, rank 0's
+    shared candidate stream) — and :class:`ShmScatter` hands every rank its own."""
+    W, B = int(world_size), int(rays_per_batch)
+    sample = None
+    if rank == 0:
+        if method == "ddp":
+            ps = PixelSampler(cache, scene, seed, 0, "random")
+
+            def sample(step):
+                g = ps.sample(step * B * W, B * W)
+                return [{k: v[r * B:(r + 1) * B] for k, v in g.items()} for r in range(W)]
+        else:
+            ps = PixelSampler(cache, scene, seed, routed_stream(slot=0), "random")
+
+            def sample(step):
+                return [routed_batch(ps, partition, c, step, B, 2 * B) for c in range(W)]
+    return ShmScatter(sample, buf, barrier, rank, W, B, dev)
+
+
+def model_grad_bytes(model_cfg) -> int:
+    """Bytes of the gradients DDP all-reduces per step: the configured radiance field's parameters."""
+    from dali_nerf.models import build_field
+
+    field = build_field(model_cfg, torch.tensor([[-1.5] * 3, [1.5] * 3]))
+    return int(sum(q.numel() * q.element_size() for q in field.parameters() if q.requires_grad))

@@ -503,7 +503,12 @@ def _save_checkpoint(run_dir: Path, step: int, tasks: List[Task], env: DistEnv, 
 
 def train(cfg: Config, method: Method, resume: bool = False) -> dict:
     """Run training for ``cfg`` with ``method`` on this process's rank; returns the summary
-    (rank 0) or {} (other ranks)."""
+    (rank 0) or {} (other ranks). ``train.device=emulated`` runs the emulated-device mode
+    (:func:`dali_nerf.emulated_train.train_emulated`: no model, device work as timed waits)."""
+    if cfg.train.device == "emulated":
+        from dali_nerf.emulated_train import train_emulated
+
+        return train_emulated(cfg, method, resume)
     env = setup_distributed(cfg.train.device, cfg.train.torch_threads)
     prepare_run_dir(cfg.run_dir, env)
     scene, eval_scene = load_scenes(cfg, env)
@@ -865,8 +870,9 @@ def trainer_main(method_factory: Callable[[], Method], default_config: str, argv
             raise ConfigError(f"{args.config}: method: is {cfg.method!r} but this trainer runs {method.name!r}; use trainers/{'ddp' if cfg.method == 'ddp' else 'spatial'}.py")
         summary = train(cfg, method, resume=args.resume)
         if summary:
-            print(json.dumps({k: summary[k] for k in ("name", "test_psnr", "stall_fraction", "stall_fraction_after_first_step",
-                                                     "warmup_wait_s", "rays_per_s", "wall_s")}), flush=True)
+            keys = ("name", "test_psnr", "stall_fraction", "stall_fraction_after_first_step", "warmup_wait_s", "rays_per_s",
+                    "wall_s", "device", "step_s", "floor_step_s", "step_over_floor", "host_keeps_up")
+            print(json.dumps({k: summary[k] for k in keys if k in summary}), flush=True)
         return 0
 
     return run_cli(go)

@@ -40,16 +40,15 @@ import torch
 import yaml
 
 from ..emulation import (DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer, ReadyBatch, ShmScatter,
-                         emulated_step)
+                         emulated_step, global_scatter)
 from ..errors import DaliNerfError
 from ..hostbudget import HostBudget
 from ..partition import Partition
 from ..pipelines.decode import decode_cache
 from ..scenes import load_scene
-from ..seeds import routed_stream
-from ..sources import (PixelSampler, RayLoader, RoutedSyncLocal, SpatialRayLoader, SyncLocalSampler,
+from ..sources import (RayLoader, RoutedSyncLocal, SpatialRayLoader, SyncLocalSampler,
                        TorchWorkersSampler)
-from ..sources.routed_workers import RoutedTorchWorkers, routed_batch
+from ..sources.routed_workers import RoutedTorchWorkers
 
 __all__ = ["Segment", "schedule", "pair_order", "with_floor", "launch", "ss_grid", "FLOOR", "PIPELINED"]
 
@@ -202,15 +201,6 @@ def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scen
             st["shard"] = decode_cache(scene, rank, W, num_threads=th, batch=cfg.cache.decode_batch)
         return st["shard"]
 
-    def scatter(key: int, batches):
-        """sync_global: rank 0 samples the step's W batches, ``batches(ps, step)``, from its own
-        PixelSampler (stream ``key``, all images); ShmScatter hands every rank its own."""
-        sample = None
-        if rank == 0:
-            ps = PixelSampler(full(), scene, p.seed, key, "random")
-            sample = lambda step: batches(ps, step)  # noqa: E731
-        return ShmScatter(sample, buf, bar, rank, W, B, dev)
-
     if method == "ddp":
         if sampler in (FLOOR, "sync_local"):
             s = SyncLocalSampler(scene, B, rank, W, p.seed, mode="random", cache=shard())
@@ -222,10 +212,7 @@ def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scen
             return RayLoader(scene, B, rank, W, p.seed, prefetch=p.prefetch, mode="random", num_threads=th,
                              rays_per_run=budget.rays_per_run, cache=shard())
         if sampler == "sync_global":
-            def split(ps, step):
-                g = ps.sample(step * B * W, B * W)
-                return [{k: v[r * B:(r + 1) * B] for k, v in g.items()} for r in range(W)]
-            return scatter(0, split)
+            return global_scatter("ddp", scene, full() if rank == 0 else None, p.seed, rank, W, B, buf, bar, dev)
     else:
         if "partition" not in st:
             pc = dataclasses.replace(cfg.partition, kind="grid", grid=ss_grid(W))
@@ -240,8 +227,8 @@ def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scen
             return SpatialRayLoader(scene, part, rank, B, p.seed, prefetch=p.prefetch, mode="random", num_threads=th,
                                     rays_per_run=budget.rays_per_run, cache=full())
         if sampler == "sync_global":
-            return scatter(routed_stream(slot=0),
-                           lambda ps, step: [routed_batch(ps, part, c, step, B, 2 * B) for c in range(W)])
+            return global_scatter("ss", scene, full() if rank == 0 else None, p.seed, rank, W, B, buf, bar, dev,
+                                  partition=part)
     raise DaliNerfError(f"bench.samplers: {sampler!r} has no emulated source for method {method}")
 
 

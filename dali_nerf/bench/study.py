@@ -47,10 +47,9 @@ import yaml
 
 from ..atomic import atomic_write_text
 from ..config import Config, config_to_dict, load_config
-from ..emulation import EMULATED_LABEL, RAY_FLOATS, DeviceLinks, EmulatedDevice
+from ..emulation import EMULATED_LABEL, RAY_FLOATS, DeviceLinks, EmulatedDevice, model_grad_bytes
 from ..errors import ConfigError, DaliNerfError
 from ..hostbudget import host_budget, loader_budget
-from ..models import build_field
 from ..scenegen import make_scene
 from ..scenes import load_scene
 from ..sources import build_source
@@ -589,13 +588,6 @@ def run_emulated(cfg: Config, grad_bytes: int, log=print) -> dict:
     return {"dirs": dirs, "launches": launches, "links": links.lines(), "grad_bytes": gb}
 
 
-def _grad_bytes(cfg: Config) -> int:
-    """Bytes of the gradients DDP all-reduces (the radiance field's parameters, float32)."""
-    aabb = torch.tensor([[-1.5] * 3, [1.5] * 3])
-    field = build_field(cfg.model, aabb)
-    return int(sum(p.numel() * p.element_size() for p in field.parameters() if p.requires_grad))
-
-
 def _sampler_table(cfg: Config) -> Optional[str]:
     """The ``dali-nerf bench sampler`` table (markdown) on the study's scene, at the study's batch
     size and 65536 (``bench.sampler_seconds`` per measurement; 0 skips it)."""
@@ -944,7 +936,7 @@ def main(args) -> int:
         make_scene(b.scene_kind, Path(cfg.scene.path), width=b.scene_resolution, height=b.scene_resolution,
                    n_train=b.scene_images)
     commit = git_commit()
-    grad_bytes = _grad_bytes(cfg)
+    grad_bytes = model_grad_bytes(cfg.model)
     dirs, failed = ([], [])
     if b.ranks and b.samplers:
         dirs, failed = run_grid(cfg, config_path, overrides)

@@ -1,0 +1,215 @@
+"""``train.device=emulated``: the trainers' emulated-device mode.
+
+    torchrun --nproc_per_node=8 trainers/ddp.py --config configs/ddp_objects.yaml \\
+        train.device=emulated train.emulated_step_ms=2 train.steps=300
+
+Each rank's forward/backward/optimizer is a timed wait of ``train.emulated_step_ms`` per 4096 rays
+that releases the CPU (as a GPU kernel would), the host-to-device copy and (DDP) the gradient
+all-reduce are waits at the :class:`~dali_nerf.emulation.DeviceLinks` figures, and everything on
+the host is real: decode, the configured batch source (``pipeline.name``, its threads and queues),
+and in ``sync_global`` rank 0 sampling every rank's batch, handed over through shared memory.
+No model is trained: the run answers "can this host feed N GPUs of this step time with this
+pipeline?" for the user's own scene and config. DDP ranks keep lockstep at every step's
+all-reduce with a :class:`~dali_nerf.emulation.LockstepBarrier` over named semaphores (torchrun's
+processes share no parent that could hand them one); its cost with no work is measured and
+reported. All ranks must run on one host (the emulated GPUs share its cores).
+
+The run first times ``train.emulated_floor_steps`` steps of a ready batch (the emulation floor:
+sleep overshoot and scheduling of the ranks on these cores), then ``train.steps`` steps of the
+real source; ``runs/<name>/metrics.jsonl`` has rank 0's steps (phases as the trainer writes them,
+``"segment": "floor" | "source"``), ``summary.json`` the means after the warm-up (the batches the
+source prefetched meanwhile drained first), the step against the floor, the stall of every rank,
+and the label: "device compute emulated by a timed wait; host work real".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import List
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dali_nerf.atomic import atomic_write_text
+from dali_nerf.config import Config
+from dali_nerf.emulation import (EMULATED_LABEL, DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer, ShmScatter,
+                                 emulated_step, global_scatter, model_grad_bytes, shared_block)
+from dali_nerf.errors import ConfigError
+from dali_nerf.partition import Partition, assign_rank
+from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.sources import build_source
+from dali_nerf.sources.ready import ReadySource
+
+__all__ = ["train_emulated", "warmup_steps"]
+
+KEEPS_UP_STEP = 1.15
+"""A source keeps up when its step is within this factor of the floor's (and its stall <= 2%)."""
+
+
+def warmup_steps(sampler: str, source, prefetch: int, workers: int, base: int = 5) -> int:
+    """Untimed steps before a source's timed ones: ``base`` plus the batches it may hold ready
+    already (DALI's prefetch queue, the run-ahead queue and the run in hand; the workers' queues),
+    so the timed steps see its steady state."""
+    if sampler == "rays":
+        return base + (max(1, prefetch) + 2) * int(getattr(source, "steps_per_run", 1))
+    if sampler == "torch_workers":
+        return base + max(1, workers) * max(1, prefetch) + 1
+    return base
+
+
+def _shared(env_rank: int, W: int, scatter_bytes: int):
+    """(barrier, scatter block): made by rank 0, opened by name on the others (names sent once
+    over the process group); (None, None) for one rank."""
+    if W == 1:
+        return None, None
+    spec = [None]
+    barrier = shm = None
+    if env_rank == 0:
+        barrier = LockstepBarrier.named(W)
+        shm = shared_block(size=scatter_bytes) if scatter_bytes else None
+        spec = [(barrier.spec, shm.name if shm is not None else None)]
+    dist.broadcast_object_list(spec, src=0)
+    if env_rank != 0:
+        barrier = LockstepBarrier.attach(spec[0][0])
+        shm = shared_block(spec[0][1]) if spec[0][1] else None
+    dist.barrier()  # every rank holds the names before rank 0 could exit and unlink them
+    return barrier, shm
+
+
+def _sources(cfg: Config, method: str, scene, rank: int, W: int, dev: EmulatedDevice, buf, bar) -> List:
+    """This rank's batch sources (one per cell it trains in SS), all on the host."""
+    host = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cpu"))
+    p = cfg.pipeline
+    if method == "ddp":
+        if p.name == "sync_global":
+            cache = decode_cache(scene, 0, 1, batch=cfg.cache.decode_batch) if rank == 0 else None
+            return [global_scatter("ddp", scene, cache, p.seed, rank, W, p.rays_per_batch, buf, bar, dev)]
+        return [build_source(host, scene, rank, W)]
+    part = Partition.from_config(cfg.partition, scene)
+    cells = assign_rank(part.num_cells, W)
+    if p.name == "sync_global":
+        if part.num_cells != W:
+            raise ConfigError(f"pipeline.name=sync_global with train.device=emulated: needs one cell per rank "
+                              f"({part.num_cells} cells, {W} ranks); set partition.grid so cells = ranks")
+        cache = decode_cache(scene, 0, 1, batch=cfg.cache.decode_batch) if rank == 0 else None
+        return [global_scatter("ss", scene, cache, p.seed, rank, W, p.rays_per_batch, buf, bar, dev, partition=part)]
+    return build_source(host, scene, rank, W, cells=cells, partition=part)
+
+
+def _run(sources, dev, timer, lock, grad_bytes: int, W: int, steps: int, on_device: bool, segment: str) -> List[dict]:
+    recs = []
+    for k in range(1, steps + 1):
+        rays = 0
+        for s in sources:
+            b = emulated_step(s, dev, timer, on_device=on_device, lockstep=lock, grad_bytes=grad_bytes, ranks=W)
+            rays += int(next(iter(b.values())).shape[0])
+        recs.append(timer.record(k, rays) | {"segment": segment})
+    return recs
+
+
+def _mean_after(recs: List[dict], warm: int, key: str) -> float:
+    rows = recs[warm:] or recs[-1:]
+    return float(np.mean([r[key] for r in rows]))
+
+
+def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
+    """Run the emulated-device mode for ``method`` (a trainer's Method: ``ddp`` or ``ss``); returns
+    the summary on rank 0, {} on the others."""
+    from dali_nerf.training import load_scenes, prepare_run_dir, setup_distributed  # (training imports this module)
+
+    if resume:
+        raise ConfigError("--resume: train.device=emulated trains no model and writes no checkpoints; run without --resume")
+    t, p = cfg.train, cfg.pipeline
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if local != world:
+        raise ConfigError(f"train.device=emulated: every rank must run on this host (the emulated GPUs share its "
+                          f"cores); got WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}: use one node")
+    env = setup_distributed("cpu", t.torch_threads)
+    W, rank = env.world_size, env.rank
+    prepare_run_dir(cfg.run_dir, env)
+    scene, _ = load_scenes(cfg, env)
+    if p.name == "sync_global" and not scene.has_bounds:
+        raise ConfigError(f"{cfg.scene.path}: sync_global under train.device=emulated needs a scene with near/far "
+                          f"bounds; generate one with dali-nerf make-scene")
+    links = DeviceLinks()
+    dev = EmulatedDevice(t.emulated_step_ms, links)
+    scatter = ShmScatter.buffer_bytes(W, p.rays_per_batch) if p.name == "sync_global" else 0
+    barrier, shm = _shared(rank, W, scatter)
+    timeout = 300.0
+    bar = (lambda: barrier.wait(timeout)) if barrier is not None else (lambda: None)
+    buf = shm.buf if shm is not None else (bytearray(scatter) if scatter else None)
+    sources, ready = [], []
+    try:
+        sources = _sources(cfg, method.name, scene, rank, W, dev, buf, bar)
+        n_sources = len(sources)
+        grad_bytes = model_grad_bytes(cfg.model) if method.name == "ddp" else 0
+        lock = bar if (method.name == "ddp" and W > 1) else None
+        on_device = p.name == "sync_global"  # the scatter delivers to the device (its copy waits are inside)
+        bar()
+        n = 200 if W > 1 else 0
+        t0 = time.perf_counter()
+        for _ in range(n):
+            bar()
+        barrier_s = (time.perf_counter() - t0) / n if n else 0.0
+        # the floor: a ready batch of each source (taken from it: also its first, warm-up batch)
+        ready = [ReadySource({k: v.clone() for k, v in next(s).items()}) for s in sources]
+        fw = 5
+        floor = _run(ready, dev, PhaseTimer(), lock, grad_bytes, W, fw + t.emulated_floor_steps, False, "floor") \
+            if t.emulated_floor_steps else []
+        warm = max(warmup_steps(p.name, s, p.prefetch, p.workers) for s in sources)
+        warm = min(warm, t.steps // 2)  # a short run keeps half its steps timed (summary: warmup_steps)
+        bar()
+        recs = _run(sources, dev, PhaseTimer(), lock, grad_bytes, W, t.steps, on_device, "source")
+        bar()
+    finally:
+        for s in sources:
+            try:
+                s.close()
+            except Exception:
+                pass
+        sources = ready = None  # their views of the shared block go with them
+    mine = {"rank": rank, "step_s": _mean_after(recs, warm, "step_s"), "wait_s": _mean_after(recs, warm, "wait_s"),
+            "floor_step_s": _mean_after(floor, fw, "step_s") if floor else None}
+    everyone = [None] * W
+    if W > 1:
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    if barrier is not None:
+        dist.barrier()  # every rank is done with the shared block before its owner closes it
+        barrier.close()
+    if shm is not None:
+        buf = None
+        shm.close()
+        if rank == 0:
+            shm.unlink()
+    if env.distributed:
+        dist.destroy_process_group()
+    if rank != 0:
+        return {}
+    with open(cfg.run_dir / "metrics.jsonl", "w") as f:
+        for r in floor + recs:
+            f.write(json.dumps(r) + "\n")
+    step_s = float(np.mean([e["step_s"] for e in everyone]))
+    floor_s = float(np.mean([e["floor_step_s"] for e in everyone])) if floor else None
+    stalls = [e["wait_s"] / max(e["step_s"], 1e-12) for e in everyone]
+    rays = p.rays_per_batch * n_sources
+    summary = {
+        "name": cfg.name, "method": method.name, "world_size": W, "device": "emulated", "label": EMULATED_LABEL,
+        "emulated_step_ms": t.emulated_step_ms, "pipeline": p.name, "rays_per_batch": p.rays_per_batch,
+        "cells_per_rank": n_sources if method.name == "ss" else None,
+        "steps": t.steps, "warmup_steps": warm, "floor_steps": t.emulated_floor_steps,
+        "step_s": step_s, "floor_step_s": floor_s, "step_over_floor": step_s / floor_s if floor_s else None,
+        "stall_fraction": float(np.mean(stalls)), "stall_fraction_ranks": stalls,
+        "rays_per_s": W * rays / max(step_s, 1e-12),
+        "barrier_s": barrier_s, "grad_bytes": grad_bytes, "device_links": links.lines(),
+        "host_keeps_up": (bool(max(stalls) <= 0.02 and (floor_s is None or step_s / floor_s <= KEEPS_UP_STEP))),
+    }
+    atomic_write_text(cfg.run_dir / "summary.json", json.dumps(summary, indent=2))
+    return summary
+
