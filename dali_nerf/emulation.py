@@ -109,35 +109,49 @@ def _sleep(seconds: float) -> None:
 
 @dataclass
 class EmulatedDevice:
-    """One rank's emulated GPU: each call blocks the calling thread (and frees its core) for the
-    time the device would take, and returns that time (the requested wait, not the overshoot)."""
+    """One rank's emulated GPU. Copies and collectives are *enqueued* (:meth:`h2d`,
+    :meth:`allreduce`, :meth:`scatter`: device time the host does not wait for yet, as
+    ``non_blocking`` copies and NCCL calls on a CUDA stream) and :meth:`run` waits for them and the
+    step's compute in one timed wait that frees the core: the host blocks once per step, as a
+    training thread does at its step's sync point, not once per device operation (on a host with
+    more ranks than cores every extra block is an extra wake-up to schedule)."""
 
     step_ms: float
     """Forward + backward + optimizer milliseconds per ``links.ref_rays`` rays."""
     links: DeviceLinks = field(default_factory=DeviceLinks)
+    queued: Dict[str, float] = field(default_factory=lambda: {"h2d": 0.0, "sync": 0.0})
+    """Device seconds enqueued and not yet waited for, by phase (copies: h2d; all-reduce: sync)."""
 
     def compute_s(self, rays: int) -> float:
         return self.step_ms * 1e-3 * rays / self.links.ref_rays
 
     def compute(self, rays: int) -> float:
+        """Wait for ``rays`` rays of compute alone (nothing enqueued); returns the seconds asked."""
         s = self.compute_s(rays)
         _sleep(s)
         return s
 
+    def _enqueue(self, phase: str, seconds: float) -> float:
+        self.queued[phase] += seconds
+        return seconds
+
     def h2d(self, nbytes: int) -> float:
-        s = self.links.h2d_s(nbytes)
-        _sleep(s)
-        return s
+        return self._enqueue("h2d", self.links.h2d_s(nbytes))
 
     def allreduce(self, nbytes: int, ranks: int) -> float:
-        s = self.links.allreduce_s(nbytes, ranks)
-        _sleep(s)
-        return s
+        return self._enqueue("sync", self.links.allreduce_s(nbytes, ranks))
 
     def scatter(self, nbytes_per_rank: int, ranks: int) -> float:
-        s = self.links.scatter_s(nbytes_per_rank, ranks)
-        _sleep(s)
-        return s
+        return self._enqueue("h2d", self.links.scatter_s(nbytes_per_rank, ranks))
+
+    def run(self, rays: int) -> Dict[str, float]:
+        """One wait for everything enqueued plus ``rays`` rays of compute (the device runs them
+        back to back); returns the seconds asked per phase ({"h2d", "sync", "forward"}) and
+        empties the queue."""
+        req = dict(self.queued) | {"forward": self.compute_s(rays)}
+        self.queued = {"h2d": 0.0, "sync": 0.0}
+        _sleep(sum(req.values()))
+        return req
 
 
 class PhaseTimer:
@@ -156,6 +170,12 @@ class PhaseTimer:
             yield
         finally:
             self.s[name] += time.perf_counter() - t
+
+    def add(self, name: str, seconds: float) -> None:
+        """Attribute ``seconds`` of a span timed elsewhere to phase ``name``."""
+        if name not in self.s:
+            raise ValueError(f"unknown phase {name!r}; one of {', '.join(PHASES)}")
+        self.s[name] += seconds
 
     def record(self, step: int, rays: int) -> dict:
         """The metrics.jsonl record of the step (``<phase>_s``, ``step_s`` since construction); resets."""
@@ -176,23 +196,29 @@ def emulated_step(source, dev: EmulatedDevice, timer: PhaseTimer, *, on_device: 
                   lockstep=None, grad_bytes: int = 0, ranks: int = 1) -> dict:
     """One training step of an emulated rank; returns the batch.
 
-    wait = ``next(source)`` (real host work); h2d = the batch's copy (skipped when ``on_device``:
-    the source already delivered it to the device, as sync_global's scatter does); forward = the
-    device's compute (forward, backward and optimizer as one wait; backward and optimizer stay 0);
-    sync (``lockstep`` given) = the lockstep barrier (the all-reduce's rendezvous: it includes
-    waiting for slower ranks) + the all-reduce of ``grad_bytes``."""
+    wait = ``next(source)`` (real host work); then one device wait (:meth:`EmulatedDevice.run`):
+    the batch's host-to-device copy (not when ``on_device``: the source already enqueued its
+    transfer, as sync_global's scatter does), the previous step's all-reduce, and the compute
+    (forward, backward and optimizer as one; backward and optimizer stay 0). The wait is
+    attributed by what was asked: h2d and sync their requested device seconds, forward the rest
+    (compute and the wait's overshoot). sync (``lockstep`` given) also holds the lockstep barrier:
+    the all-reduce's rendezvous, which includes waiting for slower ranks; the all-reduce of
+    ``grad_bytes`` itself is then enqueued, so it is waited for (and counted) in the next step."""
     with timer.phase("wait"):
         batch = next(source)
     rays = int(next(iter(batch.values())).shape[0])
     if not on_device:
-        with timer.phase("h2d"):
-            dev.h2d(batch_nbytes(batch))
-    with timer.phase("forward"):
-        dev.compute(rays)
+        dev.h2d(batch_nbytes(batch))
+    t = time.perf_counter()
+    req = dev.run(rays)
+    span = time.perf_counter() - t
+    timer.add("h2d", req["h2d"])
+    timer.add("sync", req["sync"])
+    timer.add("forward", max(0.0, span - req["h2d"] - req["sync"]))
     if lockstep is not None:
         with timer.phase("sync"):
             lockstep()
-            dev.allreduce(grad_bytes, ranks)
+        dev.allreduce(grad_bytes, ranks)
     return batch
 
 
@@ -341,8 +367,9 @@ and again (no host work)."""
 class ShmScatter:
     """sync_global across emulated ranks: rank 0 samples every rank's batch in its training thread
     (real host work), writes them into shared memory, and every rank copies its slice out (a real
-    host copy) after a barrier, then waits the emulated transfer (rank 0: host-to-device copy of
-    the global batch before the barrier; every rank: the NCCL scatter of its slice after it).
+    host copy) after a barrier, and enqueues the emulated transfer on its device (rank 0's
+    host-to-device copy of the global batch, then the NCCL scatter of the slice): waited for with
+    the step's compute (:meth:`EmulatedDevice.run`), counted as h2d.
 
     Args:
         sample: on rank 0, ``sample(step) -> list of W batch dicts`` (B rays each, with near/far);
@@ -381,11 +408,13 @@ class ShmScatter:
             for r, g in enumerate(parts):
                 fl[r * B:(r + 1) * B] = torch.cat([g["origins"], g["directions"], g["rgb"], g["near"], g["far"]], 1).numpy()
                 ix[r * B:(r + 1) * B] = g["indices"].numpy()
-            self.dev.h2d(W * B * (RAY_FLOATS * 4 + 24))
         if W > 1:
             self.barrier()
         mine_f = torch.from_numpy(fl[self.rank * B:(self.rank + 1) * B].copy())
         mine_i = torch.from_numpy(ix[self.rank * B:(self.rank + 1) * B].copy())
+        # device: rank 0's copy of the global batch, then the scatter of each slice; no rank's slice
+        # is there before both (enqueued, waited for with the step's compute)
+        self.dev.h2d(W * B * (RAY_FLOATS * 4 + 24))
         self.dev.scatter(B * (RAY_FLOATS * 4 + 24), W)
         self.step += 1
         return {"origins": mine_f[:, 0:3], "directions": mine_f[:, 3:6], "rgb": mine_f[:, 6:9],
