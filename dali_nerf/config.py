@@ -200,7 +200,7 @@ class TrainConfig:
     """train.device=emulated: device milliseconds of forward + backward + optimizer per 4096 rays
     (linear in the step's rays)."""
     emulated_floor_steps: int = 100
-    """train.device=emulated: steps timed with a ready batch first (the emulation floor; 0 = none)."""
+    """train.device=emulated: steps timed with a ready batch after the source's (the emulation floor; 0 = none)."""
     torch_threads: int = 0
     """Intra-op threads per rank for torch (0 = cores / ranks)."""
     stop_after: int = 0

@@ -14,9 +14,9 @@ all-reduce with a :class:`~dali_nerf.emulation.LockstepBarrier` over named semap
 processes share no parent that could hand them one); its cost with no work is measured and
 reported. All ranks must run on one host (the emulated GPUs share its cores).
 
-The run first times ``train.emulated_floor_steps`` steps of a ready batch (the emulation floor:
-sleep overshoot and scheduling of the ranks on these cores), then ``train.steps`` steps of the
-real source; ``runs/<name>/metrics.jsonl`` has rank 0's steps (phases as the trainer writes them,
+The run times ``train.steps`` steps of the real source, closes it, then times
+``train.emulated_floor_steps`` steps of a ready batch (the emulation floor: sleep overshoot and
+scheduling of the ranks on these cores, with no source alive to fill its queues beside it); ``runs/<name>/metrics.jsonl`` has rank 0's steps (phases as the trainer writes them,
 ``"segment": "floor" | "source"``), ``summary.json`` the means after the warm-up (the batches the
 source prefetched meanwhile drained first), the step against the floor, the stall of every rank,
 and the label: "device compute emulated by a timed wait; host work real".
@@ -39,6 +39,7 @@ from dali_nerf.config import Config
 from dali_nerf.emulation import (EMULATED_LABEL, DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer, ShmScatter,
                                  emulated_step, global_scatter, model_grad_bytes, shared_block)
 from dali_nerf.errors import ConfigError
+from dali_nerf.hostbudget import usable_cores
 from dali_nerf.partition import Partition, assign_rank
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.sources import build_source
@@ -157,10 +158,8 @@ def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
             bar()
         barrier_s = (time.perf_counter() - t0) / n if n else 0.0
         # the floor: a ready batch of each source (taken from it: also its first, warm-up batch)
+        # the floor's batch: the source's first (its timed steps come after its warm-up anyway)
         ready = [ReadySource({k: v.clone() for k, v in next(s).items()}) for s in sources]
-        fw = 5
-        floor = _run(ready, dev, PhaseTimer(), lock, grad_bytes, W, fw + t.emulated_floor_steps, False, "floor") \
-            if t.emulated_floor_steps else []
         warm = max(warmup_steps(p.name, s, p.prefetch, p.workers) for s in sources)
         warm = min(warm, t.steps // 2)  # a short run keeps half its steps timed (summary: warmup_steps)
         bar()
@@ -172,9 +171,18 @@ def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
                 s.close()
             except Exception:
                 pass
-        sources = ready = None  # their views of the shared block go with them
+        sources = None  # with their views of the shared block
+    # the floor after the sources closed: no host work but the ranks' own (a source alive beside it
+    # would fill its queues meanwhile and slow the floor)
+    fw = 5
+    floor = _run(ready, dev, PhaseTimer(), lock, grad_bytes, W, fw + t.emulated_floor_steps, False, "floor") \
+        if t.emulated_floor_steps else []
+    ready = None
+    bar()
     mine = {"rank": rank, "step_s": _mean_after(recs, warm, "step_s"), "wait_s": _mean_after(recs, warm, "wait_s"),
-            "floor_step_s": _mean_after(floor, fw, "step_s") if floor else None}
+            "cpu_s": _mean_after(recs, warm, "cpu_s"),
+            "floor_step_s": _mean_after(floor, fw, "step_s") if floor else None,
+            "floor_cpu_s": _mean_after(floor, fw, "cpu_s") if floor else None}
     everyone = [None] * W
     if W > 1:
         dist.all_gather_object(everyone, mine)
@@ -193,11 +201,15 @@ def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
     if rank != 0:
         return {}
     with open(cfg.run_dir / "metrics.jsonl", "w") as f:
-        for r in floor + recs:
+        for r in recs + floor:
             f.write(json.dumps(r) + "\n")
     step_s = float(np.mean([e["step_s"] for e in everyone]))
     floor_s = float(np.mean([e["floor_step_s"] for e in everyone])) if floor else None
     stalls = [e["wait_s"] / max(e["step_s"], 1e-12) for e in everyone]
+    cores = usable_cores()
+    # the share of the host's cores the ranks' processes kept busy (all their threads), per step
+    util = sum(e["cpu_s"] for e in everyone) / max(step_s * cores, 1e-12)
+    util_floor = sum(e["floor_cpu_s"] for e in everyone) / max(floor_s * cores, 1e-12) if floor else None
     rays = p.rays_per_batch * n_sources
     summary = {
         "name": cfg.name, "method": method.name, "world_size": W, "device": "emulated", "label": EMULATED_LABEL,
@@ -208,6 +220,7 @@ def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
         "stall_fraction": float(np.mean(stalls)), "stall_fraction_ranks": stalls,
         "rays_per_s": W * rays / max(step_s, 1e-12),
         "barrier_s": barrier_s, "grad_bytes": grad_bytes, "device_links": links.lines(),
+        "host_cores": cores, "host_busy": util, "host_busy_floor": util_floor,
         "host_keeps_up": (bool(max(stalls) <= 0.02 and (floor_s is None or step_s / floor_s <= KEEPS_UP_STEP))),
     }
     atomic_write_text(cfg.run_dir / "summary.json", json.dumps(summary, indent=2))

@@ -160,6 +160,7 @@ class PhaseTimer:
     def __init__(self):
         self.s: Dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._t0 = time.perf_counter()
+        self._c0 = time.process_time()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -178,12 +179,15 @@ class PhaseTimer:
         self.s[name] += seconds
 
     def record(self, step: int, rays: int) -> dict:
-        """The metrics.jsonl record of the step (``<phase>_s``, ``step_s`` since construction); resets."""
-        now = time.perf_counter()
+        """The metrics.jsonl record of the step (``<phase>_s``, ``step_s`` since construction or
+        the last record, and ``cpu_s``: this process's CPU seconds meanwhile, every thread of it —
+        the training thread and the sampler's threads, not worker processes); resets."""
+        now, cpu = time.perf_counter(), time.process_time()
         rec = {"step": int(step), "rays": int(rays)} | {f"{k}_s": v for k, v in self.s.items()}
         rec["step_s"] = now - self._t0
+        rec["cpu_s"] = cpu - self._c0
         self.s = dict.fromkeys(PHASES, 0.0)
-        self._t0 = now
+        self._t0, self._c0 = now, cpu
         return rec
 
 

@@ -220,14 +220,15 @@ def test_mean_ci():
     assert study.mean_ci([5.0]) == (5.0, [5.0, 5.0])
 
 
-def _seg(root: Path, name, method, sampler, ranks, trial, wait, rest, pair=None, ems=2.0, steps=4):
+def _seg(root: Path, name, method, sampler, ranks, trial, wait, rest, pair=None, ems=2.0, steps=4, cpu=None):
     d = root / name
     d.mkdir(parents=True)
     (d / "config.yaml").write_text(yaml.safe_dump({"name": name, "method": method,
                                                    "pipeline": {"name": sampler, "rays_per_batch": 512, "num_threads": 1},
                                                    "train": {"device": "emulated", "emulated_step_ms": ems},
                                                    "bench": {"warmup": 1}}))
-    (d / "study.json").write_text(json.dumps({"trial": trial, "pair": pair, "device": "emulated", "emulated_step_ms": ems}))
+    (d / "study.json").write_text(json.dumps({"trial": trial, "pair": pair, "device": "emulated", "emulated_step_ms": ems,
+                                              "budget": {"cores": 2}}))
     for r in range(ranks):
         recs = []
         for s in range(1, steps + 1):
@@ -235,7 +236,7 @@ def _seg(root: Path, name, method, sampler, ranks, trial, wait, rest, pair=None,
             if s == 1:
                 ph = {k: 1.0 for k in ph}
             recs.append(json.dumps({"step": s, "rays": 512, **{f"{k}_s": v for k, v in ph.items()},
-                                    "step_s": sum(ph.values())}))
+                                    "step_s": sum(ph.values())} | ({"cpu_s": cpu} if cpu is not None else {})))
         (d / ("metrics.jsonl" if r == 0 else f"metrics.rank{r}.jsonl")).write_text("\n".join(recs) + "\n")
     return d
 
@@ -290,6 +291,25 @@ def test_derive_without_a_floor_uses_the_wait(tmp_path):
     loc = study.derive(dirs)["speedups"][0]
     assert loc["ideal_basis"] == "wait" and loc["ideal_speedup"] == pytest.approx(1.25) and loc["stall_data"] is None
     assert "forward" in loc["cause"] and "longer in the baseline" in loc["cause"]
+
+
+def test_host_busy_from_the_ranks_cpu_time(tmp_path):
+    """host busy = the ranks' process CPU per step, summed over ranks, over step x cores; a flagged
+    pair's cause names it for the pipelined run and the floor."""
+    dirs = []
+    for t in range(2):
+        dirs.append(_seg(tmp_path, f"g{t}", "ddp", "sync_global", 4, t, 0.004, 0.004, pair=f"p{t}", cpu=0.004))
+        dirs.append(_seg(tmp_path, f"p{t}", "ddp", "rays", 4, t, 0.0, 0.006, cpu=0.0027))  # 1.5x the floor
+        dirs.append(_seg(tmp_path, f"f{t}", "ddp", em.FLOOR, 4, t, 0.0, 0.004, cpu=0.0006))
+    d = study.derive(dirs)
+    runs = {c["sampler"]: c for c in d["runs"]}
+    assert runs["rays"]["host_busy"] == pytest.approx(4 * 0.0027 / (0.006 * 2))
+    assert runs[em.FLOOR]["host_busy"] == pytest.approx(4 * 0.0006 / (0.004 * 2))
+    sp = d["speedups"][0]
+    assert sp["flags"] and "cores 90% busy (the floor: 30%)" in sp["cause"]
+    # runs written before cpu_s existed: no host busy, no error
+    old = study.derive([_seg(tmp_path, "x", "ddp", "rays", 2, 0, 0.0, 0.005)])
+    assert old["runs"][0]["host_busy"] is None
 
 
 def test_git_commit_ignores_docs_study(tmp_path):

@@ -170,7 +170,8 @@ def read_run(run_dir, warmup: Optional[int] = None) -> dict:
         if not recs:
             raise DaliNerfError(f"{f}: no steps after the {warmup} warm-up steps; raise bench.steps or lower bench.warmup")
         per_rank.append({k: float(np.mean([r[f"{k}_s"] for r in recs])) for k in PHASE_KEYS + ("step",)}
-                        | {"rays": float(np.mean([r.get("rays", 0) for r in recs])), "n": len(recs)})
+                        | {"rays": float(np.mean([r.get("rays", 0) for r in recs])), "n": len(recs),
+                           "cpu": float(np.mean([r["cpu_s"] for r in recs])) if all("cpu_s" in r for r in recs) else None})
     ph = {k: float(np.mean([r[k] for r in per_rank])) for k in PHASE_KEYS}
     step = float(np.mean([r["step"] for r in per_rank]))
     rays_per_step = float(np.sum([r["rays"] for r in per_rank]))
@@ -185,6 +186,10 @@ def read_run(run_dir, warmup: Optional[int] = None) -> dict:
     device = st.get("device") or train.get("device", "cpu")
     device = {"auto": "cpu"}.get(device, device)
     ems = train.get("emulated_step_ms") if device == "emulated" else None
+    # the share of the host's cores the ranks' processes kept busy (their threads; emulated rows)
+    cpu = [r["cpu"] for r in per_rank]
+    cores = int(((st.get("budget") or {}).get("cores")) or os.cpu_count() or 1)
+    host_busy = float(np.sum(cpu)) / (step * cores) if None not in cpu and step > 0 else None
     return {
         "name": cfg.get("name", run_dir.name), "dir": str(run_dir), "method": cfg.get("method", "ddp"),
         "sampler": pipe.get("name", "rays"), "ranks": len(files), "device": device,
@@ -198,7 +203,7 @@ def read_run(run_dir, warmup: Optional[int] = None) -> dict:
         "test_psnr": summary.get("test_psnr"),
         "torch_threads": int(train.get("torch_threads", 0) or 0),
         "sampler_threads": int(pipe.get("num_threads", 0) or 0),
-        "barrier_s": st.get("barrier_s"),
+        "barrier_s": st.get("barrier_s"), "host_busy": host_busy,
         "fusion": {k: v for k, v in summary.items()
                    if k in ("fusion_overhead", "fused_render_s", "single_render_s", "fused_psnr")},
     }
@@ -235,6 +240,9 @@ def _cause(b: dict, p: dict, floor: Optional[dict] = None) -> str:
             parts.append(f"{k} longer than the floor's: the pipelined loader's host work (its sampling threads, "
                          "the hand-over) takes cores the ranks' own threads need, and in lockstep the slowest "
                          "rank sets every rank's step")
+        if p.get("host_busy") is not None and floor.get("host_busy") is not None:
+            parts.append(f"the ranks kept the cores {100 * p['host_busy']:.0f}% busy (the floor: "
+                         f"{100 * floor['host_busy']:.0f}%)")
         if p["step_s"] < floor["step_s"]:
             parts.append("the pipelined run is faster than the floor: trial-to-trial spread (run order / machine drift)")
         return "; ".join(parts)
@@ -296,6 +304,7 @@ def derive(run_dirs: Sequence, warmup: Optional[int] = None) -> dict:
             "test_psnr": r0.get("test_psnr"), "fusion": r0.get("fusion") or {},
             "torch_threads": r0.get("torch_threads"), "sampler_threads": r0.get("sampler_threads"),
             "barrier_s": r0.get("barrier_s"), "dirs": [r["dir"] for r in rs],
+            "host_busy": float(np.mean([r["host_busy"] for r in rs])) if all(r.get("host_busy") is not None for r in rs) else None,
         })
     ckey = {(c["device"], c["method"], c["ranks"], c["emulated_step_ms"], c["rays_per_rank"], c["sampler"]): c for c in configs}
     for c in configs:
@@ -357,6 +366,8 @@ def derive(run_dirs: Sequence, warmup: Optional[int] = None) -> dict:
         pmean = {"step_s": float(np.mean([p["step_s"] for p in pl])), "stall": float(np.mean([p["stall"] for p in pl])),
                  "phases_s": {k: float(np.mean([p["phases_s"][k] for p in pl])) for k in PHASE_KEYS}}
         fc = ckey.get(fk) if use_floor else None
+        pc = ckey.get(pk)
+        pmean["host_busy"] = pc.get("host_busy") if pc else None
         stall_data = 1.0 - 1.0 / ideal if use_floor and ideal > 0 else None
         if stall_data is not None and bmean["stall"] > stall_data + 0.05:
             flags.append(f"the baseline waits {100 * bmean['stall']:.1f}% of its step, more than its step exceeds "
@@ -756,8 +767,10 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
                       f"(its CPU time per ray, every thread, measured on its own below, at the costliest batch size); "
                       f"demand = ranks x rays per rank / floor step. A row's host work is the demand's share of it: "
                       f"on shared cores it also slows the ranks' own threads, which the step / floor column shows."]
-        L += ["", "| method | device step ms | rays/rank | ranks | sampler | step ms [95% CI] | floor ms | step / floor | stall [95% CI] | wait | h2d | compute | sync | host keeps up |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        L += ["", "host busy = the CPU time of the ranks' processes (every thread: the training thread, DALI's, the "
+                  "run-ahead thread; not torch_workers' worker processes) over the step time and the host's cores.",
+              "", "| method | device step ms | rays/rank | ranks | sampler | step ms [95% CI] | floor ms | step / floor | stall [95% CI] | wait | h2d | compute | sync | host busy | host keeps up |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in emu:
             ph = c["phases_s"]
             ku = keeps_up(c)
@@ -766,11 +779,14 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
             else:
                 demand = c["ranks"] * c["rays_per_rank"] / (c["floor_step_s"] or 1)
                 mark = ("yes" if ku else f"**no**: {keeps_up_reason(c)}") + f" (demand {demand / 1e6:.1f}" + (
-                    f" Mrays/s = {100 * demand / capacity:.0f}% of the host's)" if capacity else " Mrays/s)")
+                    f" Mrays/s = {100 * demand / capacity:.0f}% of the sampler's capacity on this host)" if capacity
+                    else " Mrays/s)")
             sof = f"{c['step_over_floor']:.2f}" if c.get("step_over_floor") is not None else "-"
+            busy = "-" if c.get("host_busy") is None else f"{100 * c['host_busy']:.0f}%"
             L.append(f"| {c['method']} | {c['emulated_step_ms']:g} | {c['rays_per_rank']} | {c['ranks']} | {c['sampler']} | "
                      f"{_ci_ms(c)} | {_fmt_ms(c['floor_step_s'])} | {sof} | {_ci_pct(c)} | {_fmt_ms(ph['wait'])} | "
-                     f"{_fmt_ms(ph['h2d'])} | {_fmt_ms(ph['forward'] + ph['backward'] + ph['optimizer'])} | {_fmt_ms(ph['sync'])} | {mark} |")
+                     f"{_fmt_ms(ph['h2d'])} | {_fmt_ms(ph['forward'] + ph['backward'] + ph['optimizer'])} | {_fmt_ms(ph['sync'])} | "
+                     f"{busy} | {mark} |")
         L.append("")
     L += ["## Speedup of pipelined sampling", "", "![speedup](speedup.png)", "",
           "speedup = baseline step / step of the pipelined run next to it, per trial, then mean and 95% interval.", "",
