@@ -157,7 +157,6 @@ def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
         for _ in range(n):
             bar()
         barrier_s = (time.perf_counter() - t0) / n if n else 0.0
-        # the floor: a ready batch of each source (taken from it: also its first, warm-up batch)
         # the floor's batch: the source's first (its timed steps come after its warm-up anyway)
         ready = [ReadySource({k: v.clone() for k, v in next(s).items()}) for s in sources]
         warm = max(warmup_steps(p.name, s, p.prefetch, p.workers) for s in sources)
