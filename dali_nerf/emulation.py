@@ -26,7 +26,7 @@ machines. A timed wait overshoots (scheduler wake-up); the study measures that a
 floor (:class:`ReadyBatch` beside each configuration).
 
 >>> dev = EmulatedDevice(step_ms=2.0)
->>> dev.compute(4096)              # sleeps 2 ms, returns the seconds it was asked to wait
+>>> dev.run(4096)["forward"]       # sleeps 2 ms, returns the seconds it was asked to wait
 0.002
 >>> round(dev.links.allreduce_s(4_000_000, 8) * 1e6)    # 20 us + 1.75 * 4 MB / 360 GB/s
 39
@@ -124,12 +124,6 @@ class EmulatedDevice:
 
     def compute_s(self, rays: int) -> float:
         return self.step_ms * 1e-3 * rays / self.links.ref_rays
-
-    def compute(self, rays: int) -> float:
-        """Wait for ``rays`` rays of compute alone (nothing enqueued); returns the seconds asked."""
-        s = self.compute_s(rays)
-        _sleep(s)
-        return s
 
     def _enqueue(self, phase: str, seconds: float) -> float:
         self.queued[phase] += seconds

@@ -265,7 +265,7 @@ def test_run_ahead_order_errors_and_close():
     ra = RunAhead("ok", produce, depth=2)
     assert [ra.get() for _ in range(5)] == [0, 1, 2, 3, 4]
     assert threading.get_ident() not in callers
-    ra.close()  # the producer is blocked putting run 7 (queue of 2 full): close must still end it
+    ra.close()  # the producer waits for a release (or a put): close must still end it
     assert not ra._thread.is_alive()
     ra.close()
 
@@ -279,8 +279,8 @@ def test_run_ahead_order_errors_and_close():
 
 
 def test_run_ahead_paced_produces_when_released():
-    """Paced, the thread produces a run only on release() or when get() finds the queue empty;
-    unpaced, it produces as soon as the queue has room."""
+    """After the first run the thread produces only on release() or when get() finds the queue
+    empty (not as soon as the queue has room)."""
     from dali_nerf.sources.base import RunAhead
 
     def settle(ra, n):
@@ -290,18 +290,10 @@ def test_run_ahead_paced_produces_when_released():
         time.sleep(0.1)  # and no more than n
         return len(ra.made)
 
-    def make(paced):
-        made = []
-        ra = RunAhead("p", lambda pipe: made.append(len(made)) or len(made), depth=1, paced=paced)
-        ra.made = made
-        return ra
-
-    ra = make(paced=False)
-    assert settle(ra, 2) == 2  # one in the queue, the next waiting for room
-    ra.close()
-
-    ra = make(paced=True)
-    assert settle(ra, 1) == 1  # the first run only
+    made = []
+    ra = RunAhead("p", lambda pipe: made.append(len(made)) or len(made), depth=1)
+    ra.made = made
+    assert settle(ra, 1) == 1  # the first run only (the queue has room for no more, nor is it asked)
     assert ra.get() == 1 and settle(ra, 1) == 1  # taking it does not start the next
     ra.release()
     assert settle(ra, 2) == 2 and ra.get() == 2
@@ -326,7 +318,8 @@ def test_run_ahead_frees_retired_runs_on_its_thread():
     ra.retire(run)
     del run
     assert freed_on == []  # the thread still holds it
-    ra.get()  # lets the thread put the next run and loop: it drops what was retired
+    ra.get()
+    ra.release()  # the thread's next run: before it, it drops what was retired
     deadline = time.time() + 5
     while not freed_on and time.time() < deadline:
         time.sleep(0.01)

@@ -152,7 +152,7 @@ def run_graph(pipe, device: str, keys: Sequence[str], copy: bool):
 
 
 def run_phase(rank: int, steps_per_run: int, local_world: Optional[int] = None) -> int:
-    """The step of each run at which a paced :class:`RunAhead` of this rank is released: spread
+    """The step of each run at which this rank's :class:`RunAhead` is released: spread
     over the first K - 1 steps of the run by local rank (``rank`` modulo ``local_world``, default
     ``LOCAL_WORLD_SIZE``), so co-located ranks in lockstep do not all produce on the same step, and
     every rank leaves its thread at least one step to finish before the run is needed.
@@ -182,14 +182,13 @@ class _Failure:
 
 
 def _run_ahead_loop(pipe, produce, q: "queue.Queue", stop: threading.Event, retired: collections.deque,
-                    go: threading.Event, paced: bool) -> None:
+                    go: threading.Event) -> None:
     try:
         while not stop.is_set():
-            go.wait()  # paced: the consumer's release() (always set when unpaced)
+            go.wait()  # the consumer's release() (or get() on an empty queue)
             if stop.is_set():
                 break
-            if paced:
-                go.clear()
+            go.clear()
             retired.clear()  # the consumer's finished runs die here, not on the training thread
             q.put(produce(pipe))
     except BaseException as e:  # handed to the consumer's next get()
@@ -214,28 +213,27 @@ class RunAhead:
     DDP every rank frees on the same step); ``close()`` stops and joins the thread (call it before
     releasing the pipeline). Idempotent.
 
-    ``paced``: the thread produces a run only when the consumer calls ``release()`` (and when
-    ``get()`` finds the queue empty, so it never waits for a run nobody asked for). Unpaced, it
-    produces as soon as the queue has room, i.e. right after each ``get()``: every co-located DDP
-    rank crosses into a new run on the same step, so all their threads (and the DALI runs each
-    ``pipe.run()`` schedules) would work in one burst; the loaders release at a step of the run
-    that differs per local rank (:func:`run_phase`), which spreads that work over the run.
+    Paced: after the first run the thread produces the next only when the consumer calls
+    ``release()`` (or when ``get()`` finds the queue empty, so it never waits for a run nobody
+    asked for). Producing as soon as the queue has room would be right after each ``get()``: every
+    co-located DDP rank crosses into a new run on the same step, so all their threads (and the
+    DALI runs each ``pipe.run()`` schedules) would work in one burst; the loaders release at a step
+    of the run that differs per local rank (:func:`run_phase`), which spreads that work over the run.
     """
 
-    def __init__(self, pipe, produce: Callable, depth: int = 1, name: str = "dali_nerf-run-ahead",
-                 paced: bool = False):
+    def __init__(self, pipe, produce: Callable, depth: int = 1, name: str = "dali_nerf-run-ahead"):
         self._q: "queue.Queue" = queue.Queue(maxsize=max(1, int(depth)))
         self._stop = threading.Event()
         self._retired: collections.deque = collections.deque()
         self._go = threading.Event()
-        self._go.set()  # the first run is produced ahead either way
+        self._go.set()  # the first run is produced ahead
         self._thread = threading.Thread(target=_run_ahead_loop,
-                                        args=(pipe, produce, self._q, self._stop, self._retired, self._go, bool(paced)),
+                                        args=(pipe, produce, self._q, self._stop, self._retired, self._go),
                                         name=name, daemon=True)
         self._thread.start()
 
     def release(self) -> None:
-        """Paced: let the thread produce its next run now (no-op when unpaced)."""
+        """Let the thread produce its next run now."""
         self._go.set()
 
     def get(self):

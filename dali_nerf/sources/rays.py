@@ -189,9 +189,9 @@ class RayLoader(BatchSource):
                 consumed, run = run_graph(pipe, "cpu", keys, copy=False)
                 return consumed, run, step_views(run, K, B)
 
-            # paced: released at this rank's step of each run (run_phase), so co-located ranks
-            # in lockstep do not all hand over and schedule their next runs on the same step
-            self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-rays-r{self.rank}", paced=True)
+            # released at this rank's step of each run (run_phase), so co-located ranks in
+            # lockstep do not all hand over and schedule their next runs on the same step
+            self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-rays-r{self.rank}")
             self._phase = run_phase(self.rank, self.steps_per_run)
 
     def _fetch_run(self):

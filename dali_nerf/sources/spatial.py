@@ -98,7 +98,7 @@ class SpatialRayLoader(BatchSource):
                     consumed, run = run_graph(pipe, "cpu", RAY_OUTPUTS[:-1], copy=False)
                     return consumed, run, step_views(run, K, B)
 
-                self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-cell{self.cell}", paced=True)
+                self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-cell{self.cell}")
                 self._phase = run_phase(self.cell, K)
         if self._ahead is not None:
             consumed, run, steps = self._ahead.get()
