@@ -24,6 +24,7 @@ from typing import Any, List, Optional, Sequence
 import yaml
 
 from .errors import ConfigError
+from .hostbudget import PRIORITIES
 
 __all__ = [
     "Config", "SceneConfig", "CacheConfig", "PipelineConfig", "ModelConfig", "TrainConfig",
@@ -106,6 +107,11 @@ class PipelineConfig:
     usable cores per local rank (LOCAL_WORLD_SIZE) minus one, 1 to 4 (dali_nerf/hostbudget.py)."""
     workers: int = 2
     """Worker processes for the torch_workers baseline."""
+    thread_priority: str = "auto"
+    """Priority of the threads (and torch_workers processes) that sample ahead: normal | background
+    (Linux SCHED_IDLE: they take only cores nothing else wants, so a waking training thread never
+    waits for them) | auto = background when train.device is cuda or emulated, normal on the CPU
+    (dali_nerf/hostbudget.py)."""
 
     def validate(self, key: str):
         _choice(f"{key}.name", self.name, ("rays", "sync_global", "sync_local", "torch_workers", "ready"))
@@ -116,6 +122,7 @@ class PipelineConfig:
         _nonneg(f"{key}.prefetch", self.prefetch)
         _nonneg(f"{key}.workers", self.workers)
         _nonneg(f"{key}.seed", self.seed)
+        _choice(f"{key}.thread_priority", self.thread_priority, ("auto",) + PRIORITIES)
 
 
 @dataclass

@@ -39,7 +39,7 @@ from dali_nerf.config import Config
 from dali_nerf.emulation import (EMULATED_LABEL, DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer, ShmScatter,
                                  emulated_step, global_scatter, model_grad_bytes, shared_block)
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import usable_cores
+from dali_nerf.hostbudget import resolve_priority, usable_cores
 from dali_nerf.partition import Partition, assign_rank
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.sources import build_source
@@ -83,7 +83,10 @@ def _shared(env_rank: int, W: int, scatter_bytes: int):
 
 def _sources(cfg: Config, method: str, scene, rank: int, W: int, dev: EmulatedDevice, buf, bar) -> List:
     """This rank's batch sources (one per cell it trains in SS), all on the host."""
-    host = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cpu"))
+    # the sources run on the host; their sampler threads' priority follows the emulated device
+    prio = resolve_priority(cfg.pipeline.thread_priority, cfg.train.device)
+    host = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cpu"),
+                               pipeline=dataclasses.replace(cfg.pipeline, thread_priority=prio))
     p = cfg.pipeline
     if method == "ddp":
         if p.name == "sync_global":

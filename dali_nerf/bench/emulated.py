@@ -207,10 +207,10 @@ def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scen
             return ReadyBatch(next(s)) if sampler == FLOOR else s
         if sampler == "torch_workers":
             return TorchWorkersSampler(scene, B, rank, W, p.seed, prefetch=p.prefetch, mode="random",
-                                       workers=th, cache=shard())
+                                       workers=th, cache=shard(), thread_priority=budget.priority)
         if sampler == PIPELINED:
             return RayLoader(scene, B, rank, W, p.seed, prefetch=p.prefetch, mode="random", num_threads=th,
-                             rays_per_run=budget.rays_per_run, cache=shard())
+                             rays_per_run=budget.rays_per_run, cache=shard(), thread_priority=budget.priority)
         if sampler == "sync_global":
             return global_scatter("ddp", scene, full() if rank == 0 else None, p.seed, rank, W, B, buf, bar, dev)
     else:
@@ -222,10 +222,11 @@ def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scen
             s = RoutedSyncLocal(scene, part, rank, B, p.seed, cache=full())
             return ReadyBatch(next(s)) if sampler == FLOOR else s
         if sampler == "torch_workers":
-            return RoutedTorchWorkers(scene, part, rank, B, p.seed, prefetch=p.prefetch, cache=full(), workers=th)
+            return RoutedTorchWorkers(scene, part, rank, B, p.seed, prefetch=p.prefetch, cache=full(), workers=th,
+                                      thread_priority=budget.priority)
         if sampler == PIPELINED:
             return SpatialRayLoader(scene, part, rank, B, p.seed, prefetch=p.prefetch, mode="random", num_threads=th,
-                                    rays_per_run=budget.rays_per_run, cache=full())
+                                    rays_per_run=budget.rays_per_run, cache=full(), thread_priority=budget.priority)
         if sampler == "sync_global":
             return global_scatter("ss", scene, full() if rank == 0 else None, p.seed, rank, W, B, buf, bar, dev,
                                   partition=part)

@@ -49,7 +49,7 @@ from ..atomic import atomic_write_text
 from ..config import Config, config_to_dict, load_config
 from ..emulation import EMULATED_LABEL, RAY_FLOATS, DeviceLinks, EmulatedDevice, model_grad_bytes
 from ..errors import ConfigError, DaliNerfError
-from ..hostbudget import host_budget, loader_budget
+from ..hostbudget import host_budget, loader_budget, resolve_priority
 from ..scenegen import make_scene
 from ..scenes import load_scene
 from ..sources import build_source
@@ -582,7 +582,8 @@ def run_emulated(cfg: Config, grad_bytes: int, log=print) -> dict:
     dirs, launches = [], []
     for m in b.methods:
         for W in (b.emulated_ranks if m == "ddp" else b.emulated_ranks_ss):
-            budget = host_budget(B, local_ranks=W)
+            budget = dataclasses.replace(host_budget(B, local_ranks=W),
+                                         priority=resolve_priority(cfg.pipeline.thread_priority, "emulated"))
             segs = em.schedule(b.emulated_samplers, b.emulated_step_ms, b.trials, B,
                                check_rays=b.check_rays if (m == "ddp" and W in b.check_ranks) else (),
                                check_step_ms=b.check_step_ms)
@@ -754,11 +755,12 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
               "- floor: the same step with a source that hands out a ready batch (sleep overshoot, scheduling of many "
               "processes on these cores)", "",
               "Lockstep cost (W ranks calling the barrier back to back, no work), per launch:", "",
-              "| method | ranks | cells | barrier us | sampler threads/rank | rays per run | launch s | segments |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| method | ranks | cells | barrier us | sampler threads/rank | rays per run | sampler priority | launch s | segments |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for la in (emulation or {}).get("launches", []):
             L.append(f"| {la['method']} | {la['ranks']} | {la['cells'] or '-'} | {la['barrier_s'] * 1e6:.0f} | "
-                     f"{la['budget']['threads']} | {la['budget']['rays_per_run']} | {la['wall_s']:.0f} | {la['segments']} |")
+                     f"{la['budget']['threads']} | {la['budget']['rays_per_run']} | {la['budget'].get('priority', 'normal')} | "
+                     f"{la['wall_s']:.0f} | {la['segments']} |")
         capacity = None
         if sampling and sampling.get("loader_cpu_s"):
             per_ray = max(cs / bb for bb, cs in zip(sampling["sizes"], sampling["loader_cpu_s"]))
@@ -995,7 +997,9 @@ def main(args) -> int:
     if emulation:
         budgets += ("; emulated rows: per launch, the threads of dali_nerf.hostbudget.host_budget (cores per local "
                     "rank) for every sampler (DALI threads, worker processes, the training thread's torch threads), "
-                    "listed per launch below")
+                    "listed per launch below, with the priority of the threads and processes that sample ahead "
+                    "(pipeline.thread_priority, auto: background for emulated devices, the same for the DALI loaders "
+                    "and torch_workers; sync_* sample in the training thread)")
     meta = {
         "machine": machine, "machine_desc": _machine_desc(), "command": cmd, "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": time.perf_counter() - t_start,

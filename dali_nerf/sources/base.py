@@ -20,7 +20,7 @@ import torch
 
 from dali_nerf._dali import torch_feed
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import local_world_size
+from dali_nerf.hostbudget import dali_threads, local_world_size, to_background
 from dali_nerf.pipelines.rays import RAY_OUTPUTS
 from dali_nerf.scenes import load_scene
 
@@ -182,15 +182,21 @@ class _Failure:
 
 
 def _run_ahead_loop(pipe, produce, q: "queue.Queue", stop: threading.Event, retired: collections.deque,
-                    go: threading.Event) -> None:
+                    go: threading.Event, background: Optional[frozenset]) -> None:
     try:
+        if background is not None:
+            to_background([0])
         while not stop.is_set():
             go.wait()  # the consumer's release() (or get() on an empty queue)
             if stop.is_set():
                 break
             go.clear()
             retired.clear()  # the consumer's finished runs die here, not on the training thread
-            q.put(produce(pipe))
+            item = produce(pipe)
+            if background is not None:  # the pipeline's threads all exist after its first run
+                to_background(dali_threads() - background)
+                background = None
+            q.put(item)
     except BaseException as e:  # handed to the consumer's next get()
         q.put(_Failure(e))
 
@@ -219,16 +225,23 @@ class RunAhead:
     co-located DDP rank crosses into a new run on the same step, so all their threads (and the
     DALI runs each ``pipe.run()`` schedules) would work in one burst; the loaders release at a step
     of the run that differs per local rank (:func:`run_phase`), which spreads that work over the run.
+
+    ``background``: the ids of the process's DALI threads before ``pipe`` was built
+    (:func:`~dali_nerf.hostbudget.dali_threads`), to run this thread and the pipeline's own DALI
+    threads at background priority (:func:`~dali_nerf.hostbudget.to_background`, from the first
+    run on); None (default) leaves every thread's priority as it is.
     """
 
-    def __init__(self, pipe, produce: Callable, depth: int = 1, name: str = "dali_nerf-run-ahead"):
+    def __init__(self, pipe, produce: Callable, depth: int = 1, name: str = "dali_nerf-run-ahead",
+                 background: Optional[frozenset] = None):
         self._q: "queue.Queue" = queue.Queue(maxsize=max(1, int(depth)))
         self._stop = threading.Event()
         self._retired: collections.deque = collections.deque()
         self._go = threading.Event()
         self._go.set()  # the first run is produced ahead
         self._thread = threading.Thread(target=_run_ahead_loop,
-                                        args=(pipe, produce, self._q, self._stop, self._retired, self._go),
+                                        args=(pipe, produce, self._q, self._stop, self._retired, self._go,
+                                              None if background is None else frozenset(background)),
                                         name=name, daemon=True)
         self._thread.start()
 

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import loader_budget
+from dali_nerf.hostbudget import check_priority, dali_threads, loader_budget, resolve_priority
 from dali_nerf.pipelines.decode import decode_cache, shard_range, shard_sizes
 from dali_nerf.pipelines.rays import ray_pipeline
 from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, RunAhead, check_cache_device, check_common,
@@ -77,6 +77,11 @@ class RayLoader(BatchSource):
             :func:`plan_window_images`).
         rays_per_window: streaming, random mode only: stream positions per window (0 = the
             window's pixel count). Epoch mode always uses the window's pixel count.
+        thread_priority: "normal" | "background": the priority of the threads that sample ahead
+            (DALI's CPU threads and the hand-over thread; CPU, prefetch > 0, cached shards).
+            "background" when this rank's compute is on a GPU and the host's cores are few per
+            rank, so the training thread never waits for a core (:mod:`dali_nerf.hostbudget`);
+            ``from_config`` resolves ``pipeline.thread_priority`` (auto) from ``train.device``.
     Yields:
         dict: origins (B, 3) f32, directions (B, 3) f32 unit, rgb (B, 3) f32, indices (B, 3) i64,
         near/far (B, 1) f32 when the scene has bounds.
@@ -87,8 +92,9 @@ class RayLoader(BatchSource):
                  rays_per_run: Optional[int] = None, cache=None,
                  output_map: Sequence[str] = ("origins", "directions", "rgb", "indices", "near", "far"),
                  max_bytes: Optional[int] = None, decode_batch: int = 8, window_images: int = 0,
-                 rays_per_window: int = 0):
+                 rays_per_window: int = 0, thread_priority: str = "normal"):
         check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode)
+        self.thread_priority = check_priority(thread_priority)
         num_threads, rays_per_run = loader_budget(rays_per_batch, num_threads, rays_per_run)
         check_positive("rays_per_run", rays_per_run)
         check_positive("num_threads", num_threads)
@@ -160,7 +166,8 @@ class RayLoader(BatchSource):
         return cls(scene, rays_per_batch=p.rays_per_batch, rank=rank, world_size=world_size, seed=p.seed,
                    prefetch=p.prefetch, mode=p.mode, device=cfg.train.device, num_threads=p.num_threads,
                    rays_per_run=p.rays_per_run, max_bytes=c.max_bytes, decode_batch=c.decode_batch,
-                   window_images=getattr(c, "window_images", 0), rays_per_window=getattr(c, "rays_per_window", 0))
+                   window_images=getattr(c, "window_images", 0), rays_per_window=getattr(c, "rays_per_window", 0),
+                   thread_priority=resolve_priority(p.thread_priority, cfg.train.device))
 
     @property
     def streaming(self) -> bool:
@@ -176,6 +183,7 @@ class RayLoader(BatchSource):
 
     def _build(self):
         device_id = torch.cuda.current_device() if self.device == "cuda" else None
+        before = dali_threads() if self.thread_priority == "background" else None
         self._pipe = ray_pipeline(self.cache, self.rays_per_run, self.mode, self.seed, self.rank, self.world_size,
                                   first_start=self.position, device=self.device, num_threads=self.num_threads,
                                   prefetch=self.prefetch, device_id=device_id)
@@ -191,7 +199,7 @@ class RayLoader(BatchSource):
 
             # released at this rank's step of each run (run_phase), so co-located ranks in
             # lockstep do not all hand over and schedule their next runs on the same step
-            self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-rays-r{self.rank}")
+            self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-rays-r{self.rank}", background=before)
             self._phase = run_phase(self.rank, self.steps_per_run)
 
     def _fetch_run(self):

@@ -22,7 +22,7 @@ the same cache (all images of the split), decoded once here.
 from __future__ import annotations
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import loader_budget
+from dali_nerf.hostbudget import loader_budget, resolve_priority
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.sources.base import resolve_device
 from dali_nerf.sources.rays import RayLoader
@@ -75,6 +75,7 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
     if p.name != "rays" and p.mode != "random":
         raise ConfigError(f"pipeline.mode={p.mode}: the SS baselines sample iid rays only; use pipeline.mode=random")
     threads = loader_budget(p.rays_per_batch, p.num_threads, p.rays_per_run)[0]
+    priority = resolve_priority(p.thread_priority, cfg.train.device)
     if cache is None:
         # the op's graph samples the cache where it runs (CUDA pixels for a CUDA run, nvJPEG);
         # the routed baselines sample and route on the host
@@ -86,10 +87,10 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
             src = SpatialRayLoader(scene, partition, cell, rays_per_batch=p.rays_per_batch, seed=p.seed,
                                    prefetch=p.prefetch, mode=p.mode, device=cfg.train.device,
                                    num_threads=p.num_threads, rays_per_run=p.rays_per_run, cache=cache,
-                                   decode_batch=cfg.cache.decode_batch)
+                                   decode_batch=cfg.cache.decode_batch, thread_priority=priority)
         elif p.name == "torch_workers":
             src = RoutedTorchWorkers(scene, partition, cell, p.rays_per_batch, p.seed, prefetch=p.prefetch,
-                                     cache=cache, workers=p.workers, num_threads=threads)
+                                     cache=cache, workers=p.workers, num_threads=threads, thread_priority=priority)
         elif p.name in ("sync_local", "ready"):
             src = RoutedSyncLocal(scene, partition, cell, p.rays_per_batch, p.seed, cache=cache,
                                   num_threads=threads)

@@ -24,6 +24,7 @@ import numpy as np
 
 from dali_nerf import seeds
 from dali_nerf.errors import ConfigError
+from dali_nerf.hostbudget import check_priority
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.sources.base import BatchSource, BatchStats
 from dali_nerf.sources.sync import PixelSampler, WorkerBatches, WorkerLoader, routed_rays
@@ -46,12 +47,13 @@ class RoutedTorchWorkers(WorkerLoader, BatchSource):
         rays_per_batch: B; seed: stream key (the cell is part of it); prefetch: batches per worker ahead.
         cache: ImageCache of all images of the split (every SS rank holds all of them).
         workers: worker processes (1 thread each).
+        thread_priority: the worker processes' priority ("normal" | "background", as RayLoader).
     Yields:
         the batch dict (origins, directions, rgb (B, 3) f32, indices (B, 3) i64, near/far (B, 1) f32).
     """
 
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, prefetch: int = 2,
-                 cache=None, workers: int = 2, num_threads: int = 2):
+                 cache=None, workers: int = 2, num_threads: int = 2, thread_priority: str = "normal"):
         if not 0 <= cell < partition.num_cells:
             raise ConfigError(f"cell={cell}: partition has {partition.num_cells} cells")
         if not scene.has_bounds:
@@ -60,6 +62,7 @@ class RoutedTorchWorkers(WorkerLoader, BatchSource):
             raise ConfigError(f"pipeline.workers={workers!r}: must be an integer >= 0")
         if int(rays_per_batch) < 1:
             raise ConfigError(f"pipeline.rays_per_batch={rays_per_batch!r}: must be >= 1")
+        self.thread_priority = check_priority(thread_priority)
         self.partition, self.cell = partition, int(cell)
         self.rays_per_batch, self.seed = int(rays_per_batch), int(seed)
         self.prefetch, self.workers = max(1, int(prefetch)), int(workers)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import loader_budget
+from dali_nerf.hostbudget import check_priority, dali_threads, loader_budget
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline
 from dali_nerf.sources.base import (BatchSource, BatchStats, RunAhead, check_cache_device, resolve_device, run_graph,
@@ -45,6 +45,7 @@ class SpatialRayLoader(BatchSource):
         partition: :class:`~dali_nerf.partition.Partition`; cell: the cell j.
         rays_per_batch: B; rays_per_run: rounded up to K * B accepted rays per op run.
         prefetch: runs DALI computes ahead (0: synchronous, each run's outputs copied).
+        thread_priority: "normal" | "background", as :class:`~.rays.RayLoader`.
     Yields:
         the batch dict (origins, directions, rgb, indices, near, far), B rays of cell j: the
         accepted rays in stream order, so neither ``prefetch`` nor ``rays_per_run`` changes them.
@@ -52,7 +53,8 @@ class SpatialRayLoader(BatchSource):
 
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, prefetch: int = 2,
                  mode: str = "random", device: str = "cpu", num_threads: Optional[int] = None,
-                 rays_per_run: Optional[int] = None, cache=None, decode_batch: int = 8):
+                 rays_per_run: Optional[int] = None, cache=None, decode_batch: int = 8,
+                 thread_priority: str = "normal"):
         if not 0 <= cell < partition.num_cells:
             raise ConfigError(f"cell={cell}: partition has {partition.num_cells} cells")
         if not scene.has_bounds:
@@ -62,6 +64,7 @@ class SpatialRayLoader(BatchSource):
         self.prefetch = int(prefetch)
         self.device = resolve_device(device)
         num_threads, rays_per_run = loader_budget(self.rays_per_batch, num_threads, rays_per_run)
+        self.thread_priority = check_priority(thread_priority)
         self.num_threads = int(num_threads)
         self.steps_per_run = max(1, math.ceil(int(rays_per_run) / self.rays_per_batch))
         self.rays_per_run = self.steps_per_run * self.rays_per_batch
@@ -89,6 +92,7 @@ class SpatialRayLoader(BatchSource):
         K, B = self.steps_per_run, self.rays_per_batch
         if self._pipe is None:
             device_id = torch.cuda.current_device() if self.device == "cuda" else None
+            before = dali_threads() if self.thread_priority == "background" else None
             self._pipe = ray_pipeline(self.cache, self.rays_per_run, self.mode, self.seed, self.cell,
                                       self.partition.num_cells, first_start=self._next_run_start,
                                       prefetch=self.prefetch, device=self.device, num_threads=self.num_threads,
@@ -98,7 +102,7 @@ class SpatialRayLoader(BatchSource):
                     consumed, run = run_graph(pipe, "cpu", RAY_OUTPUTS[:-1], copy=False)
                     return consumed, run, step_views(run, K, B)
 
-                self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-cell{self.cell}")
+                self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-cell{self.cell}", background=before)
                 self._phase = run_phase(self.cell, K)
         if self._ahead is not None:
             consumed, run, steps = self._ahead.get()

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import loader_budget
+from dali_nerf.hostbudget import check_priority, loader_budget, resolve_priority, to_background
 from dali_nerf.partition import ray_cells
 from dali_nerf.pipelines.decode import decode_cache, shard_sizes
 from dali_nerf.rays import rays_from_indices
@@ -221,6 +221,7 @@ class _Source(BatchSource):
                   num_threads=loader_budget(p.rays_per_batch, p.num_threads, p.rays_per_run)[0])
         if cls is TorchWorkersSampler:
             kw["workers"] = p.workers
+            kw["thread_priority"] = resolve_priority(p.thread_priority, cfg.train.device)
         return cls(scene, **kw)
 
 
@@ -326,8 +327,10 @@ class WorkerBatches(torch.utils.data.IterableDataset):
             j += n
 
 
-def _worker_init(_):
+def _worker_init(_, background: bool = False):
     torch.set_num_threads(1)
+    if background:
+        to_background([0])
 
 
 class WorkerLoader:
@@ -337,13 +340,16 @@ class WorkerLoader:
 
     _it = None
     _closed = False
+    thread_priority = "normal"
 
     def _start_workers(self, dataset: WorkerBatches, workers: int, prefetch: int, pin_memory: bool = False) -> None:
         """``workers`` persistent processes (1 torch thread each, ``prefetch`` batches each ahead;
-        0 workers: in-process)."""
+        0 workers: in-process), at ``self.thread_priority`` (background: SCHED_IDLE, as the DALI
+        loaders' threads, :mod:`dali_nerf.hostbudget`)."""
         kw = {}
         if workers > 0:
-            kw = dict(persistent_workers=True, prefetch_factor=prefetch, worker_init_fn=_worker_init)
+            init = functools.partial(_worker_init, background=self.thread_priority == "background")
+            kw = dict(persistent_workers=True, prefetch_factor=prefetch, worker_init_fn=init)
         self._it = iter(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers,
                                                     pin_memory=pin_memory, **kw))
 
@@ -367,12 +373,14 @@ class TorchWorkersSampler(WorkerLoader, _Source):
 
     Batches arrive in step order (DataLoader's round-robin over workers), so the stream equals
     SyncLocalSampler's for the same arguments. ``workers=0`` samples in-process.
+    ``thread_priority``: the worker processes' priority, as RayLoader's sampler threads.
     """
 
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
                  prefetch: int = 2, mode: str = "random", device: str = "cpu", num_threads: int = 2,
-                 workers: int = 2, cache=None):
+                 workers: int = 2, cache=None, thread_priority: str = "normal"):
         self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device)
+        self.thread_priority = check_priority(thread_priority)
         if not isinstance(workers, (int, np.integer)) or workers < 0:
             raise ConfigError(f"workers={workers!r}: must be an integer >= 0")
         self.workers = int(workers)

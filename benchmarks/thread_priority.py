@@ -1,0 +1,70 @@
+"""Pipelined step against the emulation floor with the sampler threads at normal vs background priority.
+
+    python benchmarks/thread_priority.py [--config configs/study.yaml] [--ranks 4,8,16] [--step-ms 1,2]
+                                         [--repeats 2] [--trials 3] [--steps 40]
+
+For each rank count, launches of the study's emulated DDP ranks (:func:`dali_nerf.bench.emulated.launch`,
+the scene of ``--config``, 4096 rays per rank) alternate between ``pipeline.thread_priority``
+normal and background, ``--repeats`` times each. Every launch runs the floor (a ready batch) and
+RayLoader at each ``--step-ms``, ``--trials`` times in rotation, so each RayLoader segment has a
+floor beside it in the same launch. Prints, per (ranks, device ms, priority), the mean and range
+of step / floor over every trial of every launch (1.0 = the loader adds nothing to the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+
+def _ratios(out: Path, segs, steps: int) -> dict:
+    """{(step_ms, trial): step / floor} of one launch."""
+    step = {}
+    for s in segs:
+        rows = [json.loads(x) for x in (out / s.name / "metrics.jsonl").read_text().splitlines()][-steps:]
+        step[(s.step_ms, s.trial, s.sampler)] = statistics.mean(r["step_s"] for r in rows)
+    return {(ms, t): v / step[(ms, t, "ready")] for (ms, t, smp), v in step.items() if smp == "rays"}
+
+
+def main(argv=None) -> None:
+    from dali_nerf.bench import emulated as em
+    from dali_nerf.config import load_config
+    from dali_nerf.emulation import DeviceLinks
+    from dali_nerf.hostbudget import host_budget
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/study.yaml")
+    ap.add_argument("--ranks", default="4,8,16")
+    ap.add_argument("--step-ms", default="1,2")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    a = ap.parse_args(argv)
+    cfg = load_config(a.config)
+    B = cfg.pipeline.rays_per_batch
+    step_ms = [float(x) for x in a.step_ms.split(",")]
+    res = {}
+    with tempfile.TemporaryDirectory() as td:
+        for W in (int(x) for x in a.ranks.split(",")):
+            segs = em.schedule([em.PIPELINED], step_ms, a.trials, B)
+            for rep in range(a.repeats):
+                for prio in (("normal", "background") if rep % 2 == 0 else ("background", "normal")):
+                    budget = dataclasses.replace(host_budget(B, local_ranks=W), priority=prio)
+                    out = Path(td) / f"{W}_{prio}_{rep}"
+                    em.launch(cfg, "ddp", W, segs, out, budget, DeviceLinks(), 20000, a.steps, 5)
+                    for (ms, _), r in _ratios(out, segs, a.steps).items():
+                        res.setdefault((W, ms, prio), []).append(r)
+    print(f"`python benchmarks/thread_priority.py --config {a.config} --ranks {a.ranks} --step-ms {a.step_ms} "
+          f"--repeats {a.repeats} --trials {a.trials} --steps {a.steps}`\n")
+    print("| ranks | device ms | priority | pipelined step / floor, mean | min | max | n |")
+    print("|---|---|---|---|---|---|---|")
+    for (W, ms, prio), v in sorted(res.items()):
+        print(f"| {W} | {ms:g} | {prio} | {statistics.mean(v):.3f} | {min(v):.3f} | {max(v):.3f} | {len(v)} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Priority of the threads that sample ahead (``pipeline.thread_priority``, dali_nerf/hostbudget.py):
+``background`` runs a loader's DALI threads, its hand-over thread and the torch_workers processes
+at SCHED_IDLE and leaves every other thread as it was; the stream does not depend on it."""
+
+import dataclasses
+import os
+import threading
+
+import pytest
+import torch
+
+from _tiny_scene import tiny_scene
+from dali_nerf.config import load_config
+from dali_nerf.errors import ConfigError
+from dali_nerf.hostbudget import check_priority, dali_threads, host_budget, resolve_priority
+from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.sources import RayLoader, SpatialRayLoader, TorchWorkersSampler, build_source
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not os.path.isdir("/proc/self/task"),
+                                reason="thread priorities are read through Linux's /proc and SCHED_IDLE")
+
+
+@pytest.fixture(scope="module")
+def scene(tmp_path_factory):
+    return tiny_scene(tmp_path_factory.mktemp("prio"), n=4, width=24, height=16, kinds=("png_rgba", "jpg"))
+
+
+@pytest.fixture(scope="module")
+def cache(scene):
+    return decode_cache(scene, 0, 1)
+
+
+def _policy(tid: int) -> int:
+    return os.sched_getscheduler(tid)
+
+
+def _hand_over_thread(prefix: str) -> threading.Thread:
+    (t,) = [t for t in threading.enumerate() if t.name.startswith(prefix)]
+    return t
+
+
+def _take(loader, n):
+    return [{k: v.clone() for k, v in next(loader).items()} for _ in range(n)]
+
+
+def test_background_lowers_only_the_loaders_own_threads(scene, cache):
+    """Another loader's DALI threads and the training thread keep their priority; the background
+    loader's DALI threads (those of its pipeline, all of them after its first run) and its
+    hand-over thread run at SCHED_IDLE; both deliver the same stream."""
+    main = threading.get_native_id()
+    assert _policy(main) == os.SCHED_OTHER
+    with RayLoader(scene, rays_per_batch=64, rays_per_run=256, cache=cache, prefetch=2, num_threads=2) as normal:
+        a = _take(normal, 6)
+        normal_tids = dali_threads()
+        assert normal_tids, "a CPU RayLoader runs DALI threads"
+        assert all(_policy(t) == os.SCHED_OTHER for t in normal_tids)
+        with RayLoader(scene, rays_per_batch=64, rays_per_run=256, cache=cache, prefetch=2, num_threads=2,
+                       thread_priority="background") as bg:
+            b = _take(bg, 6)
+            mine = dali_threads() - normal_tids
+            assert len(mine) >= 2  # its thread pool and executor at least
+            assert {_policy(t) for t in mine} == {os.SCHED_IDLE}
+            hand_over = sorted(_policy(t.native_id) for t in threading.enumerate() if t.name.startswith("dali_nerf-rays"))
+            assert hand_over == sorted([os.SCHED_OTHER, os.SCHED_IDLE])  # only the background loader's is lowered
+            assert all(_policy(t) == os.SCHED_OTHER for t in normal_tids & dali_threads())
+        assert _policy(main) == os.SCHED_OTHER
+    for x, y in zip(a, b):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_spatial_loader_background(tmp_path):
+    from dali_nerf.config import PartitionConfig
+    from dali_nerf.partition import Partition
+    from dali_nerf.scenegen import make_scene
+    from dali_nerf.scenes import load_scene
+
+    root = make_scene("city", tmp_path / "city", width=24, height=16, n_train=4, n_val=1)
+    sc = load_scene(root, "train", format="mega_nerf")
+    part = Partition.from_config(PartitionConfig(grid=[2, 1]), sc)
+    c = decode_cache(sc, 0, 1)
+    before = dali_threads()
+    with SpatialRayLoader(sc, part, 0, rays_per_batch=32, rays_per_run=128, cache=c,
+                          thread_priority="background") as L:
+        next(L)
+        mine = dali_threads() - before
+        assert mine and {_policy(t) for t in mine} == {os.SCHED_IDLE}
+        assert _policy(_hand_over_thread("dali_nerf-cell0").native_id) == os.SCHED_IDLE
+
+
+def test_torch_workers_processes_in_background(scene, cache):
+    for prio, want in (("normal", os.SCHED_OTHER), ("background", os.SCHED_IDLE)):
+        with TorchWorkersSampler(scene, rays_per_batch=64, cache=cache, workers=1, thread_priority=prio) as s:
+            next(s)
+            pids = [w.pid for w in s._it._workers]
+            assert pids and {_policy(p) for p in pids} == {want}, prio
+
+
+def test_auto_follows_the_device_and_bad_values_name_the_key(scene):
+    assert resolve_priority("auto", "cpu") == "normal"
+    assert resolve_priority("auto", "cuda") == resolve_priority("auto", "emulated") == "background"
+    assert resolve_priority("normal", "cuda") == "normal"
+    assert host_budget(4096, local_ranks=2, cores=2, device="emulated").priority == "background"
+    assert host_budget(4096, local_ranks=2, cores=2).priority == "normal"
+    with pytest.raises(ConfigError, match="thread_priority='idle'") as e:
+        check_priority("idle")
+    assert "normal, background" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="thread_priority"):
+        RayLoader(scene, rays_per_batch=64, thread_priority="auto")  # the library takes a resolved value
+    with pytest.raises(ConfigError, match="pipeline.thread_priority"):
+        load_config(None, ["pipeline.thread_priority=low"], check_paths=False)
+
+
+def test_config_builds_sources_at_the_resolved_priority(scene):
+    cfg = load_config(None, ["pipeline.rays_per_batch=64", "pipeline.rays_per_run=256", "train.device=cpu"],
+                      check_paths=False)
+    assert cfg.pipeline.thread_priority == "auto"
+    with build_source(cfg, scene, 0, 1) as src:
+        assert src.thread_priority == "normal"  # compute on this CPU: the sampler competes as an equal
+    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, thread_priority="background"))
+    with build_source(cfg, scene, 0, 1) as src:
+        assert src.thread_priority == "background"
+        next(src)
+        assert _policy(_hand_over_thread("dali_nerf-rays-r0").native_id) == os.SCHED_IDLE
