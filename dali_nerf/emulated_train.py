@@ -167,6 +167,8 @@ def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
         bar()
         recs = _run(sources, dev, PhaseTimer(), lock, grad_bytes, W, t.steps, on_device, "source")
         bar()
+        prio = resolve_priority(p.thread_priority, t.device)
+        demoted = any(getattr(s, "thread_priority", prio) != prio for s in sources)  # starved: back to normal
     finally:
         for s in sources:
             try:
@@ -184,7 +186,7 @@ def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
     mine = {"rank": rank, "step_s": _mean_after(recs, warm, "step_s"), "wait_s": _mean_after(recs, warm, "wait_s"),
             "cpu_s": _mean_after(recs, warm, "cpu_s"),
             "floor_step_s": _mean_after(floor, fw, "step_s") if floor else None,
-            "floor_cpu_s": _mean_after(floor, fw, "cpu_s") if floor else None}
+            "floor_cpu_s": _mean_after(floor, fw, "cpu_s") if floor else None, "demoted": demoted}
     everyone = [None] * W
     if W > 1:
         dist.all_gather_object(everyone, mine)
@@ -222,6 +224,8 @@ def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
         "stall_fraction": float(np.mean(stalls)), "stall_fraction_ranks": stalls,
         "rays_per_s": W * rays / max(step_s, 1e-12),
         "barrier_s": barrier_s, "grad_bytes": grad_bytes, "device_links": links.lines(),
+        "sampler_priority": resolve_priority(p.thread_priority, t.device),
+        "ranks_starved_to_normal": [e["rank"] for e in everyone if e["demoted"]],
         "host_cores": cores, "host_busy": util, "host_busy_floor": util_floor,
         "host_keeps_up": (bool(max(stalls) <= 0.02 and (floor_s is None or step_s / floor_s <= KEEPS_UP_STEP))),
     }

@@ -28,7 +28,9 @@ waking training thread takes the core at once). Measured on the 2-core machine (
 the floor, mean of 6 trials each): 8 ranks at 1 ms device steps 1.32x at normal priority and 1.07x
 in background; 16 ranks at 2 ms 1.25x and 1.10x.
 Where the compute is on the CPU the sampler competes with it for the cores as equals
-(``normal``): in background it would get only the cores torch leaves idle.
+(``normal``): in background it would get only the cores torch leaves idle. On a host whose cores
+are all busy at normal priority, background threads starve; the DALI loaders then return to
+normal priority by themselves (:class:`dali_nerf.sources.base.StarvationGuard`).
 """
 
 from __future__ import annotations

@@ -104,6 +104,7 @@ def test_ddp_emulated_two_ranks(tmp_path, scene, pipeline):
     assert s["world_size"] == 2 and s["pipeline"] == pipeline and s["grad_bytes"] > 0
     assert s["floor_step_s"] > 0.5e-3 and s["step_over_floor"] == pytest.approx(s["step_s"] / s["floor_step_s"])
     assert len(s["stall_fraction_ranks"]) == 2 and 0 < s["barrier_s"] < 0.05
+    assert s["sampler_priority"] == "background" and isinstance(s["ranks_starved_to_normal"], list)
     assert 0 < s["host_busy"] <= 1.05 and 0 < s["host_busy_floor"] <= 1.05 and s["host_cores"] >= 1
     rows = [json.loads(x) for x in (tmp_path / "emu" / "metrics.jsonl").read_text().splitlines()]
     assert [x["segment"] for x in rows] == ["source"] * 60 + ["floor"] * 25  # the floor after the source closed

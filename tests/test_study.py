@@ -166,6 +166,27 @@ def test_costmodel_formulas():
     assert g["wait"] == pytest.approx(0.001 + 5e-6 * 4000 / 2 + 2e-10 * 3 * 1000 * cm.RAY_BYTES)
 
 
+def test_emulated_observations_cores():
+    """Emulated rows share the host's cores between ranks, except sync_global: rank 0 samples every
+    rank's batch while the others wait in the scatter, so its threads get up to the whole host."""
+    def row(sampler, W, threads):
+        return {"device": "emulated", "method": "ddp", "sampler": sampler, "ranks": W, "rays_per_rank": 4096,
+                "sampler_threads": threads, "phases_s": {"wait": 0.001, "sync": 0.0}, "compute_s": 0.002,
+                "step_s": 0.003}
+    runs = [row(s, W, t) for s in ("sync_global", "sync_local", "rays") for W in (1, 4, 16) for t in (1, 3)]
+    runs.append({**row("sync_local", 4, 1), "device": "cpu", "torch_threads": None})
+    obs = {(o.sampler, o.ranks, r["sampler_threads"], r["device"]): o.cores_per_rank
+           for o, r in zip(study.observations({"runs": runs}, cores=2), runs)}
+    assert obs[("sync_global", 16, 1, "emulated")] == 1.0
+    assert obs[("sync_global", 16, 3, "emulated")] == 2.0
+    assert obs[("sync_global", 1, 3, "emulated")] == 2.0
+    for s in ("sync_local", "rays"):
+        assert obs[(s, 16, 1, "emulated")] == pytest.approx(2 / 16)
+        assert obs[(s, 4, 3, "emulated")] == pytest.approx(0.5)
+        assert obs[(s, 1, 1, "emulated")] == 1.0
+    assert obs[("sync_local", 4, 1, "cpu")] == 1  # CPU rows: the trainer's cores // ranks, at least 1
+
+
 def test_projection_rows():
     m = _truth()
     a = cm.ProjectionAssumptions(gpu_compute_s=0.002, gpu_compute_source="test", rays_per_rank=4096,
@@ -300,4 +321,5 @@ def test_study_smoke_emulated(tmp_path, monkeypatch):
     (sp,) = raw["derived"]["speedups"]
     assert all(k in sp for k in DERIVED_PAIR_KEYS) and len(sp["speedup_ci"]) == 2
     assert raw["emulation"]["launches"][0]["ranks"] == 4 and raw["emulation"]["launches"][0]["barrier_s"] > 0
+    assert isinstance(raw["emulation"]["launches"][0]["demoted"], list)
     _check_recomputed(raw)

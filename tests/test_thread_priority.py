@@ -121,3 +121,93 @@ def test_config_builds_sources_at_the_resolved_priority(scene):
         assert src.thread_priority == "background"
         next(src)
         assert _policy(_hand_over_thread("dali_nerf-rays-r0").native_id) == os.SCHED_IDLE
+
+
+def _burn(stop):
+    while not stop.is_set():
+        pass
+
+
+def test_starved_background_loader_returns_to_normal_priority(scene, cache):
+    """With every core busy at normal priority (more busy-looping processes than cores), a
+    background loader's SCHED_IDLE threads get almost no CPU and next() waits: the loader warns
+    once, rebuilds its pipeline at normal priority at the next run, and the stream does not change."""
+    import multiprocessing as mp
+    import time
+    import warnings
+
+    from dali_nerf.hostbudget import usable_cores
+    from dali_nerf.sources.base import SamplerStarvedWarning
+
+    kw = dict(rays_per_batch=64, rays_per_run=256, cache=cache, prefetch=2, num_threads=1)
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    burners = [ctx.Process(target=_burn, args=(stop,), daemon=True) for _ in range(usable_cores() + 1)]
+    got = []
+    try:
+        for p in burners:
+            p.start()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with RayLoader(scene, thread_priority="background", **kw) as L:
+                deadline = time.monotonic() + 120
+                while L.thread_priority == "background" and time.monotonic() < deadline:
+                    got += _take(L, 1)
+                    time.sleep(0.001)  # the device step
+                assert L.thread_priority == "normal", "a starved background loader must return to normal priority"
+                got += _take(L, 8)  # the rebuilt pipeline continues the stream
+                assert L._ahead is not None and L._ahead._guard is None
+                assert _policy(_hand_over_thread("dali_nerf-rays-r0").native_id) == os.SCHED_OTHER
+    finally:
+        stop.set()
+        for p in burners:
+            p.join(timeout=10)
+    warned = [w for w in caught if issubclass(w.category, SamplerStarvedWarning)]
+    assert len(warned) == 1 and "RayLoader rank 0" in str(warned[0].message)
+    with RayLoader(scene, **kw) as ref:
+        want = _take(ref, len(got))
+    for x, y in zip(got, want):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_a_loader_that_keeps_up_stays_in_background(scene, cache):
+    """On an idle host the guard never fires: the consumer does not wait."""
+    import time
+
+    with RayLoader(scene, rays_per_batch=64, rays_per_run=256, cache=cache, prefetch=2, num_threads=1,
+                   thread_priority="background") as L:
+        t_end = time.monotonic() + 2.5
+        while time.monotonic() < t_end:
+            next(L)
+            time.sleep(0.002)
+        assert L.thread_priority == "background" and not L._ahead.starved
+        assert _policy(_hand_over_thread("dali_nerf-rays-r0").native_id) == os.SCHED_IDLE
+
+
+def test_spatial_loader_demotes_at_a_run_boundary(tmp_path):
+    """SpatialRayLoader acts on its RunAhead's starved report (set here as the guard would) at its
+    next run: normal priority, a rebuilt pipeline, the same accepted rays."""
+    import warnings
+
+    from dali_nerf.config import PartitionConfig
+    from dali_nerf.partition import Partition
+    from dali_nerf.scenegen import make_scene
+    from dali_nerf.scenes import load_scene
+    from dali_nerf.sources.base import SamplerStarvedWarning
+
+    root = make_scene("city", tmp_path / "city", width=24, height=16, n_train=4, n_val=1)
+    sc = load_scene(root, "train", format="mega_nerf")
+    part = Partition.from_config(PartitionConfig(grid=[2, 1]), sc)
+    c = decode_cache(sc, 0, 1)
+    kw = dict(rays_per_batch=32, rays_per_run=128, cache=c)
+    with SpatialRayLoader(sc, part, 0, **kw) as ref:
+        want = _take(ref, 12)
+    with SpatialRayLoader(sc, part, 0, thread_priority="background", **kw) as L:
+        got = _take(L, 2)
+        L._ahead.starved = True
+        with pytest.warns(SamplerStarvedWarning, match="SpatialRayLoader cell 0"):
+            got += _take(L, 10)  # crosses a run boundary (4 steps a run)
+        assert L.thread_priority == "normal" and L._ahead._guard is None
+        assert _policy(_hand_over_thread("dali_nerf-cell0").native_id) == os.SCHED_OTHER
+    for x, y in zip(got, want):
+        assert all(torch.equal(x[k], y[k]) for k in x)

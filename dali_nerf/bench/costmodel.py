@@ -14,7 +14,9 @@ nodes) and ``c`` CPU cores per rank::
                                                                 (the loader overlaps with compute)
     step     = wait + compute + sync;  stall = wait / step
 
-``c_compute`` is the cores a rank's torch ops get on a CPU (cores // ranks) and 1 when compute runs
+``c`` is the cores of the process that samples: a rank's own for sync_local and rays; for
+sync_global rank 0's (the other ranks wait for its scatter, so on a shared host its threads may
+have every core). ``c_compute`` is the cores a rank's torch ops get on a CPU (cores // ranks) and 1 when compute runs
 on a GPU (the projection then takes the GPU's compute time per step directly).
 
 >>> obs = [Observation("ddp", "sync_local", 1, 4096, 2, wait_s=0.02, compute_s=0.05, sync_s=0.0, step_s=0.07)]

@@ -297,7 +297,10 @@ def _rank_main(rank: int, W: int, cfg, method: str, segments: List[Segment], out
                               "cells": W if method == "ss" else None, "grad_bytes": grad_bytes,
                               "budget": dataclasses.asdict(budget)}}
             _write_segment(out_p, seg, rank, recs, meta)
-        msgs.put((rank, "ok", barrier_s))
+        # loaders whose background sampler was starved and returned to normal priority (StarvationGuard)
+        demoted = sorted(f"{k[0]} ({k[1]} rays)" for k, src in sources.items()
+                         if getattr(src, "thread_priority", budget.priority) != budget.priority)
+        msgs.put((rank, "ok", (barrier_s, demoted)))
     except BaseException as e:  # reported by the parent with this rank's log
         traceback.print_exc()
         msgs.put((rank, "error", f"{type(e).__name__}: {e}"))
@@ -317,7 +320,9 @@ def _rank_main(rank: int, W: int, cfg, method: str, segments: List[Segment], out
 def launch(cfg, method: str, ranks: int, segments: List[Segment], out: Path, budget: HostBudget,
            links: DeviceLinks, grad_bytes: int, steps: int, warmup: int, timeout_s: float = 300.0) -> dict:
     """Run ``segments`` on ``ranks`` spawned rank processes; returns {"dirs" (segment folders),
-    "barrier_s" (mean seconds of one lockstep barrier with no work, max over ranks), "wall_s"}.
+    "barrier_s" (mean seconds of one lockstep barrier with no work, max over ranks), "wall_s",
+    "demoted" (["rank R: sampler (B rays)"] for each background loader whose starved sampler
+    returned to normal priority during the launch; empty when none did)}.
 
     Raises :class:`DaliNerfError` naming the failed rank's log when a rank fails."""
     out = Path(out)
@@ -368,4 +373,5 @@ def launch(cfg, method: str, ranks: int, segments: List[Segment], out: Path, bud
     if err is not None:
         raise DaliNerfError(f"emulated {method} x{ranks}: rank {err[0]} failed ({err[1]}); log {out / f'rank{err[0]}.log'}")
     return {"dirs": [out / s.name for s in segments], "wall_s": time.perf_counter() - t0,
-            "barrier_s": max(v for s, v in done.values())}
+            "barrier_s": max(v[0] for s, v in done.values()),
+            "demoted": [f"rank {r}: {d}" for r in sorted(done) for d in done[r][1][1]]}

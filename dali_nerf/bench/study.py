@@ -417,14 +417,17 @@ def observations(derived: dict, cores: Optional[int] = None, device: Optional[st
     """Cost-model observations from :func:`derive`'s configurations (optionally one ``device``).
 
     Cores per rank: CPU rows: train.torch_threads, else cores // ranks as the trainer sets it;
-    emulated rows: min(sampler threads, cores / ranks) (the ranks share the host's cores)."""
+    emulated rows: min(sampler threads, cores / ranks) (the ranks share the host's cores), except
+    sync_global, where rank 0 samples every rank's batch while the others wait for it (idle in the
+    scatter's barrier), so its threads have the host to themselves: min(sampler threads, cores)."""
     cores = cores or os.cpu_count() or 1
     out = []
     for r in derived["runs"]:
         if r["sampler"] not in cm.SAMPLERS or (device is not None and r["device"] != device):
             continue
         if r["device"] == "emulated":
-            c = min(float(r.get("sampler_threads") or 1), cores / r["ranks"])
+            share = cores if r["sampler"] == "sync_global" else cores / r["ranks"]
+            c = min(float(r.get("sampler_threads") or 1), share)
         else:
             c = r.get("torch_threads") or max(1, cores // r["ranks"])
         out.append(cm.Observation(r["method"], r["sampler"], r["ranks"], r["rays_per_rank"], c,
@@ -594,10 +597,19 @@ def run_emulated(cfg: Config, grad_bytes: int, log=print) -> dict:
             log(f"emulated {m} x{W}: {len(segs)} segments in {r['wall_s']:.1f} s "
                 f"(lockstep barrier {r['barrier_s'] * 1e6:.0f} us)")
             dirs += r["dirs"]
+            if r["demoted"]:
+                log(f"emulated {m} x{W}: starved background samplers returned to normal priority: "
+                    f"{'; '.join(r['demoted'])}")
             launches.append({"method": m, "ranks": W, "wall_s": r["wall_s"], "barrier_s": r["barrier_s"],
-                             "budget": dataclasses.asdict(budget), "segments": len(segs),
+                             "budget": dataclasses.asdict(budget), "segments": len(segs), "demoted": r["demoted"],
                              "cells": W if m == "ss" else None})
     return {"dirs": dirs, "launches": launches, "links": links.lines(), "grad_bytes": gb}
+
+
+def _demoted_note(launch: dict) -> str:
+    """The launch table's note on loaders whose starved background sampler went back to normal priority."""
+    d = launch.get("demoted") or []
+    return f" (starved, then normal: {len(d)} loader(s): {'; '.join(d)})" if d else ""
 
 
 def _sampler_table(cfg: Config) -> Optional[str]:
@@ -759,7 +771,8 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
               "|---|---|---|---|---|---|---|---|---|"]
         for la in (emulation or {}).get("launches", []):
             L.append(f"| {la['method']} | {la['ranks']} | {la['cells'] or '-'} | {la['barrier_s'] * 1e6:.0f} | "
-                     f"{la['budget']['threads']} | {la['budget']['rays_per_run']} | {la['budget'].get('priority', 'normal')} | "
+                     f"{la['budget']['threads']} | {la['budget']['rays_per_run']} | {la['budget'].get('priority', 'normal')}"
+                     f"{_demoted_note(la)} | "
                      f"{la['wall_s']:.0f} | {la['segments']} |")
         capacity = None
         if sampling and sampling.get("loader_cpu_s"):
@@ -832,7 +845,10 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
           "wait    = s0 + ks * B / c                                     (sync_local)",
           "        = s0 + ks * G*B / c + gamma * (G-1) * B * ray_bytes    (sync_global: rank 0 samples, scatters)",
           "        = max(0, p0 + kp * B / c - (compute + sync))           (rays: overlapped with compute)",
-          "```", "", f"Fit set: {meta.get('fit_set', '-')}. The model has no torch_workers or SS routing term.", "",
+          "```", "", "c = the cores of the process that samples: per rank for sync_local and rays (on the emulated host, "
+          "min(sampler threads, cores / ranks): the ranks share its cores); for sync_global rank 0's, up to the whole "
+          "host's (min(sampler threads, cores)), since the other ranks wait for its scatter.", "",
+          f"Fit set: {meta.get('fit_set', '-')}. The model has no torch_workers or SS routing term.", "",
           "| parameter | value |", "|---|---|"]
     md = model.to_dict()
     for k, v in md.items():
@@ -853,6 +869,10 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
         if errs:
             L.append(f"\n{name} set: mean absolute step-time error {100 * np.mean(errs):.1f}%, max {100 * np.max(errs):.1f}% "
                      f"over {len(errs)} configurations.")
+            per = [(s, [abs(v["step_error"]) for v in validation if v.get("set") == name and v["sampler"] == s])
+                   for s in cm.SAMPLERS]
+            L.append("(" + "; ".join(f"{s}: mean {100 * np.mean(e):.1f}%, max {100 * np.max(e):.1f}%"
+                                     for s, e in per if e) + ")")
     L += ["", "## Projection beyond 16 GPUs (a projection of the cost model, not a measurement)", "",
           "![projection](projection.png)", "", "Assumptions:", ""]
     L += [f"- {a}" for a in assumptions.lines()]

@@ -13,6 +13,7 @@ import collections
 import queue
 import threading
 import time
+import warnings
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -25,7 +26,8 @@ from dali_nerf.pipelines.rays import RAY_OUTPUTS
 from dali_nerf.scenes import load_scene
 
 __all__ = ["BatchSource", "BatchStats", "BATCH_KEYS", "resolve_device", "dali_to_torch", "check_common",
-           "check_positive", "check_cache_device", "run_graph", "step_views", "RunAhead", "scene_from_config"]
+           "check_positive", "check_cache_device", "run_graph", "step_views", "RunAhead", "StarvationGuard",
+           "SamplerStarvedWarning", "demote_if_starved", "scene_from_config"]
 
 BATCH_KEYS = ("origins", "directions", "rgb", "indices", "near", "far")
 """Keys a batch may carry (near/far only when the scene has bounds)."""
@@ -201,6 +203,51 @@ def _run_ahead_loop(pipe, produce, q: "queue.Queue", stop: threading.Event, reti
         q.put(_Failure(e))
 
 
+class SamplerStarvedWarning(RuntimeWarning):
+    """A loader's background-priority sampler kept its consumer waiting; it runs at normal priority from then on."""
+
+
+class StarvationGuard:
+    """Does a background-priority sampler keep its consumer waiting?
+
+    Background priority (``SCHED_IDLE``) is for a sampler that is ahead: its threads then take only
+    cores nothing else wants. On a host whose cores are all busy with normal-priority work (other
+    ranks' threads, other jobs, a training thread launching kernels) such threads get almost no CPU:
+    measured on the 2-core machine with three busy-looping processes beside one RayLoader at 1 ms
+    steps (``benchmarks/starvation.py``), 202 steps/s with waits up to 0.5 s, against 879 steps/s
+    at normal priority. A sampler the consumer waits for gains nothing from yielding the cores (the consumer
+    is idle meanwhile), whatever keeps it behind, so the loaders return it to normal priority.
+
+    ``add(t_enter, t_exit)`` records one blocking wait of the consumer; it returns True once the
+    waits filled more than ``max_stall`` of a window of at least ``window_s`` wall seconds. Windows
+    start at the end of the first wait (the pipeline's build and first run) and are closed only by
+    a wait, so time the consumer spends away (evaluation, checkpoints) counts as time not waited.
+
+    >>> g = StarvationGuard(max_stall=0.2, window_s=1.0)
+    >>> g.add(0.0, 0.5), g.add(0.6, 0.7), g.add(1.4, 1.6)  # first wait (build) skipped; 0.3 s of 1.1 s waited
+    (False, False, True)
+    >>> g.add(2.0, 2.05), g.add(2.7, 2.75)  # a new window: 0.1 s of 1.15 s
+    (False, False)
+    """
+
+    def __init__(self, max_stall: float = 0.2, window_s: float = 1.0):
+        self.max_stall, self.window_s = float(max_stall), float(window_s)
+        self._t0: Optional[float] = None
+        self._waited = 0.0
+
+    def add(self, t_enter: float, t_exit: float) -> bool:
+        if self._t0 is None:
+            self._t0 = t_exit
+            return False
+        self._waited += max(0.0, t_exit - t_enter)
+        span = t_exit - self._t0
+        if span < self.window_s:
+            return False
+        starved = self._waited > self.max_stall * span
+        self._t0, self._waited = t_exit, 0.0
+        return starved
+
+
 class RunAhead:
     """Hands a ray graph's runs to the training thread from a background thread.
 
@@ -229,11 +276,16 @@ class RunAhead:
     ``background``: the ids of the process's DALI threads before ``pipe`` was built
     (:func:`~dali_nerf.hostbudget.dali_threads`), to run this thread and the pipeline's own DALI
     threads at background priority (:func:`~dali_nerf.hostbudget.to_background`, from the first
-    run on); None (default) leaves every thread's priority as it is.
+    run on); None (default) leaves every thread's priority as it is. In background, ``get()``
+    feeds a :class:`StarvationGuard` (unless ``guard`` is False) and sets ``starved`` when the
+    consumer keeps waiting: the owner then rebuilds its pipeline at normal priority
+    (:func:`demote_if_starved`; an unprivileged thread may lower its priority but not raise it back).
     """
 
     def __init__(self, pipe, produce: Callable, depth: int = 1, name: str = "dali_nerf-run-ahead",
-                 background: Optional[frozenset] = None):
+                 background: Optional[frozenset] = None, guard: bool = True):
+        self.starved = False
+        self._guard = StarvationGuard() if (background is not None and guard) else None
         self._q: "queue.Queue" = queue.Queue(maxsize=max(1, int(depth)))
         self._stop = threading.Event()
         self._retired: collections.deque = collections.deque()
@@ -250,9 +302,12 @@ class RunAhead:
         self._go.set()
 
     def get(self):
+        t = time.perf_counter()
         if self._q.empty():
             self._go.set()  # a consumer about to wait must never wait for a run not yet allowed
         item = self._q.get()
+        if self._guard is not None and self._guard.add(t, time.perf_counter()):
+            self.starved = True
         if isinstance(item, _Failure):
             self._q.put(item)  # every later get() fails the same way
             raise item.exc
@@ -278,6 +333,22 @@ class RunAhead:
                 self._q.get_nowait()
         except queue.Empty:
             pass
+
+
+def demote_if_starved(loader, who: str) -> bool:
+    """At a run boundary of ``loader`` (a RayLoader or SpatialRayLoader: ``_ahead``, ``_drop_pipeline``,
+    ``thread_priority``): when its :class:`RunAhead` reports ``starved``, warn once
+    (:class:`SamplerStarvedWarning`), switch it to normal priority and drop its pipeline; the next
+    fetch rebuilds it at the same stream position, so the batches do not change."""
+    ahead = getattr(loader, "_ahead", None)
+    if ahead is None or not ahead.starved:
+        return False
+    warnings.warn(f"{who}: its background-priority sampler threads kept the training thread waiting over 20% "
+                  f"of the time (the host's cores are busy with other work); they run at normal priority from "
+                  f"now on (set pipeline.thread_priority=normal to start so)", SamplerStarvedWarning, stacklevel=3)
+    loader.thread_priority = "normal"
+    loader._drop_pipeline()
+    return True
 
 
 class BatchSource:

@@ -47,7 +47,7 @@ from dali_nerf.hostbudget import check_priority, dali_threads, loader_budget, re
 from dali_nerf.pipelines.decode import decode_cache, shard_range, shard_sizes
 from dali_nerf.pipelines.rays import ray_pipeline
 from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, RunAhead, check_cache_device, check_common,
-                                    check_positive, resolve_device, run_graph, run_phase, scene_from_config,
+                                    check_positive, demote_if_starved, resolve_device, run_graph, run_phase, scene_from_config,
                                     step_views)
 from dali_nerf.sources.streaming import WindowStream, plan_window_images
 
@@ -82,10 +82,17 @@ class RayLoader(BatchSource):
             "background" when this rank's compute is on a GPU and the host's cores are few per
             rank, so the training thread never waits for a core (:mod:`dali_nerf.hostbudget`);
             ``from_config`` resolves ``pipeline.thread_priority`` (auto) from ``train.device``.
+            A background sampler that keeps ``next()`` waiting over 20% of a second (a host whose
+            cores are all busy starves it) warns once (:class:`~.base.SamplerStarvedWarning`) and
+            is rebuilt at normal priority at the next run, at the same stream position
+            (``starvation_guard = False`` on the class or instance keeps it in background).
     Yields:
         dict: origins (B, 3) f32, directions (B, 3) f32 unit, rgb (B, 3) f32, indices (B, 3) i64,
         near/far (B, 1) f32 when the scene has bounds.
     """
+
+    starvation_guard = True
+    """Background priority: return a starved sampler to normal priority (see ``thread_priority``)."""
 
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
                  prefetch: int = 2, mode: str = "random", device: str = "cpu", num_threads: Optional[int] = None,
@@ -199,7 +206,8 @@ class RayLoader(BatchSource):
 
             # released at this rank's step of each run (run_phase), so co-located ranks in
             # lockstep do not all hand over and schedule their next runs on the same step
-            self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-rays-r{self.rank}", background=before)
+            self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-rays-r{self.rank}", background=before,
+                                   guard=self.starvation_guard)
             self._phase = run_phase(self.rank, self.steps_per_run)
 
     def _fetch_run(self):
@@ -234,6 +242,7 @@ class RayLoader(BatchSource):
                 self._drop_pipeline()
             if self._ahead is not None and self._run is not None:
                 self._ahead.retire((self._run, self._steps))
+                demote_if_starved(self, f"RayLoader rank {self.rank}")
             self._run = self._steps = None
             self._fetch_run()
             off = self.position - self._run_start

@@ -30,9 +30,8 @@ from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import check_priority, dali_threads, loader_budget
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline
-from dali_nerf.sources.base import (BatchSource, BatchStats, RunAhead, check_cache_device, resolve_device, run_graph,
-                                    run_phase,
-                                    step_views)
+from dali_nerf.sources.base import (BatchSource, BatchStats, RunAhead, check_cache_device, demote_if_starved,
+                                    resolve_device, run_graph, run_phase, step_views)
 
 __all__ = ["SpatialRayLoader"]
 
@@ -50,6 +49,9 @@ class SpatialRayLoader(BatchSource):
         the batch dict (origins, directions, rgb, indices, near, far), B rays of cell j: the
         accepted rays in stream order, so neither ``prefetch`` nor ``rays_per_run`` changes them.
     """
+
+    starvation_guard = True
+    """Background priority: return a starved sampler to normal priority (as RayLoader)."""
 
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, prefetch: int = 2,
                  mode: str = "random", device: str = "cpu", num_threads: Optional[int] = None,
@@ -102,7 +104,8 @@ class SpatialRayLoader(BatchSource):
                     consumed, run = run_graph(pipe, "cpu", RAY_OUTPUTS[:-1], copy=False)
                     return consumed, run, step_views(run, K, B)
 
-                self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-cell{self.cell}", background=before)
+                self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-cell{self.cell}", background=before,
+                                       guard=self.starvation_guard)
                 self._phase = run_phase(self.cell, K)
         if self._ahead is not None:
             consumed, run, steps = self._ahead.get()
@@ -134,6 +137,7 @@ class SpatialRayLoader(BatchSource):
                 self._next_run_start = nxt
             if self._ahead is not None and self._run is not None:
                 self._ahead.retire((self._run, self._steps))
+                demote_if_starved(self, f"SpatialRayLoader cell {self.cell}")
             start, consumed, run, steps = self._fetch_run()
             if self._run is not None:
                 self.offset = 0
