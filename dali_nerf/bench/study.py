@@ -848,7 +848,9 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
           "```", "", "c = the cores of the process that samples: per rank for sync_local and rays (on the emulated host, "
           "min(sampler threads, cores / ranks): the ranks share its cores); for sync_global rank 0's, up to the whole "
           "host's (min(sampler threads, cores)), since the other ranks wait for its scatter.", "",
-          f"Fit set: {meta.get('fit_set', '-')}. The model has no torch_workers or SS routing term.", "",
+          f"Fit set: {meta.get('fit_set', '-')}. The model has no torch_workers or SS routing term. Its per-ray "
+          "sampling costs are measured with one process alone; many processes sampling at once on shared cores "
+          "(sync_local on the emulated host) also pay for the contention (caches, scheduling), which it does not model.", "",
           "| parameter | value |", "|---|---|"]
     md = model.to_dict()
     for k, v in md.items():
