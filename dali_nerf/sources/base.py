@@ -344,8 +344,9 @@ def demote_if_starved(loader, who: str) -> bool:
     if ahead is None or not ahead.starved:
         return False
     warnings.warn(f"{who}: its background-priority sampler threads kept the training thread waiting over 20% "
-                  f"of the time (the host's cores are busy with other work); they run at normal priority from "
-                  f"now on (set pipeline.thread_priority=normal to start so)", SamplerStarvedWarning, stacklevel=3)
+                  f"of the time (busy cores starve them, or the sampling cannot keep up); they run at normal "
+                  f"priority from now on (pipeline.thread_priority=normal starts so)", SamplerStarvedWarning,
+                  stacklevel=3)
     loader.thread_priority = "normal"
     loader._drop_pipeline()
     return True
