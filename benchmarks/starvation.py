@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     from dali_nerf.config import load_config
     from dali_nerf.hostbudget import host_budget, usable_cores
     from dali_nerf.pipelines.decode import decode_cache
-    from dali_nerf.scenes import load_scene
+    from dali_nerf.sources.base import scene_from_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/study.yaml")
@@ -67,8 +67,7 @@ def main(argv=None) -> None:
     ap.add_argument("--step-ms", type=float, default=1.0)
     a = ap.parse_args(argv)
     cfg = load_config(a.config)
-    sc = cfg.scene
-    scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
+    scene = scene_from_config(cfg)
     B = cfg.pipeline.rays_per_batch
     budget = host_budget(B, local_ranks=1)
     cache = decode_cache(scene, 0, 1, num_threads=budget.threads)

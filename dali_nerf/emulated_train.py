@@ -81,10 +81,9 @@ def _shared(env_rank: int, W: int, scatter_bytes: int):
     return barrier, shm
 
 
-def _sources(cfg: Config, method: str, scene, rank: int, W: int, dev: EmulatedDevice, buf, bar) -> List:
-    """This rank's batch sources (one per cell it trains in SS), all on the host."""
-    # the sources run on the host; their sampler threads' priority follows the emulated device
-    prio = resolve_priority(cfg.pipeline.thread_priority, cfg.train.device)
+def _sources(cfg: Config, method: str, scene, rank: int, W: int, dev: EmulatedDevice, buf, bar, prio: str) -> List:
+    """This rank's batch sources (one per cell it trains in SS), all on the host; their sampler
+    threads run at ``prio`` (``pipeline.thread_priority`` resolved for the emulated device)."""
     host = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cpu"),
                                pipeline=dataclasses.replace(cfg.pipeline, thread_priority=prio))
     p = cfg.pipeline
@@ -148,8 +147,9 @@ def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
     bar = (lambda: barrier.wait(timeout)) if barrier is not None else (lambda: None)
     buf = shm.buf if shm is not None else (bytearray(scatter) if scatter else None)
     sources, ready = [], []
+    prio = resolve_priority(p.thread_priority, t.device)
     try:
-        sources = _sources(cfg, method.name, scene, rank, W, dev, buf, bar)
+        sources = _sources(cfg, method.name, scene, rank, W, dev, buf, bar, prio)
         n_sources = len(sources)
         grad_bytes = model_grad_bytes(cfg.model) if method.name == "ddp" else 0
         lock = bar if (method.name == "ddp" and W > 1) else None
@@ -167,7 +167,6 @@ def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
         bar()
         recs = _run(sources, dev, PhaseTimer(), lock, grad_bytes, W, t.steps, on_device, "source")
         bar()
-        prio = resolve_priority(p.thread_priority, t.device)
         demoted = any(getattr(s, "thread_priority", prio) != prio for s in sources)  # starved: back to normal
     finally:
         for s in sources:
@@ -224,7 +223,7 @@ def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
         "stall_fraction": float(np.mean(stalls)), "stall_fraction_ranks": stalls,
         "rays_per_s": W * rays / max(step_s, 1e-12),
         "barrier_s": barrier_s, "grad_bytes": grad_bytes, "device_links": links.lines(),
-        "sampler_priority": resolve_priority(p.thread_priority, t.device),
+        "sampler_priority": prio,
         "ranks_starved_to_normal": [e["rank"] for e in everyone if e["demoted"]],
         "host_cores": cores, "host_busy": util, "host_busy_floor": util_floor,
         "host_keeps_up": (bool(max(stalls) <= 0.02 and (floor_s is None or step_s / floor_s <= KEEPS_UP_STEP))),

@@ -323,3 +323,22 @@ def test_study_smoke_emulated(tmp_path, monkeypatch):
     assert raw["emulation"]["launches"][0]["ranks"] == 4 and raw["emulation"]["launches"][0]["barrier_s"] > 0
     assert isinstance(raw["emulation"]["launches"][0]["demoted"], list)
     _check_recomputed(raw)
+
+
+def test_refit_script_reproduces_the_committed_report(capsys):
+    """benchmarks/refit_cost_model.py on the committed derived.json prints the committed report's
+    check-set error (the study and the script fit and check the model the same way)."""
+    import importlib.util
+    import re
+
+    d = REPO / "docs" / "study" / study.machine_slug()
+    if not (d / "derived.json").exists():
+        pytest.skip(f"no committed study for this machine ({d.name})")
+    spec = importlib.util.spec_from_file_location("refit", REPO / "benchmarks" / "refit_cost_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main([str(d / "derived.json"), "--config", str(REPO / "configs" / "study.yaml")])
+    out = capsys.readouterr().out
+    want = re.search(r"check set: mean absolute step-time error ([\d.]+)%, max ([\d.]+)%", (d / "report.md").read_text())
+    assert want, "the report has a check set"
+    assert f"check set: mean absolute step-time error {want[1]}%, max {want[2]}%" in out

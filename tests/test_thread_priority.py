@@ -211,3 +211,18 @@ def test_spatial_loader_demotes_at_a_run_boundary(tmp_path):
         assert _policy(_hand_over_thread("dali_nerf-cell0").native_id) == os.SCHED_OTHER
     for x, y in zip(got, want):
         assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_starvation_guard_windows():
+    """The guard skips the first wait (build, first run), closes a window only at a wait at least
+    window_s after its start, and fires when the waits filled more than max_stall of it."""
+    from dali_nerf.sources.base import StarvationGuard
+
+    g = StarvationGuard(max_stall=0.2, window_s=1.0)
+    assert not g.add(0.0, 5.0)               # the build: never counted
+    assert not g.add(5.1, 5.5)               # 0.4 s waited, but the window is 0.5 s old
+    assert g.add(5.9, 6.1)                   # 0.6 s of 1.1 s
+    assert not g.add(6.2, 6.3) and not g.add(8.0, 8.2)  # a new window: 0.3 s of 2.1 s
+    g = StarvationGuard(max_stall=0.2, window_s=1.0)
+    g.add(0.0, 0.1)
+    assert not g.add(30.0, 30.5)             # a long pause without waiting: 0.5 s of 30.4 s

@@ -16,13 +16,13 @@ nodes) and ``c`` CPU cores per rank::
 
 ``c`` is the cores of the process that samples: a rank's own for sync_local and rays; for
 sync_global rank 0's (the other ranks wait for its scatter, so on a shared host its threads may
-have every core). ``c_compute`` is the cores a rank's torch ops get on a CPU (cores // ranks) and 1 when compute runs
-on a GPU (the projection then takes the GPU's compute time per step directly).
+have every core). ``c_compute`` is the cores a rank's torch ops get on a CPU (cores // ranks) and
+1 when compute runs on a GPU (the projection then takes the GPU's compute time per step directly).
 
 >>> obs = [Observation("ddp", "sync_local", 1, 4096, 2, wait_s=0.02, compute_s=0.05, sync_s=0.0, step_s=0.07)]
 >>> model = fit(obs, sampling=SamplingProfile(fixed_s=1e-4, per_ray_core_s=1e-8,
 ...             loader_fixed_s=3e-4, loader_per_ray_core_s=5e-9), grad_bytes=4_000_000)
->>> round(model.predict("sync_local", ranks=1, rays_per_rank=4096, cores_per_rank=2)["wait"], 6)
+>>> round(model.predict("sync_local", ranks=1, rays_per_rank=4096, cores_per_rank=2)["wait"], 7)
 0.0001205
 """
 

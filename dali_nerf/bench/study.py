@@ -484,14 +484,19 @@ def measure_sampling(cfg: Config, sizes: Sequence[int], batches: int = 20) -> di
         out["sync_s"].append(_time_source(c, scene, batches))
         c.pipeline.name = "rays"
         out["loader_s"].append(_time_source(c, scene, batches, cpu=out["loader_cpu_s"]))
-    sync_cores = threads
-    loader_cores = min(loader_budget(cfg.pipeline.rays_per_batch, cfg.pipeline.num_threads,
-                                     cfg.pipeline.rays_per_run)[0], cores)
-    s0, ks = cm.fit_linear(sizes, out["sync_s"])
-    p0, kp = cm.fit_linear(sizes, out["loader_s"])
-    out["sync_cores"], out["loader_cores"] = sync_cores, loader_cores
-    out["profile"] = cm.SamplingProfile(s0, ks * sync_cores, p0, kp * loader_cores, cores)
+    out["sync_cores"] = threads
+    out["loader_cores"] = min(loader_budget(cfg.pipeline.rays_per_batch, cfg.pipeline.num_threads,
+                                            cfg.pipeline.rays_per_run)[0], cores)
+    out["profile"] = sampling_profile(out, cores)
     return out
+
+
+def sampling_profile(sampling: dict, cores: int) -> cm.SamplingProfile:
+    """The cost model's per-core sampling costs from :func:`measure_sampling`'s timings (also as
+    derived.json keeps them: "sizes", "sync_s", "loader_s", "sync_cores", "loader_cores")."""
+    s0, ks = cm.fit_linear(sampling["sizes"], sampling["sync_s"])
+    p0, kp = cm.fit_linear(sampling["sizes"], sampling["loader_s"])
+    return cm.SamplingProfile(s0, ks * sampling["sync_cores"], p0, kp * sampling["loader_cores"], cores)
 
 
 # ---------------------------------------------------------------------------------------------

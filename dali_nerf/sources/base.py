@@ -343,8 +343,8 @@ def demote_if_starved(loader, who: str) -> bool:
     ahead = getattr(loader, "_ahead", None)
     if ahead is None or not ahead.starved:
         return False
-    warnings.warn(f"{who}: its background-priority sampler threads kept the training thread waiting over 20% "
-                  f"of the time (busy cores starve them, or the sampling cannot keep up); they run at normal "
+    warnings.warn(f"{who}: its background-priority sampler threads kept the training thread waiting over "
+                  f"{ahead._guard.max_stall:.0%} of the time (busy cores starve them, or the sampling cannot keep up); they run at normal "
                   f"priority from now on (pipeline.thread_priority=normal starts so)", SamplerStarvedWarning,
                   stacklevel=3)
     loader.thread_priority = "normal"

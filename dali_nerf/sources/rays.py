@@ -47,8 +47,8 @@ from dali_nerf.hostbudget import check_priority, dali_threads, loader_budget, re
 from dali_nerf.pipelines.decode import decode_cache, shard_range, shard_sizes
 from dali_nerf.pipelines.rays import ray_pipeline
 from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, RunAhead, check_cache_device, check_common,
-                                    check_positive, demote_if_starved, resolve_device, run_graph, run_phase, scene_from_config,
-                                    step_views)
+                                    check_positive, demote_if_starved, resolve_device, run_graph, run_phase,
+                                    scene_from_config, step_views)
 from dali_nerf.sources.streaming import WindowStream, plan_window_images
 
 __all__ = ["RayLoader"]
