@@ -143,6 +143,39 @@ def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
     dev = EmulatedDevice(t.emulated_step_ms, links)
     scatter = ShmScatter.buffer_bytes(W, p.rays_per_batch) if p.name == "sync_global" else 0
     barrier, shm = _shared(rank, W, scatter)
+    try:
+        return _train_emulated_shared(cfg, method, env, scene, links, dev, barrier, shm, scatter)
+    except BaseException:  # an error or Ctrl-C: break the other ranks' waits, free the named semaphores and the block
+        if barrier is not None:
+            try:
+                barrier.abort()
+            except Exception:
+                pass
+        _release_shared(barrier, shm, rank)
+        raise
+
+
+def _release_shared(barrier, shm, rank: int) -> None:
+    """Close this rank's views of the barrier and the scatter block (rank 0, their owner, also
+    unlinks them). Idempotent."""
+    if barrier is not None:
+        barrier.close()
+    if shm is not None:
+        try:
+            shm.close()
+        except BufferError:  # a view of it still alive (an interrupted step): the mapping goes with the process
+            pass
+        if rank == 0:
+            try:
+                shm.unlink()  # the name goes now, mapped or not
+            except FileNotFoundError:
+                pass
+
+
+def _train_emulated_shared(cfg: Config, method, env, scene, links, dev, barrier, shm, scatter: int) -> dict:
+    """:func:`train_emulated` once the barrier and the scatter block exist."""
+    t, p = cfg.train, cfg.pipeline
+    W, rank = env.world_size, env.rank
     timeout = 300.0
     bar = (lambda: barrier.wait(timeout)) if barrier is not None else (lambda: None)
     buf = shm.buf if shm is not None else (bytearray(scatter) if scatter else None)
@@ -193,12 +226,8 @@ def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
         everyone = [mine]
     if barrier is not None:
         dist.barrier()  # every rank is done with the shared block before its owner closes it
-        barrier.close()
-    if shm is not None:
-        buf = None
-        shm.close()
-        if rank == 0:
-            shm.unlink()
+    buf = None
+    _release_shared(barrier, shm, rank)
     if env.distributed:
         dist.destroy_process_group()
     if rank != 0:

@@ -297,6 +297,9 @@ class LockstepBarrier:
             if self._owner:
                 self._shm.unlink()
             self._shm = None
+            # the creator's semaphores are unlinked by their multiprocessing finalizers when the
+            # objects die: now, not at interpreter exit (which an interrupted run skips)
+            self._lock = self._gates = None
 
     def wait(self, timeout: Optional[float] = None) -> int:
         """Block until all parties called it in this round; returns 0 on the last to arrive, else 1."""

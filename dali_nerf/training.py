@@ -505,6 +505,14 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
     """Run training for ``cfg`` with ``method`` on this process's rank; returns the summary
     (rank 0) or {} (other ranks). ``train.device=emulated`` runs the emulated-device mode
     (:func:`dali_nerf.emulated_train.train_emulated`: no model, device work as timed waits)."""
+    threads = torch.get_num_threads()  # setup_distributed sets it per rank; a caller's process gets it back
+    try:
+        return _train(cfg, method, resume)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: Config, method: Method, resume: bool) -> dict:
     if cfg.train.device == "emulated":
         from dali_nerf.emulated_train import train_emulated
 
@@ -860,8 +868,6 @@ def trainer_main(method_factory: Callable[[], Method], default_config: str, argv
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/checkpoints/latest")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. train.steps=200")
     args = p.parse_args(argv)
-    # DALI's bundled OpenCV logs decoder warnings to stderr; our errors say it in one line
-    os.environ.setdefault("OPENCV_LOG_LEVEL", "ERROR")
 
     def go():
         cfg = load_config(args.config, args.overrides)

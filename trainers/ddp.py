@@ -10,10 +10,9 @@ baseline named by ``pipeline.name``) and all-reduces gradients (DistributedDataP
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
+from dali_nerf.interrupt import exit_process
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
 from dali_nerf.seeds import init_seed
 from dali_nerf.sources import build_source
@@ -52,4 +51,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # after Ctrl-C: os._exit(130), no unbounded interpreter shutdown

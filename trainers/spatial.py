@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dali_nerf.interrupt import exit_process
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
 from dali_nerf.models.fused import FusedField
 from dali_nerf.partition import Partition, assign_rank
@@ -149,4 +150,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # after Ctrl-C: os._exit(130), no unbounded interpreter shutdown

@@ -178,6 +178,11 @@ def step_views(run: dict, steps: int, rays_per_batch: int) -> list:
     return list(zip(*(v.view(steps, rays_per_batch, *v.shape[1:]).unbind(0) for v in run.values())))
 
 
+CLOSE_TIMEOUT_S = 5.0
+"""How long ``close()`` waits for a background thread (a run or a decode in flight) before it
+leaves the thread to finish on its own: shutting down, Ctrl-C included, never waits unbounded."""
+
+
 class _Failure:
     def __init__(self, exc: BaseException):
         self.exc = exc
@@ -318,11 +323,15 @@ class RunAhead:
         if obj is not None:
             self._retired.append(obj)
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """Stop the thread and wait for it at most ``timeout`` seconds (a run in flight finishes
+        first). True when it ended; False: it is left running (a daemon thread that holds its own
+        reference to the pipeline, so nothing is freed under it) with a ResourceWarning."""
         self._stop.set()
         self._go.set()
-        while self._thread.is_alive():  # unblock a put() on a full queue until the thread sees stop
-            try:
+        deadline = time.monotonic() + float(timeout)
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            try:  # unblock a put() on a full queue until the thread sees stop
                 while True:
                     self._q.get_nowait()
             except queue.Empty:
@@ -333,6 +342,11 @@ class RunAhead:
                 self._q.get_nowait()
         except queue.Empty:
             pass
+        if self._thread.is_alive():
+            warnings.warn(f"{self._thread.name}: the sampler thread did not stop within {timeout:g} s (a DALI run "
+                          f"still in flight); it is left to finish on its own", ResourceWarning, stacklevel=2)
+            return False
+        return True
 
 
 def demote_if_starved(loader, who: str) -> bool:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 from typing import Optional, Sequence
 
 import numpy as np
@@ -48,7 +49,7 @@ from dali_nerf.errors import ConfigError
 from dali_nerf.pipelines.decode import DecodeCancelled, decode_cache
 from dali_nerf.pipelines.rays import ray_pipeline, release_pipeline
 from dali_nerf.seeds import window_key, window_order_keys
-from dali_nerf.sources.base import run_graph
+from dali_nerf.sources.base import CLOSE_TIMEOUT_S, run_graph
 
 __all__ = ["WindowStream", "window_plan", "plan_window_images", "WINDOW_IMAGE_OVERHEAD"]
 
@@ -218,7 +219,10 @@ class WindowStream:
             return
         w.stop.set()
         if w.thread is not None:
-            w.thread.join()
+            w.thread.join(timeout=CLOSE_TIMEOUT_S)  # the decode checks w.stop between its runs
+            if w.thread.is_alive():  # it holds its own references: dropping ours frees nothing under it
+                warnings.warn(f"{w.thread.name}: the window decode did not stop within {CLOSE_TIMEOUT_S:g} s; it is "
+                              f"left to finish on its own", ResourceWarning, stacklevel=2)
             w.thread = None
         if w.pipe is not None:
             pipe, w.pipe = w.pipe, None

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import check_priority, loader_budget, resolve_priority, to_background
+from dali_nerf.interrupt import ignore_interrupts, interrupts_deferred
 from dali_nerf.partition import ray_cells
 from dali_nerf.pipelines.decode import decode_cache, shard_sizes
 from dali_nerf.rays import rays_from_indices
@@ -328,6 +329,7 @@ class WorkerBatches(torch.utils.data.IterableDataset):
 
 
 def _worker_init(_, background: bool = False):
+    ignore_interrupts()  # Ctrl-C is the main process's to handle: it shuts the workers down
     torch.set_num_threads(1)
     if background:
         to_background([0])
@@ -350,8 +352,9 @@ class WorkerLoader:
         if workers > 0:
             init = functools.partial(_worker_init, background=self.thread_priority == "background")
             kw = dict(persistent_workers=True, prefetch_factor=prefetch, worker_init_fn=init)
-        self._it = iter(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers,
-                                                    pin_memory=pin_memory, **kw))
+        with interrupts_deferred():  # not cut in half by Ctrl-C; workers forked with SIGINT blocked
+            self._it = iter(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers,
+                                                        pin_memory=pin_memory, **kw))
 
     def _shutdown(self) -> None:
         it, self._it = self._it, None
