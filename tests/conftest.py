@@ -30,6 +30,11 @@ try:
 except ImportError:  # pragma: no cover - hypothesis is in the test extra
     pass
 
+# libraries that edit the environment once, on import (OpenCV's loader adds its folders to
+# LD_LIBRARY_PATH): imported here, before any test's snapshot
+import cv2  # noqa: E402,F401
+import torch  # noqa: E402,F401
+
 # SIGCHLD is not checked: torch's DataLoader installs its worker-failure handler once per process
 # (torch.utils.data._utils.signal_handling) and would not reinstall it after a restore
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
