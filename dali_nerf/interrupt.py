@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-__all__ = ["interrupt_guard", "exit_process", "ignore_interrupts", "interrupts_deferred", "interrupted", "descendants", "kill_descendants",
+__all__ = ["interrupt_guard", "quiet_startup", "exit_process", "ignore_interrupts", "interrupts_deferred", "interrupted", "descendants", "kill_descendants",
            "EXIT_INTERRUPTED", "DEFAULT_GRACE_S", "ECHO_S"]
 
 EXIT_INTERRUPTED = 130
@@ -131,6 +131,21 @@ def _on_sigint(signum, frame):
         _force_exit("interrupted again during shutdown; exiting without finishing the cleanup", stacks=False)
     # else: the same Ctrl-C arriving twice (torchrun forwards the terminal's SIGINT to its workers,
     # which already had it from the terminal): the cleanup goes on
+
+
+def _startup_sigint(signum, frame):
+    print("interrupted", file=sys.stderr, flush=True)
+    _flush()
+    os._exit(EXIT_INTERRUPTED)
+
+
+def quiet_startup() -> None:
+    """For a script's ``__main__``, before its heavy imports (torch, DALI: seconds): a Ctrl-C
+    while they load prints ``interrupted`` and exits 130 at once (nothing has started that needs
+    cleaning up), instead of a traceback from inside an import. :func:`interrupt_guard` takes over
+    when the command runs."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _startup_sigint)
 
 
 @contextlib.contextmanager

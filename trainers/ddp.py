@@ -10,9 +10,13 @@ baseline named by ``pipeline.name``) and all-reduces gradients (DistributedDataP
 
 from __future__ import annotations
 
-import torch
+from dali_nerf.interrupt import exit_process, quiet_startup
 
-from dali_nerf.interrupt import exit_process
+if __name__ == "__main__":
+    quiet_startup()  # Ctrl-C while torch and DALI load: one line, exit 130
+
+import torch  # noqa: E402
+
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
 from dali_nerf.seeds import init_seed
 from dali_nerf.sources import build_source

@@ -12,14 +12,17 @@ overhead against rendering one sub-model alone.
 
 from __future__ import annotations
 
-import sys
-import time
+from dali_nerf.interrupt import exit_process, quiet_startup
 
-import numpy as np
-import torch
+if __name__ == "__main__":
+    quiet_startup()  # Ctrl-C while torch and DALI load: one line, exit 130
+
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist
 
-from dali_nerf.interrupt import exit_process
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
 from dali_nerf.models.fused import FusedField
 from dali_nerf.partition import Partition, assign_rank
