@@ -37,15 +37,15 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 import time
-from contextlib import contextmanager
 from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.synchronize import Semaphore
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 
+from dali_nerf.phases import PHASES, PhaseTimer
 from dali_nerf.seeds import routed_stream
 from dali_nerf.sources.sync import PixelSampler
 from dali_nerf.sources.ready import ReadySource
@@ -54,9 +54,6 @@ from dali_nerf.sources.routed_workers import routed_batch
 __all__ = ["DeviceLinks", "EmulatedDevice", "LockstepBarrier", "PhaseTimer", "ReadyBatch", "ShmScatter", "emulated_step",
            "shared_block", "global_scatter", "model_grad_bytes",
            "batch_nbytes", "PHASES", "RAY_FLOATS", "EMULATED_LABEL"]
-
-PHASES = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
-"""The phases of a step, as the trainer records them (``<phase>_s`` in metrics.jsonl)."""
 
 RAY_FLOATS = 11
 """float32 columns of a packed ray: origins 3, directions 3, rgb 3, near 1, far 1 (+ 3 int64 indices)."""
@@ -146,43 +143,6 @@ class EmulatedDevice:
         self.queued = {"h2d": 0.0, "sync": 0.0}
         _sleep(sum(req.values()))
         return req
-
-
-class PhaseTimer:
-    """Seconds per phase of one step: ``with t.phase("wait"): ...``; :meth:`record` closes the step."""
-
-    def __init__(self):
-        self.s: Dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        self._t0 = time.perf_counter()
-        self._c0 = time.process_time()
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        if name not in self.s:
-            raise ValueError(f"unknown phase {name!r}; one of {', '.join(PHASES)}")
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.s[name] += time.perf_counter() - t
-
-    def add(self, name: str, seconds: float) -> None:
-        """Attribute ``seconds`` of a span timed elsewhere to phase ``name``."""
-        if name not in self.s:
-            raise ValueError(f"unknown phase {name!r}; one of {', '.join(PHASES)}")
-        self.s[name] += seconds
-
-    def record(self, step: int, rays: int) -> dict:
-        """The metrics.jsonl record of the step (``<phase>_s``, ``step_s`` since construction or
-        the last record, and ``cpu_s``: this process's CPU seconds meanwhile, every thread of it —
-        the training thread and the sampler's threads, not worker processes); resets."""
-        now, cpu = time.perf_counter(), time.process_time()
-        rec = {"step": int(step), "rays": int(rays)} | {f"{k}_s": v for k, v in self.s.items()}
-        rec["step_s"] = now - self._t0
-        rec["cpu_s"] = cpu - self._c0
-        self.s = dict.fromkeys(PHASES, 0.0)
-        self._t0, self._c0 = now, cpu
-        return rec
 
 
 def batch_nbytes(batch: dict) -> int:
