@@ -37,8 +37,10 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 # set once per process by design, not per test: pytest's own marker; the DALI host-pool threshold
 # dali_nerf sets before DALI's first allocation (hostmem.dali_host_pool: DALI reads it once);
-# torch's inductor cache folder, which torch sets on its first compile-related import
-_PROCESS_ONCE = ("PYTEST_CURRENT_TEST", "DALI_MALLOC_POOL_THRESHOLD", "TORCHINDUCTOR_CACHE_DIR")
+# torch's inductor cache folder, which torch sets on its first compile-related import; the
+# OpenCV log level the command-line entry points (dali_nerf.cli.main, training.trainer_main) set
+# with setdefault for the rest of the process (DALI's bundled OpenCV reads it once)
+_PROCESS_ONCE = ("PYTEST_CURRENT_TEST", "DALI_MALLOC_POOL_THRESHOLD", "TORCHINDUCTOR_CACHE_DIR", "OPENCV_LOG_LEVEL")
 
 
 def _environ() -> dict:
