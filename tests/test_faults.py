@@ -330,7 +330,7 @@ def test_torch_workers_close_leaves_no_processes(scene_dir):
     assert not any(alive(p) for p in workers)
 
 
-def test_exception_in_training_loop_closes_sources(scene_dir, tmp_path, monkeypatch):
+def test_exception_in_training_loop_closes_sources(scene_dir, tmp_path, monkeypatch, request):
     """An error inside the loop (here: the renderer raising at step 3) propagates, and the loop's
     ``finally`` has closed the batch source: no DALI threads, no torch worker processes."""
     import dali_nerf.training as training
@@ -348,6 +348,8 @@ def test_exception_in_training_loop_closes_sources(scene_dir, tmp_path, monkeypa
         return real(*a, **k)
 
     monkeypatch.setattr(training, "render_rays", failing)  # the name the loop calls
+    # train() sets torch's thread count for the process (train.torch_threads: 1): put it back after
+    request.addfinalizer(lambda n=torch.get_num_threads(): torch.set_num_threads(n))
     for name in ("rays", "torch_workers"):
         calls["n"] = 0
         cfg = load_config(tiny_config(tmp_path, scene_dir, f"exc_{name}", extra=f"  torch_threads: 1\n"),
