@@ -55,6 +55,7 @@ from .config import Config, config_to_dict, load_config
 from .tblog import TBWriter, step_scalars
 from .errors import ConfigError, DaliNerfError
 from .models import psnr as psnr_fn, render_image, render_rays, ssim as ssim_fn
+from .models.metrics import SSIM_WINDOW
 from .models.ray_space import RaySpace, build_space
 from .pipelines.decode import decode_cache
 from .scenes import describe_change, load_scene, scene_fingerprint
@@ -547,6 +548,12 @@ def load_scenes(cfg: Config, env: DistEnv):
     sc = cfg.scene
     scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
     eval_scene = load_scene(sc.path, split=sc.eval_split, format=sc.format, downscale=sc.downscale, background=sc.background)
+    small = np.flatnonzero(np.minimum(eval_scene.width, eval_scene.height) < SSIM_WINDOW)
+    if len(small):
+        i = int(small[0])
+        raise ConfigError(f"scene.downscale={sc.downscale}: the {sc.eval_split} images become as small as "
+                          f"{int(eval_scene.width[i])}x{int(eval_scene.height[i])} ({os.path.basename(eval_scene.image_paths[i])}), "
+                          f"under the {SSIM_WINDOW}x{SSIM_WINDOW} window of the evaluation's SSIM; use a smaller scene.downscale")
     show = env.rank == 0 and sys.stderr.isatty()
     scan_images(scene, progress=show)
     if eval_scene.image_paths != scene.image_paths:
