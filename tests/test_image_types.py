@@ -15,7 +15,6 @@ import struct
 import zlib
 from pathlib import Path
 
-import cv2
 import numpy as np
 import pytest
 

@@ -9,7 +9,6 @@ import io
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
