@@ -9,15 +9,27 @@ Each rank writes ``rankR.pt`` to a temporary file in the same folder, fsyncs it 
 (``os.replace`` is atomic on POSIX; :mod:`dali_nerf.atomic`). After a barrier, rank 0 rewrites ``latest`` the same way. A
 kill at any point leaves the previous ``latest`` and its files intact: a reader only ever follows
 ``latest``. Files are loaded with ``torch.load(weights_only=True)``: checkpoints hold tensors,
-numbers, strings, lists and dicts only, so a crafted pickle cannot run code.
+numbers, strings, lists and dicts only, so a crafted pickle cannot run code; the zip's CRC-32 of
+every record is then verified (``torch.load`` does not check them: a flipped bit inside a tensor
+would load silently).
+
+Resuming (:func:`resume_checkpoint`): the newest checkpoint whose files *every* rank can read.
+A rank file that is missing, truncated, corrupt or not a training checkpoint
+(:class:`CheckpointUnreadable`) makes every rank fall back to the previous committed folder
+(``latest``'s, then the older ``step_*`` folders; ``commit_checkpoint`` keeps 2), each rank
+warning about its own bad file; with no complete checkpoint left it is one error naming the bad
+files. A crafted file, or a checkpoint that does not fit the run (another world size, another
+scene), is refused at once: those are not damage that an older step repairs.
 """
 
 from __future__ import annotations
 
 import pickle
+import re
 import shutil
+import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -25,7 +37,19 @@ from .atomic import atomic_write, atomic_write_bytes, atomic_write_json, atomic_
 from .errors import DaliNerfError
 
 __all__ = ["save_rank_state", "commit_checkpoint", "latest_checkpoint", "load_rank_state", "atomic_write_bytes", "atomic_write_text",
-           "atomic_write_json"]
+           "atomic_write_json", "CheckpointUnreadable", "checkpoint_candidates", "resume_checkpoint"]
+
+_STEP = re.compile(r"step_(\d+)$")
+
+
+class CheckpointUnreadable(DaliNerfError):
+    """A rank file that is missing, truncated, corrupt or not a dali_nerf training checkpoint:
+    damage an older checkpoint repairs (:func:`resume_checkpoint` falls back). ``path`` is the
+    file, ``reason`` what is wrong with it."""
+
+    def __init__(self, path, reason: str, advice: str = "delete it or resume from an older step"):
+        super().__init__(f"{path}: {reason}; {advice}")
+        self.path, self.reason = Path(path), reason
 
 
 def save_rank_state(ckpt_root, step: int, rank: int, state: dict) -> Path:
@@ -51,19 +75,9 @@ def commit_checkpoint(ckpt_root, step: int, keep: int = 2) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def latest_checkpoint(ckpt_root) -> Optional[Path]:
-    """Folder of the newest complete checkpoint, or None (no ``latest`` pointer, or the folder it
-    names is gone).
-
-    The pointer must hold the name of a folder directly inside ``ckpt_root`` (``step_0000500``):
-    an absolute path, a name with a separator or ``..``, or a symlink leading out of
-    ``ckpt_root`` is refused, so a crafted pointer cannot make ``--resume`` or ``dali-nerf render``
-    load files from elsewhere.
-
-    Raises:
-        DaliNerfError: the pointer names something outside ``ckpt_root`` (one line naming it).
-    """
-    root = Path(ckpt_root)
+def _latest_name(root: Path) -> Optional[str]:
+    """The folder name ``root/latest`` holds (checked to stay inside ``root``), or None without
+    a pointer."""
     p = root / "latest"
     if not p.is_file():
         return None
@@ -81,20 +95,147 @@ def latest_checkpoint(ckpt_root) -> Optional[Path]:
             f"{p}: names {name!r}, which is not a checkpoint folder inside {root}; delete the file or "
             f"write the name of one of its step_* folders"
         )
+    return name
+
+
+def latest_checkpoint(ckpt_root) -> Optional[Path]:
+    """Folder of the newest complete checkpoint, or None (no ``latest`` pointer, or the folder it
+    names is gone).
+
+    The pointer must hold the name of a folder directly inside ``ckpt_root`` (``step_0000500``):
+    an absolute path, a name with a separator or ``..``, or a symlink leading out of
+    ``ckpt_root`` is refused, so a crafted pointer cannot make ``--resume`` or ``dali-nerf render``
+    load files from elsewhere.
+
+    Raises:
+        DaliNerfError: the pointer names something outside ``ckpt_root`` (one line naming it).
+    """
+    root = Path(ckpt_root)
+    name = _latest_name(root)
+    if name is None:
+        return None
+    folder = root / name
     return folder if folder.is_dir() else None
 
 
+def checkpoint_candidates(ckpt_root) -> List[Path]:
+    """The committed checkpoint folders, newest first: the one ``latest`` names (listed even when
+    it is gone, so that the caller can say so), then every older ``step_*`` folder (each was
+    ``latest`` once). Folders of later steps than ``latest`` were never committed (a kill during
+    their write) and are not listed. [] without a ``latest`` pointer.
+
+    >>> checkpoint_candidates("runs/x/checkpoints")
+    [PosixPath('runs/x/checkpoints/step_0000008'), PosixPath('runs/x/checkpoints/step_0000004')]
+    """
+    root = Path(ckpt_root)
+    name = _latest_name(root)
+    if name is None:
+        return []
+    m = _STEP.match(name)
+    older = []
+    if m is not None:
+        newest = int(m.group(1))
+        for p in root.glob("step_*"):
+            mp = _STEP.match(p.name)
+            if mp is not None and int(mp.group(1)) < newest and p.is_dir() and not p.is_symlink():
+                older.append((int(mp.group(1)), p))
+    return [root / name] + [p for _, p in sorted(older, reverse=True)]
+
+
+def _first_line(e: Exception, limit: int = 120) -> str:
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    return f"{type(e).__name__}: {lines[0][:limit]}" if lines else type(e).__name__
+
+
 def load_rank_state(folder, rank: int, map_location="cpu") -> dict:
-    """Load ``rankR.pt`` from a checkpoint folder with ``weights_only=True``."""
-    path = Path(folder) / f"rank{rank}.pt"
+    """Load ``rankR.pt`` from a checkpoint folder with ``weights_only=True`` and verify the CRC-32
+    of every record of its zip.
+
+    Raises:
+        CheckpointUnreadable: the folder or file is missing, or the file is truncated or corrupt
+            (one line naming it; an older checkpoint may be complete).
+        DaliNerfError: the file references Python objects beyond plain data (possibly crafted).
+    """
+    folder = Path(folder)
+    path = folder / f"rank{rank}.pt"
+    if not folder.is_dir():
+        raise CheckpointUnreadable(folder, "checkpoint folder missing", "restore it or resume from an older step")
     if not path.is_file():
-        raise DaliNerfError(f"{path}: checkpoint file missing; resume with the world size the run was saved with")
+        raise CheckpointUnreadable(path, "checkpoint file missing", "resume with the world size the run was saved with")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         if "global" in str(e).lower():  # weights_only refused a class / function reference
             raise DaliNerfError(f"{path}: refusing to unpickle: it references Python objects beyond tensors and plain data "
                                 f"(possibly crafted); only load checkpoints written by dali_nerf") from None
-        raise DaliNerfError(f"{path}: not a readable dali_nerf checkpoint (UnpicklingError); delete it or resume from an older step") from None
-    except Exception as e:  # corrupt file or a pickle that is not plain data
-        raise DaliNerfError(f"{path}: not a readable dali_nerf checkpoint ({type(e).__name__}); delete it or resume from an older step") from None
+        raise CheckpointUnreadable(path, "not a readable dali_nerf checkpoint (UnpicklingError)") from None
+    except Exception as e:  # truncated / corrupt file, or a pickle that is not plain data
+        raise CheckpointUnreadable(path, f"not a readable dali_nerf checkpoint ({_first_line(e)})") from None
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError):  # torch's legacy (non-zip) format: no checksums to verify
+        bad = None
+    except Exception as e:  # a damaged zip directory that torch.load still read
+        raise CheckpointUnreadable(path, f"corrupt checkpoint ({_first_line(e)})") from None
+    if bad is not None:
+        raise CheckpointUnreadable(path, f"corrupt checkpoint (checksum mismatch in its record {bad})")
+    return state
+
+
+def resume_checkpoint(ckpt_root, rank: int, check: Optional[Callable[[dict, Path], None]] = None,
+                      gather: Optional[Callable[[int], List[int]]] = None):
+    """The checkpoint to resume from: the newest committed folder whose file every rank reads.
+
+    Every rank calls it (it is a collective when ``gather`` is). For each candidate of
+    :func:`checkpoint_candidates`, newest first, each rank loads its own file
+    (:func:`load_rank_state`) and runs ``check(state, folder)`` on it; ``gather(code)`` returns
+    the codes of all ranks (0: readable, 1: :class:`CheckpointUnreadable`, 2: any other
+    :class:`DaliNerfError`), so all ranks take the same decision: every rank's file readable ->
+    this folder; some unreadable -> the next older folder; any refusal -> every rank stops.
+
+    Args:
+        ckpt_root: ``runs/<name>/checkpoints``.
+        rank: this process's rank.
+        check: raises :class:`CheckpointUnreadable` for a file that is not a usable checkpoint
+            (falls back) or :class:`DaliNerfError` for one that does not fit the run (refused).
+        gather: ``code -> [code of rank 0, 1, ...]`` (None: one process, ``[code]``).
+    Returns:
+        ``(folder, state, skipped)``: this rank's state of the chosen folder, and the
+        :class:`CheckpointUnreadable` of this rank's own files in the newer folders skipped.
+    Raises:
+        DaliNerfError: no ``latest`` pointer; a refusal (this rank's own message, or one naming
+            the ranks that refused); or no complete checkpoint left (one line naming the files).
+    """
+    root = Path(ckpt_root)
+    candidates = checkpoint_candidates(root)
+    if not candidates:
+        raise DaliNerfError(f"{root}: no checkpoint to resume from; run without --resume")
+    gather = gather or (lambda code: [code])
+    skipped: List[CheckpointUnreadable] = []
+    bad_files: List[str] = []
+    for folder in candidates:
+        state, mine, refused = None, None, None
+        try:
+            state = load_rank_state(folder, rank)
+            if check is not None:
+                check(state, folder)
+        except CheckpointUnreadable as e:
+            mine = e
+        except DaliNerfError as e:
+            refused = e
+        codes = gather(2 if refused is not None else 1 if mine is not None else 0)
+        if refused is not None:
+            raise refused
+        if 2 in codes:
+            ranks = ", ".join(str(r) for r, c in enumerate(codes) if c == 2)
+            raise DaliNerfError(f"{folder}: rank {ranks} refused to resume from this checkpoint (see that rank's error); "
+                                f"fix what it names or run without --resume")
+        if not any(codes):
+            return folder, state, skipped
+        if mine is not None:
+            skipped.append(mine)
+            bad_files.append(f"{mine.path}: {mine.reason}")
+        bad_files += [f"{folder / f'rank{r}.pt'}: unreadable on rank {r}" for r, c in enumerate(codes) if c and r != rank]
+    raise DaliNerfError(f"{root}: no complete checkpoint to resume from ({'; '.join(bad_files)}); restore the files "
+                        f"from a copy, or run without --resume to start anew")

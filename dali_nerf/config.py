@@ -6,7 +6,7 @@ device) are not stored here; they are passed to ``from_config(cfg, rank, world_s
 An unknown key, a wrong type, an out-of-range value or a missing path raises :class:`ConfigError`
 with a one-line message naming the key and the file::
 
-    configs/ddp_objects.yaml: pipeline.rays_per_batch: must be > 0, got -4
+    configs/ddp_objects.yaml: pipeline.rays_per_batch: must be in [1, 2147483647], got -4
 
 >>> cfg = load_config("configs/ddp_objects.yaml", ["train.steps=200", "pipeline.mode=epoch"])
 >>> cfg.pipeline.rays_per_batch
@@ -16,6 +16,7 @@ with a one-line message naming the key and the file::
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ import yaml
 
 from .errors import ConfigError
 from .hostbudget import PRIORITIES
+from .pipelines.rays import INT32_MAX, INT64_MAX, MAX_CELLS
 
 __all__ = [
     "Config", "SceneConfig", "CacheConfig", "PipelineConfig", "ModelConfig", "TrainConfig",
@@ -116,12 +118,16 @@ class PipelineConfig:
     def validate(self, key: str):
         _choice(f"{key}.name", self.name, ("rays", "sync_global", "sync_local", "torch_workers", "ready"))
         _choice(f"{key}.mode", self.mode, ("random", "epoch"))
-        _positive(f"{key}.rays_per_batch", self.rays_per_batch)
-        _nonneg(f"{key}.rays_per_run", self.rays_per_run)
-        _nonneg(f"{key}.num_threads", self.num_threads)
-        _nonneg(f"{key}.prefetch", self.prefetch)
-        _nonneg(f"{key}.workers", self.workers)
-        _nonneg(f"{key}.seed", self.seed)
+        # the op's argument types bound what reaches it (pipelines/rays.py OP_ARGS)
+        _in_range(f"{key}.rays_per_batch", self.rays_per_batch, 1, INT32_MAX)
+        _in_range(f"{key}.rays_per_run", self.rays_per_run, 0, INT32_MAX)
+        if self.rays_per_run and math.ceil(self.rays_per_run / self.rays_per_batch) * self.rays_per_batch > INT32_MAX:
+            raise ConfigError(f"{key}.rays_per_run: {self.rays_per_run} rounded up to a multiple of rays_per_batch="
+                              f"{self.rays_per_batch} is over the op's limit of {INT32_MAX} rays per run; lower it")
+        _in_range(f"{key}.num_threads", self.num_threads, 0, MAX_THREADS)
+        _in_range(f"{key}.prefetch", self.prefetch, 0, MAX_THREADS)
+        _in_range(f"{key}.workers", self.workers, 0, MAX_THREADS)
+        _in_range(f"{key}.seed", self.seed, 0, INT64_MAX)
         _choice(f"{key}.thread_priority", self.thread_priority, ("auto",) + PRIORITIES)
 
 
@@ -249,8 +255,12 @@ class PartitionConfig:
         if len(self.grid) != 2 or min(self.grid) < 1:
             raise ConfigError(f"{key}.grid: must be two integers >= 1, got {self.grid}")
         _positive(f"{key}.cells", self.cells)
-        if not self.margin >= 1.0:
-            raise ConfigError(f"{key}.margin: must be >= 1.0, got {self.margin}")
+        if self.num_cells > MAX_CELLS:
+            what = f"grid {self.grid[0]}x{self.grid[1]} = " if self.kind == "grid" else ""
+            raise ConfigError(f"{key}.{'grid' if self.kind == 'grid' else 'cells'}: {what}{self.num_cells} cells; "
+                              f"the op routes among at most {MAX_CELLS}")
+        if not 1.0 <= self.margin < math.inf:
+            raise ConfigError(f"{key}.margin: must be a finite number >= 1.0, got {self.margin}")
         _choice(f"{key}.dims", self.dims, (2, 3))
 
     @property
@@ -393,6 +403,15 @@ class Config:
 # generic typed loading
 
 
+MAX_THREADS = 1024
+"""Largest pipeline.num_threads / prefetch / workers accepted (threads, queued runs, processes)."""
+
+
+def _in_range(key, v, lo, hi):
+    if not lo <= v <= hi:
+        raise ConfigError(f"{key}: must be in [{lo}, {hi}], got {v}")
+
+
 def _positive(key, v):
     if v <= 0:
         raise ConfigError(f"{key}: must be > 0, got {v}")
@@ -442,7 +461,10 @@ def _coerce(key: str, value: Any, tp) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            raise ConfigError(f"{key}: {str(value)[:20]}... is too large for a number") from None
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")

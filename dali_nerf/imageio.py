@@ -10,10 +10,18 @@ marker ``FFD9`` in its last 64 KiB).
 Decode policy (the decode stage, ``pipelines/decode.py``, follows it; :func:`decode_image_cv2` is
 the reference implementation):
 
-* accepted: PNG 8- or 16-bit, gray / gray+alpha / RGB / RGBA / palette; baseline or progressive
-  JPEG, 8-bit, gray or YCbCr (1 or 3 components);
+* accepted: every PNG colour type and bit depth the PNG standard defines (gray 1/2/4/8/16-bit,
+  gray+alpha 8/16, RGB 8/16, RGBA 8/16, palette 1/2/4/8), interlaced or not, with or without a
+  ``tRNS`` chunk; baseline or progressive JPEG, 8-bit, gray or YCbCr (1 or 3 components). EXIF
+  orientation is ignored: pixels are taken as stored, at the size the header (and the scene) states;
 * 16-bit PNG is converted to 8-bit at decode, ``round(v * 255 / 65535)``;
 * grayscale is expanded to RGB at decode (gray+alpha to RGBA); palette images decode to RGB(A);
+* transparency from a ``tRNS`` chunk is alpha like an alpha channel's: a palette entry's alpha
+  (entries past the chunk's end are opaque), or, for gray and RGB, alpha 0 where a pixel equals the
+  chunk's colour key exactly (at the file's bit depth) and 255 elsewhere. Such files, and gray+alpha
+  files, are decoded by OpenCV (:func:`decode_image_cv2`; :attr:`ImageHeader.decoder` says which)
+  because DALI's decoder drops the ``tRNS`` alpha (transparent pixels would come out in the
+  palette's colour, often black) and fails on gray+alpha; every other file takes DALI's fast path;
 * RGBA is then composited over the scene background by the decode stage (not here), which
   then undistorts and area-downscales (``pipelines/decode.py``, ``finish_image``);
 * refused, from the header: PNG bit depths below 8 with colour (invalid PNG), 12-bit JPEG,
@@ -69,9 +77,15 @@ class ImageHeader:
 
     Attributes:
         width, height: pixels.
-        channels: 1 (gray), 2 (gray+alpha), 3 (RGB / YCbCr / palette), 4 (RGBA; CMYK for JPEG).
+        channels: what the image decodes to: 1 (gray), 2 (gray+alpha, or gray with a ``tRNS``
+            colour key), 3 (RGB / YCbCr / palette), 4 (RGBA, palette or RGB with ``tRNS``; CMYK
+            for JPEG).
         bit_depth: bits per channel sample (PNG 1..16, JPEG 8 or 12).
         format: "png" or "jpeg".
+        colour_type: the PNG colour type (0 gray, 2 RGB, 3 palette, 4 gray+alpha, 6 RGBA); -1
+            for JPEG.
+        transparency: the PNG's ``tRNS`` chunk data (palette alphas, or a gray / RGB colour key
+            as 16-bit big-endian samples), or None.
     """
 
     width: int
@@ -79,6 +93,16 @@ class ImageHeader:
     channels: int
     bit_depth: int
     format: str
+    colour_type: int = -1
+    transparency: Optional[bytes] = None
+
+    @property
+    def decoder(self) -> str:
+        """"dali" (the decode stage's fast path) or "opencv": the PNGs DALI's decoder gets wrong
+        (a ``tRNS`` chunk, whose alpha it drops) or refuses (gray+alpha)."""
+        if self.format == "png" and (self.colour_type == 4 or self.transparency is not None):
+            return "opencv"
+        return "dali"
 
 
 def max_pixels_limit() -> int:
@@ -140,7 +164,32 @@ def _png_header(path, f) -> ImageHeader:
         raise _bad(path, f"PNG header declares an empty image {w}x{h}")
     if colour not in _PNG_DEPTHS or depth not in _PNG_DEPTHS[colour]:
         raise _bad(path, f"corrupt PNG header (colour type {colour} with bit depth {depth})")
-    return ImageHeader(int(w), int(h), _PNG_CHANNELS[colour], int(depth), "png")
+    trns = _png_trns(f) if colour in (0, 2, 3) else None
+    channels = _PNG_CHANNELS[colour] + (1 if trns is not None and colour != 3 else 0)
+    if trns is not None and colour == 3:
+        channels = 4
+    return ImageHeader(int(w), int(h), channels, int(depth), "png", int(colour), trns)
+
+
+def _png_trns(f) -> Optional[bytes]:
+    """The ``tRNS`` chunk's data, walking the chunks after IHDR (seeking over their data) up to the
+    first ``IDAT`` (the standard puts ``tRNS`` before it); None without one. Damage met on the way
+    (a length past the end, end of file) ends the walk: the tail check names truncation."""
+    size = os.fstat(f.fileno()).st_size
+    pos = 8 + 25
+    for _ in range(4096):
+        f.seek(pos)
+        head = f.read(8)
+        if len(head) < 8:
+            return None
+        length, ctype = struct.unpack(">I4s", head)
+        if ctype in (b"IDAT", b"IEND") or pos + 12 + length > size:
+            return None
+        if ctype == b"tRNS":
+            data = f.read(length)
+            return data if len(data) == length and length > 0 else None
+        pos += 12 + length
+    return None
 
 
 def _jpeg_header(path, f) -> ImageHeader:
@@ -262,6 +311,19 @@ def check_image(path, expected_wh: Optional[Sequence[int]] = None, max_pixels: O
     return h
 
 
+def _gray_colour_key(img: np.ndarray, h: ImageHeader) -> np.ndarray:
+    """(H, W) gray as OpenCV decodes it (1/2/4-bit samples scaled to 8 bits, 16-bit kept) ->
+    (H, W, 2) gray + alpha: alpha 0 where the sample equals the ``tRNS`` key, else the maximum."""
+    if len(h.transparency) < 2:
+        return img
+    key = struct.unpack(">H", h.transparency[:2])[0]
+    if h.bit_depth < 8:
+        key = (key & ((1 << h.bit_depth) - 1)) * (255 // ((1 << h.bit_depth) - 1))
+    top = np.iinfo(img.dtype).max
+    alpha = np.where(img == key, 0, top).astype(img.dtype)
+    return np.stack([img, alpha], axis=2)
+
+
 def decode_image_cv2(path, max_pixels: Optional[int] = None) -> np.ndarray:
     """Decode a PNG/JPEG with OpenCV following the module's decode policy.
 
@@ -282,9 +344,11 @@ def decode_image_cv2(path, max_pixels: Optional[int] = None) -> np.ndarray:
     with open(path, "rb") as f:
         data = f.read()
     _check_tail(path, h.format, data[-(12 if h.format == "png" else _JPEG_TAIL):], len(data))
-    img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)  # EXIF orientation ignored
     if img is None:
         raise _bad(path, "cannot be decoded (corrupt image data)")
+    if h.colour_type == 0 and h.transparency is not None and img.ndim == 2:
+        img = _gray_colour_key(img, h)  # OpenCV ignores a gray image's tRNS; RGB and palette it applies
     if img.dtype == np.uint16:
         img = ((img.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
     elif img.dtype != np.uint8:

@@ -77,8 +77,12 @@ def process_seed(seed: int, rank: int) -> int:
 
 def init_seed(seed: int, cell: int | None = None) -> int:
     """``torch.manual_seed`` before building a field: the DDP replica (identical on every rank)
-    or the SS sub-model of ``cell``."""
-    return seed if cell is None else seed * 1009 + cell
+    or the SS sub-model of ``cell``. A value of 2**64 or more (a seed above ~1.8e16, which
+    ``torch.manual_seed`` refused) is reduced mod 2**64; every value that worked is unchanged."""
+    if cell is None:
+        return seed
+    v = seed * 1009 + cell
+    return v if v < 2**64 else v % 2**64
 
 
 def step_seed(seed: int, rank: int, step: int, cell: int = -1) -> int:

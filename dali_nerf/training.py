@@ -48,16 +48,17 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from .checkpoint import (atomic_write_bytes, atomic_write_text, commit_checkpoint, latest_checkpoint,
-                         load_rank_state, save_rank_state)
+from .checkpoint import (CheckpointUnreadable, atomic_write_bytes, atomic_write_text, checkpoint_candidates,
+                         commit_checkpoint, resume_checkpoint, save_rank_state)
 from .cli import run_cli
 from .config import Config, config_to_dict, load_config
 from .tblog import TBWriter, step_scalars
 from .errors import ConfigError, DaliNerfError
 from .models import psnr as psnr_fn, render_image, render_rays, ssim as ssim_fn
+from .models.metrics import SSIM_WINDOW
 from .models.ray_space import RaySpace, build_space
 from .pipelines.decode import decode_cache
-from .scenes import load_scene
+from .scenes import describe_change, load_scene, scene_fingerprint
 from .scenes.bounds import scene_bounds
 from .seeds import process_seed, step_seed
 from .validate import scan_images
@@ -469,7 +470,9 @@ def _task_state(task: Task) -> dict:
     st = {
         "field": task.raw_field.state_dict(),
         "optimizer": task.optimizer.state_dict(),
-        "source": task.source.state_dict() if hasattr(task.source, "state_dict") else {},
+        # the scene's fingerprint is stored once per checkpoint ("scene", checked by read_resume_state)
+        "source": ({k: v for k, v in task.source.state_dict().items() if k != "scene"}
+                   if hasattr(task.source, "state_dict") else {}),
     }
     if task.space is not None:
         st["space"] = task.space.state()  # dali-nerf render rebuilds the same space from it
@@ -491,9 +494,11 @@ def _load_task_state(task: Task, st: dict) -> None:
         task.scheduler.load_state_dict(st["scheduler"])
 
 
-def _save_checkpoint(run_dir: Path, step: int, tasks: List[Task], env: DistEnv, cfg: Config) -> None:
+def _save_checkpoint(run_dir: Path, step: int, tasks: List[Task], env: DistEnv, cfg: Config, scene) -> None:
+    """Every rank writes its file, then rank 0 commits the step. ``scene``: the training split,
+    whose fingerprint (:func:`dali_nerf.scenes.scene_fingerprint`) the file carries as "scene"."""
     state = {"step": step, "rank": env.rank, "world_size": env.world_size, "method": cfg.method,
-             "tasks": {t.name: _task_state(t) for t in tasks}, "rng": _rng_state()}
+             "scene": scene_fingerprint(scene), "tasks": {t.name: _task_state(t) for t in tasks}, "rng": _rng_state()}
     save_rank_state(run_dir / "checkpoints", step, env.rank, state)
     env.barrier()
     if env.rank == 0:
@@ -520,7 +525,7 @@ def _train(cfg: Config, method: Method, resume: bool) -> dict:
     env = setup_distributed(cfg.train.device, cfg.train.torch_threads)
     prepare_run_dir(cfg.run_dir, env)
     scene, eval_scene = load_scenes(cfg, env)
-    resume, saved, folder = read_resume_state(cfg.run_dir, env, resume)
+    resume, saved, folder = read_resume_state(cfg.run_dir, env, resume, scene)
     seed_everything(cfg.pipeline.seed, env.rank)
     tasks = method.build_tasks(cfg, scene, env)
     start_step = restore_tasks(cfg, tasks, saved, folder, env)
@@ -551,6 +556,12 @@ def load_scenes(cfg: Config, env: DistEnv):
     sc = cfg.scene
     scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
     eval_scene = load_scene(sc.path, split=sc.eval_split, format=sc.format, downscale=sc.downscale, background=sc.background)
+    small = np.flatnonzero(np.minimum(eval_scene.width, eval_scene.height) < SSIM_WINDOW)
+    if len(small):
+        i = int(small[0])
+        raise ConfigError(f"scene.downscale={sc.downscale}: the {sc.eval_split} images become as small as "
+                          f"{int(eval_scene.width[i])}x{int(eval_scene.height[i])} ({os.path.basename(eval_scene.image_paths[i])}), "
+                          f"under the {SSIM_WINDOW}x{SSIM_WINDOW} window of the evaluation's SSIM; use a smaller scene.downscale")
     show = env.rank == 0 and sys.stderr.isatty()
     scan_images(scene, progress=show)
     if eval_scene.image_paths != scene.image_paths:
@@ -558,25 +569,53 @@ def load_scenes(cfg: Config, env: DistEnv):
     return scene, eval_scene
 
 
-def read_resume_state(run_dir: Path, env: DistEnv, resume: bool):
+def _gather_codes(env: DistEnv, code: int) -> List[int]:
+    """Every rank's ``code`` (a small int), in rank order: an all-reduce of one-hot rows."""
+    if not env.distributed:
+        return [int(code)]
+    t = torch.zeros(env.world_size, dtype=torch.int64, device=env.device)
+    t[env.rank] = int(code)
+    dist.all_reduce(t)
+    return [int(v) for v in t.tolist()]
+
+
+def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None):
     """``(resume, state, folder)``: this rank's checkpoint state (read ``weights_only`` and checked
     before the expensive setup) when resuming, else ``(False, None, None)``. A worker group
-    restarted by torchrun ``--max-restarts`` resumes from the last checkpoint by itself."""
+    restarted by torchrun ``--max-restarts`` resumes from the last checkpoint by itself.
+
+    The folder is the newest committed checkpoint every rank can read
+    (:func:`dali_nerf.checkpoint.resume_checkpoint`): a missing, truncated or corrupt rank file
+    makes all ranks fall back to the previous checkpoint, each rank warning (one line on stderr)
+    about its own bad file. Refused (one line, nothing written): no checkpoint; none complete; a
+    crafted file; another world size; a training split ``scene`` whose fingerprint differs from
+    the one saved (images added or removed, sizes, cameras or downscale changed). A checkpoint
+    written before fingerprints were saved resumes without the scene check.
+    """
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if restarted and latest_checkpoint(run_dir / "checkpoints") is not None:
+    ckpt_root = run_dir / "checkpoints"
+    if restarted and checkpoint_candidates(ckpt_root):
         resume = True
     if not resume:
         return False, None, None
-    folder = latest_checkpoint(run_dir / "checkpoints")
-    if folder is None:
-        raise DaliNerfError(f"{run_dir / 'checkpoints'}: no checkpoint to resume from; run without --resume")
-    st = load_rank_state(folder, env.rank)
-    missing = [k for k in ("step", "world_size", "tasks", "rng") if not isinstance(st, dict) or k not in st]
-    if missing:
-        raise DaliNerfError(f"{folder / f'rank{env.rank}.pt'}: not a dali_nerf training checkpoint (no {', '.join(missing)}); "
-                            f"delete it or resume from an older step")
-    if st["world_size"] != env.world_size:
-        raise DaliNerfError(f"{folder}: saved with world size {st['world_size']}, now {env.world_size}; resume with the same number of ranks")
+    current = scene_fingerprint(scene) if scene is not None else None
+
+    def check(st, folder: Path):
+        path = folder / f"rank{env.rank}.pt"
+        missing = [k for k in ("step", "world_size", "tasks", "rng") if not isinstance(st, dict) or k not in st]
+        if missing:
+            raise CheckpointUnreadable(path, f"not a dali_nerf training checkpoint (no {', '.join(missing)})")
+        if st["world_size"] != env.world_size:
+            raise DaliNerfError(f"{folder}: saved with world size {st['world_size']}, now {env.world_size}; resume with the same number of ranks")
+        change = describe_change(st.get("scene"), current) if current is not None else None
+        if change is not None:
+            raise DaliNerfError(f"{scene.root}: changed since the checkpoint {folder} was written: {change}; resume with the "
+                                f"scene the run was trained on, or start a new run (another name=, without --resume)")
+
+    folder, st, skipped = resume_checkpoint(ckpt_root, env.rank, check, lambda code: _gather_codes(env, code))
+    for bad in skipped:
+        print(f"warning: {bad.path}: {bad.reason}; every rank resumes from the previous complete checkpoint {folder} "
+              f"(step {st['step']})", file=sys.stderr, flush=True)
     return True, st, folder
 
 
@@ -780,7 +819,7 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
                     print(f"step {step}/{cfg.train.steps} loss {loss_v:.5f} psnr {rec['psnr']:.2f}", flush=True)
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step != end_step:
                 writer.flush()
-                _save_checkpoint(cfg.run_dir, step, tasks, env, cfg)
+                _save_checkpoint(cfg.run_dir, step, tasks, env, cfg, scene)
             if eval_every and step % eval_every == 0 and step != end_step:
                 row = periodic_eval(step)
                 if row is not None:
@@ -789,7 +828,7 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
         wall = time.perf_counter() - t_start
         writer.flush()
         if end_step > start_step or resume:
-            _save_checkpoint(cfg.run_dir, end_step, tasks, env, cfg)
+            _save_checkpoint(cfg.run_dir, end_step, tasks, env, cfg, scene)
     finally:
         writer.close()
         tb.close()

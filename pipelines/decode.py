@@ -17,7 +17,9 @@ Sharding is DALI's own: shard ``i`` of ``S`` over ``N`` files is the index range
 ``[floor(i * N / S), floor((i + 1) * N / S))`` (:func:`shard_range`), read with ``pad_last_batch``
 (padded duplicates are dropped by label).
 
-Image policy (same as :mod:`dali_nerf.imageio`): RGBA is composited over the background exactly,
+Image policy (same as :mod:`dali_nerf.imageio`, which also says why the PNGs with a ``tRNS`` chunk
+and the gray+alpha PNGs are decoded by OpenCV instead of DALI, per file, into the same finishing
+step; EXIF orientation is ignored by both): RGBA is composited over the background exactly,
 in integers, as ``round((rgb * a + bg8 * (255 - a)) / 255)`` with ``bg8 = round(255 * bg)``; grayscale is expanded to RGB; 16-bit images
 are converted to 8 bit by DALI's decoder as ``round(v / 257)``. Then, at the file's size, a
 distorted camera (``Scene.distortion``) is undistorted (:func:`undistort_maps`, ``cv2.remap``
@@ -209,20 +211,21 @@ def composite(img: np.ndarray, background, out: Optional[np.ndarray] = None) -> 
 
 def _check_files(scene, want: np.ndarray, max_pixels: Optional[int]) -> np.ndarray:
     """Every file of ``want`` through :func:`dali_nerf.imageio.check_image` (header, tail, pixel
-    limit, declared size = ``scene.file_wh``, else width/height at downscale 1): (len(want), 3)
-    int64 header width, height, channels. A declared size that disagrees with the header is
+    limit, declared size = ``scene.file_wh``, else width/height at downscale 1): (len(want), 4)
+    int64 header width, height, channels, and 1 where OpenCV decodes the file instead of DALI
+    (:attr:`dali_nerf.imageio.ImageHeader.decoder`). A declared size that disagrees with the header is
     refused (the header never silently wins): one line naming the file and both sizes; so is an
     image with alpha when ``scene.background_mode`` is random / learned (nothing to composite over)."""
     fwh = scene.file_wh
     if fwh is None and scene.downscale <= 1:
         fwh = np.stack([scene.width, scene.height], 1)
-    out = np.zeros((len(want), 3), np.int64)
+    out = np.zeros((len(want), 4), np.int64)
     for k, i in enumerate(want):
         path = scene.image_paths[int(i)]
         if not os.path.isfile(path):
             raise DataError(f"{path}: image file not found; restore it or fix the scene's file list")
         h = check_image(path, expected_wh=None if fwh is None else fwh[int(i)], max_pixels=max_pixels)
-        out[k] = (h.width, h.height, h.channels)
+        out[k] = (h.width, h.height, h.channels, h.decoder == "opencv")
         if h.channels in (2, 4) and scene.background_mode != "color":
             raise DataError(
                 f"{path}: has an alpha channel but scene.background={scene.background_mode} keeps no alpha "
@@ -306,7 +309,8 @@ def decode_pipeline(files, labels, shard_id, num_shards, *, device="cpu",
             files=list(files), labels=[int(x) for x in labels], shard_id=shard_id, num_shards=num_shards,
             pad_last_batch=True, name="Reader", random_shuffle=False,
         )
-        img = fn.decoders.image(data, device=device, output_type=types.ANY_DATA)
+        # pixels as stored (EXIF orientation ignored): the size the header and the scene declare
+        img = fn.decoders.image(data, device=device, output_type=types.ANY_DATA, adjust_orientation=False)
         return img, lab
 
     pipe = _decode(batch_size=batch_size, num_threads=num_threads,
@@ -447,6 +451,10 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
     header = _check_files(scene, want, max_pixels)
     widths, heights = scene.width, scene.height
     header_wh = header[:, :2]
+    by_cv2 = header[:, 3].astype(bool)  # tRNS / gray+alpha PNGs: DALI's decoder gets them wrong
+    if by_cv2.any():  # DALI reads the others as one unsharded list in the shard's order
+        files = [scene.image_paths[int(i)] for i in want[~by_cv2]]
+        labels, shard_id, num_shards = [int(i) for i in want[~by_cv2]], 0, 1
     distorted = scene.distorted
     maps: dict = {}  # camera -> undistortion maps, built once per distinct lens and size
 
@@ -479,15 +487,42 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
     else:
         pixels = hostmem.empty((total, 3), np.uint8)  # huge pages: the sampler reads at random
 
-    bs = _batch_size(n, batch)
-    runs = math.ceil(n / bs)
+    done = np.zeros(n, bool)
+
+    def finish(k: int, cam: int, img) -> None:
+        h, w = int(heights[cam]), int(widths[cam])
+        fw, fh = (int(v) for v in header_wh[k])
+        shape = tuple(img.shape()) if callable(getattr(img, "shape", None)) else tuple(img.shape)
+        if shape[0] != fh or shape[1] != fw:
+            raise DataError(
+                f"{scene.image_paths[cam]}: decoded size {shape[1]}x{shape[0]} differs from its header "
+                f"{fw}x{fh}; re-export the image"
+            )
+        dst = slice(int(offsets[k]), int(offsets[k] + h * w))
+        if use_gpu and isinstance(img, np.ndarray):
+            finish_torch(torch.from_numpy(img).cuda(), bg_t, pixels[dst].view(h, w, 3), maps_of(cam), gpu_aux)
+        elif use_gpu:
+            _finish_gpu(img, bg_t, pixels[dst].view(h, w, 3), maps_of(cam), gpu_aux)
+        else:
+            finish_image(np.asarray(img), bg, pixels[dst].reshape(h, w, 3), maps_of(cam))
+        done[k] = True
+
+    for k in np.flatnonzero(by_cv2):  # the few PNGs DALI gets wrong: OpenCV, per file
+        if stop is not None and stop.is_set():
+            raise DecodeCancelled(f"decode of {n} images of {scene.root} cancelled")
+        cam = int(want[k])
+        finish(int(k), cam, decode_image_cv2(scene.image_paths[cam], max_pixels=max_pixels))
+    n_dali = int((~by_cv2).sum())
+    if n_dali == 0:
+        return _packed(scene, want, offsets, pixels, use_gpu, rank, world_size)
+    bs = _batch_size(n_dali, batch)
+    runs = math.ceil(n_dali / bs)
     depth = min(2, runs)
     try:
         pipe = decode_pipeline(files, labels, shard_id, num_shards, device=dali_device,
                                batch_size=bs, num_threads=num_threads, device_id=dev_id, prefetch_queue_depth=depth)
     except RuntimeError as e:
         raise DataError(f"{scene.root}: DALI could not build the decode pipeline: {str(e).splitlines()[0]}") from None
-    done = np.zeros(n, bool)
     scheduled = 0
     try:
         for r in range(runs):
@@ -510,27 +545,18 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
                 k = pos_of.get(cam)
                 if k is None or done[k]:
                     continue  # pad_last_batch duplicate
-                h, w = int(heights[cam]), int(widths[cam])
-                fw, fh = (int(v) for v in header_wh[k])
-                shape = tuple(imgs[s].shape())
-                if shape[0] != fh or shape[1] != fw:
-                    raise DataError(
-                        f"{scene.image_paths[cam]}: decoded size {shape[1]}x{shape[0]} differs from its header "
-                        f"{fw}x{fh}; re-export the image"
-                    )
-                dst = slice(int(offsets[k]), int(offsets[k] + h * w))
-                if use_gpu:
-                    _finish_gpu(imgs[s], bg_t, pixels[dst].view(h, w, 3), maps_of(cam), gpu_aux)
-                else:
-                    finish_image(np.asarray(imgs[s]), bg, pixels[dst].reshape(h, w, 3), maps_of(cam))
-                done[k] = True
+                finish(k, cam, imgs[s])
     finally:
         del pipe
     if not done.all():
         missing = scene.image_paths[int(want[np.flatnonzero(~done)[0]])]
         raise DataError(f"{missing}: the decode pipeline did not return this image; check the file")
+    return _packed(scene, want, offsets, pixels, use_gpu, rank, world_size)
 
-    layout = np.stack([offsets, widths[want], heights[want], want], axis=1).astype(np.int64)
+
+def _packed(scene, want, offsets, pixels, use_gpu: bool, rank: int, world_size: int) -> ImageCache:
+    """The :class:`ImageCache` of the decoded ``pixels`` of split indices ``want`` (arrays frozen)."""
+    layout = np.stack([offsets, scene.width[want], scene.height[want], want], axis=1).astype(np.int64)
     cameras = pack_cameras(scene, want)
     for a in (cameras, layout):
         a.setflags(write=False)

@@ -32,11 +32,98 @@ consumed    (1,)      int64   stream positions used (R when not routed)
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
 from dali_nerf._dali import ray_graph_api
+from dali_nerf.errors import ConfigError
 
-__all__ = ["ray_pipeline", "release_pipeline", "RAY_OUTPUTS", "pixel_feed"]
+__all__ = ["ray_pipeline", "release_pipeline", "RAY_OUTPUTS", "pixel_feed", "OP_ARGS", "check_op_args",
+           "INT32_MAX", "INT64_MAX", "MAX_CELLS", "RAY_BYTES"]
+
+INT32_MAX = 2**31 - 1
+"""Largest value of the op's ``int`` arguments (``rays``, ``rank``, ``world_size``, ...)."""
+INT64_MAX = 2**63 - 1
+"""Largest value of the op's ``int64_t`` arguments (``seed``, ``start``)."""
+MAX_CELLS = 64
+"""Most centroids one routed op accepts (``kMaxCells`` in ``dali_nerf/ops/csrc/ray_math.h``)."""
+RAY_BYTES = 3 * 4 + 3 * 4 + 3 * 4 + 3 * 8 + 4 + 4
+"""Bytes of one output ray (origins, directions, rgb f32 x3, indices i64 x3, near, far f32)."""
+_FLOAT_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclass(frozen=True)
+class _Arg:
+    """One argument of the op's schema: its kind and the values it accepts."""
+
+    kind: str  # "int" | "float" | "bool" | "choice" | "floats"
+    lo: float = 0
+    hi: float = 0
+    choices: tuple = ()
+    text: str = ""
+
+    def accepts(self, v) -> bool:
+        if self.kind == "bool":
+            return isinstance(v, (bool, np.bool_))
+        if self.kind == "choice":
+            return isinstance(v, (int, str)) and not isinstance(v, bool) and v in self.choices
+        if self.kind == "int":
+            return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and self.lo <= v <= self.hi
+        if self.kind == "float":
+            return (isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+                    and math.isfinite(v) and self.lo < v <= self.hi)
+        if self.kind == "floats":  # a list of finite float32 values; lo / hi: the lengths allowed
+            if not isinstance(v, (list, tuple)) or len(v) not in self.choices:
+                return False
+            return all(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+                       and math.isfinite(x) and abs(x) <= _FLOAT_MAX for x in v)
+        raise AssertionError(self.kind)
+
+
+OP_ARGS = {
+    "rays": _Arg("int", 1, INT32_MAX, text=f"an integer in [1, {INT32_MAX}] (the op's int32)"),
+    "mode": _Arg("choice", choices=("random", "epoch"), text="random or epoch"),
+    "seed": _Arg("int", 0, INT64_MAX, text=f"an integer in [0, {INT64_MAX}] (the op's int64)"),
+    "rank": _Arg("int", 0, INT32_MAX - 1, text="an integer in [0, world_size)"),
+    "world_size": _Arg("int", 1, INT32_MAX, text=f"an integer in [1, {INT32_MAX}] (the op's int32)"),
+    "start": _Arg("int", -1, INT64_MAX - 1, text=f"-1 (continue) or a stream position in [0, {INT64_MAX - 1}] (int64)"),
+    "continue_runs": _Arg("bool", text="true or false"),
+    "cell": _Arg("int", -1, MAX_CELLS - 1, text=f"-1 (no routing) or a cell index in [0, {MAX_CELLS})"),
+    "margin": _Arg("float", 0.0, _FLOAT_MAX, text="a finite number > 0"),
+    "up": _Arg("floats", choices=(3,), text="3 finite numbers, not all zero"),
+    "dims": _Arg("choice", choices=(2, 3), text="2 or 3"),
+    "simd": _Arg("bool", text="true or false"),
+    "route_tile": _Arg("choice", choices=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), text="0 or a power of two <= 256"),
+    "bounds": _Arg("floats", choices=(0, 6), text="empty or 6 finite numbers (min x, y, z, max x, y, z)"),
+}
+"""The arguments of ``dali_nerf__RaySampler``'s schema (``dali_nerf/ops/csrc/ray_sampler.cc``) and
+the values each accepts: :func:`check_op_args` refuses anything else in Python, before DALI sees
+it (DALI would overflow a too-large integer or fail with a multi-line C++ assert)."""
+
+
+def check_op_args(args: dict) -> None:
+    """Refuse, as one ConfigError naming the argument and its valid range, an op argument outside
+    :data:`OP_ARGS` (and ``rank < world_size``; ``start + rays`` within int64; ``up`` non-zero).
+
+    >>> check_op_args({"rays": 2**31})
+    Traceback (most recent call last):
+    ConfigError: ray_sampler argument rays=2147483648: must be an integer in [1, 2147483647] (the op's int32)
+    """
+    for k, v in args.items():
+        spec = OP_ARGS.get(k)
+        if spec is None:
+            raise ConfigError(f"ray_sampler argument {k}: unknown; the op takes {', '.join(OP_ARGS)}")
+        if not spec.accepts(v):
+            raise ConfigError(f"ray_sampler argument {k}={v!r}: must be {spec.text}")
+    if "rank" in args and not args["rank"] < args.get("world_size", 1):
+        raise ConfigError(f"ray_sampler argument rank={args['rank']!r}: must be in [0, world_size={args.get('world_size', 1)})")
+    if "up" in args and not any(args["up"]):
+        raise ConfigError(f"ray_sampler argument up={args['up']!r}: must be {OP_ARGS['up'].text}")
+    if args.get("start", 0) > INT64_MAX - args.get("rays", 1):
+        raise ConfigError(f"ray_sampler argument start={args['start']!r}: the run's last position start + rays must "
+                          f"fit in int64 (<= {INT64_MAX})")
 
 RAY_OUTPUTS = ("origins", "directions", "rgb", "indices", "near", "far", "consumed")
 """Output names of :func:`ray_pipeline`, in order."""
@@ -81,6 +168,13 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, worl
     Returns:
         A built pipeline whose ``run()`` gives the 7 outputs of :data:`RAY_OUTPUTS`.
     """
+    args = dict(rays=rays_per_run, mode=mode, seed=seed, rank=rank, world_size=world_size, start=first_start,
+                continue_runs=True)
+    routing = _routing_args(partition, cell) if partition is not None else {}
+    args.update(routing)
+    check_op_args(args)  # before DALI: one line naming the argument, not a C++ assert
+    if partition is not None and not 0 < len(partition.centroids) <= MAX_CELLS:
+        raise ConfigError(f"partition: {len(partition.centroids)} cells; the op routes among at most {MAX_CELLS}")
     fn, pipeline_def, types = ray_graph_api()
     gpu = device == "cuda"
     names = ["pixels", "cameras", "layout"]
@@ -88,7 +182,6 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, worl
     if partition is not None:
         names.append("centroids")
         srcs.append([np.ascontiguousarray(partition.centroids, np.float32)])
-    routing = _routing_args(partition, cell) if partition is not None else {}
 
     @pipeline_def
     def _rays():

@@ -368,7 +368,7 @@ def test_config_unknown_key_wrong_type_negative_rays(scenes, tmp_path, capsys):
     cfg = write_config(tmp_path, s)
     needles(trainer_error(capsys, cfg, "pipeline.rays_per_bach=64", files=files), "pipeline.rays_per_bach: unknown key", "rays_per_batch")
     needles(trainer_error(capsys, cfg, "train.steps=ten"), "train.steps: expected an integer", "'ten'")
-    needles(trainer_error(capsys, cfg, "pipeline.rays_per_batch=-4096"), "pipeline.rays_per_batch: must be > 0, got -4096")
+    needles(trainer_error(capsys, cfg, "pipeline.rays_per_batch=-4096"), "pipeline.rays_per_batch: must be in [1, 2147483647], got -4096")
     needles(trainer_error(capsys, cfg, "train.lr=0"), "train.lr: must be > 0")
     needles(trainer_error(capsys, cfg, "scene.background=[1, 1]"), "scene.background", "3 numbers")
     needles(trainer_error(capsys, cfg, "train.steps"), "expected key=value")
@@ -477,3 +477,75 @@ def test_trainer_cli_corrupt_image_one_line_exit_2(scenes, tmp_path):
     msg = _cli([sys.executable, "-m", "dali_nerf.trainers.ddp", "--config", str(write_config(tmp_path, s))])
     needles(msg, "r_5.jpg", "truncated JPEG")
     assert_untouched(files)
+
+
+def test_resume_after_the_scene_changed(scenes, tmp_path, capsys):
+    """--resume after images were added or removed, a pose moved, the images resized, or another
+    downscale: one line naming the scene folder and what changed (never an internal field), and
+    nothing written; a checkpoint saved before fingerprints existed still resumes."""
+    s = scene_copy(scenes, tmp_path)
+    cfg = write_config(tmp_path, s)
+    assert ddp_main(["--config", str(cfg), "train.steps=2"]) == 0, capsys.readouterr().err
+    run = tmp_path / "runs" / "run"
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    tj = s / "transforms_train.json"
+    good = tj.read_text()
+
+    def refused(*words, extra=()):
+        msg = trainer_error(capsys, cfg, "--resume", "train.steps=4", *extra)
+        needles(msg, str(s), "changed since the checkpoint", "step_0000002", *words, "start a new run")
+        assert "num_pixels" not in msg
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+        tj.write_text(good)
+
+    shutil.copy(s / "train" / "r_0.png", s / "train" / "r_6.png")
+    edit_json(tj, lambda m: m["frames"].append(dict(m["frames"][0], file_path="./train/r_6")))
+    refused("1 image added (train/r_6.png)")
+    edit_json(tj, lambda m: m["frames"].pop(3))
+    refused("1 image removed (train/r_3.png)")
+    edit_json(tj, lambda m: m["frames"][2]["transform_matrix"][1].__setitem__(3, m["frames"][2]["transform_matrix"][1][3] + 0.3))
+    refused("camera poses changed (1 image: train/r_2.png)")
+    refused("downscale 1 -> 2", extra=("scene.downscale=2",))
+    originals = {p: p.read_bytes() for p in (s / "train").glob("*.png")}
+    for p in originals:  # every image re-exported at half size (Blender: the first image's size for all)
+        cv2.imwrite(str(p), cv2.resize(cv2.imread(str(p), cv2.IMREAD_UNCHANGED), (W // 2, H // 2)))
+    refused(f"image sizes changed (train/r_0.png {W}x{H} -> {W // 2}x{H // 2}, 5 more)")
+    for p, b in originals.items():
+        p.write_bytes(b)
+    # a checkpoint written before fingerprints were saved: nothing to compare, it resumes
+    ck = run / "checkpoints" / "step_0000002" / "rank0.pt"
+    st = torch.load(ck, weights_only=True)
+    del st["scene"]
+    torch.save(st, ck)
+    edit_json(tj, lambda m: m["frames"][2]["transform_matrix"][1].__setitem__(3, m["frames"][2]["transform_matrix"][1][3] + 0.3))
+    assert ddp_main(["--config", str(cfg), "--resume", "train.steps=3"]) == 0, capsys.readouterr().err
+    assert json.loads((run / "summary.json").read_text())["resumed_from"] == 2
+
+
+def test_numbers_beyond_what_the_op_holds(scenes, tmp_path, capsys):
+    """Config numbers past the op's argument types (or the op's cell limit, or any float) are one
+    line naming the key and its range, before anything runs (they used to reach DALI and fail
+    there with a multi-line C++ assert)."""
+    s = scene_copy(scenes, tmp_path)
+    cfg = write_config(tmp_path, s)
+    files = previous_run(tmp_path)
+    for override, words in (
+            ("pipeline.rays_per_batch=2147483648", ("pipeline.rays_per_batch: must be in [1, 2147483647], got 2147483648",)),
+            ("pipeline.seed=9223372036854775808", ("pipeline.seed: must be in [0, 9223372036854775807]",)),
+            ("pipeline.seed=-1", ("pipeline.seed: must be in [0, 9223372036854775807], got -1",)),
+            ("pipeline.rays_per_run=2147483648", ("pipeline.rays_per_run: must be in [0, 2147483647]",)),
+            ("pipeline.rays_per_batch=1073741825 pipeline.rays_per_run=1073741826",
+             ("pipeline.rays_per_run: 1073741826 rounded up", "over the op's limit of 2147483647")),
+            ("pipeline.rays_per_batch=1073741825", ("rays_per_batch=1073741825: 4 runs", "GiB", "lower rays_per_batch")),
+            ("pipeline.num_threads=100000", ("pipeline.num_threads: must be in [0, 1024]",)),
+            ("pipeline.prefetch=100000", ("pipeline.prefetch: must be in [0, 1024]",)),
+            ("partition.grid=[9,9]", ("partition.grid: grid 9x9 = 81 cells", "at most 64")),
+            ("partition.margin=.inf", ("partition.margin: must be a finite number >= 1.0, got inf",)),
+            ("train.lr=1" + "0" * 400, ("train.lr:", "too large for a number")),
+            # a downscale that leaves 1x1 images: refused before training, not an SSIM traceback after it
+            ("scene.downscale=1000000", ("scene.downscale=1000000: the test images become as small as 1x1 (r_0.png)",
+                                         "11x11 window", "use a smaller scene.downscale"))):
+        msg = trainer_error(capsys, cfg, *override.split(" "), files=files)
+        needles(msg, *words)
+        if override.startswith(("pipeline.", "partition.", "train.")) and "GiB" not in msg:
+            assert "c.yaml" in msg, msg  # config keys name the file

@@ -470,3 +470,154 @@ def test_crafted_checkpoint_refused_by_resume_and_render(scene_dir, tmp_path, ca
     assert rc == 2 and len(lines) == 1 and "rank0.pt" in lines[0] and "refusing to unpickle" in lines[0], err
     assert not marker.exists()
     assert not (run / "metrics.jsonl").exists()  # the refused resume wrote nothing
+
+
+# ------------------------------------------------------------------------------- damaged newest checkpoint
+
+def _flip_a_data_byte(path: Path) -> None:
+    """Flip one byte in the middle of the largest record of a torch zip file (its tensor data):
+    torch.load alone would read it without noticing."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = int.from_bytes(raw[info.header_offset + 26:info.header_offset + 28], "little"), \
+        int.from_bytes(raw[info.header_offset + 28:info.header_offset + 30], "little")
+    at = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+    raw[at] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def test_damaged_newest_checkpoint_falls_back_then_none_left(scene_dir, tmp_path, capsys):
+    """A truncated newest rank file: --resume warns naming it and resumes every rank from the
+    previous complete checkpoint, and the steps it retrains have the losses of the first run.
+    With no complete checkpoint left (a flipped bit inside the newest one's tensor data, found by
+    its CRC; an empty older file): one line naming both files, exit 2, nothing written."""
+    from dali_nerf.trainers.ddp import main as ddp_main
+
+    cfg = tiny_config(tmp_path, scene_dir, extra="")
+    assert ddp_main(["--config", str(cfg), "train.steps=8"]) == 0, capsys.readouterr().err
+    run = tmp_path / "runs" / "run"
+    ck = run / "checkpoints"
+    first = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    newest = ck / "step_0000008" / "rank0.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    capsys.readouterr()
+    assert ddp_main(["--config", str(cfg), "--resume", "train.steps=8"]) == 0
+    err = capsys.readouterr().err
+    warns = [l for l in err.splitlines() if l.startswith("warning:")]
+    assert len(warns) == 1 and str(newest) in warns[0] and "not a readable dali_nerf checkpoint" in warns[0], err
+    assert f"previous complete checkpoint {ck / 'step_0000004'} (step 4)" in warns[0] and "Traceback" not in err
+    assert json.loads((run / "summary.json").read_text())["resumed_from"] == 4
+    again = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    assert again == first  # steps 5..8 retrained from step 4 exactly as the first time
+    assert load_rank_state(ck / "step_0000008", 0)["step"] == 8  # rewritten whole
+
+    _flip_a_data_byte(newest)
+    torch.load(newest, weights_only=True)  # torch alone does not notice
+    (ck / "step_0000004" / "rank0.pt").write_bytes(b"")
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert ddp_main(["--config", str(cfg), "--resume", "train.steps=12"]) == 2
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    for w in (str(ck), "no complete checkpoint to resume from", f"{newest}: corrupt checkpoint (checksum mismatch",
+              f"{ck / 'step_0000004' / 'rank0.pt'}: not a readable dali_nerf checkpoint", "without --resume"):
+        assert w in lines[0], (w, lines[0])
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+
+
+def _two_ranks(fn):
+    """Run ``fn(rank, gather)`` on two threads standing in for two ranks; ``gather`` is an
+    all-gather of one int per rank (a barrier), like the trainer's all-reduce. Returns
+    {rank: result or exception}."""
+    box, out = [None, None], {}
+    barrier = threading.Barrier(2)
+
+    def gather(rank, code):
+        box[rank] = code
+        barrier.wait()
+        got = list(box)
+        barrier.wait()
+        return got
+
+    def run(rank):
+        try:
+            out[rank] = fn(rank, lambda code: gather(rank, code))
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[rank] = e
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    return out
+
+
+def test_ranks_agree_on_the_step_they_resume_from(tmp_path):
+    """Only rank 1's newest file is damaged: both ranks resume from the previous step (never rank
+    0 from step 8 and rank 1 from step 4); only rank 1 reports a skipped file. A rank that refuses
+    (another world size) stops every rank."""
+    from dali_nerf.checkpoint import resume_checkpoint
+
+    root = tmp_path / "checkpoints"
+    for step in (4, 8):
+        for r in (0, 1):
+            save_rank_state(root, step, r, {"step": step, "rank": r})
+        commit_checkpoint(root, step)
+    (root / "step_0000008" / "rank1.pt").write_bytes(b"PK\x03\x04 cut short")
+    got = _two_ranks(lambda rank, gather: resume_checkpoint(root, rank, gather=gather))
+    assert [got[r][0].name for r in (0, 1)] == ["step_0000004"] * 2, got
+    assert [got[r][1]["step"] for r in (0, 1)] == [4, 4] and got[0][2] == []
+    assert [e.path.name for e in got[1][2]] == ["rank1.pt"] and got[1][2][0].path.parent.name == "step_0000008"
+
+    (root / "step_0000004" / "rank0.pt").write_bytes(b"")
+    got = _two_ranks(lambda rank, gather: resume_checkpoint(root, rank, gather=gather))
+    for r in (0, 1):
+        assert isinstance(got[r], DaliNerfError) and "no complete checkpoint" in str(got[r]), got
+        assert "step_0000008/rank1.pt" in str(got[r]) and "step_0000004/rank0.pt" in str(got[r]), got
+
+    def check(rank):
+        def fn(st, folder):
+            if rank == 1:
+                raise DaliNerfError(f"{folder}: saved with world size 2, now 3")
+        return fn
+
+    save_rank_state(root, 4, 0, {"step": 4, "rank": 0})
+    got = _two_ranks(lambda rank, gather: resume_checkpoint(root, rank, check(rank), gather=gather))
+    assert "world size" in str(got[1]) and "rank 1 refused" in str(got[0]), got
+
+
+RESUME_RANK = r"""
+import sys, torch, torch.distributed as dist
+from pathlib import Path
+from dali_nerf.training import DistEnv, read_resume_state
+rank, store, run = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+resume, st, folder = read_resume_state(run, DistEnv(rank, 2, rank, torch.device("cpu")), True)
+print("resumed", folder.name, st["step"], flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_two_real_ranks_agree_through_gloo(tmp_path):
+    """The trainer's own read_resume_state on two processes with a real gloo group: rank 1's
+    newest file is truncated, so both resume from step 4 and only rank 1 warns."""
+    ck = tmp_path / "run" / "checkpoints"
+    for step in (4, 8):
+        for r in (0, 1):
+            save_rank_state(ck, step, r, {"step": step, "rank": r, "world_size": 2, "tasks": {}, "rng": {}})
+        commit_checkpoint(ck, step)
+    bad = ck / "step_0000008" / "rank1.pt"
+    bad.write_bytes(bad.read_bytes()[:100])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", RESUME_RANK, str(r), str(tmp_path / "store"), str(tmp_path / "run")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [o[0].strip() for o in outs] == ["resumed step_0000004 4"] * 2, outs
+    assert "warning" not in outs[0][1]
+    assert f"warning: {bad}: not a readable dali_nerf checkpoint" in outs[1][1], outs[1][1]

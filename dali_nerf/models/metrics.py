@@ -14,7 +14,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["psnr", "ssim", "mse"]
+__all__ = ["psnr", "ssim", "mse", "SSIM_WINDOW"]
+
+SSIM_WINDOW = 11
+"""Side of the SSIM window: evaluated images must be at least this large."""
 
 
 def _t(x) -> torch.Tensor:
@@ -41,7 +44,7 @@ def _gauss(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
     return g / g.sum()
 
 
-def ssim(pred, target, window: int = 11, sigma: float = 1.5) -> float:
+def ssim(pred, target, window: int = SSIM_WINDOW, sigma: float = 1.5) -> float:
     """Mean SSIM (Wang et al. 2004) with a separable Gaussian window, 'valid' region, per channel.
 
     Args:

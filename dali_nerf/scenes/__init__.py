@@ -14,9 +14,10 @@ from typing import Sequence, Union
 from ..errors import SceneError
 from .base import FORMATS, Scene, register_format
 from ._util import resolve_background
+from .fingerprint import describe_change, scene_fingerprint
 from . import blender, nerfstudio, llff, mega_nerf  # noqa: F401  (register themselves)
 
-__all__ = ["Scene", "load_scene", "detect_format", "FORMATS", "register_format"]
+__all__ = ["Scene", "load_scene", "detect_format", "FORMATS", "register_format", "scene_fingerprint", "describe_change"]
 
 SPLITS = ("train", "val", "test")
 

@@ -22,12 +22,13 @@ import torch
 from dali_nerf._dali import torch_feed
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import dali_threads, local_world_size, to_background
-from dali_nerf.pipelines.rays import RAY_OUTPUTS
-from dali_nerf.scenes import load_scene
+from dali_nerf.pipelines.decode import available_memory
+from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, RAY_BYTES, RAY_OUTPUTS
+from dali_nerf.scenes import describe_change, load_scene, scene_fingerprint
 
 __all__ = ["BatchSource", "BatchStats", "BATCH_KEYS", "resolve_device", "dali_to_torch", "check_common",
-           "check_positive", "check_cache_device", "run_graph", "step_views", "RunAhead", "StarvationGuard",
-           "SamplerStarvedWarning", "demote_if_starved", "scene_from_config"]
+           "check_positive", "check_int", "check_run_size", "MAX_PREFETCH", "check_cache_device", "run_graph", "step_views", "RunAhead", "StarvationGuard",
+           "SamplerStarvedWarning", "demote_if_starved", "scene_from_config", "scene_state", "check_scene_state"]
 
 BATCH_KEYS = ("origins", "directions", "rgb", "indices", "near", "far")
 """Keys a batch may carry (near/far only when the scene has bounds)."""
@@ -97,10 +98,37 @@ class BatchStats:
         }
 
 
+MAX_PREFETCH = 1024
+"""Largest ``prefetch`` (DALI's ``prefetch_queue_depth``) a source accepts."""
+
+
+def check_int(name, v, lo: int, hi: int) -> None:
+    """ConfigError (one line naming ``name`` and the range) unless ``v`` is an integer in [lo, hi]."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+        raise ConfigError(f"{name}={v!r}: must be an integer in [{lo}, {hi}]")
+
+
 def check_positive(name, v):
     """ConfigError unless ``v`` is an integer > 0."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
         raise ConfigError(f"{name}={v!r}: must be an integer > 0")
+
+
+def check_run_size(steps_per_run: int, rays_per_batch: int, runs_held: int, device: str, op: bool = True) -> None:
+    """Refuse (one line) an op run of ``K * B`` rays that the op's int32 ``rays`` cannot hold
+    (``op``), or whose ``runs_held`` output buffers (``RAY_BYTES`` a ray) exceed the memory
+    available now (a baseline's batches: ``op=False``)."""
+    rays = int(steps_per_run) * int(rays_per_batch)
+    if op and rays > INT32_MAX:
+        raise ConfigError(f"rays_per_run={rays} ({steps_per_run} steps of rays_per_batch={rays_per_batch}): over the op's "
+                          f"limit of {INT32_MAX} rays per run (int32); lower rays_per_run or rays_per_batch")
+    need, avail = rays * RAY_BYTES * int(runs_held), available_memory(device)
+    if need > avail:
+        gib = 1 << 30
+        raise ConfigError(f"rays_per_batch={rays_per_batch}: {runs_held} runs of {rays} rays in flight need "
+                          f"{need / gib:.1f} GiB ({RAY_BYTES} bytes a ray) but only {avail / gib:.1f} GiB of "
+                          f"{'GPU' if device == 'cuda' else 'host'} memory is available; lower rays_per_batch, "
+                          f"rays_per_run or prefetch")
 
 
 def check_cache_device(cache, device: str, who: str) -> None:
@@ -113,17 +141,33 @@ def check_cache_device(cache, device: str, who: str) -> None:
 
 
 def check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode):
-    """Shared argument checks of every batch source (one-line ConfigError)."""
-    check_positive("rays_per_batch", rays_per_batch)
-    check_positive("world_size", world_size)
-    if not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
+    """Shared argument checks of every batch source (one-line ConfigError naming the argument and
+    its range; the ranges are the op's argument types, :data:`dali_nerf.pipelines.rays.OP_ARGS`)."""
+    check_int("rays_per_batch", rays_per_batch, 1, INT32_MAX)
+    check_int("world_size", world_size, 1, INT32_MAX)
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
         raise ConfigError(f"rank={rank!r}: must be in [0, world_size={world_size})")
-    if not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ConfigError(f"seed={seed!r}: must be an integer >= 0")
-    if not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
-        raise ConfigError(f"prefetch={prefetch!r}: must be an integer >= 0")
+    check_int("seed", seed, 0, INT64_MAX)
+    check_int("prefetch", prefetch, 0, MAX_PREFETCH)
     if mode not in ("random", "epoch"):
         raise ConfigError(f"mode={mode!r}: use random or epoch")
+
+
+def scene_state(scene) -> dict:
+    """``{"scene": fingerprint}``: the part of every source's ``state_dict()`` that names the split
+    it samples (:func:`dali_nerf.scenes.scene_fingerprint`, the whole split whatever the rank)."""
+    return {"scene": scene_fingerprint(scene)}
+
+
+def check_scene_state(state: dict, scene, who: str) -> None:
+    """Refuse (ConfigError, one line naming what changed) a state saved from another scene than
+    ``scene``: other images, sizes, cameras or downscale. A state without a fingerprint (saved
+    before sources recorded one) is accepted: there is nothing to compare."""
+    saved = state.get("scene") if isinstance(state, dict) else None
+    change = describe_change(saved, scene_fingerprint(scene))
+    if change is not None:
+        raise ConfigError(f"{who}.load_state_dict: the state was saved from another scene than {scene.root} "
+                          f"(split {scene.split!r}): {change}; load it into a {who} over the scene it was saved from")
 
 
 def dali_to_torch(tl, device: str, copy: bool = False) -> torch.Tensor:

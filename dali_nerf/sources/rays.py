@@ -45,10 +45,10 @@ import torch
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import check_priority, dali_threads, loader_budget, resolve_priority
 from dali_nerf.pipelines.decode import decode_cache, shard_range, shard_sizes
-from dali_nerf.pipelines.rays import ray_pipeline
+from dali_nerf.pipelines.rays import INT64_MAX, ray_pipeline
 from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, RunAhead, check_cache_device, check_common,
-                                    check_positive, demote_if_starved, resolve_device, run_graph, run_phase,
-                                    scene_from_config, step_views)
+                                    check_int, check_positive, check_run_size, check_scene_state, demote_if_starved, resolve_device,
+                                    run_graph, run_phase, scene_from_config, scene_state, step_views)
 from dali_nerf.sources.streaming import WindowStream, plan_window_images
 
 __all__ = ["RayLoader"]
@@ -115,6 +115,7 @@ class RayLoader(BatchSource):
         self.device = resolve_device(device)
         self.num_threads = int(num_threads)
         self.steps_per_run = max(1, math.ceil(int(rays_per_run) / self.rays_per_batch))
+        check_run_size(self.steps_per_run, self.rays_per_batch, self.prefetch + 2, self.device)
         self.rays_per_run = self.steps_per_run * self.rays_per_batch
         self.output_map = tuple(k for k in output_map if scene.has_bounds or k not in ("near", "far"))
         self._shard_pixels = shard_sizes(scene, self.world_size)
@@ -321,21 +322,26 @@ class RayLoader(BatchSource):
         del pipe
 
     def state_dict(self) -> dict:
-        """{"position", "epoch", "steps", "mode", "seed", "rank", "world_size", "rays_per_batch", "num_pixels"}
-        (+ "window_images", "rays_per_window" when streaming)."""
+        """{"position", "epoch", "steps", "mode", "seed", "rank", "world_size", "rays_per_batch", "num_pixels",
+        "scene"} (+ "window_images", "rays_per_window" when streaming); "scene" is the split's
+        fingerprint (:func:`dali_nerf.scenes.scene_fingerprint`)."""
         state = {"position": self.position, "epoch": self.epoch, "steps": self._stats.steps, "mode": self.mode,
                  "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
-                 "rays_per_batch": self.rays_per_batch, "num_pixels": self.num_pixels}
+                 "rays_per_batch": self.rays_per_batch, "num_pixels": self.num_pixels, **scene_state(self.scene)}
         if self._stream is not None:  # the window layout is part of the stream's definition
             state.update(window_images=self.window_images, rays_per_window=self.rays_per_window)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume exactly: the next batch is the one the saved loader would have returned."""
+        """Resume exactly: the next batch is the one the saved loader would have returned. A state
+        saved from another scene (its fingerprint differs: other images, sizes, cameras) or with
+        other stream settings is refused with one line naming what differs."""
+        check_scene_state(state, self.scene, "RayLoader")
         for k in ("mode", "seed", "rank", "world_size", "num_pixels", "window_images", "rays_per_window"):
             if state.get(k, 0 if k in ("window_images", "rays_per_window") else getattr(self, k)) != getattr(self, k):
                 raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this loader has {getattr(self, k)!r}; "
                                   f"resume with the same settings")
+        check_int("load_state_dict: position", state.get("position"), 0, INT64_MAX - self.rays_per_run)
         self.epoch = int(state.get("epoch", 0))
         self._seek(int(state["position"]))
 

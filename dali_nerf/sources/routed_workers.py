@@ -26,7 +26,8 @@ from dali_nerf import seeds
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import check_priority
 from dali_nerf.pipelines.decode import decode_cache
-from dali_nerf.sources.base import BatchSource, BatchStats
+from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
+from dali_nerf.sources.base import MAX_PREFETCH, BatchSource, BatchStats, check_int, check_scene_state, scene_state
 from dali_nerf.sources.sync import PixelSampler, WorkerBatches, WorkerLoader, routed_rays
 
 __all__ = ["RoutedTorchWorkers", "routed_batch"]
@@ -60,10 +61,11 @@ class RoutedTorchWorkers(WorkerLoader, BatchSource):
             raise ConfigError(f"{scene.root}: spatial routing needs per-image near/far bounds; use a scene format that defines them")
         if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 0:
             raise ConfigError(f"pipeline.workers={workers!r}: must be an integer >= 0")
-        if int(rays_per_batch) < 1:
-            raise ConfigError(f"pipeline.rays_per_batch={rays_per_batch!r}: must be >= 1")
+        check_int("rays_per_batch", rays_per_batch, 1, INT32_MAX)
+        check_int("seed", seed, 0, INT64_MAX)
+        check_int("prefetch", prefetch, 0, MAX_PREFETCH)
         self.thread_priority = check_priority(thread_priority)
-        self.partition, self.cell = partition, int(cell)
+        self.scene, self.partition, self.cell = scene, partition, int(cell)
         self.rays_per_batch, self.seed = int(rays_per_batch), int(seed)
         self.prefetch, self.workers = max(1, int(prefetch)), int(workers)
         cache = cache if cache is not None else decode_cache(scene, 0, 1, num_threads=num_threads)
@@ -90,9 +92,11 @@ class RoutedTorchWorkers(WorkerLoader, BatchSource):
         return b
 
     def state_dict(self) -> dict:
-        return {"batch": self.batch, "cell": self.cell, "seed": self.seed, "rays_per_batch": self.rays_per_batch}
+        return {"batch": self.batch, "cell": self.cell, "seed": self.seed, "rays_per_batch": self.rays_per_batch,
+                **scene_state(self.scene)}
 
     def load_state_dict(self, state: dict) -> None:
+        check_scene_state(state, self.scene, "RoutedTorchWorkers")
         for k in ("cell", "seed", "rays_per_batch"):
             if k in state and state[k] != getattr(self, k):
                 raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this source has {getattr(self, k)!r}")

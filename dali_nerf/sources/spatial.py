@@ -30,8 +30,10 @@ from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import check_priority, dali_threads, loader_budget
 from dali_nerf.pipelines.decode import decode_cache
 from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline
-from dali_nerf.sources.base import (BatchSource, BatchStats, RunAhead, check_cache_device, demote_if_starved,
-                                    resolve_device, run_graph, run_phase, step_views)
+from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
+from dali_nerf.sources.base import (MAX_PREFETCH, BatchSource, BatchStats, RunAhead, check_cache_device, check_int,
+                                    check_positive, check_run_size, check_scene_state, demote_if_starved,
+                                    resolve_device, run_graph, run_phase, scene_state, step_views)
 
 __all__ = ["SpatialRayLoader"]
 
@@ -61,14 +63,22 @@ class SpatialRayLoader(BatchSource):
             raise ConfigError(f"cell={cell}: partition has {partition.num_cells} cells")
         if not scene.has_bounds:
             raise ConfigError(f"{scene.root}: spatial routing needs per-image near/far bounds; use a scene format that defines them")
+        check_int("rays_per_batch", rays_per_batch, 1, INT32_MAX)
+        check_int("seed", seed, 0, INT64_MAX)
+        check_int("prefetch", prefetch, 0, MAX_PREFETCH)
+        if mode not in ("random", "epoch"):
+            raise ConfigError(f"mode={mode!r}: use random or epoch")
         self.scene, self.partition, self.cell = scene, partition, int(cell)
         self.rays_per_batch, self.seed, self.mode = int(rays_per_batch), int(seed), mode
         self.prefetch = int(prefetch)
         self.device = resolve_device(device)
         num_threads, rays_per_run = loader_budget(self.rays_per_batch, num_threads, rays_per_run)
+        check_positive("rays_per_run", rays_per_run)
+        check_positive("num_threads", num_threads)
         self.thread_priority = check_priority(thread_priority)
         self.num_threads = int(num_threads)
         self.steps_per_run = max(1, math.ceil(int(rays_per_run) / self.rays_per_batch))
+        check_run_size(self.steps_per_run, self.rays_per_batch, self.prefetch + 2, self.device)
         self.rays_per_run = self.steps_per_run * self.rays_per_batch
         if cache is not None:
             check_cache_device(cache, self.device, "SpatialRayLoader")
@@ -163,12 +173,16 @@ class SpatialRayLoader(BatchSource):
         if self._run is not None and off >= self.rays_per_run:
             start, off = start + self._run[1], 0
         return {"run_start": int(start), "offset": int(off), "cell": self.cell, "seed": self.seed,
-                "mode": self.mode, "rays_per_batch": self.rays_per_batch, "rays_per_run": self.rays_per_run}
+                "mode": self.mode, "rays_per_batch": self.rays_per_batch, "rays_per_run": self.rays_per_run,
+                **scene_state(self.scene)}
 
     def load_state_dict(self, state: dict) -> None:
+        check_scene_state(state, self.scene, "SpatialRayLoader")
         for k in ("cell", "seed", "mode", "rays_per_batch", "rays_per_run"):
             if k in state and state[k] != getattr(self, k):
                 raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this loader has {getattr(self, k)!r}")
+        check_int("load_state_dict: run_start", state.get("run_start"), 0, INT64_MAX - self.rays_per_run)
+        check_int("load_state_dict: offset", state.get("offset"), 0, self.rays_per_run)
         self._drop_pipeline()
         self._run = None
         self.run_start, self.offset = int(state["run_start"]), int(state["offset"])

@@ -45,7 +45,9 @@ from dali_nerf.partition import ray_cells
 from dali_nerf.pipelines.decode import decode_cache, shard_sizes
 from dali_nerf.rays import rays_from_indices
 from dali_nerf.seeds import block_seed, perm_seed, routed_stream
-from dali_nerf.sources.base import BatchSource, BatchStats, check_common, resolve_device, scene_from_config
+from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
+from dali_nerf.sources.base import (BatchSource, BatchStats, check_common, check_int, check_run_size,
+                                    check_scene_state, resolve_device, scene_from_config, scene_state)
 
 __all__ = ["SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "PixelSampler", "RoutedSyncLocal",
            "RoutedSyncGlobal", "scatter_batches", "collective_device", "WorkerBatches", "WorkerLoader", "routed_rays"]
@@ -170,6 +172,8 @@ class _Source(BatchSource):
         self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
         self.prefetch, self.mode = int(prefetch), mode
         self.device = resolve_device(device)
+        # rank 0 of sync_global samples every rank's batch
+        check_run_size(world_size if self._global else 1, self.rays_per_batch, self.prefetch + 2, self.device, op=False)
         self.position = 0
         self.epoch = 0
         self._stats = BatchStats()
@@ -198,9 +202,10 @@ class _Source(BatchSource):
     def state_dict(self) -> dict:
         return {"position": self.position, "epoch": self.epoch, "steps": self._stats.steps, "mode": self.mode,
                 "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
-                "rays_per_batch": self.rays_per_batch}
+                "rays_per_batch": self.rays_per_batch, **scene_state(self.scene)}
 
     def load_state_dict(self, state: dict) -> None:
+        check_scene_state(state, self.scene, type(self).__name__)
         for k in ("mode", "seed", "rank", "world_size", "rays_per_batch"):
             if k in state and state[k] != getattr(self, k):
                 raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this sampler has {getattr(self, k)!r}; "
@@ -459,7 +464,10 @@ class RoutedSyncLocal(BatchSource):
     """SS ``sync_local``: the rank samples its cell's batch in the training thread."""
 
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, cache=None, num_threads: int = 2):
+        check_int("rays_per_batch", rays_per_batch, 1, INT32_MAX)
+        check_int("seed", seed, 0, INT64_MAX)
         cache = cache if cache is not None else decode_cache(scene, 0, 1, num_threads=num_threads)
+        self.scene = scene
         self.cell, self.rays_per_batch = int(cell), int(rays_per_batch)
         self._s = _RoutedSampler(cache, scene, partition, seed, routed_stream(cell=cell), 2 * rays_per_batch)
         self.position = 0
@@ -472,9 +480,10 @@ class RoutedSyncLocal(BatchSource):
         return b
 
     def state_dict(self):
-        return {"position": self.position, "cell": self.cell}
+        return {"position": self.position, "cell": self.cell, **scene_state(self.scene)}
 
     def load_state_dict(self, s):
+        check_scene_state(s, self.scene, "RoutedSyncLocal")
         self.position = int(s["position"])
 
 
@@ -486,12 +495,15 @@ class RoutedSyncGlobal(BatchSource):
 
     def __init__(self, scene, partition, cells_per_rank, rank: int, slot: int, rays_per_batch: int = 4096,
                  seed: int = 0, cache=None, num_threads: int = 2):
+        check_int("rays_per_batch", rays_per_batch, 1, INT32_MAX)
+        check_int("seed", seed, 0, INT64_MAX)
         self.world_size = len(cells_per_rank)
         if len({len(c) for c in cells_per_rank}) != 1:
             raise ConfigError(f"pipeline.name=sync_global with method ss needs the same number of cells on every rank "
                               f"({[len(c) for c in cells_per_rank]}); make partition cells a multiple of the world size")
         if self.world_size > 1 and not dist.is_initialized():
             raise ConfigError("pipeline.name=sync_global with world_size > 1 needs torchrun (an initialised process group)")
+        self.scene = scene
         self.rank, self.slot, self.rays_per_batch = int(rank), int(slot), int(rays_per_batch)
         self.cells = [c[slot] for c in cells_per_rank]
         self.position = [0] * self.world_size
@@ -518,7 +530,8 @@ class RoutedSyncGlobal(BatchSource):
         return b
 
     def state_dict(self):
-        return {"position": list(self.position), "slot": self.slot}
+        return {"position": list(self.position), "slot": self.slot, **scene_state(self.scene)}
 
     def load_state_dict(self, s):
+        check_scene_state(s, self.scene, "RoutedSyncGlobal")
         self.position = [int(p) for p in s["position"]]

@@ -1,0 +1,166 @@
+"""SamplingPlan: what one rank samples, and with what, resolved once.
+
+Every value a batch source needs — the stream's key (seed, mode, stream id and count), the rays
+per step and per DALI run, the sampler threads and their priority, the device, prefetch depth,
+worker processes, decode batch and the streaming window — is decided here and nowhere else: this
+module is the one caller of :mod:`dali_nerf.hostbudget` (threads and run size from the cores a
+rank gets, the priority of the threads that sample ahead) and of the device resolution. The
+sources, the image cache and the registry read a plan; they do not decide.
+
+Two doors:
+
+* :func:`plan_from_config` — a rank of a run (trainers, the emulated mode, the study): the config's
+  values where it sets them (> 0), else the host budget for ``LOCAL_WORLD_SIZE`` ranks sharing this
+  host's usable cores; ``pipeline.thread_priority: auto`` resolved for ``train.device`` (cuda and
+  emulated: background); ``train.device: emulated`` samples on the host.
+* :meth:`SamplingPlan.for_loader` — :class:`~dali_nerf.sources.RayLoader`'s arguments (the drop-in
+  API), the same rules.
+
+A spatial-segmentation rank trains several cells: its plan carries them (``cells``, ``num_cells``)
+and :meth:`SamplingPlan.stream` gives each cell's stream key, (cell, number of cells), so a cell's
+stream is the same whichever rank trains it; a data-parallel rank's stream is (rank, world size).
+
+>>> plan = plan_from_config(cfg, rank=0, world_size=2)
+>>> plan.threads, plan.rays_per_run, plan.priority, plan.stream()
+(1, 65536, 'normal', (0, 2))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from .errors import ConfigError
+from .hostbudget import HostBudget, check_priority, host_budget, resolve_priority
+
+__all__ = ["SamplingPlan", "plan_from_config", "resolve_device", "sampling_device"]
+
+
+def _positive(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) and not hasattr(v, "__index__") or int(v) <= 0:
+        raise ConfigError(f"{name}={v!r}: must be an integer > 0")
+
+
+def resolve_device(device: str) -> str:
+    """Where sampling runs: "auto" -> "cuda" when a GPU is visible, else "cpu"; "cuda" without a
+    GPU is a ConfigError."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r}: use cpu, cuda or auto")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda: no CUDA device is visible; use device=cpu")
+    return device
+
+
+def sampling_device(train_device: str) -> str:
+    """The device a run's sources sample on for ``train.device``: emulated devices sample on the
+    host (their device work is a timed wait); the others as :func:`resolve_device`."""
+    return "cpu" if train_device == "emulated" else resolve_device(train_device)
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """One rank's sampling, resolved (see the module doc). Read-only; ``dataclasses.replace`` for a variant."""
+
+    rays_per_batch: int
+    """B: rays per step of one stream (per rank in DDP, per cell in SS)."""
+    rays_per_run: int
+    """Rays per DALI run: K * B, K = :attr:`steps_per_run`."""
+    threads: int
+    """Sampler threads: DALI CPU threads of the ray and decode graphs."""
+    priority: str
+    """Priority of the threads (and worker processes) that sample ahead: normal | background."""
+    device: str
+    """Where the sources sample and the cache lives: cpu | cuda."""
+    seed: int = 0
+    mode: str = "random"
+    """random | epoch."""
+    rank: int = 0
+    world_size: int = 1
+    prefetch: int = 2
+    """DALI runs computed ahead (0: synchronous)."""
+    workers: int = 2
+    """torch_workers: DataLoader worker processes."""
+    decode_batch: int = 8
+    """Images per decode-graph run."""
+    max_bytes: Optional[int] = None
+    """Decoded-image budget per rank (None: unlimited); a larger shard is streamed."""
+    window_images: int = 0
+    rays_per_window: int = 0
+    cells: Tuple[int, ...] = ()
+    """SS: the cells this rank trains, in slot order (empty: data parallel)."""
+    num_cells: int = 0
+    budget: Optional[HostBudget] = None
+    """The host budget the threads and run size came from (None: both were given)."""
+
+    @property
+    def steps_per_run(self) -> int:
+        """K: steps of B rays per DALI run."""
+        return self.rays_per_run // self.rays_per_batch
+
+    def stream(self, cell: Optional[int] = None) -> Tuple[int, int]:
+        """(stream id, number of streams) of the op's key: (rank, world size) for data parallel,
+        (cell, number of cells) for a spatial-segmentation cell."""
+        if cell is None:
+            return self.rank, self.world_size
+        if not 0 <= int(cell) < self.num_cells:
+            raise ConfigError(f"cell={cell}: the partition has {self.num_cells} cells")
+        return int(cell), self.num_cells
+
+    @classmethod
+    def for_loader(cls, rays_per_batch: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
+                   mode: str = "random", prefetch: int = 2, device: str = "cpu", num_threads: Optional[int] = None,
+                   rays_per_run: Optional[int] = None, thread_priority: str = "normal", workers: int = 2,
+                   decode_batch: int = 8, max_bytes: Optional[int] = None, window_images: int = 0,
+                   rays_per_window: int = 0, cells: Sequence[int] = (), num_cells: int = 0) -> "SamplingPlan":
+        """The plan of a loader built from its arguments (RayLoader's drop-in API): threads and run
+        size where given (> 0), else this host's budget (:func:`dali_nerf.hostbudget.host_budget`);
+        ``thread_priority`` normal | background (``auto``: resolved for ``device``)."""
+        _positive("rays_per_batch", rays_per_batch)
+        B = int(rays_per_batch)
+        budget = None
+        threads, run = num_threads, rays_per_run
+        if not (threads and run):
+            budget = host_budget(B)
+            threads, run = int(threads or budget.threads), int(run or budget.rays_per_run)
+        _positive("rays_per_run", run)
+        _positive("num_threads", threads)
+        dev = resolve_device(device)
+        prio = resolve_priority(thread_priority, dev) if thread_priority == "auto" else check_priority(thread_priority)
+        K = max(1, math.ceil(int(run) / B))
+        return cls(rays_per_batch=B, rays_per_run=K * B, threads=int(threads), priority=prio, device=dev,
+                   seed=int(seed), mode=mode, rank=int(rank), world_size=int(world_size), prefetch=int(prefetch),
+                   workers=int(workers), decode_batch=int(decode_batch), max_bytes=max_bytes,
+                   window_images=int(window_images), rays_per_window=int(rays_per_window), cells=tuple(cells),
+                   num_cells=int(num_cells), budget=budget)
+
+
+def plan_from_config(cfg, rank: int = 0, world_size: int = 1, *, cells: Sequence[int] = (), num_cells: int = 0,
+                     local_ranks: Optional[int] = None, cores: Optional[int] = None) -> SamplingPlan:
+    """The plan of ``rank`` of ``world_size`` for a :class:`~dali_nerf.config.Config` (``pipeline``,
+    ``cache``, ``train.device``); SS: this rank's ``cells`` of ``num_cells``.
+
+    Threads and rays per run: ``pipeline.num_threads`` / ``pipeline.rays_per_run`` where > 0, else
+    :func:`~dali_nerf.hostbudget.host_budget` for ``local_ranks`` ranks (default
+    ``LOCAL_WORLD_SIZE``) on ``cores`` usable cores (default this process's affinity). Priority:
+    ``pipeline.thread_priority`` resolved for ``train.device``. Device: :func:`sampling_device`."""
+    p, c = cfg.pipeline, cfg.cache
+    B = int(p.rays_per_batch)
+    budget = None
+    threads, run = p.num_threads, p.rays_per_run
+    if not (threads and run):
+        budget = host_budget(B, local_ranks=local_ranks, cores=cores, device=cfg.train.device)
+        threads, run = int(threads or budget.threads), int(run or budget.rays_per_run)
+    K = max(1, math.ceil(int(run) / B))
+    return SamplingPlan(rays_per_batch=B, rays_per_run=K * B, threads=int(threads),
+                        priority=resolve_priority(p.thread_priority, cfg.train.device),
+                        device=sampling_device(cfg.train.device), seed=int(p.seed), mode=p.mode, rank=int(rank),
+                        world_size=int(world_size), prefetch=int(p.prefetch), workers=int(p.workers),
+                        decode_batch=int(c.decode_batch), max_bytes=c.max_bytes,
+                        window_images=int(getattr(c, "window_images", 0)),
+                        rays_per_window=int(getattr(c, "rays_per_window", 0)), cells=tuple(int(x) for x in cells),
+                        num_cells=int(num_cells), budget=budget)
