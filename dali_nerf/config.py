@@ -335,6 +335,11 @@ class BenchConfig:
     """DDP world sizes whose emulated launch also runs the check_rays segments."""
     fit_ranks: List[int] = field(default_factory=lambda: [1, 2])
     """The cost model is fit on emulated DDP runs at these world sizes and pipeline.rays_per_batch only."""
+    device_step_file: str = ""
+    """loop.json of ``dali-nerf bench loop`` (run on a GPU): its measured device step at
+    pipeline.rays_per_batch replaces bench.emulated_step_ms and bench.check_step_ms (and its
+    model's gradient bytes bench.emulated_grad_bytes when that is 0); the report states where the
+    step was measured ("" = the emulated_step_ms as given, a stated assumption)."""
 
     def validate(self, key: str):
         _positive(f"{key}.steps", self.steps)

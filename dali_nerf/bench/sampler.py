@@ -160,10 +160,13 @@ def sync_global_rate(scene, cache, B: int, seconds: float) -> float:
         return float(Path(out).read_text())
 
 
-def decode_rate(fmt: str, n: int = 100, size: int = 800, threads: int = 2, reps: int = 2) -> float:
+def decode_rate(fmt: str, n: int = 100, size: int = 800, threads: int = 2, reps: int = 2, device: str = "cpu") -> float:
     """Images/s of decode_cache on ``n`` synthetic ``size``^2 images (jpg RGB q95 | png RGBA):
     the best of ``reps`` timed calls after a warm one. Each call builds its own DALI pipeline
-    (~5 ms, included): ``n`` = 100 is a realistic dataset, where that is ~1% of the time."""
+    (~5 ms, included): ``n`` = 100 is a realistic dataset, where that is ~1% of the time.
+    ``device="cuda"``: DALI's mixed decoder (nvJPEG for JPEG) into device memory, timed until the
+    device has finished (``torch.cuda.synchronize``)."""
+    done = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     with tempfile.TemporaryDirectory() as d:
         yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
         paths = []
@@ -179,11 +182,13 @@ def decode_rate(fmt: str, n: int = 100, size: int = 800, threads: int = 2, reps:
         sc = Scene(image_paths=paths, c2w=np.tile(np.eye(4)[:3], (n, 1, 1)),
                    intrinsics=np.tile([size, size, size / 2, size / 2], (n, 1)), width=[size] * n,
                    height=[size] * n, split="train", format="blender", root=d)
-        decode_cache(sc, num_threads=threads)  # warm (page cache, first pipeline)
+        decode_cache(sc, num_threads=threads, device=device)  # warm (page cache, first pipeline)
+        done()
         best = 0.0
         for _ in range(reps):
             t0 = time.perf_counter()
-            decode_cache(sc, num_threads=threads)
+            decode_cache(sc, num_threads=threads, device=device)
+            done()
             best = max(best, n / (time.perf_counter() - t0))
         return best
 
