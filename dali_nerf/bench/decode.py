@@ -4,8 +4,9 @@ cores and, on a GPU, of DALI's mixed decoder (nvJPEG for JPEG) into device memor
     dali-nerf bench decode --images 100 --size 800 --threads 0 --out out/decode
 
 Each number is :func:`dali_nerf.bench.sampler.decode_rate`: ``decode_cache`` of ``--images``
-synthetic ``--size`` x ``--size`` images (JPEG q95 RGB, PNG RGBA), the best of ``--reps`` timed
-calls after a warm one, pipeline build included; the GPU's ends when the device has finished.
+synthetic ``--size`` x ``--size`` images (JPEG q95 RGB, PNG RGBA; the same files for every
+decoder of a format), the best of ``--reps`` timed calls after a warm one, the pipeline's build
+included (each call builds one); the GPU's ends when the device has finished.
 ``--threads`` lists the CPU decoder's thread counts (0 = all cores); the mixed decoder uses the
 largest (its host stages). Writes ``decode.json`` (``rows``: format, decoder, threads, images/s)
 and prints a table.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import torch
 
 from ..atomic import atomic_write_text
 from ..errors import ConfigError
-from .sampler import decode_rate
+from .sampler import decode_rate, synthetic_images
 
 __all__ = ["main", "measure"]
 
@@ -47,11 +49,13 @@ def measure(formats, n: int, size: int, threads, reps: int, out=None, log=print)
             atomic_write_text(Path(out) / "decode.json", json.dumps(res, indent=1))
 
     for fmt in formats:
-        for th in threads:
-            put(fmt, "cpu", th, decode_rate(fmt, n=n, size=size, threads=th, reps=reps))
-        if torch.cuda.is_available():
-            put(fmt, "mixed (nvJPEG)" if fmt == "jpg" else "mixed", max(threads),
-                decode_rate(fmt, n=n, size=size, threads=max(threads), reps=reps, device="cuda"))
+        with tempfile.TemporaryDirectory() as d:
+            scene = synthetic_images(d, fmt, n, size)  # one set of files for every decoder of this format
+            for th in threads:
+                put(fmt, "cpu", th, decode_rate(fmt, threads=th, reps=reps, scene=scene))
+            if torch.cuda.is_available():
+                put(fmt, "mixed (nvJPEG)" if fmt == "jpg" else "mixed", max(threads),
+                    decode_rate(fmt, threads=max(threads), reps=reps, device="cuda", scene=scene))
     if out is not None:
         atomic_write_text(Path(out) / "decode.json", json.dumps(res, indent=1))
     return res
