@@ -3,7 +3,7 @@
 # Steps in the order of their value, each with a time slice (its limit; a step that ends early
 # leaves its time to the ones after it; the gpu tests get what is left):
 #
-#   step        slice  what                                                            writes ($OUT/)
+#   step        slice  what                                                            writes
 #   dali          20   DALI importable, else the pieces under .whl/ checked (sha256)   dali.log
 #                      and unpacked into .whl/site (scripts/gpu_pack_dali.sh)
 #   install       20   pip install --no-deps -e . (dali_nerf.trainers / .pipelines)   install.log
@@ -23,9 +23,11 @@
 #   decode        20   images/s at 800x800: the CPU decoder on all cores, nvJPEG       decode/decode.json
 #   gpu-tests   rest   pytest -m gpu (the CUDA op also on the streaming path)         gpu-tests.log
 #
-# Every step: one line in $OUT/steps.txt, RAN / SKIPPED / FAILED with the reason (exit code or
-# "timed out"), and its log $OUT/<step>.log; the measurements rewrite their files as they go, so
-# a step cut short keeps what it measured. $OUT/README.txt: the machine, commit and settings.
+# Every step: one line in steps.txt, RAN / SKIPPED / FAILED with the reason (exit code or "timed
+# out"), and its log <step>.log; the measurements rewrite their files as they go, so a step cut
+# short keeps what it measured. README.txt: the machine, commit and settings. In a device call
+# ($OUT set; it brings back at most 8 files) everything is packed into $OUT/gpu_study.tar.gz after
+# every step, beside $OUT/steps.txt and $OUT/README.txt.
 #
 #   bash scripts/gpu_study.sh              # on the GPU machine (docs/gpu/README.md: the device calls)
 #   bash scripts/gpu_study.sh --dry-run    # here, no GPU: every step on the CPU at toy sizes (the
@@ -51,7 +53,14 @@ done
 TOTAL=${GPU_STUDY_TOTAL:-$([ "$MODE" = dry ] && echo 1800 || echo 540)}
 case "$TOTAL" in ''|*[!0-9]*) echo "error: GPU_STUDY_TOTAL=$TOTAL: give whole seconds, e.g. 540" >&2; exit 2 ;; esac
 if [ "$MODE" = pieces ]; then verify_pieces .whl; exit $?; fi
-OUT_DIR="${OUT:-gpu_study_out}"
+# large run folders (the scene, checkpoints, per-segment metrics): not under $OUT; kept between calls
+WORK="${GPU_STUDY_WORK:-${TMPDIR:-/tmp}/dali_nerf_gpu_study}"
+mkdir -p "$WORK"
+WORK=$(cd "$WORK" && pwd)
+# the results: in $OUT_DIR; with $OUT set (a device call, which brings back at most 8 files) they
+# are written under $WORK/results and packed into $OUT/gpu_study.tar.gz after every step, beside
+# copies of steps.txt and README.txt
+if [ -n "${OUT:-}" ]; then OUT_DIR="$WORK/results"; mkdir -p "$OUT"; else OUT_DIR="gpu_study_out"; fi
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OPENCV_LOG_LEVEL=ERROR
@@ -60,9 +69,12 @@ STEPS="$OUT_DIR/steps.txt"
 : > "$STEPS"
 T0=$SECONDS
 FAILED=0
-# large run folders (the scene, checkpoints, per-segment metrics): not under $OUT; kept between calls
-WORK="${GPU_STUDY_WORK:-${TMPDIR:-/tmp}/dali_nerf_gpu_study}"
-mkdir -p "$WORK"
+pack() {  # the results so far into $OUT (a call stopped at its limit still brings back the last pack)
+  [ -n "${OUT:-}" ] || return 0
+  tar -czf "$OUT/.gpu_study.tar.gz" -C "$OUT_DIR" . && mv -f "$OUT/.gpu_study.tar.gz" "$OUT/gpu_study.tar.gz"
+  cp -f "$STEPS" "$OUT_DIR/README.txt" "$OUT/" 2>/dev/null
+  return 0
+}
 
 want() {  # want STEP: not excluded by GPU_STUDY_SKIP / GPU_STUDY_ONLY
   [[ ",${GPU_STUDY_SKIP:-}," == *",$1,"* ]] && return 1
@@ -139,6 +151,8 @@ if [ "$MODE" = dry ]; then  # the pieces' checks run here when there are pieces 
   else note SKIPPED dali-pieces "no .whl/dali_site.sha256 here (bash scripts/gpu_pack_dali.sh makes the pieces)"; fi
 fi
 
+pack
+
 # ---- install: trainers/ and pipelines/ are packaged inside dali_nerf (setup.cfg's package_dir) ------
 if "$PY" -c "import dali_nerf.pipelines, dali_nerf.trainers" >/dev/null 2>&1; then
   note SKIPPED install "dali_nerf.trainers and dali_nerf.pipelines already importable"
@@ -146,12 +160,16 @@ else
   run_step install "$(slice 20)" "$PY" -m pip install -q --no-deps --no-build-isolation -e .
 fi
 
+pack
+
 # ---- build: the CUDA plugin ----------------------------------------------------------------------
 NVCC=0; have_nvcc && NVCC=1
 if [ $DALI = 0 ]; then note SKIPPED build "no DALI (its headers and library are needed)"
 elif [ $NVCC = 0 ]; then note SKIPPED build "nvcc not found (install the CUDA toolkit or set CUDA_HOME)"
 else run_step build "$(slice 80)" "$PY" -m dali_nerf build-op --cuda
 fi
+
+pack
 
 # ---- make-scene ----------------------------------------------------------------------------------
 if [ -f "$SCENE/transforms_train.json" ]; then note RAN make-scene "reused $SCENE (made by an earlier call)"
@@ -162,6 +180,8 @@ fi
 HAVE_SCENE=0; [ -n "$SCENE" ] && [ -f "$SCENE/transforms_train.json" ] && HAVE_SCENE=1
 CFG=configs/ddp_blender_gpu.yaml
 
+pack
+
 # ---- loop: the training loop per sampler on this device --------------------------------------------
 LOOP_JSON="$OUT_DIR/loop/loop.json"
 if ! want loop; then skipped_by_env loop
@@ -170,6 +190,8 @@ else
   run_step loop "$(slice 90)" "$PY" -m dali_nerf bench loop --config "$CFG" --scene "$SCENE" "${LOOP_ARGS[@]}" \
     --out "$OUT_DIR/loop" ${MODEL[@]+"${MODEL[@]}"}
 fi
+
+pack
 
 # ---- study-host: the emulated study on this host's cores, the device step measured by `loop` --------
 if ! want study-host; then skipped_by_env study-host
@@ -182,6 +204,8 @@ else
     "bench.emulated_ranks_ss=[]" "bench.check_rays=[]" bench.sampler_seconds=0 "bench.fit_ranks=[1,2]" \
     "bench.out=$OUT_DIR/study" "train.runs_dir=$WORK/study_runs" "${STUDY_ARGS[@]}"
 fi
+
+pack
 
 # ---- ttq: time to quality at the config's own size -------------------------------------------------
 if ! want ttq; then skipped_by_env ttq
@@ -197,11 +221,15 @@ else
   done
 fi
 
+pack
+
 # ---- decode: images/s of the CPU decoder and nvJPEG ------------------------------------------------
 if ! want decode; then skipped_by_env decode
 elif [ $DALI = 0 ]; then note SKIPPED decode "no DALI"
 else run_step decode "$(slice 20)" "$PY" -m dali_nerf bench decode "${DECODE_ARGS[@]}" --out "$OUT_DIR/decode"
 fi
+
+pack
 
 # ---- gpu-tests: what is left of the budget ---------------------------------------------------------
 if ! want gpu-tests; then skipped_by_env gpu-tests
@@ -219,6 +247,7 @@ else  # dry: collected, and every one skipped with its reason
   fi
 fi
 
+pack
 echo "---- steps ($(( SECONDS - T0 ))s of ${TOTAL}s) ----"
 cat "$STEPS"
 exit $FAILED

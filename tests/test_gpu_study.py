@@ -130,6 +130,13 @@ def test_gpu_study_dry_run(tmp_path):
     res = subprocess.run(["bash", str(REPO / "scripts" / "gpu_study.sh"), "--dry-run"], env=env, capture_output=True,
                          text=True, timeout=1500)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    # a device call brings back at most 8 files named in [A-Za-z0-9._-]: the results come packed
+    back = sorted(p.name for p in out.iterdir())
+    assert back == ["README.txt", "gpu_study.tar.gz", "steps.txt"], back
+    with tarfile.open(out / "gpu_study.tar.gz") as tf:
+        tf.extractall(tmp_path / "res", filter="data")
+    assert (tmp_path / "res" / "steps.txt").read_text() == (out / "steps.txt").read_text()
+    out = tmp_path / "res"
     lines = (out / "steps.txt").read_text().splitlines()
     assert len(lines) >= 10 and all(l.split(" ", 1)[0] in ("RAN", "SKIPPED") and ": " in l for l in lines), lines
     ran = {l.split(":")[0].split(" ", 1)[1] for l in lines if l.startswith("RAN ")}
@@ -141,7 +148,7 @@ def test_gpu_study_dry_run(tmp_path):
     assert loop["meta"]["phase_timing"] == "host" and loop["device_steps"] and loop["rows"]
     (derived,) = (out / "study").glob("*/derived.json")
     meta = json.loads(derived.read_text())["meta"]
-    assert meta["device_step"]["file"] == str(out / "loop" / "loop.json")
+    assert meta["device_step"]["file"] == str(tmp_path / "work" / "results" / "loop" / "loop.json")
     assert meta["step_ms_source"].startswith("measured") and "a CPU, not a GPU" in meta["step_ms_source"]
     assert meta["emulated_step_ms"] == [pytest.approx(loop["device_steps"][0]["ms_per_4096"])]
     assert (derived.parent / "report.md").is_file()
