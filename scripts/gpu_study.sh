@@ -37,7 +37,8 @@
 # Reruns: GPU_STUDY_ONLY=gpu-tests,decode (only these steps, plus what they need) or
 # GPU_STUDY_SKIP=loop,... ; GPU_TESTS_K=<pytest -k expression> for gpu-tests. Outputs go to $OUT
 # (the device call's folder) or ./gpu_study_out/; the scene and run folders to $GPU_STUDY_WORK
-# (default $TMPDIR/dali_nerf_gpu_study: a warm machine's second call reuses the scene).
+# (default .whl/gpu_study_work on the GPU machine, $TMPDIR/dali_nerf_gpu_study in a dry run: a
+# warm machine's second call reuses the scene and the results of the first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_lib.sh
@@ -53,8 +54,10 @@ done
 TOTAL=${GPU_STUDY_TOTAL:-$([ "$MODE" = dry ] && echo 1800 || echo 540)}
 case "$TOTAL" in ''|*[!0-9]*) echo "error: GPU_STUDY_TOTAL=$TOTAL: give whole seconds, e.g. 540" >&2; exit 2 ;; esac
 if [ "$MODE" = pieces ]; then verify_pieces .whl; exit $?; fi
-# large run folders (the scene, checkpoints, per-segment metrics): not under $OUT; kept between calls
-WORK="${GPU_STUDY_WORK:-${TMPDIR:-/tmp}/dali_nerf_gpu_study}"
+# large run folders (the scene, checkpoints, per-segment metrics): not under $OUT; on the GPU
+# machine in the checkout's ignored .whl/ (kept between the calls of a warm machine, like the
+# unpacked DALI and the plugin cache: a rerun right after the run finds them)
+WORK="${GPU_STUDY_WORK:-$([ "$MODE" = gpu ] && echo "$PWD/.whl/gpu_study_work" || echo "${TMPDIR:-/tmp}/dali_nerf_gpu_study")}"
 mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)
 # the results: in $OUT_DIR; with $OUT set (a device call, which brings back at most 8 files) they

@@ -917,8 +917,9 @@ def _machine_desc() -> str:
 
 STEP_MS_SOURCE = ("a stated assumption, not a measurement (no GPU was measured by this project): a range meant to "
                   "cover fast grid-based NeRF training steps on one datacenter GPU, whose fused field kernels take "
-                  "milliseconds per step at batch sizes of this order; measure the study model's own step with "
-                  "scripts/gpu_study.sh on a GPU and pass it as bench.emulated_step_ms")
+                  "milliseconds per step at batch sizes of this order; measure a model's own step with "
+                  "dali-nerf bench loop on a GPU (scripts/gpu_study.sh's loop step) and pass its loop.json as "
+                  "bench.device_step_file")
 
 
 def fit_and_check(derived: dict, b, rays: int, grad_bytes: int, sampling: Optional[dict],
