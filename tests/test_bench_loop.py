@@ -5,7 +5,6 @@ sources, the device step the emulated study reads, and numbers kept when a run i
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

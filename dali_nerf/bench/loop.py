@@ -47,7 +47,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import numpy as np
 import torch
@@ -293,7 +293,7 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
     from ..pipelines.decode import decode_cache
     from ..scenes import load_scene
     from ..trainers.ddp import DDPMethod
-    from ..training import DistEnv, PHASES, scene_space, train_task_step  # noqa: F401
+    from ..training import DistEnv
     from .emulated import pair_order, with_floor
     from .study import git_commit, _machine_desc
 
@@ -356,7 +356,7 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
             r = _segment(cfg, env, task, scene, src, 0, pretrain, 1)
         finally:
             src.close()
-        res["meta"]["pretrain_loss"] = r["loss_last"]
+        res["meta"].update(pretrain_loss=r["loss_last"], pretrain_source=f"{place} rays at {max(batches)} rays")
         log(f"pretrained {pretrain} steps ({place} rays, {max(batches)} rays): loss {r['loss_last']:.5f}")
     snap = _snapshot(task)
     first = pretrain + 1
