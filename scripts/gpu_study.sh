@@ -33,6 +33,7 @@
 #   bash scripts/gpu_study.sh --dry-run    # here, no GPU: every step on the CPU at toy sizes (the
 #                                          # GPU-only parts SKIPPED with the reason); exit 1 if one fails
 #   bash scripts/gpu_study.sh --pieces     # which DALI pieces have arrived under .whl/, intact or not
+#                                          # (exit 1: no checksum file, or a corrupt or stray piece)
 #
 # Reruns: GPU_STUDY_ONLY=gpu-tests,decode (only these steps, plus what they need) or
 # GPU_STUDY_SKIP=loop,... ; GPU_TESTS_K=<pytest -k expression> for gpu-tests. Outputs go to $OUT
@@ -53,7 +54,10 @@ for a in "$@"; do
 done
 TOTAL=${GPU_STUDY_TOTAL:-$([ "$MODE" = dry ] && echo 1800 || echo 540)}
 case "$TOTAL" in ''|*[!0-9]*) echo "error: GPU_STUDY_TOTAL=$TOTAL: give whole seconds, e.g. 540" >&2; exit 2 ;; esac
-if [ "$MODE" = pieces ]; then verify_pieces .whl; exit $?; fi
+if [ "$MODE" = pieces ]; then  # exit 1 only for what carrying again must fix: no checksums, a corrupt or stray piece
+  report=$(verify_pieces .whl); echo "$report"
+  ! grep -q "^corrupt \|^stray \|^no " <<< "$report"; exit $?
+fi
 # large run folders (the scene, checkpoints, per-segment metrics): not under $OUT; on the GPU
 # machine in the checkout's ignored .whl/ (kept between the calls of a warm machine, like the
 # unpacked DALI and the plugin cache: a rerun right after the run finds them)

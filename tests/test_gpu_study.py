@@ -156,3 +156,26 @@ def test_gpu_study_dry_run(tmp_path):
     assert s["stopped_by"] == "max_seconds" and len(s["eval_curve"]) >= 2
     assert json.loads((out / "decode" / "decode.json").read_text())["rows"]
     assert "SKIPPED" in (out / "gpu-tests.log").read_text()
+
+
+def test_pieces_mode_fails_only_for_what_carrying_again_fixes(tmp_path):
+    """``gpu_study.sh --pieces`` between the carrying calls: pieces still to come are listed, exit 0;
+    a corrupt piece exits 1."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "scripts", repo / "scripts")
+    whl = repo / ".whl"
+    whl.mkdir()
+    for i in (0, 1):
+        (whl / f"dali_site.tar.xz.part{i}").write_bytes(bytes([i]) * 1000)
+    subprocess.run("sha256sum dali_site.tar.xz.part0 dali_site.tar.xz.part1 > dali_site.sha256", shell=True,
+                   cwd=whl, check=True)
+    (whl / "dali_site.tar.xz.part1").unlink()  # not carried yet
+    run = lambda: subprocess.run(["bash", str(repo / "scripts" / "gpu_study.sh"), "--pieces"], capture_output=True,  # noqa: E731
+                                 text=True)
+    r = run()
+    assert r.returncode == 0 and "ok dali_site.tar.xz.part0" in r.stdout and "missing piece" in r.stdout, r.stdout
+    (whl / "dali_site.tar.xz.part0").write_bytes(b"\x01" * 1000)
+    r = run()
+    assert r.returncode == 1 and "corrupt piece" in r.stdout, r.stdout
