@@ -7,7 +7,7 @@ Subcommands (each implemented in its own module, imported only when used):
                                        (objects | city | forward | unbounded)
     dali-nerf validate SCENE           scan a scene folder (every image header) before training
     dali-nerf render                   render a split or an orbit from a checkpoint (DDP or SS run)
-    dali-nerf bench sampler|study      benchmarks (docs/BENCHMARKS.md)
+    dali-nerf bench sampler|study|loop|decode   benchmarks (docs/BENCHMARKS.md)
     dali-nerf build-op                 build (or rebuild) the C++ operator plugin now
 
 User errors print ``error: <one line>`` and exit 2, without a traceback.
@@ -120,6 +120,27 @@ def _parser() -> argparse.ArgumentParser:
     bt = bsub.add_parser("study", help="the characterization study: DDP vs SS x samplers x ranks")
     bt.add_argument("--config", default="configs/study.yaml")
     bt.add_argument("overrides", nargs="*")
+    bl = bsub.add_parser("loop", help="the training loop's step, wait and stall per source vs a ready-batch floor")
+    bl.add_argument("--config", default="configs/ddp_blender_gpu.yaml")
+    bl.add_argument("--scene", default=None, help="scene folder (default: the config's scene.path)")
+    bl.add_argument("--batches", default="16384,65536", help="rays per step, comma-separated")
+    bl.add_argument("--samplers", default="rays,rays_prefetch0,sync_local,sync_global,torch_workers,ready")
+    bl.add_argument("--placements", default="host,device",
+                    help="host (images in host memory, CPU sampling) and/or device (images in GPU memory)")
+    bl.add_argument("--trials", type=int, default=3)
+    bl.add_argument("--steps", type=int, default=16, help="timed steps per source and trial")
+    bl.add_argument("--warmup", type=int, default=5, help="untimed steps per source and trial")
+    bl.add_argument("--pretrain", type=int, default=100, help="steps trained before timing (occupancy culling)")
+    bl.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    bl.add_argument("--out", default="runs/bench_loop", help="folder for loop.json and loop.md")
+    bl.add_argument("overrides", nargs="*", help="key=value config overrides")
+    bd = bsub.add_parser("decode", help="decode images/s: the CPU decoder on this host's cores and nvJPEG")
+    bd.add_argument("--images", type=int, default=100)
+    bd.add_argument("--size", type=int, default=800, help="width = height in pixels")
+    bd.add_argument("--threads", default="0", help="CPU decoder threads, comma-separated (0 = all cores)")
+    bd.add_argument("--formats", default="jpg,png")
+    bd.add_argument("--reps", type=int, default=2)
+    bd.add_argument("--out", default=None, help="also write decode.json here (a folder)")
 
     o = sub.add_parser("build-op", help="build the C++ operator plugin")
     o.add_argument("--cuda", action="store_true", help="also compile the CUDA variant with nvcc")

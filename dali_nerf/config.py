@@ -199,6 +199,19 @@ class TrainConfig:
     eval_every: int = 0
     """Steps between held-out PSNR evaluations, each a row {"step", "eval_psnr", "eval_ssim",
     "eval_render_s"} of metrics.jsonl (0 = only at the end, in summary.json)."""
+    eval_every_s: float = 0.0
+    """Seconds of training time between held-out evaluations (0 = none): the same metrics rows as
+    ``eval_every``'s, plus ``train_s``, at the first step after each multiple of this; the PSNR vs
+    seconds curve (summary.json ``eval_curve``). Training time is the loop's wall time minus the
+    evaluations' own."""
+    max_seconds: float = 0.0
+    """Stop this run after the step at which its training time reaches this many seconds (0 = no
+    limit), checkpointing and evaluating there as at its last step (summary.json ``stopped_by``:
+    ``max_seconds``); continue later with --resume. The schedule still spans train.steps."""
+    target_psnr: float = 0.0
+    """Stop after the periodic evaluation (``eval_every`` or ``eval_every_s``) whose held-out PSNR
+    reaches this many dB (0 = never; summary.json ``stopped_by``: ``target_psnr`` and
+    ``target_reached_s``, the training seconds it took)."""
     checkpoint_every: int = 500
     """Steps between checkpoints (0 = only at the end)."""
     eval_images: int = 4
@@ -234,6 +247,12 @@ class TrainConfig:
         if not self.emulated_step_ms > 0:
             raise ConfigError(f"{key}.emulated_step_ms: must be > 0 ms, got {self.emulated_step_ms}")
         _nonneg(f"{key}.emulated_floor_steps", self.emulated_floor_steps)
+        for k in ("eval_every_s", "max_seconds", "target_psnr"):
+            if not getattr(self, k) >= 0:  # NaN too
+                raise ConfigError(f"{key}.{k}: must be >= 0 (0 = off), got {getattr(self, k)}")
+        if self.target_psnr > 0 and not (self.eval_every or self.eval_every_s):
+            raise ConfigError(f"{key}.target_psnr: needs periodic evaluations to stop at; set {key}.eval_every "
+                              f"(steps) or {key}.eval_every_s (seconds)")
         _choice(f"{key}.tensorboard", self.tensorboard, ("auto", "always", "never"))
 
 
@@ -326,6 +345,11 @@ class BenchConfig:
     """DDP world sizes whose emulated launch also runs the check_rays segments."""
     fit_ranks: List[int] = field(default_factory=lambda: [1, 2])
     """The cost model is fit on emulated DDP runs at these world sizes and pipeline.rays_per_batch only."""
+    device_step_file: str = ""
+    """loop.json of ``dali-nerf bench loop`` (run on a GPU): its measured device step at
+    pipeline.rays_per_batch replaces bench.emulated_step_ms and bench.check_step_ms (and its
+    model's gradient bytes bench.emulated_grad_bytes when that is 0); the report states where the
+    step was measured ("" = the emulated_step_ms as given, a stated assumption)."""
 
     def validate(self, key: str):
         _positive(f"{key}.steps", self.steps)

@@ -7,10 +7,14 @@ loop times every step by phase and writes ``runs/<name>/``:
 * ``config.yaml``      the resolved config;
 * ``metrics.jsonl``    rank 0, one JSON line per step (``metrics.rank<R>.jsonl`` for other ranks):
   ``step, loss, psnr, rays, wait_s, h2d_s, forward_s, backward_s, sync_s, optimizer_s, step_s``;
-  with ``train.eval_every`` = N > 0 also a row ``step, eval_psnr, eval_ssim, eval_render_s`` every
-  N steps and at the last step (held-out PSNR curve; its time is outside every phase);
-* ``summary.json``     test PSNR/SSIM (and ``mean_color_psnr``, the floor), stall fraction, rays/s, per-phase totals, wall time, and
-  method specifics (SS: fusion overhead);
+  with ``train.eval_every`` = N > 0 also a row ``step, eval_psnr, eval_ssim, eval_render_s, train_s``
+  every N steps and at the last step (held-out PSNR curve; its time is outside every phase), and
+  with ``train.eval_every_s`` = S > 0 the same row at the first step after every S seconds of
+  training time (``train_s``: the loop's wall time minus these evaluations');
+* ``summary.json``     test PSNR/SSIM (and ``mean_color_psnr``, the floor), stall fraction, rays/s, per-phase totals, wall time,
+  training time and why the run stopped (``stopped_by``: steps, stop_after, max_seconds,
+  target_psnr), the ``eval_curve`` (PSNR vs training seconds) with periodic evaluations, the GPU
+  memory on a GPU (``gpu_memory``), and method specifics (SS: fusion overhead);
 * ``checkpoints/``     atomic per-rank checkpoints (:mod:`dali_nerf.checkpoint`);
 * ``renders/*.png``    held-out views, prediction beside ground truth.
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import math
 import os
@@ -67,7 +72,7 @@ __all__ = ["Task", "Method", "DistEnv", "setup_distributed", "train", "trainer_m
            "evaluate_field", "eval_subset", "write_renders", "scene_aabb", "prepare_run_dir", "load_scenes",
            "read_resume_state", "restore_tasks", "run_steps", "evaluate_and_summarise", "LoopResult",
            "seed_everything", "step_generator", "PhaseTimer", "scene_space", "train_background", "eval_background",
-           "learned_background_init", "mean_color_psnr"]
+           "learned_background_init", "mean_color_psnr", "train_task_step", "gpu_memory"]
 
 PHASES = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
 
@@ -665,6 +670,10 @@ class LoopResult:
     source_stats: list            # stats() of each task's source
     phase_timing: str = "host"    # PhaseTimer.kind: "host" or "cuda_events"
     sync_measured: bool = True    # False under NCCL: the all-reduce is inside backward_s
+    train_s: float = 0.0          # training time: wall minus periodic evaluations (the clock of max_seconds)
+    stopped_by: str = "steps"     # steps | stop_after | max_seconds | target_psnr
+    evals: list = dataclasses.field(default_factory=list)  # rank 0's periodic evaluation rows (with train_s)
+    target_reached_s: Optional[float] = None   # training seconds at the evaluation that reached train.target_psnr
 
 
 def _steady_stall(totals: dict, first_step_wait, steps_run: int):
@@ -692,7 +701,7 @@ def _progress_bar(cfg: Config, method: Method, env: DistEnv, start_step: int):
     return None
 
 
-def _train_task_step(cfg: Config, env: DistEnv, task: Task, step: int, scene, bg, sync_timers, timer: "PhaseTimer"):
+def train_task_step(cfg: Config, env: DistEnv, task: Task, step: int, scene, bg, sync_timers, timer: "PhaseTimer"):
     """One optimisation step of one task, its phases recorded in ``timer`` (resolved by the
     caller at the end of the step); returns (loss tensor, rays)."""
     t0 = time.perf_counter()
@@ -757,6 +766,44 @@ class _PeriodicEval:
         return row
 
 
+class _TrainClock:
+    """``train.max_seconds`` / ``eval_every_s`` / ``target_psnr``: rank 0's training time (the
+    loop's wall time minus the periodic evaluations', :attr:`paused`) decides; with several ranks
+    the decision is broadcast from rank 0 (one small collective per step, only when one of the
+    three is set), so every rank stops or evaluates at the same step."""
+
+    def __init__(self, cfg: Config, env: DistEnv):
+        t = cfg.train
+        self.max_s, self.every_s, self.target = float(t.max_seconds), float(t.eval_every_s), float(t.target_psnr)
+        self.env = env
+        self.t0 = time.perf_counter()
+        self.paused = 0.0
+        self.next_eval = self.every_s
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0 - self.paused
+
+    def agree(self, *flags: bool) -> List[bool]:
+        """Rank 0's ``flags`` on every rank."""
+        if not self.env.distributed:
+            return [bool(f) for f in flags]
+        dev = self.env.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=dev)
+        dist.broadcast(t, src=0)
+        return [bool(v) for v in t.tolist()]
+
+    def due(self) -> List[bool]:
+        """[stop (max_seconds reached), evaluate (an eval_every_s point passed)] after a step."""
+        if not (self.max_s or self.every_s):
+            return [False, False]
+        s = self.seconds()
+        stop = bool(self.max_s) and s >= self.max_s
+        evaluate = bool(self.every_s) and s >= self.next_eval
+        while self.every_s and self.next_eval <= s:
+            self.next_eval += self.every_s
+        return self.agree(stop, evaluate)
+
+
 def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scene, eval_scene, start_step: int,
               resume: bool) -> LoopResult:
     """The timed loop from ``start_step + 1`` to the last step: metrics rows, progress, periodic
@@ -777,14 +824,17 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
     timer = PhaseTimer(env.device)
     last = {}
     end_step = min(cfg.train.stop_after or cfg.train.steps, cfg.train.steps)
+    stopped_by = "stop_after" if end_step < cfg.train.steps else "steps"
     eval_every = cfg.train.eval_every
+    clock = _TrainClock(cfg, env)
+    evals, target_reached_s, saved_step = [], None, None
     try:
         for step in range(start_step + 1, end_step + 1):
             ph = {p: 0.0 for p in PHASES}
             t_step = time.perf_counter()
             loss_sum, nrays, losses = 0.0, 0, []
             for task in tasks:
-                loss, n = _train_task_step(cfg, env, task, step, scene, bg, sync_timers, timer)
+                loss, n = train_task_step(cfg, env, task, step, scene, bg, sync_timers, timer)
                 losses.append(loss)
                 nrays += n
             timer.resolve(ph)  # CUDA: the one wait of the step, on its last event
@@ -817,17 +867,33 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
                 tb.flush()
                 if bar is None and env.rank == 0:
                     print(f"step {step}/{cfg.train.steps} loss {loss_v:.5f} psnr {rec['psnr']:.2f}", flush=True)
+            stop, timed_eval = clock.due()
+            if stop:
+                end_step, stopped_by = step, "max_seconds"
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step != end_step:
                 writer.flush()
                 _save_checkpoint(cfg.run_dir, step, tasks, env, cfg, scene)
-            if eval_every and step % eval_every == 0 and step != end_step:
+                saved_step = step
+            if (timed_eval or (eval_every and step % eval_every == 0)) and step != end_step:
+                train_s = clock.seconds()
+                t_eval = time.perf_counter()
                 row = periodic_eval(step)
+                clock.paused += time.perf_counter() - t_eval
+                hit = False
                 if row is not None:
+                    row["train_s"] = train_s
                     writer.write(row)
                     writer.flush()
+                    evals.append(row)
+                    hit = clock.target > 0 and row["eval_psnr"] >= clock.target
+                if clock.target > 0 and clock.agree(hit)[0]:
+                    end_step, stopped_by, target_reached_s = step, "target_psnr", train_s
+            if step == end_step:
+                break
         wall = time.perf_counter() - t_start
+        train_s = clock.seconds()
         writer.flush()
-        if end_step > start_step or resume:
+        if (end_step > start_step or resume) and saved_step != end_step:
             _save_checkpoint(cfg.run_dir, end_step, tasks, env, cfg, scene)
     finally:
         writer.close()
@@ -837,7 +903,8 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
         source_stats = [t.source.stats() if hasattr(t.source, "stats") else {} for t in tasks]
         _close_sources(tasks)
     return LoopResult(start_step, end_step, totals, first_step_wait, rays_total, last, wall, source_stats,
-                      timer.kind, all(t.measured for t in sync_timers.values()))
+                      timer.kind, all(t.measured for t in sync_timers.values()), train_s, stopped_by, evals,
+                      target_reached_s)
 
 
 def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], eval_scene,
@@ -857,9 +924,11 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
         for i, (pred, gt) in enumerate(pairs):
             tb.image(r.end_step, f"{sc.eval_split}/{i}", torch.cat([pred, gt], 1))  # prediction | ground truth
         tb.scalars(r.end_step, {f"eval/{sc.eval_split}_psnr": p, f"eval/{sc.eval_split}_ssim": s})
-    if cfg.train.eval_every:
+    periodic = bool(cfg.train.eval_every or cfg.train.eval_every_s)
+    if periodic:
         _append_metrics_row(cfg.run_dir / "metrics.jsonl",
-                            {"step": r.end_step, "eval_psnr": p, "eval_ssim": s, "eval_render_s": seconds})
+                            {"step": r.end_step, "eval_psnr": p, "eval_ssim": s, "eval_render_s": seconds,
+                             "train_s": r.train_s})
     totals, steps_run = r.totals, r.end_step - r.start_step
     summary = {
         "name": cfg.name, "method": method.name, "world_size": env.world_size, "device": str(env.device),
@@ -877,12 +946,31 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
         "sync_in_backward": not r.sync_measured,
         "rays_per_s": r.rays_total * env.world_size / max(totals["step"], 1e-9),
         "wall_s": r.wall,
+        "train_s": r.train_s, "stopped_by": r.stopped_by,
         "source_stats": r.source_stats[0] if len(r.source_stats) == 1 else r.source_stats,
         "renders": renders,
     }
+    if periodic:  # held-out PSNR against training seconds, the final evaluation last
+        summary["eval_curve"] = [{"step": e["step"], "train_s": e["train_s"], "eval_psnr": e["eval_psnr"]}
+                                 for e in r.evals] + [{"step": r.end_step, "train_s": r.train_s, "eval_psnr": p}]
+    if cfg.train.target_psnr:
+        reached = r.target_reached_s if r.target_reached_s is not None else (r.train_s if p >= cfg.train.target_psnr else None)
+        summary.update(target_psnr=cfg.train.target_psnr, target_reached_s=reached)
+    if env.device.type == "cuda":
+        summary["gpu_memory"] = gpu_memory(env.device)
     summary.update(method.extra_summary(cfg, tasks, env, eval_scene, field, occupancy))
     atomic_write_text(cfg.run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def gpu_memory(device) -> dict:
+    """This process's GPU memory on ``device``: torch's peak allocated and reserved bytes since the
+    process started (or since ``torch.cuda.reset_peak_memory_stats``), and the device's used bytes
+    now (total - free: also DALI's pools, nvJPEG's buffers and any other process)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return {"torch_peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "torch_peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "device_used_bytes": int(total - free), "device_total_bytes": int(total)}
 
 
 def _append_metrics_row(path: Path, rec: dict) -> None:

@@ -243,6 +243,33 @@ def test_nvjpeg_decode_equals_cpu_decode_within_jpeg_tolerance(tmp_path):
     assert "OK" in out
 
 
+def test_cuda_streaming_equals_cpu_streaming(tmp_path):
+    """RayLoader streaming (a shard larger than max_bytes, sampled through decoded windows) on the
+    GPU: the window decode (mixed decoder, lossless PNG) and the CUDA op give the CPU streaming
+    loader's batches bit for bit, across window switches, in both modes; batches are CUDA tensors."""
+    out = run_gpu_script(f"""
+        from pathlib import Path
+        from _tiny_scene import tiny_scene
+        from dali_nerf.sources import RayLoader
+        scene = tiny_scene(Path({str(tmp_path / 'scene')!r}), n=8, width=24, height=16, kinds=("png_rgba", "png_rgb"))
+        max_bytes = 2 * 3 * (24 * 16 * 3 + 104)  # two windows of 3 images (8 images: windows of 3, 3, 2)
+        for mode in ("random", "epoch"):
+            kw = dict(rays_per_batch=100, rays_per_run=300, max_bytes=max_bytes, seed=5, mode=mode)
+            with RayLoader(scene, device="cuda", **kw) as g, RayLoader(scene, device="cpu", **kw) as c:
+                assert g.streaming and c.streaming
+                cams = set()
+                for step in range(40):  # ~12 steps per window: several switches
+                    bg, bc = next(g), next(c)
+                    assert all(t.is_cuda for t in bg.values()), (mode, step)
+                    for k in bc:
+                        assert torch.equal(bg[k].cpu(), bc[k]), (mode, step, k)
+                    cams |= set(bc["indices"][:, 0].tolist())
+                assert len(cams) >= 6, cams  # the stream went through several windows
+        print("OK")
+    """)
+    assert out.strip().endswith("OK")
+
+
 TINY_MODEL = ["model.resolution=24", "model.samples_per_ray=32", "model.occupancy_resolution=16",
               "model.occupancy_warmup=8", "model.occupancy_every=8", "model.hidden=16",
               "model.density_components=8", "model.color_components=12"]

@@ -177,26 +177,3 @@ def test_device_formula_has_no_fma(tmp_path):
     assert "fma." not in code and ".approx" not in code and ".ftz" not in code
     assert "sqrt.rn.f32" in code and "sqrt.rn.f64" in code  # IEEE square roots, as on the host
     assert "fma." in ptx([f for f in fp_flags if not f.startswith("-fmad")])
-
-
-@pytest.mark.slow
-def test_gpu_study_dry_run(tmp_path):
-    """``scripts/gpu_study.sh --dry-run`` runs every step it can without a GPU (the nvcc build of
-    the CUDA plugin, the gpu tests' collection and skips, the op benchmark and the torch study on
-    the CPU, the quality config's parsing) and says which it skipped; bad arguments exit 2."""
-    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_study.sh"
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
-    bad = subprocess.run(["bash", str(script), "--no-such-flag"], env=env, capture_output=True, text=True)
-    assert bad.returncode == 2 and "unknown argument" in bad.stderr
-    res = subprocess.run(["bash", str(script), "--dry-run"], env=env, capture_output=True, text=True, timeout=1800)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    steps = (tmp_path / "out" / "steps.txt").read_text()
-    ran = {line.split(":")[0].split(" ", 1)[1] for line in steps.splitlines() if line.startswith("RAN ")}
-    skipped = {line.split(":")[0].split(" ", 1)[1] for line in steps.splitlines() if line.startswith("SKIPPED ")}
-    assert "FAILED" not in steps
-    expect = {"dali", "gpu-tests-collect", "op-throughput-cpu", "study-cpu", "quality-config"}
-    if ops._find_nvcc() is not None:
-        expect.add("build")
-    assert expect <= ran, steps
-    assert "quality" in skipped
-    assert (tmp_path / "out" / "gpu_study.json").is_file()

@@ -1,8 +1,11 @@
-"""``dali-nerf bench sampler|study`` (docs/BENCHMARKS.md).
+"""``dali-nerf bench sampler|study|loop|decode`` (docs/BENCHMARKS.md).
 
 * ``sampler``: one table of delivered rays/s of RayLoader and the baselines at several batch
   sizes, plus decode images/s (:mod:`dali_nerf.bench.sampler`).
 * ``study``: the characterization study grid (:mod:`dali_nerf.bench.study`).
+* ``loop``: the training loop's step, wait and stall per source against a ready-batch floor, on
+  this machine's training device (:mod:`dali_nerf.bench.loop`).
+* ``decode``: decode images/s of the CPU decoder and, on a GPU, nvJPEG (:mod:`dali_nerf.bench.decode`).
 """
 
 from __future__ import annotations
@@ -15,11 +18,9 @@ __all__ = ["main"]
 
 
 def main(args) -> int:
-    """Dispatch on ``args.bench`` ("sampler" | "study")."""
+    """Dispatch on ``args.bench`` ("sampler" | "study" | "loop" | "decode")."""
     # imported by name when chosen, as cli.py does for subcommands: `import dali_nerf.bench` and
     # `dali-nerf --help` stay free of torch, DALI and matplotlib
-    if args.bench == "sampler":
-        return importlib.import_module("dali_nerf.bench.sampler").main(args)
-    if args.bench == "study":
-        return importlib.import_module("dali_nerf.bench.study").main(args)
-    raise ConfigError(f"bench {args.bench!r}: use sampler or study")
+    if args.bench in ("sampler", "study", "loop", "decode"):
+        return importlib.import_module(f"dali_nerf.bench.{args.bench}").main(args)
+    raise ConfigError(f"bench {args.bench!r}: use sampler, study, loop or decode")

@@ -51,7 +51,7 @@ from dali_nerf.scenes.base import Scene
 from dali_nerf.sources import (RayLoader, SpatialRayLoader, SyncGlobalSampler, SyncLocalSampler,
                                TorchWorkersSampler)
 
-__all__ = ["main", "measure", "default_scene", "decode_rate", "torch_gather_source"]
+__all__ = ["main", "measure", "default_scene", "decode_rate", "synthetic_images", "torch_gather_source"]
 
 
 def default_scene_dir() -> Path:
@@ -160,32 +160,46 @@ def sync_global_rate(scene, cache, B: int, seconds: float) -> float:
         return float(Path(out).read_text())
 
 
-def decode_rate(fmt: str, n: int = 100, size: int = 800, threads: int = 2, reps: int = 2) -> float:
-    """Images/s of decode_cache on ``n`` synthetic ``size``^2 images (jpg RGB q95 | png RGBA):
-    the best of ``reps`` timed calls after a warm one. Each call builds its own DALI pipeline
-    (~5 ms, included): ``n`` = 100 is a realistic dataset, where that is ~1% of the time."""
-    with tempfile.TemporaryDirectory() as d:
-        yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
-        paths = []
-        for i in range(n):
-            img = np.stack([np.sin(xx / (17 + i)) * 110 + 128, np.cos(yy / 23) * 110 + 128,
-                            (xx + yy + 9 * i) % 256], -1).astype(np.uint8)
-            if fmt == "png":
-                a = (((xx // 50 + yy // 50 + i) % 3 > 0) * 255).astype(np.uint8)[..., None]
-                img = np.concatenate([img, a], -1)
-            p = os.path.join(d, f"{i:03d}.{fmt}")
-            cv2.imwrite(p, img, [cv2.IMWRITE_JPEG_QUALITY, 95] if fmt == "jpg" else [])
-            paths.append(p)
-        sc = Scene(image_paths=paths, c2w=np.tile(np.eye(4)[:3], (n, 1, 1)),
-                   intrinsics=np.tile([size, size, size / 2, size / 2], (n, 1)), width=[size] * n,
-                   height=[size] * n, split="train", format="blender", root=d)
-        decode_cache(sc, num_threads=threads)  # warm (page cache, first pipeline)
-        best = 0.0
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            decode_cache(sc, num_threads=threads)
-            best = max(best, n / (time.perf_counter() - t0))
-        return best
+def synthetic_images(folder, fmt: str, n: int = 100, size: int = 800) -> Scene:
+    """Write ``n`` synthetic ``size``^2 images (jpg: RGB q95 | png: RGBA) into ``folder``; returns
+    their Scene (identity cameras)."""
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    paths = []
+    for i in range(n):
+        img = np.stack([np.sin(xx / (17 + i)) * 110 + 128, np.cos(yy / 23) * 110 + 128,
+                        (xx + yy + 9 * i) % 256], -1).astype(np.uint8)
+        if fmt == "png":
+            a = (((xx // 50 + yy // 50 + i) % 3 > 0) * 255).astype(np.uint8)[..., None]
+            img = np.concatenate([img, a], -1)
+        p = os.path.join(folder, f"{i:03d}.{fmt}")
+        cv2.imwrite(p, img, [cv2.IMWRITE_JPEG_QUALITY, 95] if fmt == "jpg" else [])
+        paths.append(p)
+    return Scene(image_paths=paths, c2w=np.tile(np.eye(4)[:3], (n, 1, 1)),
+                 intrinsics=np.tile([size, size, size / 2, size / 2], (n, 1)), width=[size] * n,
+                 height=[size] * n, split="train", format="blender", root=str(folder))
+
+
+def decode_rate(fmt: str, n: int = 100, size: int = 800, threads: int = 2, reps: int = 2, device: str = "cpu",
+                scene=None) -> float:
+    """Images/s of decode_cache on ``n`` synthetic ``size``^2 images (jpg RGB q95 | png RGBA; or
+    the images of ``scene``, e.g. :func:`synthetic_images`'): the best of ``reps`` timed calls
+    after a warm one. Each call builds its own DALI pipeline (~5 ms on the CPU, included): ``n`` =
+    100 is a realistic dataset, where that is ~1% of the time. ``device="cuda"``: DALI's mixed
+    decoder (nvJPEG for JPEG) into device memory, timed until the device has finished
+    (``torch.cuda.synchronize``)."""
+    if scene is None:
+        with tempfile.TemporaryDirectory() as d:
+            return decode_rate(fmt, n, size, threads, reps, device, synthetic_images(d, fmt, n, size))
+    done = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    decode_cache(scene, num_threads=threads, device=device)  # warm (page cache, first pipeline)
+    done()
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        decode_cache(scene, num_threads=threads, device=device)
+        done()
+        best = max(best, scene.num_images / (time.perf_counter() - t0))
+    return best
 
 
 def main(args) -> int:

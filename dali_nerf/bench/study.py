@@ -917,8 +917,9 @@ def _machine_desc() -> str:
 
 STEP_MS_SOURCE = ("a stated assumption, not a measurement (no GPU was measured by this project): a range meant to "
                   "cover fast grid-based NeRF training steps on one datacenter GPU, whose fused field kernels take "
-                  "milliseconds per step at batch sizes of this order; measure the study model's own step with "
-                  "scripts/gpu_study.sh on a GPU and pass it as bench.emulated_step_ms")
+                  "milliseconds per step at batch sizes of this order; measure a model's own step with "
+                  "dali-nerf bench loop on a GPU (scripts/gpu_study.sh's loop step) and pass its loop.json as "
+                  "bench.device_step_file")
 
 
 def fit_and_check(derived: dict, b, rays: int, grad_bytes: int, sampling: Optional[dict],
@@ -973,6 +974,17 @@ def main(args) -> int:
     config_path = args.config
     overrides = list(getattr(args, "overrides", []) or [])
     cfg = load_config(config_path, overrides, check_paths=False)
+    step_ms_source, device_step = STEP_MS_SOURCE, None
+    if cfg.bench.device_step_file:  # the device step measured on a GPU (dali-nerf bench loop), not assumed
+        from .loop import read_device_step
+
+        device_step = read_device_step(cfg.bench.device_step_file, cfg.pipeline.rays_per_batch)
+        ms = device_step["ms_per_4096"]
+        cfg.bench = dataclasses.replace(cfg.bench, emulated_step_ms=[ms], check_step_ms=ms,
+                                        emulated_grad_bytes=cfg.bench.emulated_grad_bytes or device_step["grad_bytes"])
+        step_ms_source = device_step["source"]
+        print(f"device step from {cfg.bench.device_step_file}: {ms:.3f} ms per 4096 rays "
+              f"({device_step['compute_ms']:.3f} ms at {device_step['rays']} rays)", flush=True)
     b = cfg.bench
     t_start = time.perf_counter()
     load0 = os.getloadavg()[0]
@@ -981,7 +993,8 @@ def main(args) -> int:
         make_scene(b.scene_kind, Path(cfg.scene.path), width=b.scene_resolution, height=b.scene_resolution,
                    n_train=b.scene_images)
     commit = git_commit()
-    grad_bytes = model_grad_bytes(cfg.model)
+    # the gradients of the model whose device step was measured, when it was (the emulated rows' all-reduce)
+    grad_bytes = b.emulated_grad_bytes if device_step else model_grad_bytes(cfg.model)
     dirs, failed = ([], [])
     if b.ranks and b.samplers:
         dirs, failed = run_grid(cfg, config_path, overrides)
@@ -1033,9 +1046,10 @@ def main(args) -> int:
         "load_avg_start": load0, "load_avg_end": os.getloadavg()[0],
         "steps": b.steps, "warmup": b.warmup, "trials": b.trials, "emulated_steps": b.emulated_steps,
         "emulated_warmup": b.emulated_warmup, "emulated_step_ms": list(b.emulated_step_ms),
-        "step_ms_source": STEP_MS_SOURCE, "grad_bytes": grad_bytes, "rays": B, "budgets": budgets, "fit_set": fit_desc,
+        "step_ms_source": step_ms_source, "device_step": device_step, "grad_bytes": grad_bytes, "rays": B, "budgets": budgets, "fit_set": fit_desc,
         "workload": (f"scene {cfg.scene.path}, {B} rays per rank per step, model "
-                     + " ".join(f"{k}={v}" for k, v in config_to_dict(cfg.model).items())
+                     + (device_step["model_desc"] + " (whose device step was measured)" if device_step else
+                        " ".join(f"{k}={v}" for k, v in config_to_dict(cfg.model).items()))
                      + f", {grad_bytes / 1e6:.2f} MB of gradients"),
         "regime": b.regime, "failed": failed,
     }

@@ -6,12 +6,21 @@ the op is ``nvidia.dali.fn.dali_nerf.ray_sampler`` (schema ``dali_nerf__RaySampl
 ARCHITECTURE.md, "The operator").
 
 Cache: ``$DALI_NERF_CACHE`` or ``~/.cache/dali_nerf/ops``, one folder per build key (DALI
-version, sha256 of ``csrc/*``, compiler path and version, flags, CUDA or not) holding
+version and its CUDA flavour: the package, e.g. ``nvidia-dali-cuda130``, and the CUDA version
+DALI was built with, so a ``cuda120`` and a ``cuda130`` build of one DALI version never share a
+library; sha256 of ``csrc/*``, compiler path and version, flags, CUDA or not) holding
 ``libdali_nerf_ops.so``, ``manifest.json`` (key, sha256 of the library), ``build.log`` (the last
-compiler output) and ``builds.log`` (one line per compiler run). A ``filelock.FileLock`` makes
-several ranks starting at once build once; the library is written to a temporary file in the same
-folder and moved into place with ``os.replace``. A cached library whose sha256 does not match its
-manifest, or that fails to load, is rebuilt once automatically.
+compiler output), ``builds.log`` (one line per compiler run) and ``last_used`` (touched whenever
+the folder's library is returned). A ``filelock.FileLock`` makes several ranks starting at once
+build once; the library is written to a temporary file in the same folder and moved into place
+with ``os.replace``. A cached library whose sha256 does not match its manifest, or that fails to
+load, is rebuilt once automatically.
+
+Pruning (:func:`prune_cache`, after every build or reuse): a key folder unused for
+``$DALI_NERF_CACHE_MAX_AGE_DAYS`` days (default 14) is removed, never the folder just used, and
+never one whose lock another process holds (a build in progress): it is renamed to a
+``.trash-*`` folder under its own lock, then deleted. A process that was waiting for that lock
+finds its folder gone and makes it again.
 
 Variants: the CPU-only library is compiled by g++ from the ``.cc`` files (``_CPU_SOURCES``); the
 CUDA library is compiled by nvcc from those + ``ray_sampler.cu`` into one ``.so`` that registers
@@ -34,16 +43,22 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from ..errors import PluginBuildError
 
-__all__ = ["load_plugin", "build_plugin", "plugin_cache_dir", "cuda_available", "main", "LIB_NAME"]
+__all__ = ["load_plugin", "build_plugin", "plugin_cache_dir", "prune_cache", "cuda_available", "main", "LIB_NAME",
+           "MAX_AGE_DAYS"]
 
 LIB_NAME = "libdali_nerf_ops.so"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _CPU_SOURCES = ("ray_sampler.cc", "writer.cc", "routing.cc")
 _CUDA_SOURCES = (*_CPU_SOURCES, "ray_sampler.cu")
+
+MAX_AGE_DAYS = 14.0
+"""Default age (days since a key folder's library was last returned) after which it is pruned."""
+_STAMP = "last_used"
 
 _load_guard = threading.Lock()
 _loaded: dict = {}  # {"path": Path, "cuda": bool} once loaded in this process
@@ -138,6 +153,27 @@ def _dali_flags() -> tuple[str, list[str], list[str]]:
     return dali.__version__, list(sysconfig.get_compile_flags()), list(sysconfig.get_link_flags())
 
 
+def _dali_flavour() -> str:
+    """The installed DALI's CUDA flavour: ``"<package> cuda<N>"``, e.g. ``"nvidia-dali-cuda130
+    cuda13000"`` (the distribution that provides ``nvidia.dali`` at DALI's version, and
+    ``nvidia.dali.__cuda_version__``, the CUDA version DALI was built with); parts that cannot be
+    read are "unknown"."""
+    import importlib.metadata as md
+
+    import nvidia.dali as dali
+
+    version = getattr(dali, "__version__", None)
+    names = set()
+    try:
+        for d in md.distributions():
+            name = (d.metadata["Name"] or "").lower()
+            if name.startswith("nvidia-dali") and d.version == version:
+                names.add(name)
+    except Exception:  # pragma: no cover - a broken metadata folder must not stop a build
+        pass
+    return f"{'+'.join(sorted(names)) or 'unknown'} cuda{getattr(dali, '__cuda_version__', 'unknown')}"
+
+
 def _sources_hash(names) -> str:
     h = hashlib.sha256()
     for p in sorted(_CSRC.iterdir()):
@@ -186,7 +222,7 @@ def _build_plan(cuda: bool) -> dict:
         sources = _CPU_SOURCES
     flags = flags + cflags + incs
     ident = {
-        "dali": dali_version, "sources": _sources_hash(sources), "compiler": compiler,
+        "dali": dali_version, "dali_flavour": _dali_flavour(), "sources": _sources_hash(sources), "compiler": compiler,
         "compiler_version": _tool_version(compiler), "flags": flags, "link": lflags, "cuda": cuda,
         "python": sys.version_info[:2],
     }
@@ -226,33 +262,115 @@ def build_plugin(cuda: bool = False, force: bool = False) -> Path:
 
     plan = _build_plan(bool(cuda))
     folder = plugin_cache_dir() / plan["key"]
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PluginBuildError(f"cannot create the plugin cache {folder} ({e.strerror}): "
-                               f"set DALI_NERF_CACHE to a writable folder") from None
-    lib, manifest, log = folder / LIB_NAME, folder / "manifest.json", folder / "build.log"
-    with FileLock(str(folder / ".lock")):
-        if not force and _cached_ok(lib, manifest, plan["key"]):
-            return lib
-        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
-        os.close(fd)
-        cmd = [*plan["cmd"], "-o", tmp, *plan["link"]]
-        with open(folder / "builds.log", "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "cmd": cmd}) + "\n")
+    for _ in range(3):
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True)
+            folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            os.unlink(tmp)
-            raise PluginBuildError(f"cannot run {cmd[0]} ({e.strerror}): install g++ or set CXX") from None
-        log.write_text(" ".join(cmd) + "\n\n" + res.stdout + res.stderr)
-        if res.returncode != 0 or os.path.getsize(tmp) == 0:
-            os.unlink(tmp)
-            raise PluginBuildError(f"compiling the dali_nerf operator failed: full compiler output in {log}")
-        os.replace(tmp, lib)
-        manifest.write_text(json.dumps({"key": plan["key"], "sha256": _sha256(lib),
-                                        "ident": plan["ident"]}, indent=1))
+            raise PluginBuildError(f"cannot create the plugin cache {folder} ({e.strerror}): "
+                                   f"set DALI_NERF_CACHE to a writable folder") from None
+        with FileLock(str(folder / ".lock")):
+            if not (folder / ".lock").is_file():
+                continue  # pruned (renamed away) while this process waited for its lock: make it again
+            lib = _build_locked(plan, folder, force)
+            _touch(folder / _STAMP)
+        break
+    else:  # pragma: no cover - pruned three times in a row
+        raise PluginBuildError(f"{folder}: removed by a concurrent prune three times; retry")
+    prune_cache(keep={plan["key"]})
     return lib
+
+
+def _build_locked(plan: dict, folder: Path, force: bool) -> Path:
+    """The cached library of ``plan`` in ``folder`` (its lock held), compiled when missing or bad."""
+    lib, manifest, log = folder / LIB_NAME, folder / "manifest.json", folder / "build.log"
+    if not force and _cached_ok(lib, manifest, plan["key"]):
+        return lib
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+    os.close(fd)
+    cmd = [*plan["cmd"], "-o", tmp, *plan["link"]]
+    with open(folder / "builds.log", "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "cmd": cmd}) + "\n")
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        os.unlink(tmp)
+        raise PluginBuildError(f"cannot run {cmd[0]} ({e.strerror}): install g++ or set CXX") from None
+    log.write_text(" ".join(cmd) + "\n\n" + res.stdout + res.stderr)
+    if res.returncode != 0 or os.path.getsize(tmp) == 0:
+        os.unlink(tmp)
+        raise PluginBuildError(f"compiling the dali_nerf operator failed: full compiler output in {log}")
+    os.replace(tmp, lib)
+    manifest.write_text(json.dumps({"key": plan["key"], "sha256": _sha256(lib),
+                                    "ident": plan["ident"]}, indent=1))
+    return lib
+
+
+def _touch(path: Path) -> None:
+    try:
+        path.touch()
+        os.utime(path)
+    except OSError:  # a read-only cache still serves its library
+        pass
+
+
+def _last_used(folder: Path) -> float:
+    """Seconds since the epoch of the folder's last use: its ``last_used`` stamp, else (a folder
+    from before stamps, or a failed build) its manifest, its builds log, the folder itself."""
+    for p in (folder / _STAMP, folder / "manifest.json", folder / "builds.log", folder):
+        try:
+            return p.stat().st_mtime
+        except OSError:
+            continue
+    return 0.0
+
+
+def prune_cache(keep=(), max_age_days: float | None = None, now: float | None = None) -> list:
+    """Remove key folders of :func:`plugin_cache_dir` unused for ``max_age_days`` (default
+    ``$DALI_NERF_CACHE_MAX_AGE_DAYS`` or :data:`MAX_AGE_DAYS`; < 0 disables); returns the removed
+    folder names.
+
+    Never removed: the folders named in ``keep`` (the one this process uses) and any folder whose
+    ``.lock`` another process holds (a build or a reuse in progress). A stale folder is renamed to
+    ``.trash-<name>-<pid>`` while its lock is held, then deleted; leftover ``.trash-*`` folders (a
+    prune that crashed) are deleted too. Errors are ignored: pruning never fails a build.
+    """
+    from filelock import FileLock, Timeout
+
+    if max_age_days is None:
+        try:
+            max_age_days = float(os.environ.get("DALI_NERF_CACHE_MAX_AGE_DAYS", MAX_AGE_DAYS))
+        except ValueError:
+            max_age_days = MAX_AGE_DAYS
+    root = plugin_cache_dir()
+    if max_age_days < 0 or not root.is_dir():
+        return []
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        children = sorted(root.iterdir())
+    except OSError:
+        return []
+    for child in children:
+        name = child.name
+        if not child.is_dir() or name in keep:
+            continue
+        if name.startswith(".trash-"):
+            shutil.rmtree(child, ignore_errors=True)
+            continue
+        if not name.startswith(("cpu-", "cuda-")) or now - _last_used(child) < max_age_days * 86400.0:
+            continue
+        lock = FileLock(str(child / ".lock"), timeout=0)
+        trash = root / f".trash-{name}-{os.getpid()}"
+        try:
+            with lock:
+                if now - _last_used(child) < max_age_days * 86400.0:
+                    continue  # used while we waited
+                os.rename(child, trash)
+        except (Timeout, OSError):
+            continue  # held by a build in progress, or already gone
+        shutil.rmtree(trash, ignore_errors=True)
+        removed.append(name)
+    return removed
 
 
 def _load_library(path: Path) -> None:
