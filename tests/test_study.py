@@ -13,6 +13,7 @@ import yaml
 
 from dali_nerf.bench import costmodel as cm
 from dali_nerf.bench import study
+from dali_nerf.cli import run_cli
 from dali_nerf.errors import DaliNerfError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -334,7 +335,8 @@ def test_study_smoke_end_to_end(tmp_path, monkeypatch):
           "bench.sampling_sizes=[128,256]", "bench.sampler_seconds=0", "bench.methods=[ddp,ss]", "bench.trials=1",
           "bench.samplers=[sync_global,sync_local,rays]", "bench.emulated_ranks=[]", "bench.emulated_ranks_ss=[]",
           "model.samples_per_ray=4", "model.resolution=8"]
-    rc = study.main(argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
+    # as the CLI runs it: the command scope puts back what the study sets (torch threads)
+    rc = run_cli(study.main, argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
     assert rc == 0
     out = tmp_path / "docs" / study.machine_slug()
     text = (out / "report.md").read_text()
@@ -367,7 +369,8 @@ def test_study_smoke_emulated(tmp_path, monkeypatch):
           "bench.emulated_samplers=[sync_global,rays]", "bench.emulated_step_ms=[2]", "bench.trials=1",
           "bench.emulated_steps=4", "bench.emulated_warmup=1", "pipeline.rays_per_batch=256", "bench.check_rays=[]",
           "bench.sampling_sizes=[128,256]", "bench.sampler_seconds=0"]
-    rc = study.main(argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
+    # as the CLI runs it: the command scope puts back what the study sets (torch threads)
+    rc = run_cli(study.main, argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
     assert rc == 0
     out = tmp_path / "docs" / study.machine_slug()
     text = (out / "report.md").read_text()
