@@ -18,7 +18,7 @@ from ...errors import DaliNerfError
 from .. import costmodel as cm
 from .. import plots
 from . import sections as S
-from .sections import SAMPLER_SECTION
+from .sections import SAMPLER_SECTION, SAMPLER_SKIPPED, SAMPLING_COST
 
 __all__ = ["write_report", "report_from_derived", "sampler_table_of"]
 
@@ -71,10 +71,9 @@ def sampler_table_of(report_md: Path) -> Optional[str]:
     if head not in text:
         raise DaliNerfError(f"{report_md}: no '{SAMPLER_SECTION}' section; not a study report")
     body = text.split(head, 1)[1]
-    end = min(i for i in (body.find("\n\nSampling cost measured on its own"), body.find("\n\n## "), len(body))
-              if i >= 0)
+    end = min(i for i in (body.find(f"\n\n{SAMPLING_COST}"), body.find("\n\n## "), len(body)) if i >= 0)
     table = body[:end].strip()
-    return None if table.startswith("(`dali-nerf bench sampler` table: skipped") else table
+    return None if table == SAMPLER_SKIPPED else table
 
 
 def _assumptions_of(lines: Sequence[str], projection: List[dict]) -> "cm.ProjectionAssumptions":

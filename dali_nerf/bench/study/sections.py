@@ -16,10 +16,15 @@ from .. import emulated as em
 from .derive import BAND, PHASE_KEYS, keeps_up, keeps_up_reason
 
 __all__ = ["header", "result", "cpu_rows", "emulated_rows", "speedup_table", "sampler_section",
-           "cost_model_section", "projection_section", "SAMPLER_SECTION"]
+           "cost_model_section", "projection_section", "SAMPLER_SECTION",
+           "SAMPLER_SKIPPED", "SAMPLING_COST"]
 
 SAMPLER_SECTION = "## Sampler throughput"
 """The heading of :func:`sampler_section` (:func:`~dali_nerf.bench.study.report.sampler_table_of` reads the section back)."""
+SAMPLER_SKIPPED = "(`dali-nerf bench sampler` table: skipped, bench.sampler_seconds = 0.)"
+""":func:`sampler_section`'s line in place of a sampler table the study did not measure."""
+SAMPLING_COST = "Sampling cost measured on its own for the cost model (world size 1, seconds per batch):"
+"""The first line after the sampler table in :func:`sampler_section` when the study measured the sampling cost."""
 
 
 def _fmt_ms(s: Optional[float]) -> str:
@@ -225,9 +230,9 @@ def sampler_section(sampler_table: Optional[str], sampling: Optional[dict]) -> L
     if sampler_table:
         L += [sampler_table.strip(), ""]
     else:
-        L += ["(`dali-nerf bench sampler` table: skipped, bench.sampler_seconds = 0.)", ""]
+        L += [SAMPLER_SKIPPED, ""]
     if sampling:
-        L += ["Sampling cost measured on its own for the cost model (world size 1, seconds per batch):", "",
+        L += [SAMPLING_COST, "",
               "| rays per batch | sync sampler ms | sync Mrays/s | pipelined loader ms | loader Mrays/s |", "|---|---|---|---|---|"]
         for bb, a, c in zip(sampling["sizes"], sampling["sync_s"], sampling["loader_s"]):
             L.append(f"| {bb} | {_fmt_ms(a)} | {bb / a / 1e6:.2f} | {_fmt_ms(c)} | {bb / c / 1e6:.2f} |")
