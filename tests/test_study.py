@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
 from dali_nerf.bench import costmodel as cm
 from dali_nerf.bench import study
+from dali_nerf.cli import run_cli
 from dali_nerf.errors import DaliNerfError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,7 +199,8 @@ def test_projection_rows():
     assert any("GPU compute per step" in line for line in a.lines())
 
 
-def test_report_from_hand_written_runs(tmp_path):
+def _hand_written_inputs(tmp_path):
+    """write_report's inputs from hand-written DDP and SS runs at 1 and 2 ranks (CPU rows only)."""
     dirs = []
     for method in ("ddp", "ss"):
         for W in (1, 2):
@@ -219,6 +218,11 @@ def test_report_from_hand_written_runs(tmp_path):
     meta = {"machine": "cpu-2core-test", "machine_desc": "test", "command": "dali-nerf bench study --config X",
             "commit": "abc123-dirty", "date": "now", "wall_s": 1.0, "steps": 5, "warmup": 3, "workload": "w",
             "regime": "tiny", "trials": 1, "rays": 1024}
+    return d, model, val, proj, a, meta
+
+
+def test_report_from_hand_written_runs(tmp_path):
+    d, model, val, proj, a, meta = _hand_written_inputs(tmp_path)
     out = study.write_report(tmp_path / "out", d, model, val, proj, a, meta)
     text = out.read_text()
     assert "dali-nerf bench study --config X" in text and "abc123-dirty" in text and "NOT a clean commit" in text
@@ -228,6 +232,68 @@ def test_report_from_hand_written_runs(tmp_path):
     raw = json.loads((tmp_path / "out" / "derived.json").read_text())
     assert raw["derived"]["summary"]["max_speedup"] == pytest.approx(d["summary"]["max_speedup"])
     assert len(raw["projection"]) == len(proj)
+
+
+COMMITTED = sorted((REPO / "docs" / "study").glob("*/derived.json"))
+
+
+@pytest.mark.parametrize("derived_json", COMMITTED, ids=[p.parent.name for p in COMMITTED])
+def test_report_from_committed_derived_json_is_byte_identical(tmp_path, monkeypatch, derived_json):
+    """Each committed study's report.md, rewritten from its derived.json alone (plus the sampler table,
+    which only the report keeps), is the committed file byte for byte; so is derived.json. The host
+    rewriting it has another core count than the study's (the report takes the study's)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 7)
+    out = study.report_from_derived(derived_json, tmp_path / "again")
+    assert out.read_bytes() == (derived_json.parent / "report.md").read_bytes()
+    assert (tmp_path / "again" / "derived.json").read_bytes() == derived_json.read_bytes()
+    for png in ("phases.png", "speedup.png", "model_check.png", "projection.png"):
+        assert (tmp_path / "again" / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_committed_study_exists():
+    assert COMMITTED, "no docs/study/*/derived.json: the byte-identical report test has nothing to check"
+
+
+@pytest.mark.parametrize("with_sampler", [False, True])
+def test_report_from_derived_round_trip(tmp_path, with_sampler):
+    """write_report -> report_from_derived gives the same report.md, with and without the sampler
+    table and the sampling-cost table (the two ends of the sampler section), on a host of another
+    core count than the one that wrote it."""
+    d, model, val, proj, a, meta = _hand_written_inputs(tmp_path)
+    meta["machine"] = "cpu-7core-test"
+    table = sampling = None
+    if with_sampler:
+        table = "`dali-nerf bench sampler --scene s` (run by the study):\n\n| rays/step | rays Mrays/s |\n|---:|---:|\n| 8 | 1.0 |\n"
+        sampling = {"sizes": [128, 256], "sync_s": [1e-3, 2e-3], "loader_s": [1e-4, 2e-4],
+                    "loader_cpu_s": [2e-4, 4e-4], "sync_cores": 1, "loader_cores": 1}
+    first = study.write_report(tmp_path / "first", d, model, val, proj, a, meta, sampling, table, cores=7)
+    assert ("| 8 | 1.0 |" in first.read_text()) == with_sampler
+    again = study.report_from_derived(tmp_path / "first" / "derived.json", tmp_path / "again")
+    assert again.read_bytes() == first.read_bytes()
+    assert study.sampler_table_of(first) == (table.strip() if table else None)
+
+
+def test_report_from_derived_user_errors(tmp_path):
+    d, model, val, proj, a, meta = _hand_written_inputs(tmp_path)
+    study.write_report(tmp_path / "first", d, model, val, proj, a, meta, cores=2)
+    src = tmp_path / "first" / "derived.json"
+    raw = json.loads(src.read_text())
+    lone = tmp_path / "lone" / "derived.json"
+    lone.parent.mkdir()
+    lone.write_text(src.read_text())
+    with pytest.raises(DaliNerfError, match="report.md: missing; the sampler table is kept only in the report"):
+        study.report_from_derived(lone, tmp_path / "x")
+    (tmp_path / "first" / "derived.json").write_text(json.dumps({**raw, "cost_model": {}}))
+    with pytest.raises(DaliNerfError, match="derived.json: not a study's derived.json"):
+        study.report_from_derived(src, tmp_path / "x")
+    raw["projection_assumptions"][0] = "GPU compute per step: fast"
+    src.write_text(json.dumps(raw))
+    with pytest.raises(DaliNerfError, match="projection_assumptions are not the lines this code writes"):
+        study.report_from_derived(src, tmp_path / "x")
+    raw["projection_assumptions"][0] = "GPU compute per step: 1.0 ms at 1024 rays/GPU (test)"  # written as 1.000
+    src.write_text(json.dumps(raw))
+    with pytest.raises(DaliNerfError, match="projection_assumptions differ from the lines this code writes"):
+        study.report_from_derived(src, tmp_path / "x")
 
 
 def test_machine_slug_and_commit():
@@ -269,7 +335,8 @@ def test_study_smoke_end_to_end(tmp_path, monkeypatch):
           "bench.sampling_sizes=[128,256]", "bench.sampler_seconds=0", "bench.methods=[ddp,ss]", "bench.trials=1",
           "bench.samplers=[sync_global,sync_local,rays]", "bench.emulated_ranks=[]", "bench.emulated_ranks_ss=[]",
           "model.samples_per_ray=4", "model.resolution=8"]
-    rc = study.main(argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
+    # as the CLI runs it: the command scope puts back what the study sets (torch threads)
+    rc = run_cli(study.main, argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
     assert rc == 0
     out = tmp_path / "docs" / study.machine_slug()
     text = (out / "report.md").read_text()
@@ -302,7 +369,8 @@ def test_study_smoke_emulated(tmp_path, monkeypatch):
           "bench.emulated_samplers=[sync_global,rays]", "bench.emulated_step_ms=[2]", "bench.trials=1",
           "bench.emulated_steps=4", "bench.emulated_warmup=1", "pipeline.rays_per_batch=256", "bench.check_rays=[]",
           "bench.sampling_sizes=[128,256]", "bench.sampler_seconds=0"]
-    rc = study.main(argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
+    # as the CLI runs it: the command scope puts back what the study sets (torch threads)
+    rc = run_cli(study.main, argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
     assert rc == 0
     out = tmp_path / "docs" / study.machine_slug()
     text = (out / "report.md").read_text()

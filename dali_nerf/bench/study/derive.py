@@ -1,0 +1,393 @@
+"""The study's numbers from its runs' metrics files: per run, per configuration (mean and 95%
+t-interval over trials) and per (baseline, pipelined) pair (speedup, its ideal from the data stall,
+flags with a cause).
+
+>>> d = derive(["runs/study/study_ddp_sync_global_1_t0_0", "runs/study/study_ddp_rays_1_t0_1"], warmup=10)
+>>> d["speedups"][0]["speedup"], d["speedups"][0]["speedup_ci"]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import yaml
+
+from ...errors import DaliNerfError
+from .. import emulated as em
+
+__all__ = ["derive", "read_run", "derive_summary", "mean_ci", "keeps_up", "keeps_up_reason", "PHASE_KEYS",
+           "BASELINES", "BAND"]
+
+PHASE_KEYS = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
+BASELINES = ("sync_global", "sync_local", "torch_workers")
+BAND = (0.9, 1.15)
+"""speedup / ideal outside this band flags a pair (the speedup is not explained by the stall)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def mean_ci(xs: Sequence[float]) -> tuple:
+    """(mean, [lo, hi]): the 95% t-interval of the mean (Student's t, n - 1 degrees of freedom);
+    one value: [x, x] (no interval can be given: the report says n = 1)."""
+    x = np.asarray([v for v in xs if v is not None and math.isfinite(v)], np.float64)
+    if x.size == 0:
+        return float("nan"), [float("nan"), float("nan")]
+    m = float(x.mean())
+    if x.size == 1:
+        return m, [m, m]
+    t = _T975[x.size - 2] if x.size - 1 <= len(_T975) else 1.96
+    h = t * float(x.std(ddof=1)) / math.sqrt(x.size)
+    return m, [m - h, m + h]
+
+
+# ---------------------------------------------------------------------------------------------
+# one run
+
+
+def _read_jsonl(path: Path) -> List[dict]:
+    out = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise DaliNerfError(f"{path}:{i + 1}: not a JSON line; delete the run folder and rerun the study") from None
+    return out
+
+
+def read_run(run_dir, warmup: Optional[int] = None) -> dict:
+    """One run's per-step means after ``warmup`` steps, averaged over its ranks.
+
+    Reads ``config.yaml`` (method, pipeline.name, rays_per_batch, train.device,
+    train.emulated_step_ms, bench.warmup when ``warmup`` is None), ``metrics.jsonl`` and
+    ``metrics.rank<R>.jsonl`` (one per rank; world size = their count), ``study.json`` when present
+    (trial, order, pair: the pipelined run next to this baseline) and ``summary.json`` (test PSNR,
+    SS fusion overhead).
+
+    Returns {"name", "dir", "method", "sampler", "ranks", "device" (cpu | emulated | cuda),
+    "emulated_step_ms", "trial", "order", "pair", "rays_per_rank", "steps_used", "phases_s"
+    {wait, h2d, forward, backward, sync, optimizer} (mean seconds per step and rank), "compute_s"
+    (h2d+forward+backward+optimizer), "step_s", "stall" (wait / step), "rays_per_s" (all ranks),
+    "test_psnr", "fusion" {...}}.
+    """
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise DaliNerfError(f"{cfg_path}: missing; {run_dir} is not a finished training run (rerun the study)")
+    cfg = yaml.safe_load(cfg_path.read_text()) or {}
+    if warmup is None:
+        warmup = int((cfg.get("bench") or {}).get("warmup", 0))
+    files = sorted(run_dir.glob("metrics.rank*.jsonl"), key=lambda p: int(p.name.split("rank")[1].split(".")[0]))
+    if (run_dir / "metrics.jsonl").is_file():
+        files = [run_dir / "metrics.jsonl"] + files
+    if not files:
+        raise DaliNerfError(f"{run_dir}: no metrics.jsonl; the run did not start (see its log) — rerun the study")
+    per_rank = []
+    for f in files:
+        recs = [r for r in _read_jsonl(f) if int(r.get("step", 0)) > warmup]
+        if not recs:
+            raise DaliNerfError(f"{f}: no steps after the {warmup} warm-up steps; raise bench.steps or lower bench.warmup")
+        per_rank.append({k: float(np.mean([r[f"{k}_s"] for r in recs])) for k in PHASE_KEYS + ("step",)}
+                        | {"rays": float(np.mean([r.get("rays", 0) for r in recs])), "n": len(recs),
+                           "cpu": float(np.mean([r["cpu_s"] for r in recs])) if all("cpu_s" in r for r in recs) else None})
+    ph = {k: float(np.mean([r[k] for r in per_rank])) for k in PHASE_KEYS}
+    step = float(np.mean([r["step"] for r in per_rank]))
+    rays_per_step = float(np.sum([r["rays"] for r in per_rank]))
+    summary = {}
+    if (run_dir / "summary.json").is_file():
+        summary = json.loads((run_dir / "summary.json").read_text())
+    st = {}
+    if (run_dir / "study.json").is_file():
+        st = json.loads((run_dir / "study.json").read_text())
+    pipe = cfg.get("pipeline") or {}
+    train = cfg.get("train") or {}
+    device = st.get("device") or train.get("device", "cpu")
+    device = {"auto": "cpu"}.get(device, device)
+    ems = train.get("emulated_step_ms") if device == "emulated" else None
+    # the share of the host's cores the ranks' processes kept busy (their threads; emulated rows)
+    cpu = [r["cpu"] for r in per_rank]
+    cores = int(((st.get("budget") or {}).get("cores")) or os.cpu_count() or 1)
+    host_busy = float(np.sum(cpu)) / (step * cores) if None not in cpu and step > 0 else None
+    return {
+        "name": cfg.get("name", run_dir.name), "dir": str(run_dir), "method": cfg.get("method", "ddp"),
+        "sampler": pipe.get("name", "rays"), "ranks": len(files), "device": device,
+        "emulated_step_ms": float(ems) if ems is not None else None,
+        "trial": int(st.get("trial", 0)), "order": st.get("order"), "pair": st.get("pair"),
+        "rays_per_rank": int(round(rays_per_step / len(files))) if rays_per_step > 0 else int(pipe.get("rays_per_batch", 0)),
+        "steps_used": min(r["n"] for r in per_rank), "warmup": warmup,
+        "phases_s": ph, "compute_s": ph["h2d"] + ph["forward"] + ph["backward"] + ph["optimizer"],
+        "step_s": step, "stall": ph["wait"] / step if step > 0 else 0.0,
+        "rays_per_s": rays_per_step / step if step > 0 else 0.0,
+        "test_psnr": summary.get("test_psnr"),
+        "torch_threads": int(train.get("torch_threads", 0) or 0),
+        "sampler_threads": int(pipe.get("num_threads", 0) or 0),
+        "barrier_s": st.get("barrier_s"), "host_busy": host_busy,
+        "fusion": {k: v for k, v in summary.items()
+                   if k in ("fusion_overhead", "fused_render_s", "single_render_s", "fused_psnr")},
+    }
+
+
+def _key(r: dict) -> tuple:
+    return (r["device"], r["method"], r["ranks"], r["emulated_step_ms"], r["rays_per_rank"], r["sampler"])
+
+
+# ---------------------------------------------------------------------------------------------
+# configurations and pairs
+
+
+_HINTS = {
+    "sync": "waiting at the lockstep / all-reduce for ranks still sampling: a straggler's sampling reaches every "
+            "rank through the collective, and the per-rank wait does not count it",
+    "h2d": "the copy's wait ends late: the rank's thread is woken late because the cores are busy sampling",
+    "forward": "compute slowed or woken late: sampling competes with it for the cores and caches (thread budgets)",
+    "backward": "compute slowed: sampling competes with it for the cores and caches (thread budgets)",
+    "optimizer": "compute slowed: sampling competes with it for the cores and caches (thread budgets)",
+}
+
+
+def _cause(b: dict, p: dict, floor: Optional[dict] = None) -> str:
+    """Why a pair's speedup differs from its ideal, from the phases. With a ``floor`` (the same
+    step with no data cost) the ideal is the baseline's step over the floor's, so the pair is off
+    when the pipelined run is off the floor: its step minus the floor's, phase by phase. Without
+    one the ideal assumes the pipelined run differs from the baseline only by the baseline's wait:
+    the step difference phase by phase, naming the largest phase outside the wait."""
+    if floor is not None:
+        d = {k: p["phases_s"][k] - floor["phases_s"][k] for k in PHASE_KEYS}
+        parts = [f"pipelined step {p['step_s'] / floor['step_s']:.2f}x the floor's ({1e3 * (p['step_s'] - floor['step_s']):+.2f} ms = "
+                 + ", ".join(f"{k} {1e3 * v:+.2f}" for k, v in d.items() if abs(v) >= 5e-5) + ")"]
+        k = max(d, key=lambda x: d[x])
+        if k == "wait" and d[k] > 0:
+            parts.append("the pipelined run waits for batches (the host does not keep up)")
+        elif d[k] > 0:
+            parts.append(f"{k} longer than the floor's: the pipelined loader's host work (its sampling threads, "
+                         "the hand-over) takes cores the ranks' own threads need, and in lockstep the slowest "
+                         "rank sets every rank's step")
+        if p.get("host_busy") is not None and floor.get("host_busy") is not None:
+            parts.append(f"the ranks kept the cores {100 * p['host_busy']:.0f}% busy (the floor: "
+                         f"{100 * floor['host_busy']:.0f}%)")
+        if p["step_s"] < floor["step_s"]:
+            parts.append("the pipelined run is faster than the floor: trial-to-trial spread (run order / machine drift)")
+        return "; ".join(parts)
+    d = {k: b["phases_s"][k] - p["phases_s"][k] for k in PHASE_KEYS}
+    parts = [f"step {1e3 * (b['step_s'] - p['step_s']):+.2f} ms = "
+             + ", ".join(f"{k} {1e3 * v:+.2f}" for k, v in d.items() if abs(v) >= 5e-5)]
+    other = {k: v for k, v in d.items() if k != "wait"}
+    k = max(other, key=lambda x: abs(other[x]))
+    if abs(other[k]) > 0.1 * max(abs(d["wait"]), 1e-9) and abs(other[k]) > 0.02 * b["step_s"]:
+        parts.append(f"{k} {'longer' if other[k] > 0 else 'shorter'} in the baseline: " + (
+            _HINTS[k] if other[k] > 0 else "the pipelined loader's threads slow the training thread (shared cores)"))
+    if p["stall"] > 0.02:
+        parts.append(f"the pipelined run still waits {100 * p['stall']:.1f}% of its step (the host does not keep up)")
+    if len(parts) == 1:
+        parts.append("trial-to-trial spread (run order / machine drift): see the interval")
+    return "; ".join(parts)
+
+
+def _configurations(groups: Dict[tuple, List[dict]]) -> List[dict]:
+    """One row per configuration (a group of :func:`read_run` rows with one :func:`_key`): means and
+    95% intervals over trials, then the floor's columns (the configuration with sampler ``ready``
+    beside it, when there is one)."""
+    configs = []
+    for k, rs in groups.items():
+        trials = sorted({r["trial"] for r in rs})
+        per_t = {t: [r for r in rs if r["trial"] == t] for t in trials}
+        step_t = [float(np.mean([r["step_s"] for r in per_t[t]])) for t in trials]
+        stall_t = [float(np.mean([r["stall"] for r in per_t[t]])) for t in trials]
+        step, step_ci = mean_ci(step_t)
+        stall, stall_ci = mean_ci(stall_t)
+        ph = {p: float(np.mean([r["phases_s"][p] for r in rs])) for p in PHASE_KEYS}
+        r0 = rs[0]
+        configs.append({
+            "name": r0["name"], "method": r0["method"], "sampler": r0["sampler"], "ranks": r0["ranks"],
+            "device": r0["device"], "emulated_step_ms": r0["emulated_step_ms"], "rays_per_rank": r0["rays_per_rank"],
+            "trials": len(trials), "runs": len(rs), "steps_used": min(r["steps_used"] for r in rs),
+            "warmup": r0["warmup"], "step_s": step, "step_s_trials": step_t, "step_ci": step_ci,
+            "stall": stall, "stall_trials": stall_t, "stall_ci": stall_ci, "phases_s": ph,
+            "compute_s": ph["h2d"] + ph["forward"] + ph["backward"] + ph["optimizer"],
+            "rays_per_s": float(np.mean([r["rays_per_s"] for r in rs])),
+            "test_psnr": r0.get("test_psnr"), "fusion": r0.get("fusion") or {},
+            "torch_threads": r0.get("torch_threads"), "sampler_threads": r0.get("sampler_threads"),
+            "barrier_s": r0.get("barrier_s"), "dirs": [r["dir"] for r in rs],
+            "host_busy": float(np.mean([r["host_busy"] for r in rs])) if all(r.get("host_busy") is not None for r in rs) else None,
+        })
+    ckey = {_key(c): c for c in configs}
+    for c in configs:
+        f = ckey.get((c["device"], c["method"], c["ranks"], c["emulated_step_ms"], c["rays_per_rank"], em.FLOOR))
+        c["floor_step_s"] = f["step_s"] if f is not None else None
+        c["step_over_floor"] = c["step_s"] / f["step_s"] if f is not None and f["step_s"] > 0 else None
+        # lockstep ranks: a rank also waits at the collective for ranks still sampling; the part of
+        # its sync above the floor's is data stall the per-rank wait does not count
+        c["stall_lockstep"] = None
+        if f is not None and c["step_s"] > 0:
+            extra = max(0.0, c["phases_s"]["sync"] - f["phases_s"]["sync"])
+            c["stall_lockstep"] = min(1.0, (c["phases_s"]["wait"] + extra) / c["step_s"])
+    return configs
+
+
+def _adjacent_pairs(rs: List[dict], pipelined: List[dict], by_dir: Dict[Path, dict]) -> List[tuple]:
+    """[(trial, baseline run, pipelined run)]: each baseline run of ``rs`` with the pipelined run
+    recorded next to it (study.json's "pair"), else the mean of the ``pipelined`` runs of its trial."""
+    pairs = []  # (trial, baseline run, pipelined run)
+    for r in rs:
+        p = None
+        if r.get("pair"):
+            p = by_dir.get((Path(r["dir"]).parent / r["pair"]).resolve())
+        if p is None:  # no adjacency recorded (older runs): the pipelined runs of the same trial
+            same = [q for q in pipelined if q["trial"] == r["trial"]] or pipelined
+            p = dict(same[0]) | {"step_s": float(np.mean([q["step_s"] for q in same])),
+                                 "stall": float(np.mean([q["stall"] for q in same]))}
+        pairs.append((r["trial"], r, p))
+    return pairs
+
+
+def _mean_run(rs: List[dict]) -> dict:
+    """{"step_s", "stall", "phases_s"}: the means over runs ``rs``."""
+    return {"step_s": float(np.mean([b["step_s"] for b in rs])), "stall": float(np.mean([b["stall"] for b in rs])),
+            "phases_s": {k: float(np.mean([b["phases_s"][k] for b in rs])) for k in PHASE_KEYS}}
+
+
+def _speedup(k: tuple, rs: List[dict], groups: Dict[tuple, List[dict]], ckey: Dict[tuple, dict],
+             by_dir: Dict[Path, dict]) -> Optional[dict]:
+    """The speedup row of baseline group ``k`` (runs ``rs``) against the pipelined group of the same
+    device, method, ranks, step time and batch size (:func:`derive` documents its keys); None when
+    ``k`` is no baseline or has no pipelined group."""
+    device, method, ranks, ems, rays, sampler = k
+    if sampler not in BASELINES:
+        return None
+    pk = (device, method, ranks, ems, rays, em.PIPELINED)
+    if pk not in groups:
+        return None
+    pairs = _adjacent_pairs(rs, groups[pk], by_dir)
+    trials = sorted({t for t, _, _ in pairs})
+    fk = (device, method, ranks, ems, rays, em.FLOOR)
+    floor_t = {t: float(np.mean([q["step_s"] for q in groups[fk] if q["trial"] == t]))
+               for t in trials if fk in groups and any(q["trial"] == t for q in groups[fk])}
+    use_floor = len(floor_t) == len(trials)
+    sp_t, id_t, iw_t, bl, pl = [], [], [], [], []
+    for t in trials:
+        tp = [(b, p) for tt, b, p in pairs if tt == t]
+        sp_t.append(float(np.mean([b["step_s"] / p["step_s"] for b, p in tp])))
+        iw_t.append(float(np.mean([1.0 / (1.0 - b["stall"]) if b["stall"] < 1 else float("inf") for b, _ in tp])))
+        # the data stall: the part of the baseline's step that the same step with no data cost
+        # (the floor, same trial) does not have, whatever phase it shows up in
+        id_t.append(float(np.mean([max(1.0, b["step_s"] / floor_t[t]) for b, _ in tp])) if use_floor else iw_t[-1])
+        for b, p in tp:
+            bl.append(b)
+            pl.append(p)
+    sp, sp_ci = mean_ci(sp_t)
+    ideal, id_ci = mean_ci(id_t)
+    ideal_w, iw_ci = mean_ci(iw_t)
+    ratio = sp / ideal if ideal > 0 else float("nan")
+    flags = []
+    if len(sp_t) > 1 and sp_ci[0] > id_ci[1]:
+        flags.append("speedup interval above the ideal's")
+    if not BAND[0] <= ratio <= BAND[1]:
+        flags.append(f"speedup/ideal {ratio:.2f} outside [{BAND[0]}, {BAND[1]}]")
+    bmean, pmean = _mean_run(bl), _mean_run(pl)
+    fc = ckey.get(fk) if use_floor else None
+    pc = ckey.get(pk)
+    pmean["host_busy"] = pc.get("host_busy") if pc else None
+    stall_data = 1.0 - 1.0 / ideal if use_floor and ideal > 0 else None
+    if stall_data is not None and bmean["stall"] > stall_data + 0.05:
+        flags.append(f"the baseline waits {100 * bmean['stall']:.1f}% of its step, more than its step exceeds "
+                     f"the floor's ({100 * stall_data:.1f}%): the floor ran slow")
+    bc = ckey.get((device, method, ranks, ems, rays, sampler))
+    sl = bc.get("stall_lockstep") if bc else None
+    return {
+        "ideal_speedup_lockstep": (1.0 / (1.0 - sl) if sl < 1 else float("inf")) if sl is not None else None,
+        "method": method, "ranks": ranks, "device": device, "emulated_step_ms": ems, "rays_per_rank": rays,
+        "baseline": sampler, "speedup": sp, "speedup_trials": sp_t, "speedup_ci": sp_ci,
+        "ideal_speedup": ideal, "ideal_trials": id_t, "ideal_ci": id_ci, "ideal_basis": "floor" if use_floor else "wait",
+        "ideal_speedup_wait": ideal_w, "ideal_wait_ci": iw_ci, "stall_data": stall_data,
+        "ratio": ratio, "flags": flags,
+        "cause": _cause(bmean, pmean, fc) if flags else None,
+        "step_baseline_s": bmean["step_s"], "step_pipelined_s": pmean["step_s"],
+        "step_floor_s": float(np.mean(list(floor_t.values()))) if use_floor else None,
+        "stall_baseline": bmean["stall"], "stall_pipelined": pmean["stall"], "trials": len(trials),
+    }
+
+
+def derive(run_dirs: Sequence, warmup: Optional[int] = None) -> dict:
+    """Everything the report states, recomputed from the runs' metrics files.
+
+    Runs are grouped into configurations (device, method, ranks, emulated_step_ms, rays per rank,
+    sampler); a configuration's value per trial is the mean of its runs in that trial.
+
+    Returns {"trial_runs": [read_run(...)...], "runs": [configuration: {"method", "sampler",
+    "ranks", "device", "emulated_step_ms", "rays_per_rank", "step_s" (mean over trials),
+    "step_s_trials", "step_ci", "stall", "stall_trials", "stall_ci", "phases_s" (means), "compute_s",
+    "rays_per_s", "trials", "test_psnr", "fusion", "floor_step_s" (emulated: the floor's step at the
+    same method, ranks and step time, else None)}...], "speedups": [{"method", "ranks", "device",
+    "emulated_step_ms", "rays_per_rank", "baseline", "speedup" (mean over trials of baseline step /
+    adjacent pipelined step), "speedup_trials", "speedup_ci" [lo, hi], "ideal_speedup" (mean over
+    trials of 1 / (1 - stall_baseline)), "ideal_ci", "ratio" (speedup / ideal), "flags" [...],
+    "cause", "step_baseline_s", "step_pipelined_s", "stall_baseline", "stall_pipelined"}...],
+    "summary": {...}}.
+    """
+    trial_runs = [read_run(d, warmup) for d in run_dirs]
+    by_dir = {Path(r["dir"]).resolve(): r for r in trial_runs}
+    groups: Dict[tuple, List[dict]] = {}
+    for r in trial_runs:
+        groups.setdefault(_key(r), []).append(r)
+    configs = _configurations(groups)
+    ckey = {_key(c): c for c in configs}
+    speedups = [s for s in (_speedup(k, rs, groups, ckey, by_dir) for k, rs in groups.items()) if s is not None]
+    order = {"cpu": 0, "cuda": 1, "emulated": 2}
+    configs.sort(key=lambda c: (order.get(c["device"], 3), c["method"], c["emulated_step_ms"] or 0, c["rays_per_rank"],
+                                c["ranks"], c["sampler"]))
+    speedups.sort(key=lambda c: (order.get(c["device"], 3), c["method"], c["emulated_step_ms"] or 0, c["rays_per_rank"],
+                                 c["ranks"], c["baseline"]))
+    out = {"trial_runs": trial_runs, "runs": configs, "speedups": speedups}
+    out["summary"] = derive_summary(out)
+    return out
+
+
+def derive_summary(derived: dict) -> dict:
+    """{"mean_speedup", "max_speedup", "mean_stall_sync", "max_stall_sync", "max_stall_pipelined",
+    "flagged_pairs", "pairs"} over :func:`derive`'s configurations and pairs."""
+    configs, speedups = derived["runs"], derived["speedups"]
+    sync_stalls = [c["stall"] for c in configs if c["sampler"] in BASELINES]
+    pipe_stalls = [c["stall"] for c in configs if c["sampler"] == em.PIPELINED]
+    sp = [s["speedup"] for s in speedups]
+    return {
+        "mean_speedup": float(np.mean(sp)) if sp else None,
+        "max_speedup": float(np.max(sp)) if sp else None,
+        "mean_stall_sync": float(np.mean(sync_stalls)) if sync_stalls else None,
+        "max_stall_sync": float(np.max(sync_stalls)) if sync_stalls else None,
+        "max_stall_pipelined": float(np.max(pipe_stalls)) if pipe_stalls else None,
+        "flagged_pairs": sum(1 for s in speedups if s["flags"]), "pairs": len(speedups),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# the host's verdict on a pipelined emulated row
+
+
+def keeps_up(c: dict, band: float = BAND[1]) -> Optional[bool]:
+    """For a pipelined emulated row: the host supplies the demand (stall <= 2% and step within
+    ``band`` x the floor); None for other rows."""
+    if c["device"] != "emulated" or c["sampler"] != em.PIPELINED or c.get("step_over_floor") is None:
+        return None
+    return c["stall"] <= 0.02 and c["step_over_floor"] <= band
+
+
+def keeps_up_reason(c: dict, band: float = BAND[1]) -> str:
+    """Which of :func:`keeps_up`'s rules a row breaks ("" when none)."""
+    why = []
+    if c["stall"] > 0.02:
+        why.append(f"stall {100 * c['stall']:.1f}% > 2%")
+    if (c.get("step_over_floor") or 0) > band:
+        why.append(f"step {c['step_over_floor']:.2f}x the floor > {band}x")
+    return ", ".join(why)

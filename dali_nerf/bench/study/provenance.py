@@ -1,0 +1,62 @@
+"""Where a study ran: the machine's slug and description, and the commit (clean or ``-dirty``).
+
+>>> machine_slug()
+'cpu-2core-x86_64'
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["machine_slug", "machine_desc", "git_commit"]
+
+
+def machine_slug() -> str:
+    """``cpu-2core-x86_64`` or ``gpu-<name>-<n>x-<cores>core-<arch>`` (lower case, no spaces)."""
+    cores = os.cpu_count() or 1
+    arch = platform.machine() or "unknown"
+    gpu = None
+    try:
+        if torch.cuda.is_available():
+            name = torch.cuda.get_device_name(0).lower().replace("nvidia", "").strip()
+            gpu = f"gpu-{'-'.join(name.split())}-{torch.cuda.device_count()}x"
+    except Exception:  # no driver: a CPU machine
+        gpu = None
+    return f"{gpu or 'cpu'}-{cores}core-{arch}"
+
+
+def machine_desc() -> str:
+    """``Linux x86_64, 2 CPU cores (<model name>), no GPU`` (the report's machine line)."""
+    desc = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    desc += f" ({line.split(':', 1)[1].strip()})"
+                    break
+        if torch.cuda.is_available():
+            desc += f", {torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+        else:
+            desc += ", no GPU"
+    except Exception:
+        pass
+    return desc
+
+
+def git_commit(repo: Optional[Path] = None, exclude: str = "docs/study") -> str:
+    """``git rev-parse HEAD``, plus ``-dirty`` when tracked or untracked (not ignored) files outside
+    ``exclude`` differ from it (the report itself lives under ``exclude``); "unknown" outside git."""
+    repo = repo or Path(__file__).resolve().parents[3]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", ".",
+                                f":(exclude){exclude}"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
