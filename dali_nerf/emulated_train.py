@@ -41,7 +41,7 @@ from dali_nerf.emulation import (EMULATED_LABEL, DeviceLinks, EmulatedDevice, Lo
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import resolve_priority, usable_cores
 from dali_nerf.partition import Partition, assign_rank
-from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.imagecache import decode_cache
 from dali_nerf.sources import build_source
 from dali_nerf.sources.ready import ReadySource
 

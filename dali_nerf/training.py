@@ -62,7 +62,7 @@ from .errors import ConfigError, DaliNerfError
 from .models import psnr as psnr_fn, render_image, render_rays, ssim as ssim_fn
 from .models.metrics import SSIM_WINDOW
 from .models.ray_space import RaySpace, build_space
-from .pipelines.decode import decode_cache
+from .imagecache import decode_cache
 from .scenes import describe_change, load_scene, scene_fingerprint
 from .scenes.bounds import scene_bounds
 from .seeds import process_seed, step_seed

@@ -150,7 +150,7 @@ def _routing_args(partition, cell: int) -> dict:
 def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, world_size: int, *,
                  first_start: int = 0, device: str = "cpu", num_threads: int = 2, prefetch: int = 2,
                  device_id=None, partition=None, cell: int = -1):
-    """Build the ray graph over an :class:`~dali_nerf.pipelines.decode.ImageCache`.
+    """Build the ray graph over an :class:`~dali_nerf.imagecache.ImageCache`.
 
     Args:
         cache: pixels (P, 3) u8, cameras (N, 18) f32, layout (N, 4) i64 (kept alive by the caller;

@@ -248,7 +248,7 @@ def test_grayscale_and_16bit_train(scenes, tmp_path, capsys):
     assert cv2.imwrite(str(s / "train" / "r_0.png"), cv2.cvtColor(rgba[0][:, :, :3], cv2.COLOR_BGR2GRAY))
     assert cv2.imwrite(str(s / "train" / "r_2.png"), rgba[2].astype(np.uint16) * 257 + 100)
     from dali_nerf.imageio import read_header
-    from dali_nerf.pipelines.decode import decode_cache
+    from dali_nerf.imagecache import decode_cache
 
     assert read_header(s / "train" / "r_0.png").channels == 1
     assert read_header(s / "train" / "r_2.png").bit_depth == 16

@@ -5,7 +5,8 @@ import pytest
 
 from _tiny_scene import reference_pixels, tiny_scene
 from dali_nerf.errors import DataError, SceneError
-from dali_nerf.pipelines.decode import decode_cache, pack_cameras, shard_range, shard_sizes
+from dali_nerf.imagecache import decode_cache, pack_cameras
+from dali_nerf.pipelines.decode import shard_range, shard_sizes
 
 
 KINDS = ("png_rgba", "jpg", "png_gray", "png16", "png_rgb")

@@ -219,7 +219,7 @@ def test_nvjpeg_decode_equals_cpu_decode_within_jpeg_tolerance(tmp_path):
     """decode_cache(device="cuda") (nvJPEG) gives the CPU decoder's pixels within JPEG decoder
     tolerance (IDCT and chroma upsampling differ between decoders), same layout and cameras."""
     out = run_gpu_script(f"""
-        from dali_nerf.pipelines.decode import decode_cache
+        from dali_nerf.imagecache import decode_cache
         from dali_nerf.scenegen import make_scene
         from dali_nerf.scenes import load_scene
         root = make_scene("objects", {str(tmp_path / 'scene')!r}, width=96, height=64, n_train=6, n_val=1,

@@ -22,7 +22,7 @@ from dali_nerf.demo import write_report
 from dali_nerf.errors import DaliNerfError, DataError
 from dali_nerf.imageio import MAX_PIXELS, MAX_PIXELS_ENV
 from dali_nerf.loader import RayLoader
-from dali_nerf.pipelines.decode import _find_culprit, available_memory, decode_cache
+from dali_nerf.imagecache import _find_culprit, available_memory, decode_cache
 from dali_nerf.scenegen import make_scene
 from dali_nerf.scenes import load_scene
 from dali_nerf.validate import main as validate_main

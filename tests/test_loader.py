@@ -11,7 +11,7 @@ import torch
 from _tiny_scene import assert_batch_contract, ref_rays as _ref_rays, tiny_scene
 from dali_nerf.errors import ConfigError
 from dali_nerf.sources import RayLoader
-from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.imagecache import decode_cache
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from _tiny_scene import tiny_scene
 from dali_nerf.config import load_config
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import check_priority, dali_threads, host_budget, resolve_priority
-from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.imagecache import decode_cache
 from dali_nerf.sources import RayLoader, SpatialRayLoader, TorchWorkersSampler, build_source
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not os.path.isdir("/proc/self/task"),

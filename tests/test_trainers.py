@@ -73,7 +73,7 @@ def ddp_overrides(scene, runs, name, steps=40, extra=()):
 
 def mean_colour_psnr(scene_root, split="test"):
     from dali_nerf.models import psnr
-    from dali_nerf.pipelines.decode import decode_cache
+    from dali_nerf.imagecache import decode_cache
     from dali_nerf.scenes import load_scene
 
     sc = load_scene(scene_root, split)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
 from dali_nerf.models.fused import FusedField
 from dali_nerf.partition import Partition, assign_rank
-from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.imagecache import decode_cache
 from dali_nerf.seeds import init_seed
 from dali_nerf.sources import build_source
 from dali_nerf.errors import ConfigError

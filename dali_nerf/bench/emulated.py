@@ -44,7 +44,7 @@ from ..emulation import (DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTime
 from ..errors import DaliNerfError
 from ..hostbudget import HostBudget
 from ..partition import Partition
-from ..pipelines.decode import decode_cache
+from ..imagecache import decode_cache
 from ..scenes import load_scene
 from ..sources import (RayLoader, RoutedSyncLocal, SpatialRayLoader, SyncLocalSampler,
                        TorchWorkersSampler)

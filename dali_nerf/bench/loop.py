@@ -290,7 +290,7 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
     """Measure every (placement, batch size, sampler) ``trials`` times; write ``out/loop.json``
     and ``out/loop.md`` after every segment; returns the result dict (see the module docstring)."""
     from ..emulation import model_grad_bytes
-    from ..pipelines.decode import decode_cache
+    from ..imagecache import decode_cache
     from ..scenes import load_scene
     from ..trainers.ddp import DDPMethod
     from ..training import DistEnv

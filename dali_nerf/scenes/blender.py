@@ -11,7 +11,7 @@ from the *first* image's header (Blender renders share one size; ``dali-nerf val
 every header). Optional top-level keys (written by our generator, absent from the standard set):
 ``near``, ``far`` (default 2 and 6, the standard bounds of the synthetic scenes) and ``aabb``
 [[min], [max]] (default [-1.5, 1.5]^3). ``downscale`` d: sizes floor(W/d), intrinsics scaled by the
-exact ratio, images area-averaged at decode (``pipelines/decode.py``). ``world_from_source`` is the
+exact ratio, images area-averaged at decode (``dali_nerf/finish.py``). ``world_from_source`` is the
 identity. Background (``load_scene``'s "auto"): white, the synthetic scenes' convention.
 
 >>> scene = load_scene("data/lego", split="train")      # detected by transforms_train.json

@@ -15,7 +15,7 @@ own world frame; we keep that frame (``world_from_source`` = identity; nerfstudi
   under ``OPENCV`` is refused (nerfstudio reads it as an r^8 term, OpenCV as the rational one: say
   ``FULL_OPENCV`` for the latter), as are coefficients the model does not have and the other models
   (equirectangular, FOV, ...). ``PINHOLE`` / ``SIMPLE_PINHOLE`` must have zero coefficients. The
-  images are undistorted once at decode (``pipelines/decode.py``); the Scene's ``intrinsics`` are
+  images are undistorted once at decode (``dali_nerf/finish.py``); the Scene's ``intrinsics`` are
   the undistorted image's, same size, from :func:`._util.undistorted_intrinsics` (alpha = 0: no
   invalid border) at the file's resolution, then scaled like any intrinsics by ``downscale``. The
   distorted camera is kept in ``Scene.file_intrinsics`` / ``distortion`` / ``fisheye``. All-zero

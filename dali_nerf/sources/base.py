@@ -22,7 +22,7 @@ import torch
 from dali_nerf._dali import torch_feed
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import dali_threads, local_world_size, to_background
-from dali_nerf.pipelines.decode import available_memory
+from dali_nerf.imagecache import available_memory
 from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, RAY_BYTES, RAY_OUTPUTS
 from dali_nerf.scenes import describe_change, load_scene, scene_fingerprint
 

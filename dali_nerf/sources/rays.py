@@ -44,7 +44,8 @@ import torch
 
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import check_priority, dali_threads, loader_budget, resolve_priority
-from dali_nerf.pipelines.decode import decode_cache, shard_range, shard_sizes
+from dali_nerf.imagecache import decode_cache
+from dali_nerf.pipelines.decode import shard_range, shard_sizes
 from dali_nerf.pipelines.rays import INT64_MAX, ray_pipeline
 from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, RunAhead, check_cache_device, check_common,
                                     check_int, check_positive, check_run_size, check_scene_state, demote_if_starved, resolve_device,
@@ -68,7 +69,7 @@ class RayLoader(BatchSource):
             :func:`dali_nerf.hostbudget.host_budget`: cores per rank - 1, 1..4).
         rays_per_run: rays per DALI run, rounded up to a multiple of B (K = ceil(rays_per_run / B));
             None/0: 65536 per thread, at most 262144 (the host budget).
-        cache: a pre-decoded :class:`~dali_nerf.pipelines.decode.ImageCache` of this shard.
+        cache: a pre-decoded :class:`~dali_nerf.imagecache.ImageCache` of this shard.
         output_map: batch keys to return (near/far dropped when the scene has no bounds).
         max_bytes: decoded-image budget per rank (None = unlimited); a shard whose decoded pixels
             exceed it is streamed through two windows of decoded images (see the module doc).

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import loader_budget, resolve_priority
-from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.imagecache import decode_cache
 from dali_nerf.sources.base import resolve_device
 from dali_nerf.sources.rays import RayLoader
 from dali_nerf.sources.ready import ReadySource

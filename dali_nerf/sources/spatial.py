@@ -28,7 +28,7 @@ import torch
 
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import check_priority, dali_threads, loader_budget
-from dali_nerf.pipelines.decode import decode_cache
+from dali_nerf.imagecache import decode_cache
 from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline
 from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
 from dali_nerf.sources.base import (MAX_PREFETCH, BatchSource, BatchStats, RunAhead, check_cache_device, check_int,

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.pipelines.decode import DecodeCancelled, decode_cache
+from dali_nerf.imagecache import DecodeCancelled, decode_cache
 from dali_nerf.pipelines.rays import ray_pipeline, release_pipeline
 from dali_nerf.seeds import window_key, window_order_keys
 from dali_nerf.sources.base import CLOSE_TIMEOUT_S, run_graph

@@ -42,7 +42,8 @@ from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import check_priority, loader_budget, resolve_priority, to_background
 from dali_nerf.interrupt import ignore_interrupts, interrupts_deferred
 from dali_nerf.partition import ray_cells
-from dali_nerf.pipelines.decode import decode_cache, shard_sizes
+from dali_nerf.imagecache import decode_cache
+from dali_nerf.pipelines.decode import shard_sizes
 from dali_nerf.rays import rays_from_indices
 from dali_nerf.seeds import block_seed, perm_seed, routed_stream
 from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
