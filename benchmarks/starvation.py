@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     from dali_nerf.config import load_config
     from dali_nerf.hostbudget import host_budget, usable_cores
     from dali_nerf.imagecache import decode_cache
-    from dali_nerf.sources.base import scene_from_config
+    from dali_nerf.scenes import scene_from_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/study.yaml")

@@ -24,26 +24,24 @@ and the label: "device compute emulated by a timed wait; host work real".
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
 from typing import List
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from dali_nerf.atomic import atomic_write_text
 from dali_nerf.config import Config
-from dali_nerf.emulation import (EMULATED_LABEL, DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer, ShmScatter,
-                                 emulated_step, global_scatter, model_grad_bytes, shared_block)
+from dali_nerf.emulation import (EMULATED_LABEL, DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer,
+                                 emulated_step, model_grad_bytes, shared_block)
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import resolve_priority, usable_cores
+from dali_nerf.hostbudget import usable_cores
 from dali_nerf.partition import Partition, assign_rank
-from dali_nerf.imagecache import decode_cache
-from dali_nerf.sources import build_source
-from dali_nerf.sources.ready import ReadySource
+from dali_nerf.plan import plan_from_config
+from dali_nerf.sources import build_source, floor_source
+from dali_nerf.sources.shm_scatter import ShmLink, ShmScatter
 
 __all__ = ["train_emulated", "warmup_steps"]
 
@@ -81,26 +79,17 @@ def _shared(env_rank: int, W: int, scatter_bytes: int):
     return barrier, shm
 
 
-def _sources(cfg: Config, method: str, scene, rank: int, W: int, dev: EmulatedDevice, buf, bar, prio: str) -> List:
-    """This rank's batch sources (one per cell it trains in SS), all on the host; their sampler
-    threads run at ``prio`` (``pipeline.thread_priority`` resolved for the emulated device)."""
-    host = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cpu"),
-                               pipeline=dataclasses.replace(cfg.pipeline, thread_priority=prio))
-    p = cfg.pipeline
+def _sources(cfg: Config, method: str, scene, rank: int, W: int, link: ShmLink) -> List:
+    """This rank's batch sources (one per cell it trains in SS), from the registry: they sample on
+    the host, their sampler threads at ``pipeline.thread_priority`` resolved for the emulated
+    device (:func:`dali_nerf.plan.plan_from_config`); ``sync_global`` scatters through ``link``."""
     if method == "ddp":
-        if p.name == "sync_global":
-            cache = decode_cache(scene, 0, 1, batch=cfg.cache.decode_batch) if rank == 0 else None
-            return [global_scatter("ddp", scene, cache, p.seed, rank, W, p.rays_per_batch, buf, bar, dev)]
-        return [build_source(host, scene, rank, W)]
+        return [build_source(cfg, scene, rank, W, scatter=link)]
     part = Partition.from_config(cfg.partition, scene)
-    cells = assign_rank(part.num_cells, W)
-    if p.name == "sync_global":
-        if part.num_cells != W:
-            raise ConfigError(f"pipeline.name=sync_global with train.device=emulated: needs one cell per rank "
-                              f"({part.num_cells} cells, {W} ranks); set partition.grid so cells = ranks")
-        cache = decode_cache(scene, 0, 1, batch=cfg.cache.decode_batch) if rank == 0 else None
-        return [global_scatter("ss", scene, cache, p.seed, rank, W, p.rays_per_batch, buf, bar, dev, partition=part)]
-    return build_source(host, scene, rank, W, cells=cells, partition=part)
+    if cfg.pipeline.name == "sync_global" and part.num_cells != W:
+        raise ConfigError(f"pipeline.name=sync_global with train.device=emulated: needs one cell per rank "
+                          f"({part.num_cells} cells, {W} ranks); set partition.grid so cells = ranks")
+    return build_source(cfg, scene, rank, W, cells=assign_rank(part.num_cells, W), partition=part, scatter=link)
 
 
 def _run(sources, dev, timer, lock, grad_bytes: int, W: int, steps: int, on_device: bool, segment: str) -> List[dict]:
@@ -180,9 +169,9 @@ def _train_emulated_shared(cfg: Config, method, env, scene, links, dev, barrier,
     bar = (lambda: barrier.wait(timeout)) if barrier is not None else (lambda: None)
     buf = shm.buf if shm is not None else (bytearray(scatter) if scatter else None)
     sources, ready = [], []
-    prio = resolve_priority(p.thread_priority, t.device)
+    prio = plan_from_config(cfg, rank, W).priority
     try:
-        sources = _sources(cfg, method.name, scene, rank, W, dev, buf, bar, prio)
+        sources = _sources(cfg, method.name, scene, rank, W, ShmLink(buf, bar, dev))
         n_sources = len(sources)
         grad_bytes = model_grad_bytes(cfg.model) if method.name == "ddp" else 0
         lock = bar if (method.name == "ddp" and W > 1) else None
@@ -194,7 +183,7 @@ def _train_emulated_shared(cfg: Config, method, env, scene, links, dev, barrier,
             bar()
         barrier_s = (time.perf_counter() - t0) / n if n else 0.0
         # the floor's batch: the source's first (its timed steps come after its warm-up anyway)
-        ready = [ReadySource({k: v.clone() for k, v in next(s).items()}) for s in sources]
+        ready = [floor_source(next(s)) for s in sources]
         warm = max(warmup_steps(p.name, s, p.prefetch, p.workers) for s in sources)
         warm = min(warm, t.steps // 2)  # a short run keeps half its steps timed (summary: warmup_steps)
         bar()

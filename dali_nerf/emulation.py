@@ -23,7 +23,7 @@ Device figures (:class:`DeviceLinks`, all overridable):
 
 These are stated assumptions, not measurements of ours: no GPU was measured on this project's
 machines. A timed wait overshoots (scheduler wake-up); the study measures that as the emulation
-floor (:class:`ReadyBatch` beside each configuration).
+floor (a ready batch, :class:`~dali_nerf.sources.ReadySource`, beside each configuration).
 
 >>> dev = EmulatedDevice(step_ms=2.0)
 >>> dev.run(4096)["forward"]       # sleeps 2 ms, returns the seconds it was asked to wait
@@ -42,21 +42,16 @@ from multiprocessing.synchronize import Semaphore
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 
 from dali_nerf.phases import PHASES, PhaseTimer
-from dali_nerf.seeds import routed_stream
-from dali_nerf.sources.sync import PixelSampler
-from dali_nerf.sources.ready import ReadySource
-from dali_nerf.sources.routed_workers import routed_batch
+from dali_nerf.sources.shm_scatter import RAY_FLOATS
 
-__all__ = ["DeviceLinks", "EmulatedDevice", "LockstepBarrier", "PhaseTimer", "ReadyBatch", "ShmScatter", "emulated_step",
-           "shared_block", "global_scatter", "model_grad_bytes",
+__all__ = ["DeviceLinks", "EmulatedDevice", "LockstepBarrier", "PhaseTimer", "emulated_step",
+           "shared_block", "model_grad_bytes",
            "batch_nbytes", "PHASES", "RAY_FLOATS", "EMULATED_LABEL"]
 
-RAY_FLOATS = 11
-"""float32 columns of a packed ray: origins 3, directions 3, rgb 3, near 1, far 1 (+ 3 int64 indices)."""
+# RAY_FLOATS: float32 columns of a packed ray (dali_nerf.sources.shm_scatter)
 
 EMULATED_LABEL = "device compute emulated by a timed wait; host work real"
 
@@ -318,98 +313,6 @@ def shared_block(name: Optional[str] = None, size: int = 0) -> shared_memory.Sha
     except Exception:
         pass
     return shm
-
-
-ReadyBatch = ReadySource
-"""The emulation floor's source (:class:`dali_nerf.sources.ReadySource`): one ready batch, again
-and again (no host work)."""
-
-
-class ShmScatter:
-    """sync_global across emulated ranks: rank 0 samples every rank's batch in its training thread
-    (real host work), writes them into shared memory, and every rank copies its slice out (a real
-    host copy) after a barrier, and enqueues the emulated transfer on its device (rank 0's
-    host-to-device copy of the global batch, then the NCCL scatter of the slice): waited for with
-    the step's compute (:meth:`EmulatedDevice.run`), counted as h2d.
-
-    Args:
-        sample: on rank 0, ``sample(step) -> list of W batch dicts`` (B rays each, with near/far);
-            None on the other ranks.
-        buf: a shared ``multiprocessing`` RawArray of ``2 * W * B * 68`` bytes (two slots: rank 0
-            writes step s+2's slot only after every rank passed step s+1's barrier, so after every
-            rank copied step s out).
-        barrier: ``barrier()`` blocks until all W ranks called it (the scatter's rendezvous).
-    """
-
-    def __init__(self, sample, buf, barrier, rank: int, world_size: int, rays_per_batch: int, dev: EmulatedDevice):
-        self.sample, self.barrier, self.dev = sample, barrier, dev
-        self.rank, self.W, self.B = int(rank), int(world_size), int(rays_per_batch)
-        n = self.W * self.B
-        raw = np.frombuffer(buf, dtype=np.uint8)
-        need = 2 * n * (RAY_FLOATS * 4 + 24)
-        if raw.size < need:
-            raise ValueError(f"ShmScatter: shared buffer holds {raw.size} bytes, needs {need}")
-        fbytes = n * RAY_FLOATS * 4
-        self._slots = []
-        for s in range(2):
-            base = s * n * (RAY_FLOATS * 4 + 24)
-            fl = raw[base:base + fbytes].view(np.float32).reshape(n, RAY_FLOATS)
-            ix = raw[base + fbytes:base + fbytes + n * 24].view(np.int64).reshape(n, 3)
-            self._slots.append((fl, ix))
-        self.step = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        fl, ix = self._slots[self.step % 2]
-        B, W = self.B, self.W
-        if self.rank == 0:
-            parts = self.sample(self.step)
-            for r, g in enumerate(parts):
-                fl[r * B:(r + 1) * B] = torch.cat([g["origins"], g["directions"], g["rgb"], g["near"], g["far"]], 1).numpy()
-                ix[r * B:(r + 1) * B] = g["indices"].numpy()
-        if W > 1:
-            self.barrier()
-        mine_f = torch.from_numpy(fl[self.rank * B:(self.rank + 1) * B].copy())
-        mine_i = torch.from_numpy(ix[self.rank * B:(self.rank + 1) * B].copy())
-        # device: rank 0's copy of the global batch, then the scatter of each slice; no rank's slice
-        # is there before both (enqueued, waited for with the step's compute)
-        self.dev.h2d(W * B * (RAY_FLOATS * 4 + 24))
-        self.dev.scatter(B * (RAY_FLOATS * 4 + 24), W)
-        self.step += 1
-        return {"origins": mine_f[:, 0:3], "directions": mine_f[:, 3:6], "rgb": mine_f[:, 6:9],
-                "near": mine_f[:, 9:10], "far": mine_f[:, 10:11], "indices": mine_i}
-
-    def close(self) -> None:
-        self._slots = []  # its views of the shared buffer (a block cannot close while they exist)
-
-    @staticmethod
-    def buffer_bytes(world_size: int, rays_per_batch: int) -> int:
-        return 2 * int(world_size) * int(rays_per_batch) * (RAY_FLOATS * 4 + 24)
-
-
-def global_scatter(method: str, scene, cache, seed: int, rank: int, world_size: int, rays_per_batch: int, buf,
-                   barrier, dev: EmulatedDevice, partition=None) -> ShmScatter:
-    """sync_global across emulated ranks: rank 0 samples the step's ``world_size`` batches in its
-    training thread from one sampler over all images (``cache``, needed on rank 0 only) — DDP: one
-    global batch split in rank order; SS: each cell's routed batch (one cell per rank, rank 0's
-    shared candidate stream) — and :class:`ShmScatter` hands every rank its own."""
-    W, B = int(world_size), int(rays_per_batch)
-    sample = None
-    if rank == 0:
-        if method == "ddp":
-            ps = PixelSampler(cache, scene, seed, 0, "random")
-
-            def sample(step):
-                g = ps.sample(step * B * W, B * W)
-                return [{k: v[r * B:(r + 1) * B] for k, v in g.items()} for r in range(W)]
-        else:
-            ps = PixelSampler(cache, scene, seed, routed_stream(slot=0), "random")
-
-            def sample(step):
-                return [routed_batch(ps, partition, c, step, B, 2 * B) for c in range(W)]
-    return ShmScatter(sample, buf, barrier, rank, W, B, dev)
 
 
 def model_grad_bytes(model_cfg) -> int:

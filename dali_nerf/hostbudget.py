@@ -41,7 +41,7 @@ from typing import Optional
 
 from .errors import ConfigError
 
-__all__ = ["HostBudget", "host_budget", "loader_budget", "usable_cores", "local_world_size", "RAYS_PER_THREAD",
+__all__ = ["HostBudget", "host_budget", "usable_cores", "local_world_size", "RAYS_PER_THREAD",
            "PRIORITIES", "check_priority", "resolve_priority", "dali_threads", "to_background"]
 
 PRIORITIES = ("normal", "background")
@@ -111,17 +111,6 @@ def host_budget(rays_per_batch: int, local_ranks: Optional[int] = None, cores: O
     run = max(B, min(int(max_run), RAYS_PER_THREAD * threads))
     run = -(-run // B) * B
     return HostBudget(c, n, per, threads, run, resolve_priority("auto", device))
-
-
-def loader_budget(rays_per_batch: int, num_threads: Optional[int] = None,
-                  rays_per_run: Optional[int] = None) -> tuple:
-    """(threads, rays_per_run) for a loader: the given values where set (> 0), else this host's
-    :func:`host_budget` (the loaders' and ``pipeline.num_threads`` / ``pipeline.rays_per_run``
-    default: 0 or None = auto)."""
-    if num_threads and rays_per_run:
-        return int(num_threads), int(rays_per_run)
-    b = host_budget(rays_per_batch)
-    return int(num_threads or b.threads), int(rays_per_run or b.rays_per_run)
 
 
 def check_priority(value, key: str = "thread_priority", auto: bool = False) -> str:

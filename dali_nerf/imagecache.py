@@ -59,7 +59,8 @@ from dali_nerf.finish import background_u8, finish_gpu, finish_image, finish_tor
 from dali_nerf.imageio import check_image, decode_image_cv2
 from dali_nerf.pipelines.decode import check_shard, decode_pipeline, shard_range
 
-__all__ = ["ImageCache", "decode_cache", "pack_cameras", "FAR_UNKNOWN", "DecodeCancelled", "available_memory"]
+__all__ = ["ImageCache", "decode_cache", "pack_cameras", "FAR_UNKNOWN", "DecodeCancelled", "available_memory",
+           "shard_cache", "full_cache", "window_cache", "eval_cache", "CacheStore"]
 
 FAR_UNKNOWN = 1e10
 """``far`` written to ``cameras`` when the scene defines no bounds (``near`` is then 0)."""
@@ -406,3 +407,63 @@ def _packed(scene, want, offsets, pixels, use_gpu: bool, rank: int, world_size: 
         pixels.setflags(write=False)
     return ImageCache(pixels=pixels, cameras=cameras, layout=layout, rank=rank, world_size=world_size,
                       device="cuda" if use_gpu else "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# the caches a run needs, each decoded by the rule of its kind (the one place that decodes)
+
+
+def shard_cache(scene, plan, device: Optional[str] = None) -> ImageCache:
+    """This rank's shard of ``scene`` (DALI's rule for ``plan.rank`` of ``plan.world_size``), on
+    ``device`` (default ``plan.device``: where the rank samples), with the plan's threads and
+    decode batch: what a data-parallel source samples."""
+    return decode_cache(scene, plan.rank, plan.world_size, device=device or plan.device, num_threads=plan.threads,
+                        batch=plan.decode_batch)
+
+
+def full_cache(scene, plan, device: Optional[str] = None) -> ImageCache:
+    """Every image of ``scene`` (a spatial-segmentation rank: a ray of any image may cross its
+    cells; rank 0 of ``sync_global``, which samples for every rank), on ``device`` (default
+    ``plan.device``)."""
+    return decode_cache(scene, 0, 1, device=device or plan.device, num_threads=plan.threads, batch=plan.decode_batch)
+
+
+def window_cache(scene, plan, ids, stop=None) -> ImageCache:
+    """The images ``ids`` (split indices, in order) of a streaming window of ``plan``'s shard;
+    ``stop`` cancels it between decode runs (:class:`DecodeCancelled`)."""
+    return decode_cache(scene, plan.rank, plan.world_size, device=plan.device, num_threads=plan.threads,
+                        batch=plan.decode_batch, indices=ids, stop=stop)
+
+
+def eval_cache(scene, threads: int = 2, batch: int = 8) -> ImageCache:
+    """Every image of an evaluation split (or subset) on the host, where the renders are compared."""
+    return decode_cache(scene, 0, 1, device="cpu", num_threads=threads, batch=batch)
+
+
+class CacheStore:
+    """The image caches of one rank's sources, each decoded once and shared by every source that
+    samples it (the cells of a spatial-segmentation rank; the study's samplers, built one after
+    the other in one launch). ``shard(device)`` / ``full(device)`` as :func:`shard_cache` /
+    :func:`full_cache`, memoized per device."""
+
+    def __init__(self, scene, plan):
+        self.scene, self.plan = scene, plan
+        self._held: dict = {}
+
+    def shard(self, device: Optional[str] = None) -> ImageCache:
+        if self.plan.world_size == 1:
+            return self.full(device)
+        return self._get("shard", device or self.plan.device, shard_cache)
+
+    def full(self, device: Optional[str] = None) -> ImageCache:
+        return self._get("full", device or self.plan.device, full_cache)
+
+    def _get(self, kind: str, device: str, make) -> ImageCache:
+        key = (kind, device)
+        if key not in self._held:
+            self._held[key] = make(self.scene, self.plan, device)
+        return self._held[key]
+
+    def clear(self) -> None:
+        """Drop the store's references (sources keep the caches they sample alive)."""
+        self._held.clear()

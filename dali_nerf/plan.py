@@ -119,7 +119,7 @@ class SamplingPlan:
                    rays_per_window: int = 0, cells: Sequence[int] = (), num_cells: int = 0) -> "SamplingPlan":
         """The plan of a loader built from its arguments (RayLoader's drop-in API): threads and run
         size where given (> 0), else this host's budget (:func:`dali_nerf.hostbudget.host_budget`);
-        ``thread_priority`` normal | background (``auto``: resolved for ``device``)."""
+        ``thread_priority`` normal | background."""
         _positive("rays_per_batch", rays_per_batch)
         B = int(rays_per_batch)
         budget = None
@@ -130,7 +130,7 @@ class SamplingPlan:
         _positive("rays_per_run", run)
         _positive("num_threads", threads)
         dev = resolve_device(device)
-        prio = resolve_priority(thread_priority, dev) if thread_priority == "auto" else check_priority(thread_priority)
+        prio = check_priority(thread_priority)  # a resolved value (a config's auto: plan_from_config)
         K = max(1, math.ceil(int(run) / B))
         return cls(rays_per_batch=B, rays_per_run=K * B, threads=int(threads), priority=prio, device=dev,
                    seed=int(seed), mode=mode, rank=int(rank), world_size=int(world_size), prefetch=int(prefetch),
@@ -140,14 +140,16 @@ class SamplingPlan:
 
 
 def plan_from_config(cfg, rank: int = 0, world_size: int = 1, *, cells: Sequence[int] = (), num_cells: int = 0,
-                     local_ranks: Optional[int] = None, cores: Optional[int] = None) -> SamplingPlan:
+                     local_ranks: Optional[int] = None, cores: Optional[int] = None,
+                     device: Optional[str] = None) -> SamplingPlan:
     """The plan of ``rank`` of ``world_size`` for a :class:`~dali_nerf.config.Config` (``pipeline``,
     ``cache``, ``train.device``); SS: this rank's ``cells`` of ``num_cells``.
 
     Threads and rays per run: ``pipeline.num_threads`` / ``pipeline.rays_per_run`` where > 0, else
     :func:`~dali_nerf.hostbudget.host_budget` for ``local_ranks`` ranks (default
     ``LOCAL_WORLD_SIZE``) on ``cores`` usable cores (default this process's affinity). Priority:
-    ``pipeline.thread_priority`` resolved for ``train.device``. Device: :func:`sampling_device`."""
+    ``pipeline.thread_priority`` resolved for ``train.device``. Device: ``device`` where given (the
+    images in host memory of a GPU run: "cpu"), else :func:`sampling_device` of ``train.device``."""
     p, c = cfg.pipeline, cfg.cache
     B = int(p.rays_per_batch)
     budget = None
@@ -158,7 +160,8 @@ def plan_from_config(cfg, rank: int = 0, world_size: int = 1, *, cells: Sequence
     K = max(1, math.ceil(int(run) / B))
     return SamplingPlan(rays_per_batch=B, rays_per_run=K * B, threads=int(threads),
                         priority=resolve_priority(p.thread_priority, cfg.train.device),
-                        device=sampling_device(cfg.train.device), seed=int(p.seed), mode=p.mode, rank=int(rank),
+                        device=resolve_device(device) if device else sampling_device(cfg.train.device),
+                        seed=int(p.seed), mode=p.mode, rank=int(rank),
                         world_size=int(world_size), prefetch=int(p.prefetch), workers=int(p.workers),
                         decode_batch=int(c.decode_batch), max_bytes=c.max_bytes,
                         window_images=int(getattr(c, "window_images", 0)),

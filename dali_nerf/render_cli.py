@@ -25,7 +25,7 @@ from .errors import DaliNerfError
 from .models import build_field, build_occupancy, render_image
 from .models.ray_space import RaySpace
 from .partition import Partition
-from .scenes import load_scene
+from .scenes import scene_from_config
 from .trainers.spatial import build_fused
 from .training import eval_background, evaluate_field, scene_space, write_renders
 
@@ -54,8 +54,7 @@ def load_run_space(path, device="cpu"):
     """(cfg, field, occupancy, scene_train, space) of a run: DDP's model or SS's fused sub-models,
     and the :class:`RaySpace` they were trained in."""
     cfg, folder, run_dir = _resolve(Path(path))
-    sc = cfg.scene
-    scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
+    scene = scene_from_config(cfg)
     st0 = load_rank_state(folder, 0)
     first = next(iter(st0["tasks"].values()))
     space = RaySpace.from_state(first["space"]) if "space" in first else scene_space(cfg, scene)
@@ -120,7 +119,6 @@ def main(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DaliNerfError(f"{out}: cannot create output folder ({e.strerror}); choose a writable --out") from None
-    sc = cfg.scene
     if args.orbit > 0:
         poses = orbit_poses(train_scene, args.orbit)
         K = torch.as_tensor(np.array(train_scene.intrinsics[0]), device=device)
@@ -136,7 +134,7 @@ def main(args) -> int:
         names = write_renders(pairs, out, prefix="orbit")
         print(f"wrote {len(names)} orbit views to {out}/")
         return 0
-    scene = load_scene(sc.path, split=args.split, format=sc.format, downscale=sc.downscale, background=sc.background)
+    scene = scene_from_config(cfg, args.split)
     pairs, p, s, secs = evaluate_field(field, occ, scene, cfg, device, args.max_images, space=space)
     names = write_renders(pairs, out, prefix=args.split)
     print(json.dumps({"split": args.split, "images": len(names), "psnr": p, "ssim": s, "render_s": secs, "out": str(out)}))

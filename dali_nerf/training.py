@@ -62,8 +62,8 @@ from .errors import ConfigError, DaliNerfError
 from .models import psnr as psnr_fn, render_image, render_rays, ssim as ssim_fn
 from .models.metrics import SSIM_WINDOW
 from .models.ray_space import RaySpace, build_space
-from .imagecache import decode_cache
-from .scenes import describe_change, load_scene, scene_fingerprint
+from .imagecache import eval_cache
+from .scenes import describe_change, scene_fingerprint, scene_from_config
 from .scenes.bounds import scene_bounds
 from .seeds import process_seed, step_seed
 from .validate import scan_images
@@ -384,7 +384,7 @@ def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int
         space: the field's :class:`RaySpace` (the one it was trained in; None: world).
     """
     sub = eval_subset(scene, max_images)
-    cache = decode if decode is not None else decode_cache(sub, 0, 1)
+    cache = decode if decode is not None else eval_cache(sub)
     bg = eval_background(field, scene, device)
     pairs, ps, ss = [], [], []
     t0 = time.perf_counter()
@@ -559,8 +559,7 @@ def load_scenes(cfg: Config, env: DistEnv):
     (and before anything in run_dir is rewritten): both splits parsed, every image header of both
     checked (no decoding)."""
     sc = cfg.scene
-    scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
-    eval_scene = load_scene(sc.path, split=sc.eval_split, format=sc.format, downscale=sc.downscale, background=sc.background)
+    scene, eval_scene = scene_from_config(cfg), scene_from_config(cfg, sc.eval_split)
     small = np.flatnonzero(np.minimum(eval_scene.width, eval_scene.height) < SSIM_WINDOW)
     if len(small):
         i = int(small[0])
@@ -755,7 +754,7 @@ class _PeriodicEval:
         if self.env.rank == 0:
             n = self.cfg.train.eval_images
             if self.views is None:
-                self.views = decode_cache(eval_subset(self.eval_scene, n), 0, 1)
+                self.views = eval_cache(eval_subset(self.eval_scene, n))
             was_training = field.training
             field.eval()
             _, p, s, seconds = evaluate_field(field, occupancy, self.eval_scene, self.cfg, self.env.device, n,

@@ -151,8 +151,6 @@ def _describe(src) -> dict:
 def plans(dirs: dict) -> dict:
     """Effective settings of the sources each config gives a rank (2 usable cores)."""
     from dali_nerf.config import load_config
-    from dali_nerf.emulated_train import _sources
-    from dali_nerf.emulation import DeviceLinks, EmulatedDevice
     from dali_nerf.partition import Partition, assign_rank
     from dali_nerf.scenes import load_scene
     from dali_nerf.sources import build_source
@@ -177,17 +175,13 @@ def plans(dirs: dict) -> dict:
                                               train=dataclasses.replace(base.train, device=device))
                     key = f"{stem}/{device}/local{local}/{name}"
                     with _env(LOCAL_WORLD_SIZE=local, WORLD_SIZE=local):
-                        if device == "emulated":
-                            part = Partition.from_config(cfg.partition, scene) if cfg.method == "ss" else None
-                            dev = EmulatedDevice(1.0, DeviceLinks())
-                            srcs = _sources(cfg, cfg.method, scene, 0, 1, dev, None, lambda: None,
-                                            _emulated_priority(cfg))
-                        elif cfg.method == "ss":
+                        if cfg.method == "ss":
                             pc = cfg.partition
-                            if pc.kind == "grid" and pc.grid[0] * pc.grid[1] < local:  # a cell per rank at least
+                            world = local if device == "cpu" else 1  # emulated: one process's view, all cells
+                            if pc.kind == "grid" and pc.grid[0] * pc.grid[1] < world:  # a cell per rank at least
                                 pc = dataclasses.replace(pc, grid=[4, 4])
                             part = Partition.from_config(pc, scene)
-                            srcs = build_source(cfg, scene, 0, local, cells=assign_rank(part.num_cells, local),
+                            srcs = build_source(cfg, scene, 0, world, cells=assign_rank(part.num_cells, world),
                                                 partition=part)
                         else:
                             srcs = [build_source(cfg, scene, 0, 1)]  # the budget follows LOCAL_WORLD_SIZE
@@ -197,12 +191,6 @@ def plans(dirs: dict) -> dict:
                         for s in srcs:
                             s.close()
     return out
-
-
-def _emulated_priority(cfg):
-    from dali_nerf.hostbudget import resolve_priority
-
-    return resolve_priority(cfg.pipeline.thread_priority, cfg.train.device)
 
 
 def fingerprints(sections=("streams", "plans")) -> dict:

@@ -18,7 +18,9 @@ import yaml
 
 from dali_nerf.bench import emulated as em
 from dali_nerf.bench import study
-from dali_nerf.emulation import EmulatedDevice, LockstepBarrier, PhaseTimer, ReadyBatch, ShmScatter, emulated_step
+from dali_nerf.emulation import EmulatedDevice, LockstepBarrier, PhaseTimer, emulated_step
+from dali_nerf.sources import ReadySource as ReadyBatch
+from dali_nerf.sources.shm_scatter import ShmScatter
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import host_budget
 

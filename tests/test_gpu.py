@@ -176,7 +176,7 @@ def test_cuda_batches_on_device_without_cache_copies(tmp_path):
     every memcpy in the process, and the device's free memory across runs)."""
     out = run_gpu_script(f"""
         import json
-        from dali_nerf.loader import RayLoader
+        from dali_nerf.sources import RayLoader
         from dali_nerf.scenegen import make_scene
         from dali_nerf.scenes import load_scene
         root = make_scene("objects", {str(tmp_path / 'scene')!r}, width=128, height=128, n_train=8, n_val=1,

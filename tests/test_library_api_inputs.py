@@ -21,7 +21,7 @@ from dali_nerf.checkpoint import commit_checkpoint, latest_checkpoint, save_rank
 from dali_nerf.demo import write_report
 from dali_nerf.errors import DaliNerfError, DataError
 from dali_nerf.imageio import MAX_PIXELS, MAX_PIXELS_ENV
-from dali_nerf.loader import RayLoader
+from dali_nerf.sources import RayLoader
 from dali_nerf.imagecache import _find_culprit, available_memory, decode_cache
 from dali_nerf.scenegen import make_scene
 from dali_nerf.scenes import load_scene

@@ -230,12 +230,15 @@ def test_build_source_from_config(scene, name):
 def test_defaults_follow_the_host_budget(scene, cache, monkeypatch):
     """RayLoader's num_threads / rays_per_run default to this host's budget per local rank
     (hostbudget.host_budget); explicit values win; the stream does not depend on them."""
-    from dali_nerf.hostbudget import host_budget, loader_budget
+    from dali_nerf.hostbudget import host_budget
+    from dali_nerf.plan import SamplingPlan
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # many co-located ranks: 1 thread, 65536 rays per run
     b = host_budget(64)
-    assert loader_budget(64) == (b.threads, b.rays_per_run) == (1, 65536)
-    assert loader_budget(64, 3, 1024) == (3, 1024)
+    auto_plan = SamplingPlan.for_loader(64)
+    assert (auto_plan.threads, auto_plan.rays_per_run) == (b.threads, b.rays_per_run) == (1, 65536)
+    fixed_plan = SamplingPlan.for_loader(64, num_threads=3, rays_per_run=1000)
+    assert (fixed_plan.threads, fixed_plan.rays_per_run, fixed_plan.steps_per_run, fixed_plan.budget) == (3, 1024, 16, None)
     with RayLoader(scene, rays_per_batch=64, cache=cache) as auto, \
             RayLoader(scene, rays_per_batch=64, cache=cache, num_threads=2, rays_per_run=256) as fixed:
         assert (auto.num_threads, auto.rays_per_run) == (1, 65536)

@@ -69,7 +69,7 @@ def test_streams_with_bounded_memory(scene, monkeypatch):
         alive.append((weakref.ref(c.pixels), c.nbytes))
         return c
 
-    monkeypatch.setattr(stream_mod, "decode_cache", spy)  # the name the engine calls
+    monkeypatch.setattr(decode_mod, "decode_cache", spy)  # what the engine's window_cache calls
     with _loader(scene, mode="epoch", prefetch=2) as L:
         assert L.streaming and L.window_images == 3 and L.cache is None
         assert "streaming" in repr(L)
@@ -199,7 +199,7 @@ def test_close_leaves_no_thread(scene, monkeypatch):
             saw_stop.append(kw["stop"].wait(30))
         return real(*a, **kw)
 
-    monkeypatch.setattr(stream_mod, "decode_cache", slow_background)
+    monkeypatch.setattr(decode_mod, "decode_cache", slow_background)
     before = set(threading.enumerate())
     L = _loader(scene, mode="random")
     _take(L, 3)

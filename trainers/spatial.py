@@ -26,7 +26,7 @@ import torch.distributed as dist
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
 from dali_nerf.models.fused import FusedField
 from dali_nerf.partition import Partition, assign_rank
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.imagecache import eval_cache
 from dali_nerf.seeds import init_seed
 from dali_nerf.sources import build_source
 from dali_nerf.errors import ConfigError
@@ -119,7 +119,7 @@ class SpatialMethod(Method):
     def extra_summary(self, cfg, tasks, env, eval_scene, field, occupancy):
         """Fusion overhead (fused render time / one sub-model's) and each sub-model's PSNR alone."""
         n = min(cfg.train.eval_images or eval_scene.num_images, eval_scene.num_images)
-        views = decode_cache(eval_subset(eval_scene, n), 0, 1)  # decoded once for all the renders
+        views = eval_cache(eval_subset(eval_scene, n))  # decoded once for all the renders
         alone = []
         for c in range(self.partition.num_cells):
             f = _cell_field(cfg, self.aabb, self.cell_states[c]["field"]).to(env.device).eval()

@@ -39,18 +39,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import yaml
 
-from ..emulation import (DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer, ReadyBatch, ShmScatter,
-                         emulated_step, global_scatter)
+from ..emulation import DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer, emulated_step
 from ..errors import DaliNerfError
 from ..hostbudget import HostBudget
+from ..imagecache import CacheStore
 from ..partition import Partition
-from ..imagecache import decode_cache
-from ..scenes import load_scene
-from ..sources import (RayLoader, RoutedSyncLocal, SpatialRayLoader, SyncLocalSampler,
-                       TorchWorkersSampler)
-from ..sources.routed_workers import RoutedTorchWorkers
+from ..plan import SamplingPlan, plan_from_config
+from ..scenes import scene_from_config
+from ..sources import make_source
+from ..sources.shm_scatter import ShmLink, ShmScatter
 
-__all__ = ["Segment", "schedule", "pair_order", "with_floor", "launch", "ss_grid", "FLOOR", "PIPELINED"]
+__all__ = ["Segment", "schedule", "pair_order", "with_floor", "launch", "ss_grid", "segment_plan", "FLOOR", "PIPELINED"]
 
 FLOOR = "ready"
 """Sampler name of the emulation floor (a source that hands out a ready batch)."""
@@ -183,54 +182,34 @@ def _ahead(sampler: str, src, budget: HostBudget, prefetch: int) -> int:
     return 0
 
 
-def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scene, st: dict,
-                 budget: HostBudget, dev: EmulatedDevice, buf, bar):
-    """The one place that builds the emulated launch's batch sources (with this host's budget)."""
+def segment_plan(cfg, B: int, rank: int, W: int, budget: HostBudget, partition=None) -> SamplingPlan:
+    """The plan of every source of a launch at ``B`` rays: the launch's budget for all of them
+    (the same sampler threads for every sampler: DALI threads, worker processes, the training
+    thread's torch threads; the same run size for the DALI sources; its priority), iid rays on the
+    host; SS (``partition``): cell ``rank`` (one cell per rank)."""
     p = cfg.pipeline
-    th = budget.threads
+    seg = dataclasses.replace(cfg, pipeline=dataclasses.replace(
+        p, rays_per_batch=int(B), mode="random", num_threads=budget.threads, rays_per_run=budget.rays_per_run,
+        workers=budget.threads, thread_priority=budget.priority), train=dataclasses.replace(cfg.train, device="cpu"))
+    ss = dict(cells=(rank,), num_cells=partition.num_cells) if partition is not None else {}
+    return plan_from_config(seg, rank, W, **ss)
 
-    def full():
-        if "full" not in st:
-            st["full"] = decode_cache(scene, 0, 1, num_threads=th, batch=cfg.cache.decode_batch)
-        return st["full"]
 
-    def shard():
-        if W == 1:
-            return full()
-        if "shard" not in st:
-            st["shard"] = decode_cache(scene, rank, W, num_threads=th, batch=cfg.cache.decode_batch)
-        return st["shard"]
+def launch_partition(cfg, method: str, scene, W: int):
+    """SS launches: the ``ss_grid(W)`` grid of cells over the scene's cameras (one cell per rank); DDP: None."""
+    if method != "ss":
+        return None
+    return Partition.from_config(dataclasses.replace(cfg.partition, kind="grid", grid=ss_grid(W)), scene)
 
-    if method == "ddp":
-        if sampler in (FLOOR, "sync_local"):
-            s = SyncLocalSampler(scene, B, rank, W, p.seed, mode="random", cache=shard())
-            return ReadyBatch(next(s)) if sampler == FLOOR else s
-        if sampler == "torch_workers":
-            return TorchWorkersSampler(scene, B, rank, W, p.seed, prefetch=p.prefetch, mode="random",
-                                       workers=th, cache=shard(), thread_priority=budget.priority)
-        if sampler == PIPELINED:
-            return RayLoader(scene, B, rank, W, p.seed, prefetch=p.prefetch, mode="random", num_threads=th,
-                             rays_per_run=budget.rays_per_run, cache=shard(), thread_priority=budget.priority)
-        if sampler == "sync_global":
-            return global_scatter("ddp", scene, full() if rank == 0 else None, p.seed, rank, W, B, buf, bar, dev)
-    else:
-        if "partition" not in st:
-            pc = dataclasses.replace(cfg.partition, kind="grid", grid=ss_grid(W))
-            st["partition"] = Partition.from_config(pc, scene)
-        part = st["partition"]
-        if sampler in (FLOOR, "sync_local"):
-            s = RoutedSyncLocal(scene, part, rank, B, p.seed, cache=full())
-            return ReadyBatch(next(s)) if sampler == FLOOR else s
-        if sampler == "torch_workers":
-            return RoutedTorchWorkers(scene, part, rank, B, p.seed, prefetch=p.prefetch, cache=full(), workers=th,
-                                      thread_priority=budget.priority)
-        if sampler == PIPELINED:
-            return SpatialRayLoader(scene, part, rank, B, p.seed, prefetch=p.prefetch, mode="random", num_threads=th,
-                                    rays_per_run=budget.rays_per_run, cache=full(), thread_priority=budget.priority)
-        if sampler == "sync_global":
-            return global_scatter("ss", scene, full() if rank == 0 else None, p.seed, rank, W, B, buf, bar, dev,
-                                  partition=part)
-    raise DaliNerfError(f"bench.samplers: {sampler!r} has no emulated source for method {method}")
+
+def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scene, store: CacheStore,
+                 budget: HostBudget, link: ShmLink, partition=None):
+    """A launch's batch source (from the registry: :func:`segment_plan`, caches shared by every
+    sampler of the rank through ``store``)."""
+    if sampler not in (FLOOR, "sync_local", "torch_workers", PIPELINED, "sync_global"):
+        raise DaliNerfError(f"bench.samplers: {sampler!r} has no emulated source for method {method}")
+    plan = segment_plan(cfg, B, rank, W, budget, partition)
+    return make_source(sampler, scene, plan, store=store, partition=partition, scatter=link)
 
 
 def _write_segment(out: Path, seg: Segment, rank: int, recs: List[dict], meta: dict) -> None:
@@ -254,18 +233,19 @@ def _rank_main(rank: int, W: int, cfg, method: str, segments: List[Segment], out
     try:
         torch.set_num_threads(max(1, budget.threads))
         bar = lambda: barrier.wait(timeout_s)  # noqa: E731
-        sc = cfg.scene
-        scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale,
-                           background=sc.background)
+        scene = scene_from_config(cfg)
         if not scene.has_bounds:
-            raise DaliNerfError(f"{sc.path}: the emulated study needs a scene with near/far bounds (sync_global "
+            raise DaliNerfError(f"{cfg.scene.path}: the emulated study needs a scene with near/far bounds (sync_global "
                                 f"packs them); generate it with dali-nerf make-scene")
-        st: dict = {}
-        dev0 = EmulatedDevice(0.0, links)
+        # every sampler of the rank samples the same caches (shard / all images), decoded once
+        part = launch_partition(cfg, method, scene, W)
+        store = CacheStore(scene, segment_plan(cfg, cfg.pipeline.rays_per_batch, rank, W, budget, part))
+        link = ShmLink(buf, bar, EmulatedDevice(0.0, links))
         for seg in segments:  # build every source before timing anything (decode, pipelines, workers)
             key = (seg.sampler, seg.rays)
             if key not in sources:
-                sources[key] = _make_source(cfg, method, seg.sampler, seg.rays, rank, W, scene, st, budget, dev0, buf, bar)
+                sources[key] = _make_source(cfg, method, seg.sampler, seg.rays, rank, W, scene, store, budget, link,
+                                            part)
         bar()
         n = 200
         t0 = time.perf_counter()

@@ -42,6 +42,7 @@ Outputs (``--out``), rewritten after every segment so that a run cut short keeps
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import platform
@@ -55,7 +56,7 @@ import torch
 from ..atomic import atomic_write_text
 from ..config import Config, config_to_dict, load_config
 from ..errors import ConfigError
-from ..hostbudget import loader_budget, resolve_priority
+from ..plan import plan_from_config
 
 __all__ = ["main", "run_loop", "read_device_step", "SAMPLERS", "LABELS", "aggregate"]
 
@@ -109,28 +110,24 @@ def _restore(task, snap: dict) -> None:
 # sources
 
 
-def _make_source(cfg: Config, name: str, placement: str, B: int, scene, cache, device: str, threads: int,
-                 priority: str):
-    """The source ``name`` at ``B`` rays over ``cache`` (decoded on the placement's device)."""
-    from ..sources import RayLoader, ReadySource, SyncGlobalSampler, SyncLocalSampler, TorchWorkersSampler
+def _make_source(cfg: Config, name: str, placement: str, B: int, scene, cache, device: str, threads: int):
+    """The source ``name`` at ``B`` rays over ``cache`` (decoded on the placement's device), from the
+    registry: the trainer's plan for ``device`` with ``threads`` sampler threads, sampling where the
+    placement keeps the images (torch_workers as the trainer builds it for ``device``: workers
+    sample on the host, batches pinned on a GPU); ``rays_prefetch0`` is ``rays`` at prefetch 0."""
+    from ..sources import make_source
 
+    if name not in SAMPLERS:
+        raise ConfigError(f"--samplers: unknown source {name!r}; use {', '.join(SAMPLERS)}")
     p = cfg.pipeline
-    where = "cuda" if placement == "device" else "cpu"
-    if name in ("rays", "rays_prefetch0"):
-        return RayLoader(scene, B, 0, 1, p.seed, prefetch=p.prefetch if name == "rays" else 0, mode=p.mode,
-                         device=where, num_threads=threads, rays_per_run=p.rays_per_run, cache=cache,
-                         thread_priority=priority)
-    if name == "sync_local":
-        return SyncLocalSampler(scene, B, 0, 1, p.seed, mode=p.mode, device=where, cache=cache)
-    if name == "sync_global":
-        return SyncGlobalSampler(scene, B, 0, 1, p.seed, mode=p.mode, device=where, cache=cache)
+    c = dataclasses.replace(cfg, pipeline=dataclasses.replace(
+        p, rays_per_batch=int(B), num_threads=int(threads), prefetch=0 if name == "rays_prefetch0" else p.prefetch),
+        train=dataclasses.replace(cfg.train, device=device))
+    where = device if name == "torch_workers" else ("cuda" if placement == "device" else "cpu")
+    plan = plan_from_config(c, 0, 1, device=where)
     if name == "torch_workers":
-        # as the trainer builds it for this device: workers sample on the host (pinned on a GPU)
-        return TorchWorkersSampler(scene, B, 0, 1, p.seed, prefetch=max(1, p.prefetch), mode=p.mode, device=device,
-                                   workers=p.workers, cache=cache, thread_priority=priority)
-    if name == FLOOR:
-        return ReadySource.first_of(SyncLocalSampler(scene, B, 0, 1, p.seed, mode=p.mode, device=where, cache=cache))
-    raise ConfigError(f"--samplers: unknown source {name!r}; use {', '.join(SAMPLERS)}")
+        plan = dataclasses.replace(plan, prefetch=max(1, p.prefetch))
+    return make_source("rays" if name == "rays_prefetch0" else name, scene, plan, cache=cache)
 
 
 def _warmup(name: str, src, base: int) -> int:
@@ -290,8 +287,8 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
     """Measure every (placement, batch size, sampler) ``trials`` times; write ``out/loop.json``
     and ``out/loop.md`` after every segment; returns the result dict (see the module docstring)."""
     from ..emulation import model_grad_bytes
-    from ..imagecache import decode_cache
-    from ..scenes import load_scene
+    from ..imagecache import CacheStore
+    from ..scenes import scene_from_config
     from ..trainers.ddp import DDPMethod
     from ..training import DistEnv
     from .emulated import pair_order, with_floor
@@ -313,7 +310,7 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
     if not placements:
         raise ConfigError("--placements: nothing to run (device needs a GPU); use host")
     sc = cfg.scene
-    scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
+    scene = scene_from_config(cfg)
     cfg_floor = copy.deepcopy(cfg)
     cfg_floor.pipeline.name = FLOOR
     cfg_floor.train.device = dev_name
@@ -322,11 +319,12 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
     method = DDPMethod()
     task = method.build_tasks(cfg_floor, scene, env)[0]  # the trainer's model, optimiser, occupancy, schedule
     task.source.close()
-    threads = loader_budget(max(batches), cfg.pipeline.num_threads, cfg.pipeline.rays_per_run)[0]
-    priority = resolve_priority(cfg.pipeline.thread_priority, dev_name)
-    caches = {"host": decode_cache(scene, 0, 1, device="cpu", num_threads=threads, batch=cfg.cache.decode_batch)}
+    plan0 = plan_from_config(cfg_floor, 0, 1)  # the trainer's budget on this host
+    threads = plan0.threads
+    store = CacheStore(scene, plan0)
+    caches = {"host": store.full("cpu")}
     if "device" in placements:
-        caches["device"] = decode_cache(scene, 0, 1, device="cuda", num_threads=threads, batch=cfg.cache.decode_batch)
+        caches["device"] = store.full("cuda")
     res = {"meta": {
         "kind": "dali-nerf bench loop", "command": command, "commit": git_commit(exclude="docs"),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": str(env.device),
@@ -339,7 +337,7 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
         "model_desc": " ".join(f"{k}={v}" for k, v in config_to_dict(cfg.model).items()),
         "grad_bytes": model_grad_bytes(cfg.model), "batches": list(batches), "samplers": list(samplers),
         "placements": list(placements), "trials": trials, "steps": steps, "warmup": warmup, "pretrain": pretrain,
-        "sampler_threads": threads, "sampler_priority": priority, "workers": cfg.pipeline.workers,
+        "sampler_threads": threads, "sampler_priority": plan0.priority, "workers": cfg.pipeline.workers,
         "skipped": skipped,
         "notes": ["stall = wait / step (wait: host time blocked in next()); step / floor: the same trial's ready-batch "
                   "step; pipelined speedup: this source's step / the same trial's rays step",
@@ -351,7 +349,7 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
     # pretrain: the occupancy grid culls empty space as in a real run; then the state every source starts from
     if pretrain:
         place = "device" if "device" in placements else "host"
-        src = _make_source(cfg, PIPELINED, place, max(batches), scene, caches[place], dev_name, threads, priority)
+        src = _make_source(cfg, PIPELINED, place, max(batches), scene, caches[place], dev_name, threads)
         try:
             r = _segment(cfg, env, task, scene, src, 0, pretrain, 1)
         finally:
@@ -371,7 +369,7 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
                 order = with_floor(pair_order(base, t, PIPELINED) if PIPELINED in names else [(s, -1) for s in base], t)
                 for k, (name, _) in enumerate(order):
                     _restore(task, snap)
-                    src = _make_source(cfg, name, pl, B, scene, caches[pl], dev_name, threads, priority)
+                    src = _make_source(cfg, name, pl, B, scene, caches[pl], dev_name, threads)
                     try:
                         warm, n = _warmup(name, src, warmup), _timed_steps(name, src, steps)
                         seg = _segment(cfg, env, task, scene, src, warm, n, first)

@@ -42,14 +42,14 @@ from filelock import FileLock
 
 from dali_nerf.config import PartitionConfig
 from dali_nerf.errors import ConfigError
-from dali_nerf.partition import Partition
 from dali_nerf.imagecache import decode_cache
+from dali_nerf.partition import Partition
+from dali_nerf.plan import SamplingPlan
 from dali_nerf.rays import rays_from_indices
 from dali_nerf.scenegen import make_scene
 from dali_nerf.scenes import load_scene
 from dali_nerf.scenes.base import Scene
-from dali_nerf.sources import (RayLoader, SpatialRayLoader, SyncGlobalSampler, SyncLocalSampler,
-                               TorchWorkersSampler)
+from dali_nerf.sources import make_source
 
 __all__ = ["main", "measure", "default_scene", "decode_rate", "synthetic_images", "torch_gather_source"]
 
@@ -132,7 +132,8 @@ def _global_worker(rank, scene, cache, B, seconds, port, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        src = SyncGlobalSampler(scene, rays_per_batch=B, rank=rank, world_size=2, cache=cache if rank == 0 else None)
+        plan = SamplingPlan.for_loader(B, rank=rank, world_size=2, num_threads=1, rays_per_run=B, prefetch=0)
+        src = make_source("sync_global", scene, plan, cache=cache if rank == 0 else None)
         for _ in range(3):
             _touch(next(src))
         # both ranks run the same number of steps: rank 0 decides it from a short probe
@@ -237,13 +238,15 @@ def main(args) -> int:
         # patches (and no source is measured only in a slow one)
         r = {k: 0.0 for k in ("rays", "torch_gather", "sync_local", "torch_workers", "sync_global")}
         best_ss, acc = 0.0, None
+        # the benchmark's own budget, the same for every source (see above)
+        plan = SamplingPlan.for_loader(B, num_threads=threads, rays_per_run=max(262144, B), prefetch=2, workers=threads)
+        cell0 = SamplingPlan.for_loader(B, num_threads=threads, rays_per_run=max(262144, B), prefetch=2,
+                                        cells=(0,), num_cells=part.num_cells) if part is not None else None
         for _ in range(rounds):
-            with RayLoader(scene, rays_per_batch=B, cache=cache, prefetch=2, num_threads=threads,
-                           rays_per_run=max(262144, B)) as L:
+            with make_source("rays", scene, plan, cache=cache) as L:
                 r["rays"] = max(r["rays"], measure(L, B, seconds))
             if part is not None:
-                with SpatialRayLoader(scene, part, 0, rays_per_batch=B, cache=cache, prefetch=2,
-                                      num_threads=threads, rays_per_run=max(262144, B)) as S:
+                with make_source("rays", scene, cell0, cache=cache, partition=part) as S:
                     best_ss = max(best_ss, measure(S, B, seconds))
                     acc = S.stats()["acceptance"]
             # training-thread torch samplers: best of torch's default intra-op threads and 1 thread
@@ -251,8 +254,8 @@ def main(args) -> int:
             r["torch_gather"] = max(r["torch_gather"], _best_threads(
                 lambda: measure(torch_gather_source(cache, scene, B), B, seconds)))
             r["sync_local"] = max(r["sync_local"], _best_threads(
-                lambda: measure(SyncLocalSampler(scene, rays_per_batch=B, cache=cache), B, seconds)))
-            with TorchWorkersSampler(scene, rays_per_batch=B, cache=cache, workers=threads) as tw:
+                lambda: measure(make_source("sync_local", scene, plan, cache=cache), B, seconds)))
+            with make_source("torch_workers", scene, plan, cache=cache) as tw:
                 r["torch_workers"] = max(r["torch_workers"], measure(tw, B, seconds))
             r["sync_global"] = max(r["sync_global"], sync_global_rate(scene, cache, B, seconds))
         if part is not None:

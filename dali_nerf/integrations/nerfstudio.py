@@ -176,10 +176,12 @@ class DaliDataManagerConfig(VanillaDataManagerConfig):
     """Seed of the ray stream; each rank's stream is keyed by (seed, rank)."""
     prefetch: int = 2
     """DALI runs computed ahead of training (0 = synchronous sampling)."""
-    num_threads: int = 2
-    """DALI threads per rank (decode once, then sampling)."""
-    rays_per_run: int = 262144
-    """Rays one DALI run samples (several steps); does not change the ray stream."""
+    num_threads: int = 0
+    """DALI threads per rank (decode once, then sampling); 0 = the host's budget per local rank, as
+    the trainers' (dali_nerf.plan: usable cores / LOCAL_WORLD_SIZE - 1, 1 to 4)."""
+    rays_per_run: int = 0
+    """Rays one DALI run samples (several steps; does not change the ray stream); 0 = the host's
+    budget (65536 per sampler thread, at most 262144)."""
     sampler_device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the decoded images live and rays are sampled: auto = the datamanager's device."""
 
@@ -227,7 +229,8 @@ class DaliDataManager(VanillaDataManager):
         with ctx:
             self._loader = RayLoader(self.train_scene, rays_per_batch=c.train_num_rays_per_batch, rank=self.rank,
                                      world_size=int(self.world_size), seed=c.seed, prefetch=c.prefetch,
-                                     device=sdev, num_threads=c.num_threads, rays_per_run=c.rays_per_run,
+                                     device=sdev, num_threads=c.num_threads or None,
+                                     rays_per_run=c.rays_per_run or None,
                                      output_map=("origins", "directions", "rgb", "indices"))
         self._iter = iter(self._loader)
 

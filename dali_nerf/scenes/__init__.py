@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 from ..errors import SceneError
 from .base import FORMATS, Scene, register_format
@@ -17,7 +17,8 @@ from ._util import resolve_background
 from .fingerprint import describe_change, scene_fingerprint
 from . import blender, nerfstudio, llff, mega_nerf  # noqa: F401  (register themselves)
 
-__all__ = ["Scene", "load_scene", "detect_format", "FORMATS", "register_format", "scene_fingerprint", "describe_change"]
+__all__ = ["Scene", "load_scene", "scene_from_config", "detect_format", "FORMATS", "register_format", "scene_fingerprint",
+           "describe_change"]
 
 SPLITS = ("train", "val", "test")
 
@@ -73,3 +74,11 @@ def load_scene(
         raise SceneError(f"{root}: split {split!r} has no images; check the split's file list")
     bg, mode = resolve_background(background, name, scene.image_paths[0])
     return dataclasses.replace(scene, background=bg, background_mode=mode)
+
+
+def scene_from_config(cfg, split: Optional[str] = None) -> Scene:
+    """The split ``split`` (default ``cfg.scene.train_split``) of the scene a config names, with
+    its format, downscale and background: the one config -> Scene."""
+    s = cfg.scene
+    return load_scene(s.path, split=s.train_split if split is None else split, format=s.format,
+                      downscale=s.downscale, background=s.background)

@@ -24,25 +24,14 @@ from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import dali_threads, local_world_size, to_background
 from dali_nerf.imagecache import available_memory
 from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, RAY_BYTES, RAY_OUTPUTS
-from dali_nerf.scenes import describe_change, load_scene, scene_fingerprint
+from dali_nerf.scenes import describe_change, scene_fingerprint
 
-__all__ = ["BatchSource", "BatchStats", "BATCH_KEYS", "resolve_device", "dali_to_torch", "check_common",
+__all__ = ["BatchSource", "BatchStats", "BATCH_KEYS", "dali_to_torch", "check_common",
            "check_positive", "check_int", "check_run_size", "MAX_PREFETCH", "check_cache_device", "run_graph", "step_views", "RunAhead", "StarvationGuard",
-           "SamplerStarvedWarning", "demote_if_starved", "scene_from_config", "scene_state", "check_scene_state"]
+           "SamplerStarvedWarning", "demote_if_starved", "scene_state", "check_scene_state"]
 
 BATCH_KEYS = ("origins", "directions", "rgb", "indices", "near", "far")
 """Keys a batch may carry (near/far only when the scene has bounds)."""
-
-
-def resolve_device(device: str) -> str:
-    """"auto" -> "cuda" when available else "cpu"; "cuda" without a GPU is a ConfigError."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"device={device!r}: use cpu, cuda or auto")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda: no CUDA device is visible; use device=cpu")
-    return device
 
 
 class BatchStats:
@@ -437,9 +426,3 @@ class BatchSource:
             self.close()
         except Exception:
             pass
-
-
-def scene_from_config(cfg):
-    """Load ``cfg.scene``'s training split."""
-    s = cfg.scene
-    return load_scene(s.path, split=s.train_split, format=s.format, downscale=s.downscale, background=s.background)

@@ -43,13 +43,14 @@ import numpy as np
 import torch
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import check_priority, dali_threads, loader_budget, resolve_priority
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.hostbudget import dali_threads
+from dali_nerf.imagecache import shard_cache
+from dali_nerf.plan import SamplingPlan
 from dali_nerf.pipelines.decode import shard_range, shard_sizes
 from dali_nerf.pipelines.rays import INT64_MAX, ray_pipeline
 from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, RunAhead, check_cache_device, check_common,
-                                    check_int, check_positive, check_run_size, check_scene_state, demote_if_starved, resolve_device,
-                                    run_graph, run_phase, scene_from_config, scene_state, step_views)
+                                    check_int, check_positive, check_run_size, check_scene_state, demote_if_starved,
+                                    run_graph, run_phase, scene_state, step_views)
 from dali_nerf.sources.streaming import WindowStream, plan_window_images
 
 __all__ = ["RayLoader"]
@@ -82,11 +83,14 @@ class RayLoader(BatchSource):
             (DALI's CPU threads and the hand-over thread; CPU, prefetch > 0, cached shards).
             "background" when this rank's compute is on a GPU and the host's cores are few per
             rank, so the training thread never waits for a core (:mod:`dali_nerf.hostbudget`);
-            ``from_config`` resolves ``pipeline.thread_priority`` (auto) from ``train.device``.
+            ``auto``: background when ``device`` is cuda (a run's config resolves
+            ``pipeline.thread_priority`` from ``train.device``: :func:`dali_nerf.plan.plan_from_config`).
             A background sampler that keeps ``next()`` waiting over 20% of a second (a host whose
             cores are all busy starves it) warns once (:class:`~.base.SamplerStarvedWarning`) and
             is rebuilt at normal priority at the next run, at the same stream position
             (``starvation_guard = False`` on the class or instance keeps it in background).
+        plan: a resolved :class:`~dali_nerf.plan.SamplingPlan` (the registry's door, from a config):
+            it replaces every argument above but ``scene``, ``cache`` and ``output_map``.
     Yields:
         dict: origins (B, 3) f32, directions (B, 3) f32 unit, rgb (B, 3) f32, indices (B, 3) i64,
         near/far (B, 1) f32 when the scene has bounds.
@@ -100,53 +104,52 @@ class RayLoader(BatchSource):
                  rays_per_run: Optional[int] = None, cache=None,
                  output_map: Sequence[str] = ("origins", "directions", "rgb", "indices", "near", "far"),
                  max_bytes: Optional[int] = None, decode_batch: int = 8, window_images: int = 0,
-                 rays_per_window: int = 0, thread_priority: str = "normal"):
-        check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode)
-        self.thread_priority = check_priority(thread_priority)
-        num_threads, rays_per_run = loader_budget(rays_per_batch, num_threads, rays_per_run)
-        check_positive("rays_per_run", rays_per_run)
-        check_positive("num_threads", num_threads)
+                 rays_per_window: int = 0, thread_priority: str = "normal", *, plan: Optional[SamplingPlan] = None):
+        if plan is None:  # the drop-in API: its arguments make the plan
+            check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode)
+            for name, v in (("window_images", window_images), ("rays_per_window", rays_per_window),
+                            ("decode_batch", decode_batch)):
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (1 if name == "decode_batch" else 0):
+                    raise ConfigError(f"cache.{name}={v!r}: must be an integer >= {1 if name == 'decode_batch' else 0}")
+            if max_bytes is not None:
+                check_positive("cache.max_bytes", max_bytes)
+            plan = SamplingPlan.for_loader(rays_per_batch, rank=rank, world_size=world_size, seed=seed, mode=mode,
+                                           prefetch=prefetch, device=device, num_threads=num_threads,
+                                           rays_per_run=rays_per_run, thread_priority=thread_priority,
+                                           decode_batch=decode_batch, max_bytes=max_bytes, window_images=window_images,
+                                           rays_per_window=rays_per_window)
+        else:
+            check_common(scene, plan.rays_per_batch, plan.rank, plan.world_size, plan.seed, plan.prefetch, plan.mode)
         for k in output_map:
             if k not in BATCH_KEYS:
                 raise ConfigError(f"output_map: unknown key {k!r}; valid: {', '.join(BATCH_KEYS)}")
+        self.plan = plan
         self.scene = scene
-        self.rays_per_batch = int(rays_per_batch)
-        self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
-        self.prefetch, self.mode = int(prefetch), mode
-        self.device = resolve_device(device)
-        self.num_threads = int(num_threads)
-        self.steps_per_run = max(1, math.ceil(int(rays_per_run) / self.rays_per_batch))
+        self.rays_per_batch, self.rank, self.world_size, self.seed = (plan.rays_per_batch, plan.rank, plan.world_size,
+                                                                      plan.seed)
+        self.prefetch, self.mode, self.device = plan.prefetch, plan.mode, plan.device
+        self.thread_priority, self.num_threads = plan.priority, plan.threads
+        self.steps_per_run, self.rays_per_run = plan.steps_per_run, plan.rays_per_run
         check_run_size(self.steps_per_run, self.rays_per_batch, self.prefetch + 2, self.device)
-        self.rays_per_run = self.steps_per_run * self.rays_per_batch
         self.output_map = tuple(k for k in output_map if scene.has_bounds or k not in ("near", "far"))
         self._shard_pixels = shard_sizes(scene, self.world_size)
-        for name, v in (("window_images", window_images), ("rays_per_window", rays_per_window),
-                        ("decode_batch", decode_batch)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (1 if name == "decode_batch" else 0):
-                raise ConfigError(f"cache.{name}={v!r}: must be an integer >= {1 if name == 'decode_batch' else 0}")
-        if max_bytes is not None:
-            check_positive("cache.max_bytes", max_bytes)
-        self.decode_batch = int(decode_batch)
+        self.decode_batch = plan.decode_batch
         self._device_id = torch.cuda.current_device() if self.device == "cuda" else None
         need = int(self._shard_pixels[self.rank]) * 3
         self._stream: Optional[WindowStream] = None
         self.window_images = 0
         self.rays_per_window = 0
-        if cache is None and max_bytes is not None and need > max_bytes:
+        if cache is None and plan.max_bytes is not None and need > plan.max_bytes:
             lo, hi = shard_range(scene.num_images, self.rank, self.world_size)
             px = (scene.width[lo:hi] * scene.height[lo:hi]).astype(np.int64)
-            self.window_images = plan_window_images(px, int(max_bytes), int(window_images), self.rank)
-            self.rays_per_window = int(rays_per_window) if mode == "random" else 0
-            self._stream = WindowStream(scene, self.rank, self.world_size, self.seed, mode, np.arange(lo, hi), px,
-                                        self.window_images, self.rays_per_window, int(max_bytes), device=self.device,
-                                        device_id=self._device_id, num_threads=self.num_threads,
-                                        decode_batch=self.decode_batch, rays_per_run=self.rays_per_run,
-                                        prefetch=self.prefetch, output_map=self.output_map)
+            self.window_images = plan_window_images(px, int(plan.max_bytes), plan.window_images, self.rank)
+            self.rays_per_window = plan.rays_per_window if self.mode == "random" else 0
+            self._stream = WindowStream(scene, plan, np.arange(lo, hi), px, self.window_images, self.rays_per_window,
+                                        output_map=self.output_map)
             self._chunks = deque()  # (start, end, {key: tensor}) runs not yet fully handed out
             self._prod = 0  # stream position of the next run to sample
         elif cache is None:
-            cache = decode_cache(scene, self.rank, self.world_size, device=self.device,
-                                 num_threads=self.num_threads, batch=decode_batch)
+            cache = shard_cache(scene, plan)
         elif (cache.rank, cache.world_size) != (self.rank, self.world_size):
             raise ConfigError(f"cache: holds shard {cache.rank}/{cache.world_size}, loader is {self.rank}/{self.world_size}")
         else:
@@ -163,20 +166,6 @@ class RayLoader(BatchSource):
         self._steps = None  # K tuples of (B, ...) views of self._run, in output_map order
         self._run_start = 0  # stream position of self._run's first ray
         self._closed = False
-
-    # ---- construction from a config ------------------------------------------------------------
-    @classmethod
-    def from_config(cls, cfg, rank: int = 0, world_size: int = 1, scene=None) -> "RayLoader":
-        """RayLoader from a :class:`~dali_nerf.config.Config` (``cfg.pipeline``, ``cfg.cache``, ``cfg.scene``)."""
-        if scene is None:
-            scene = scene_from_config(cfg)
-        p = cfg.pipeline
-        c = cfg.cache
-        return cls(scene, rays_per_batch=p.rays_per_batch, rank=rank, world_size=world_size, seed=p.seed,
-                   prefetch=p.prefetch, mode=p.mode, device=cfg.train.device, num_threads=p.num_threads,
-                   rays_per_run=p.rays_per_run, max_bytes=c.max_bytes, decode_batch=c.decode_batch,
-                   window_images=getattr(c, "window_images", 0), rays_per_window=getattr(c, "rays_per_window", 0),
-                   thread_priority=resolve_priority(p.thread_priority, cfg.train.device))
 
     @property
     def streaming(self) -> bool:

@@ -25,10 +25,10 @@ import numpy as np
 from dali_nerf import seeds
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import check_priority
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.imagecache import full_cache
 from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
 from dali_nerf.sources.base import MAX_PREFETCH, BatchSource, BatchStats, check_int, check_scene_state, scene_state
-from dali_nerf.sources.sync import PixelSampler, WorkerBatches, WorkerLoader, routed_rays
+from dali_nerf.sources.sync import PixelSampler, WorkerBatches, WorkerLoader, host_plan, routed_rays
 
 __all__ = ["RoutedTorchWorkers", "routed_batch"]
 
@@ -68,7 +68,7 @@ class RoutedTorchWorkers(WorkerLoader, BatchSource):
         self.scene, self.partition, self.cell = scene, partition, int(cell)
         self.rays_per_batch, self.seed = int(rays_per_batch), int(seed)
         self.prefetch, self.workers = max(1, int(prefetch)), int(workers)
-        cache = cache if cache is not None else decode_cache(scene, 0, 1, num_threads=num_threads)
+        cache = cache if cache is not None else full_cache(scene, host_plan(rays_per_batch, num_threads))
         self.sampler = PixelSampler(cache, scene, self.seed, seeds.routed_stream(workers_cell=self.cell), "random")
         self.batch = 0
         self._stats = BatchStats()

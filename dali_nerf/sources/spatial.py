@@ -21,19 +21,18 @@ torch.Size([4096, 3])
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import check_priority, dali_threads, loader_budget
-from dali_nerf.imagecache import decode_cache
-from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline
-from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
+from dali_nerf.hostbudget import dali_threads
+from dali_nerf.imagecache import full_cache
+from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, RAY_OUTPUTS, ray_pipeline, release_pipeline
+from dali_nerf.plan import SamplingPlan
 from dali_nerf.sources.base import (MAX_PREFETCH, BatchSource, BatchStats, RunAhead, check_cache_device, check_int,
-                                    check_positive, check_run_size, check_scene_state, demote_if_starved,
-                                    resolve_device, run_graph, run_phase, scene_state, step_views)
+                                    check_run_size, check_scene_state, demote_if_starved, run_graph, run_phase,
+                                    scene_state, step_views)
 
 __all__ = ["SpatialRayLoader"]
 
@@ -58,32 +57,32 @@ class SpatialRayLoader(BatchSource):
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, prefetch: int = 2,
                  mode: str = "random", device: str = "cpu", num_threads: Optional[int] = None,
                  rays_per_run: Optional[int] = None, cache=None, decode_batch: int = 8,
-                 thread_priority: str = "normal"):
+                 thread_priority: str = "normal", *, plan: Optional[SamplingPlan] = None):
         if not 0 <= cell < partition.num_cells:
             raise ConfigError(f"cell={cell}: partition has {partition.num_cells} cells")
         if not scene.has_bounds:
             raise ConfigError(f"{scene.root}: spatial routing needs per-image near/far bounds; use a scene format that defines them")
-        check_int("rays_per_batch", rays_per_batch, 1, INT32_MAX)
-        check_int("seed", seed, 0, INT64_MAX)
-        check_int("prefetch", prefetch, 0, MAX_PREFETCH)
-        if mode not in ("random", "epoch"):
-            raise ConfigError(f"mode={mode!r}: use random or epoch")
+        if plan is None:  # the direct API: its arguments make the plan
+            check_int("rays_per_batch", rays_per_batch, 1, INT32_MAX)
+            check_int("seed", seed, 0, INT64_MAX)
+            check_int("prefetch", prefetch, 0, MAX_PREFETCH)
+            if mode not in ("random", "epoch"):
+                raise ConfigError(f"mode={mode!r}: use random or epoch")
+            plan = SamplingPlan.for_loader(rays_per_batch, seed=seed, mode=mode, prefetch=prefetch, device=device,
+                                           num_threads=num_threads, rays_per_run=rays_per_run,
+                                           thread_priority=thread_priority, decode_batch=decode_batch,
+                                           cells=(int(cell),), num_cells=partition.num_cells)
+        self.plan = plan
         self.scene, self.partition, self.cell = scene, partition, int(cell)
-        self.rays_per_batch, self.seed, self.mode = int(rays_per_batch), int(seed), mode
-        self.prefetch = int(prefetch)
-        self.device = resolve_device(device)
-        num_threads, rays_per_run = loader_budget(self.rays_per_batch, num_threads, rays_per_run)
-        check_positive("rays_per_run", rays_per_run)
-        check_positive("num_threads", num_threads)
-        self.thread_priority = check_priority(thread_priority)
-        self.num_threads = int(num_threads)
-        self.steps_per_run = max(1, math.ceil(int(rays_per_run) / self.rays_per_batch))
+        self.stream_id, self.num_streams = plan.stream(self.cell)
+        self.rays_per_batch, self.seed, self.mode = plan.rays_per_batch, plan.seed, plan.mode
+        self.prefetch, self.device = plan.prefetch, plan.device
+        self.thread_priority, self.num_threads = plan.priority, plan.threads
+        self.steps_per_run, self.rays_per_run = plan.steps_per_run, plan.rays_per_run
         check_run_size(self.steps_per_run, self.rays_per_batch, self.prefetch + 2, self.device)
-        self.rays_per_run = self.steps_per_run * self.rays_per_batch
         if cache is not None:
             check_cache_device(cache, self.device, "SpatialRayLoader")
-        self.cache = cache if cache is not None else decode_cache(scene, 0, 1, device=self.device,
-                                                                  num_threads=self.num_threads, batch=decode_batch)
+        self.cache = cache if cache is not None else full_cache(scene, plan)
         self.run_start, self.offset = 0, 0
         self._run = None            # (start, consumed, {name: (R, ...) tensor}) of the current run
         self._next_run_start = 0    # stream position of the next run the pipeline delivers
@@ -105,8 +104,8 @@ class SpatialRayLoader(BatchSource):
         if self._pipe is None:
             device_id = torch.cuda.current_device() if self.device == "cuda" else None
             before = dali_threads() if self.thread_priority == "background" else None
-            self._pipe = ray_pipeline(self.cache, self.rays_per_run, self.mode, self.seed, self.cell,
-                                      self.partition.num_cells, first_start=self._next_run_start,
+            self._pipe = ray_pipeline(self.cache, self.rays_per_run, self.mode, self.seed, self.stream_id,
+                                      self.num_streams, first_start=self._next_run_start,
                                       prefetch=self.prefetch, device=self.device, num_threads=self.num_threads,
                                       device_id=device_id, partition=self.partition, cell=self.cell)
             if self.prefetch > 0 and self.device == "cpu":

@@ -28,8 +28,7 @@ The engine knows nothing of the loader that consumes it: it is built from the st
 the sampling settings, and hands out chunks ``(start, end, {key: tensor})``, one ray-graph run
 per :meth:`WindowStream.produce` call.
 
->>> ws = WindowStream(scene, rank=0, world_size=1, seed=0, mode="random", image_ids=ids,
-...                   px_per_image=px, window_images=4, rays_per_window=0, max_bytes=1 << 26)
+>>> ws = WindowStream(scene, plan, image_ids=ids, px_per_image=px, window_images=4, rays_per_window=0)
 >>> start, end, chunk = ws.produce(0)      # the first run of window (0, 0)
 >>> ws.close()
 """
@@ -46,7 +45,7 @@ import numpy as np
 import torch
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.imagecache import DecodeCancelled, decode_cache
+from dali_nerf.imagecache import DecodeCancelled, window_cache
 from dali_nerf.pipelines.rays import ray_pipeline, release_pipeline
 from dali_nerf.seeds import window_key, window_order_keys
 from dali_nerf.sources.base import CLOSE_TIMEOUT_S, run_graph
@@ -125,30 +124,29 @@ class WindowStream:
     """The stream of one rank's shard through decoded windows (see the module doc).
 
     Args:
-        scene: the split; rank, world_size: the shard; seed, mode: the stream.
+        scene: the split; plan: the rank's :class:`~dali_nerf.plan.SamplingPlan` (the shard, the
+            stream's seed and mode, device, threads, decode batch, rays per run, prefetch (capped
+            per window), ``max_bytes``, recorded in :meth:`info`).
         image_ids: (N,) split indices of the shard; px_per_image: (N,) their pixel counts.
         window_images: W (from :func:`plan_window_images`); rays_per_window: 0 = pixel count.
-        max_bytes: the budget (recorded in :meth:`info`).
-        device, device_id, num_threads, decode_batch: decoding and sampling settings.
-        rays_per_run: rays per ray-graph run; prefetch: runs DALI computes ahead (capped per window).
         output_map: batch keys of the chunks.
     """
 
-    def __init__(self, scene, rank: int, world_size: int, seed: int, mode: str, image_ids, px_per_image,
-                 window_images: int, rays_per_window: int, max_bytes: int, *, device: str = "cpu", device_id=None,
-                 num_threads: int = 2, decode_batch: int = 8, rays_per_run: int = 262144, prefetch: int = 2,
+    def __init__(self, scene, plan, image_ids, px_per_image, window_images: int, rays_per_window: int,
                  output_map: Sequence[str] = ("origins", "directions", "rgb", "indices", "near", "far")):
-        self.scene, self.rank, self.world_size = scene, int(rank), int(world_size)
-        self.seed, self.mode = int(seed), mode
-        self.device, self.device_id, self.num_threads = device, device_id, int(num_threads)
-        self.decode_batch, self.rays_per_run, self.prefetch = int(decode_batch), int(rays_per_run), int(prefetch)
+        self.scene, self.plan = scene, plan
+        self.rank, self.world_size = plan.rank, plan.world_size
+        self.seed, self.mode = plan.seed, plan.mode
+        self.device, self.num_threads = plan.device, plan.threads
+        self.device_id = torch.cuda.current_device() if self.device == "cuda" else None
+        self.rays_per_run, self.prefetch = plan.rays_per_run, plan.prefetch
         self.output_map = tuple(output_map)
         self.ids = np.asarray(image_ids, np.int64)
         self.px = {int(i): int(p) for i, p in zip(self.ids, px_per_image)}
         self.W = int(window_images)
         self.m = math.ceil(len(self.ids) / self.W)
         self.rays_per_window = int(rays_per_window)
-        self.max_bytes = max_bytes
+        self.max_bytes = plan.max_bytes
         shard_px = int(sum(self.px.values()))
         self.cycle_len = shard_px if self.rays_per_window == 0 else self.m * self.rays_per_window
         self._plans = {}
@@ -198,8 +196,7 @@ class WindowStream:
         try:
             if self.device == "cuda" and threading.current_thread() is not threading.main_thread():  # pragma: no cover
                 torch.cuda.set_device(self.device_id)  # the current device is per thread
-            w.cache = decode_cache(self.scene, self.rank, self.world_size, device=self.device,
-                                   num_threads=self.num_threads, batch=self.decode_batch, indices=w.ids, stop=w.stop)
+            w.cache = window_cache(self.scene, self.plan, w.ids, stop=w.stop)
             with self._lock:
                 self.windows_decoded += 1
         except DecodeCancelled:

@@ -39,16 +39,17 @@ import torch
 import torch.distributed as dist
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import check_priority, loader_budget, resolve_priority, to_background
+from dali_nerf.hostbudget import check_priority, to_background
+from dali_nerf.imagecache import full_cache, shard_cache
 from dali_nerf.interrupt import ignore_interrupts, interrupts_deferred
 from dali_nerf.partition import ray_cells
-from dali_nerf.imagecache import decode_cache
 from dali_nerf.pipelines.decode import shard_sizes
+from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
+from dali_nerf.plan import SamplingPlan
 from dali_nerf.rays import rays_from_indices
 from dali_nerf.seeds import block_seed, perm_seed, routed_stream
-from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
 from dali_nerf.sources.base import (BatchSource, BatchStats, check_common, check_int, check_run_size,
-                                    check_scene_state, resolve_device, scene_from_config, scene_state)
+                                    check_scene_state, scene_state)
 
 __all__ = ["SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "PixelSampler", "RoutedSyncLocal",
            "RoutedSyncGlobal", "scatter_batches", "collective_device", "WorkerBatches", "WorkerLoader", "routed_rays"]
@@ -161,18 +162,28 @@ class PixelSampler:
         return self.batch(self.pixel_ids(position, n))
 
 
+def host_plan(rays_per_batch: int, num_threads: int, **kw) -> SamplingPlan:
+    """The plan of a baseline built from its arguments: it samples on the host; ``num_threads``
+    decode its cache."""
+    kw.setdefault("device", "cpu")
+    return SamplingPlan.for_loader(rays_per_batch, num_threads=num_threads, rays_per_run=rays_per_batch, **kw)
+
+
 class _Source(BatchSource):
     """Common state of a batch source: position/epoch/state_dict/stats/close/context manager."""
 
     _global = False
 
-    def _init_common(self, scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device):
+    def _init_common(self, scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device, num_threads):
         check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode)
         self.scene = scene
-        self.rays_per_batch = int(rays_per_batch)
-        self.rank, self.world_size, self.seed = int(rank), int(world_size), int(seed)
-        self.prefetch, self.mode = int(prefetch), mode
-        self.device = resolve_device(device)
+        # the sampling plan of these arguments (num_threads: the decode's threads)
+        self.plan = host_plan(rays_per_batch, num_threads, rank=rank, world_size=world_size, seed=seed,
+                              prefetch=prefetch, mode=mode, device=device)
+        self.rays_per_batch = self.plan.rays_per_batch
+        self.rank, self.world_size, self.seed = self.plan.rank, self.plan.world_size, self.plan.seed
+        self.prefetch, self.mode = self.plan.prefetch, mode
+        self.device = self.plan.device
         # rank 0 of sync_global samples every rank's batch
         check_run_size(world_size if self._global else 1, self.rays_per_batch, self.prefetch + 2, self.device, op=False)
         self.position = 0
@@ -217,20 +228,6 @@ class _Source(BatchSource):
     def close(self) -> None:
         self._closed = True
 
-    @classmethod
-    def from_config(cls, cfg, rank: int = 0, world_size: int = 1, scene=None):
-        """Build from a :class:`~dali_nerf.config.Config` (``cfg.pipeline``)."""
-        if scene is None:
-            scene = scene_from_config(cfg)
-        p = cfg.pipeline
-        kw = dict(rays_per_batch=p.rays_per_batch, rank=rank, world_size=world_size, seed=p.seed,
-                  prefetch=p.prefetch, mode=p.mode, device=cfg.train.device,
-                  num_threads=loader_budget(p.rays_per_batch, p.num_threads, p.rays_per_run)[0])
-        if cls is TorchWorkersSampler:
-            kw["workers"] = p.workers
-            kw["thread_priority"] = resolve_priority(p.thread_priority, cfg.train.device)
-        return cls(scene, **kw)
-
 
 class SyncLocalSampler(_Source):
     """Each rank samples its own batch over its DALI shard, synchronously in ``__next__``.
@@ -241,9 +238,9 @@ class SyncLocalSampler(_Source):
 
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
                  prefetch: int = 0, mode: str = "random", device: str = "cpu", num_threads: int = 2, cache=None):
-        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device)
+        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device, num_threads)
         if cache is None:
-            cache = decode_cache(scene, self.rank, self.world_size, num_threads=num_threads)
+            cache = shard_cache(scene, self.plan, device="cpu")
         self.cache = cache
         self.sampler = PixelSampler(cache, scene, self.seed, self.rank, mode, self.device)
 
@@ -275,7 +272,7 @@ class SyncGlobalSampler(_Source):
 
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
                  prefetch: int = 0, mode: str = "random", device: str = "cpu", num_threads: int = 2, cache=None):
-        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device)
+        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device, num_threads)
         if self.world_size > 1:
             if not dist.is_available() or not dist.is_initialized():
                 raise ConfigError("pipeline.name=sync_global with world_size > 1 needs an initialised "
@@ -284,7 +281,7 @@ class SyncGlobalSampler(_Source):
         self.sampler = None
         if self.rank == 0:
             if cache is None:
-                cache = decode_cache(scene, 0, 1, num_threads=num_threads)
+                cache = full_cache(scene, self.plan, device="cpu")
             self.cache = cache
             self.sampler = PixelSampler(cache, scene, self.seed, 0, mode, self.device)
         self._P = scene.num_pixels
@@ -388,13 +385,13 @@ class TorchWorkersSampler(WorkerLoader, _Source):
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
                  prefetch: int = 2, mode: str = "random", device: str = "cpu", num_threads: int = 2,
                  workers: int = 2, cache=None, thread_priority: str = "normal"):
-        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device)
+        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device, num_threads)
         self.thread_priority = check_priority(thread_priority)
         if not isinstance(workers, (int, np.integer)) or workers < 0:
             raise ConfigError(f"workers={workers!r}: must be an integer >= 0")
         self.workers = int(workers)
         if cache is None:
-            cache = decode_cache(scene, self.rank, self.world_size, num_threads=num_threads)
+            cache = shard_cache(scene, self.plan, device="cpu")
         self.cache = cache
         # workers sample on the CPU; batches are pinned and moved to the GPU by the consumer side
         self.sampler = PixelSampler(cache, scene, self.seed, self.rank, mode, "cpu")
@@ -467,7 +464,7 @@ class RoutedSyncLocal(BatchSource):
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, cache=None, num_threads: int = 2):
         check_int("rays_per_batch", rays_per_batch, 1, INT32_MAX)
         check_int("seed", seed, 0, INT64_MAX)
-        cache = cache if cache is not None else decode_cache(scene, 0, 1, num_threads=num_threads)
+        cache = cache if cache is not None else full_cache(scene, host_plan(rays_per_batch, num_threads))
         self.scene = scene
         self.cell, self.rays_per_batch = int(cell), int(rays_per_batch)
         self._s = _RoutedSampler(cache, scene, partition, seed, routed_stream(cell=cell), 2 * rays_per_batch)
@@ -510,7 +507,7 @@ class RoutedSyncGlobal(BatchSource):
         self.position = [0] * self.world_size
         self._s = None
         if self.rank == 0:
-            cache = cache if cache is not None else decode_cache(scene, 0, 1, num_threads=num_threads)
+            cache = cache if cache is not None else full_cache(scene, host_plan(rays_per_batch, num_threads))
             self._s = _RoutedSampler(cache, scene, partition, seed, routed_stream(slot=slot), 2 * rays_per_batch)
         self._stats = BatchStats()
 

@@ -28,7 +28,8 @@ from ...atomic import atomic_write_text
 from ...config import Config
 from ...emulation import DeviceLinks
 from ...errors import DaliNerfError
-from ...hostbudget import host_budget, loader_budget, resolve_priority
+from ...hostbudget import HostBudget
+from ...plan import plan_from_config
 from ...scenes import load_scene
 from ...sources import build_source
 from .. import emulated as em
@@ -113,6 +114,16 @@ def run_grid(cfg: Config, config_path: str, overrides: Sequence[str], log=print)
     return dirs, failed
 
 
+def launch_budget(cfg: Config, ranks: int) -> HostBudget:
+    """The budget of an emulated launch of ``ranks`` ranks on this host: the host budget for that
+    many local ranks (whatever ``pipeline.num_threads`` / ``rays_per_run`` the CPU rows use), at
+    ``pipeline.thread_priority`` resolved for emulated devices (:func:`dali_nerf.plan.plan_from_config`)."""
+    emu = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, num_threads=0, rays_per_run=0),
+                              train=dataclasses.replace(cfg.train, device="emulated"))
+    plan = plan_from_config(emu, 0, ranks, local_ranks=ranks)
+    return dataclasses.replace(plan.budget, priority=plan.priority)
+
+
 def run_emulated(cfg: Config, grad_bytes: int, log=print) -> dict:
     """The emulated launches: for each method and its ``bench.emulated_ranks[_ss]``, one launch
     running the floor and ``bench.emulated_samplers`` at every ``bench.emulated_step_ms``,
@@ -129,8 +140,7 @@ def run_emulated(cfg: Config, grad_bytes: int, log=print) -> dict:
     dirs, launches = [], []
     for m in b.methods:
         for W in (b.emulated_ranks if m == "ddp" else b.emulated_ranks_ss):
-            budget = dataclasses.replace(host_budget(B, local_ranks=W),
-                                         priority=resolve_priority(cfg.pipeline.thread_priority, "emulated"))
+            budget = launch_budget(cfg, W)
             segs = em.schedule(b.emulated_samplers, b.emulated_step_ms, b.trials, B,
                                check_rays=b.check_rays if (m == "ddp" and W in b.check_ranks) else (),
                                check_step_ms=b.check_step_ms)
@@ -159,8 +169,7 @@ def _time_source(cfg: Config, scene, batches: int, cpu: Optional[list] = None) -
     seconds per batch (every thread: the loader's DALI and hand-over threads too)."""
     warm = 2
     if cfg.pipeline.name == "rays":  # cover several DALI runs, not just pops of one prefetched run,
-        per_run = -(-loader_budget(cfg.pipeline.rays_per_batch, cfg.pipeline.num_threads,  # after the
-                                   cfg.pipeline.rays_per_run)[1] // cfg.pipeline.rays_per_batch)  # first runs
+        per_run = plan_from_config(cfg).steps_per_run  # after the first runs
         batches = max(batches, 8 * per_run)
         warm = 3 * per_run
     src = build_source(cfg, scene, 0, 1)
@@ -200,8 +209,7 @@ def measure_sampling(cfg: Config, sizes: Sequence[int], batches: int = 20) -> di
         c.pipeline.name = "rays"
         out["loader_s"].append(_time_source(c, scene, batches, cpu=out["loader_cpu_s"]))
     out["sync_cores"] = threads
-    out["loader_cores"] = min(loader_budget(cfg.pipeline.rays_per_batch, cfg.pipeline.num_threads,
-                                            cfg.pipeline.rays_per_run)[0], cores)
+    out["loader_cores"] = min(plan_from_config(cfg).threads, cores)
     out["profile"] = sampling_profile(out, cores)
     return out
 
