@@ -6,6 +6,7 @@
 >>> from dali_nerf import RayLoader, load_scene
 >>> scene = load_scene("data/default", split="train")
 >>> loader = RayLoader(scene, rays_per_batch=4096, rank=0, world_size=1, seed=0, prefetch=2)
+>>> src = source_from_config("configs/ddp_objects.yaml", rank=0, world_size=2)   # what a trainer's rank gets
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import importlib
 __version__ = "0.1.0"
 
 __all__ = [
-    "RayLoader", "Scene", "load_scene", "Config", "load_config", "load_plugin",
+    "RayLoader", "source_from_config", "SamplingPlan", "Scene", "load_scene", "Config", "load_config", "load_plugin",
     "DaliNerfError", "ConfigError", "SceneError", "__version__",
 ]
 
 _LAZY = {
     "RayLoader": "dali_nerf.sources",
+    "source_from_config": "dali_nerf.sources",
+    "SamplingPlan": "dali_nerf.plan",
     "Scene": "dali_nerf.scenes",
     "load_scene": "dali_nerf.scenes",
     "Config": "dali_nerf.config",

@@ -40,6 +40,7 @@ from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import usable_cores
 from dali_nerf.partition import Partition, assign_rank
 from dali_nerf.plan import plan_from_config
+from dali_nerf.runtime import load_scenes, prepare_run_dir, setup_distributed, torch_threads_kept
 from dali_nerf.sources import build_source, floor_source
 from dali_nerf.sources.shm_scatter import ShmLink, ShmScatter
 
@@ -111,8 +112,11 @@ def _mean_after(recs: List[dict], warm: int, key: str) -> float:
 def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
     """Run the emulated-device mode for ``method`` (a trainer's Method: ``ddp`` or ``ss``); returns
     the summary on rank 0, {} on the others."""
-    from dali_nerf.training import load_scenes, prepare_run_dir, setup_distributed  # (training imports this module)
+    with torch_threads_kept():  # setup_distributed sets them per rank; a caller's process gets them back
+        return _train_emulated(cfg, method, resume)
 
+
+def _train_emulated(cfg: Config, method, resume: bool) -> dict:
     if resume:
         raise ConfigError("--resume: train.device=emulated trains no model and writes no checkpoints; run without --resume")
     t, p = cfg.train, cfg.pipeline

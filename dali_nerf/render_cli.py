@@ -27,7 +27,8 @@ from .models.ray_space import RaySpace
 from .partition import Partition
 from .scenes import scene_from_config
 from .trainers.spatial import build_fused
-from .training import eval_background, evaluate_field, scene_space, write_renders
+from .evaluation import evaluate_field, write_renders
+from .fieldsetup import eval_background, scene_space
 
 __all__ = ["load_run", "load_run_space", "orbit_poses", "main"]
 

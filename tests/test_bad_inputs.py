@@ -419,7 +419,7 @@ def test_output_folder_not_writable(scenes, tmp_path, capsys):
 DISK_FULL_CHILD = r"""
 import resource, signal, sys, torch
 from dali_nerf.checkpoint import save_rank_state
-from dali_nerf.cli import run_cli
+from dali_nerf.command import run_cli
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # write() then fails with EFBIG instead of killing us
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # no file may grow past 1 MiB
 state = {"step": 8, "tasks": {"ddp": {"field": {"w": torch.arange(1 << 20, dtype=torch.float32)}}}}

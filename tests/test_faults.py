@@ -594,7 +594,8 @@ def test_ranks_agree_on_the_step_they_resume_from(tmp_path):
 RESUME_RANK = r"""
 import sys, torch, torch.distributed as dist
 from pathlib import Path
-from dali_nerf.training import DistEnv, read_resume_state
+from dali_nerf.resume import read_resume_state
+from dali_nerf.runtime import DistEnv
 rank, store, run = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 resume, st, folder = read_resume_state(run, DistEnv(rank, 2, rank, torch.device("cpu")), True)

@@ -310,7 +310,7 @@ def test_one_rank_cuda_ddp_run(tmp_path):
 def test_phase_timer_uses_events_on_torchs_stream_not_a_device_sync(monkeypatch):
     """PhaseTimer on CUDA: spans are event times on the current stream, resolved by one wait on
     the last event; torch.cuda.synchronize (which would also wait for DALI's streams) is never called."""
-    from dali_nerf.training import PhaseTimer
+    from dali_nerf.phases import PhaseTimer
 
     def no_device_sync(*a, **k):
         raise AssertionError("PhaseTimer called torch.cuda.synchronize()")

@@ -195,7 +195,7 @@ def test_ctrl_c_stops_the_trainer_promptly_leaving_nothing(scene_dir, tmp_path, 
 
 _HANG = textwrap.dedent("""\
     import sys, threading, time
-    from dali_nerf.cli import run_cli
+    from dali_nerf.command import run_cli
     from dali_nerf.interrupt import exit_process
 
     def work():

@@ -1,26 +1,54 @@
-"""The data path's module graph: pipelines/ holds DALI graphs only, the sources import the graphs
-(never the other way), the compatibility modules re-export the sources, and DALI is imported only
-when a graph is built."""
+"""The package's layering, pinned so it cannot drift back (ARCHITECTURE.md, "Layout").
+
+The data path is one walk: config -> scene (``scenes.scene_from_config``) -> plan (``plan.py``, the
+only caller of the host budget, the priority and the device resolution) -> image cache
+(``imagecache.py``, the one place that decodes, with ``finish.py``) -> DALI graphs + op
+(``pipelines/``, ``ops/``) -> sources (``sources/``; the registry the only constructor) -> the loop
+(``training.py`` and its parts) -> trainers, the emulated mode, the study. Imports go one way,
+function-level imports included; modules stay under 600 lines and functions under 100.
+"""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PKG = REPO / "dali_nerf"
+ROOTS = {"dali_nerf": PKG, "dali_nerf.pipelines": REPO / "pipelines", "dali_nerf.trainers": REPO / "trainers"}
 
-# modules pipelines/ must not import: the batch sources, the baselines, the training loop, trainers
-FORBIDDEN_IN_PIPELINES = ("dali_nerf.sources", "dali_nerf.loader", "dali_nerf.baseline", "dali_nerf.training",
-                          "dali_nerf.trainers", "dali_nerf.bench")
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 100
 
 
-def _imports(path: Path, package: str):
-    """Absolute names of every module imported anywhere in ``path`` (function bodies included)."""
+def _modules() -> dict:
+    """{module name: path} of every module of the package (pipelines/ and trainers/ installed inside it)."""
+    out = {}
+    for prefix, root in ROOTS.items():
+        for f in sorted(root.rglob("*.py")):
+            rel = f.relative_to(root).with_suffix("")
+            parts = list(rel.parts)
+            if prefix == "dali_nerf" and parts[0] in ("pipelines", "trainers"):
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([prefix] + parts)] = f
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path, module: str, modules=None):
+    """Absolute names imported anywhere in ``path`` (function bodies included): a ``from X import
+    y`` names ``X.y`` when that is a module, else ``X``."""
+    modules = MODULES if modules is None else modules
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -31,61 +59,189 @@ def _imports(path: Path, package: str):
                 mod = f"{base}.{node.module}" if node.module else base
             else:
                 mod = node.module
-            out.append(mod)
-            out += [f"{mod}.{a.name}" for a in node.names]  # "from dali_nerf import baseline"
+            for a in node.names:
+                full = f"{mod}.{a.name}"
+                out.append(full if full in modules else mod)
     return out
 
 
-def _bad(names, forbidden):
-    return sorted({n for n in names for f in forbidden if n == f or n.startswith(f + ".")})
+def _graph() -> dict:
+    g = defaultdict(set)
+    for name, path in MODULES.items():
+        for imp in _imports(path, name):
+            if imp in MODULES and imp != name:
+                g[name].add(imp)
+    return g
 
 
-def test_pipelines_import_no_sources_baselines_or_trainers():
-    files = sorted((REPO / "pipelines").glob("*.py"))
-    assert {f.name for f in files} >= {"__init__.py", "decode.py", "rays.py"}
-    for f in files:
-        bad = _bad(_imports(f, "dali_nerf.pipelines"), FORBIDDEN_IN_PIPELINES)
-        assert not bad, f"{f.relative_to(REPO)} imports {bad}: pipelines/ holds DALI graph definitions only"
+def _cycles(g: dict) -> list:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in list(MODULES):
+        if v not in index:
+            visit(v)
+    return out
 
 
-def test_the_checker_sees_relative_and_function_level_imports(tmp_path):
-    f = tmp_path / "g.py"
-    f.write_text("def build():\n    from ..sources import RayLoader\n    from dali_nerf import baseline\n")
-    assert _bad(_imports(f, "dali_nerf.pipelines"), FORBIDDEN_IN_PIPELINES) == [
-        "dali_nerf.baseline", "dali_nerf.sources", "dali_nerf.sources.RayLoader"]
+def _under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def test_nothing_in_the_package_imports_through_the_compatibility_modules():
-    roots = [PKG, REPO / "pipelines", REPO / "trainers"]
-    for root in roots:
-        for f in sorted(root.rglob("*.py")):
-            if f.name in ("loader.py", "baseline.py") and f.parent == PKG:
-                continue
-            bad = _bad(_imports(f, "dali_nerf." + ".".join(f.relative_to(root).parts[:-1])),
-                       ("dali_nerf.loader", "dali_nerf.baseline"))
-            assert not bad, f"{f.relative_to(REPO)} imports {bad}; import from dali_nerf.sources"
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_check_sees_one(tmp_path):
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("def f():\n    from p import b\n")
+    (pkg / "b.py").write_text("from p.a import f\n")
+    mods = {"p.a": pkg / "a.py", "p.b": pkg / "b.py"}
+    g = {m: {i for i in _imports(f, m, mods) if i in mods and i != m} for m, f in mods.items()}
+    assert g == {"p.a": {"p.b"}, "p.b": {"p.a"}}
+    assert _cycles.__code__  # the same Tarjan as above, on this graph:
+    index_graph = defaultdict(set, g)
+    global MODULES
+    saved, MODULES = MODULES, mods
+    try:
+        assert _cycles(index_graph) == [["p.a", "p.b"]]
+    finally:
+        MODULES = saved
+
+
+# the layers below must not import the layers above them (modules or packages, prefix match)
+LOWER = ("dali_nerf.partition", "dali_nerf.sources", "dali_nerf.pipelines", "dali_nerf.plan", "dali_nerf.imagecache",
+         "dali_nerf.finish", "dali_nerf.scenes", "dali_nerf.ops", "dali_nerf.hostbudget", "dali_nerf.seeds",
+         "dali_nerf.config", "dali_nerf.imageio")
+UPPER = ("dali_nerf.models", "dali_nerf.training", "dali_nerf.bench", "dali_nerf.emulation", "dali_nerf.emulated_train",
+         "dali_nerf.trainers", "dali_nerf.trainer_cli", "dali_nerf.evaluation", "dali_nerf.resume", "dali_nerf.runtime",
+         "dali_nerf.tasks", "dali_nerf.runlog", "dali_nerf.fieldsetup", "dali_nerf.demo", "dali_nerf.render_cli",
+         "dali_nerf.cli", "dali_nerf.integrations")
+
+
+@pytest.mark.parametrize("lower", LOWER)
+def test_the_data_path_imports_nothing_above_it(lower):
+    for name, path in MODULES.items():
+        if _under(name, (lower,)):
+            bad = sorted({i for i in _imports(path, name) if _under(i, UPPER)})
+            assert not bad, f"{path.relative_to(REPO)} imports {bad}: {lower} sits below them"
+
+
+def test_pipelines_hold_graphs_only():
+    for name, path in MODULES.items():
+        if _under(name, ("dali_nerf.pipelines",)):
+            bad = sorted({i for i in _imports(path, name) if _under(i, ("dali_nerf.sources", "dali_nerf.imagecache",
+                                                                          "dali_nerf.plan"))})
+            assert not bad, f"{path.relative_to(REPO)} imports {bad}: pipelines/ holds DALI graph definitions only"
+
+
+def test_the_loop_does_not_import_the_emulated_mode_or_the_study():
+    for name, path in MODULES.items():
+        if _under(name, ("dali_nerf.training", "dali_nerf.runtime", "dali_nerf.resume", "dali_nerf.evaluation",
+                         "dali_nerf.tasks", "dali_nerf.runlog", "dali_nerf.emulation")):
+            bad = sorted({i for i in _imports(path, name) if _under(i, ("dali_nerf.emulated_train", "dali_nerf.bench",
+                                                                          "dali_nerf.cli", "dali_nerf.trainer_cli"))})
+            assert not bad, f"{path.relative_to(REPO)} imports {bad}"
+
+
+def test_module_and_function_sizes():
+    long_modules, long_functions = [], []
+    for name, path in MODULES.items():
+        n = len(path.read_text().splitlines())
+        if n > MAX_MODULE_LINES:
+            long_modules.append(f"{path.relative_to(REPO)} ({n} lines)")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{path.relative_to(REPO)}::{node.name} ({size} lines)")
+    assert not long_modules and not long_functions, (long_modules, long_functions)
+
+
+def _calls(path: Path, names) -> list:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            called = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if called in names:
+                out.append(called)
+    return out
+
+
+def test_decode_cache_called_from_at_most_three_modules():
+    """The image cache is decoded by its owner; the decode benchmarks time it directly."""
+    callers = sorted(str(p.relative_to(REPO)) for n, p in MODULES.items() if _calls(p, {"decode_cache"}))
+    assert len(callers) <= 3 and "dali_nerf/imagecache.py" in callers, callers
+    assert set(callers) <= {"dali_nerf/imagecache.py", "dali_nerf/bench/sampler.py", "dali_nerf/bench/decode.py"}, callers
+
+
+SOURCE_CLASSES = {"RayLoader", "SpatialRayLoader", "SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler",
+                  "RoutedSyncLocal", "RoutedSyncGlobal", "RoutedTorchWorkers", "ReadySource", "ShmScatter",
+                  "global_scatter"}
+
+
+def test_sources_are_constructed_only_in_the_registry():
+    """Outside dali_nerf/sources/registry.py no package module builds a batch source (a source's own
+    module may: ``ReadySource.first_of``, ``global_scatter``)."""
+    own = {"ShmScatter": "dali_nerf.sources.shm_scatter"}
+    for name, path in MODULES.items():
+        if name == "dali_nerf.sources.registry":
+            continue
+        made = [c for c in _calls(path, SOURCE_CLASSES) if own.get(c) != name]
+        assert not made, f"{path.relative_to(REPO)} constructs {sorted(set(made))}; build sources with dali_nerf.sources.registry"
+
+
+def test_the_plan_alone_resolves_budgets_priorities_and_devices():
+    helpers = {"host_budget", "resolve_priority", "resolve_device", "sampling_device", "usable_cores"}
+    allowed = {"dali_nerf.plan", "dali_nerf.hostbudget", "dali_nerf.emulated_train"}  # usable_cores: a summary field
+    for name, path in MODULES.items():
+        if name in allowed:
+            continue
+        used = set(_calls(path, helpers))
+        assert not used, f"{path.relative_to(REPO)} calls {sorted(used)}; resolve them once in dali_nerf.plan"
 
 
 def test_only_the_lazy_loader_modules_import_dali():
     """DALI is imported in dali_nerf/_dali.py (the decode and ray graphs, the torch feed) and the
     operator loader; nowhere else in the package."""
     allowed = {PKG / "_dali.py", PKG / "ops" / "__init__.py"}
-    for root in (PKG, REPO / "pipelines", REPO / "trainers"):
-        for f in sorted(root.rglob("*.py")):
-            if f in allowed:
-                continue
-            bad = _bad(_imports(f, "dali_nerf"), ("nvidia.dali",))
-            assert not bad, f"{f.relative_to(REPO)} imports {bad}; go through dali_nerf._dali"
+    for name, path in MODULES.items():
+        if path in allowed:
+            continue
+        bad = [i for i in _imports(path, name) if _under(i, ("nvidia.dali",))]
+        assert not bad, f"{path.relative_to(REPO)} imports {bad}; go through dali_nerf._dali"
 
 
-def test_compatibility_modules_reexport_the_sources():
-    import dali_nerf
-    from dali_nerf import baseline, loader, sources
-
-    for mod in (loader, baseline):
-        for name in mod.__all__:
-            assert getattr(mod, name) is getattr(sources, name), f"{mod.__name__}.{name}"
-    assert dali_nerf.RayLoader is sources.RayLoader
+def test_the_checks_see_function_level_and_relative_imports(tmp_path):
+    f = tmp_path / "g.py"
+    f.write_text("def build():\n    from ..sources import RayLoader\n    from dali_nerf import training\n")
+    got = _imports(f, "dali_nerf.pipelines.g")
+    assert "dali_nerf.sources" in got and "dali_nerf.training" in got
 
 
 @pytest.mark.parametrize("module", ["dali_nerf", "dali_nerf.sources", "dali_nerf.pipelines.rays", "dali_nerf.training",
@@ -93,5 +249,12 @@ def test_compatibility_modules_reexport_the_sources():
 def test_importing_the_data_path_imports_no_dali(module):
     code = (f"import sys, {module}; bad = [m for m in sys.modules if m.startswith('nvidia.dali')]; "
             "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_importing_the_sources_loads_no_model_training_or_study():
+    code = ("import sys, dali_nerf.sources; bad = [m for m in sys.modules if m.startswith(('dali_nerf.models', "
+            "'dali_nerf.training', 'dali_nerf.bench', 'dali_nerf.emulat'))]; assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dali_nerf.sources import base
-from dali_nerf.training import PhaseTimer, _bar_stall, _steady_stall
+from dali_nerf.phases import PhaseTimer
+from dali_nerf.runlog import bar_stall as _bar_stall, steady_stall as _steady_stall
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -96,7 +97,7 @@ def test_ddp_comm_hook_times_on_gloo_and_keeps_overlap_under_nccl(tmp_path, monk
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
-    from dali_nerf import training
+    from dali_nerf import runtime as training  # DistEnv, wrap_ddp, dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:

@@ -21,7 +21,8 @@ from dali_nerf.rays import image_rays
 from dali_nerf.render_cli import load_run_space
 from dali_nerf.scenes import load_scene
 from dali_nerf.trainers.spatial import main as spatial_main
-from dali_nerf.training import eval_background, evaluate_field, scene_aabb, scene_space, train_background
+from dali_nerf.evaluation import evaluate_field
+from dali_nerf.fieldsetup import eval_background, scene_aabb, scene_space, train_background
 
 from test_trainers import metrics, run_trainer
 

@@ -9,7 +9,7 @@ import torch
 
 from dali_nerf import seeds
 from dali_nerf.sources import PixelSampler, window_plan
-from dali_nerf.training import seed_everything, step_generator
+from dali_nerf.runtime import seed_everything, step_generator
 
 M64 = (1 << 64) - 1
 

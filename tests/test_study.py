@@ -13,7 +13,7 @@ import yaml
 
 from dali_nerf.bench import costmodel as cm
 from dali_nerf.bench import study
-from dali_nerf.cli import run_cli
+from dali_nerf.command import run_cli
 from dali_nerf.errors import DaliNerfError
 
 REPO = Path(__file__).resolve().parents[1]

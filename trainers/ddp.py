@@ -20,7 +20,10 @@ import torch  # noqa: E402
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
 from dali_nerf.seeds import init_seed
 from dali_nerf.sources import build_source
-from dali_nerf.training import DistEnv, Method, Task, learned_background_init, scene_space, trainer_main, wrap_ddp
+from dali_nerf.fieldsetup import learned_background_init, scene_space
+from dali_nerf.runtime import DistEnv, wrap_ddp
+from dali_nerf.tasks import Method, Task
+from dali_nerf.trainer_cli import trainer_main
 
 __all__ = ["DDPMethod", "main"]
 

@@ -6,7 +6,7 @@ machine's training device, against the same step with a ready batch (the floor).
 
 One process, world size 1. The config's model is built by the DDP trainer's own method
 (``trainers/ddp.py``) and trained by the trainer's own step (:func:`dali_nerf.training.train_task_step`,
-phases by :class:`~dali_nerf.training.PhaseTimer`: CUDA events on torch's stream on a GPU, host
+phases by :class:`~dali_nerf.phases.PhaseTimer`: CUDA events on torch's stream on a GPU, host
 time on the CPU; ``wait`` is host time in ``next()``). It is first trained ``--pretrain`` steps
 (so the occupancy grid has culled empty space, as in a real run), then its state (field,
 optimiser, occupancy grid, schedule) is kept and restored before every segment: every source
@@ -153,7 +153,8 @@ def _timed_steps(name: str, src, steps: int) -> int:
 
 def _segment(cfg, env, task, scene, src, warm: int, steps: int, first_step: int) -> dict:
     """Train ``warm + steps`` steps of ``task`` on ``src``; means over the timed ones."""
-    from ..training import PHASES, PhaseTimer, train_task_step
+    from ..phases import PHASES, PhaseTimer
+    from ..training import train_task_step
 
     task.source, task.iterator = src, None
     bg = torch.as_tensor(np.array(scene.background), device=env.device)
@@ -290,8 +291,7 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
     from ..imagecache import CacheStore
     from ..scenes import scene_from_config
     from ..trainers.ddp import DDPMethod
-    from ..training import DistEnv
-    from .emulated import pair_order, with_floor
+    from ..runtime import DistEnv
     from .study import git_commit, _machine_desc
 
     dev_name = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -356,8 +356,20 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
             src.close()
         res["meta"].update(pretrain_loss=r["loss_last"], pretrain_source=f"{place} rays at {max(batches)} rays")
         log(f"pretrained {pretrain} steps ({place} rays, {max(batches)} rays): loss {r['loss_last']:.5f}")
+    _grid(cfg, env, task, scene, caches, res, out, batches, samplers, placements, trials, steps, warmup,
+          pretrain + 1, dev_name, threads, t0, log)
+    res["meta"]["wall_s"] = time.perf_counter() - t0
+    _write(out, res)
+    return res
+
+
+def _grid(cfg, env, task, scene, caches, res, out, batches, samplers, placements, trials, steps, warmup, first,
+          dev_name, threads, t0, log) -> None:
+    """Every (batch size, trial, placement, source) segment of :func:`run_loop`, rotated, each from
+    the same pretrained state; ``res`` rewritten to ``out`` after every segment."""
+    from .emulated import pair_order, with_floor
+
     snap = _snapshot(task)
-    first = pretrain + 1
     baselines = [s for s in samplers if s not in (PIPELINED, FLOOR)]
     for B in batches:
         for t in range(trials):
@@ -381,9 +393,6 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
                     _write(out, res)
                     log(f"{pl:6s} B={B:6d} t{t} {LABELS[name]:44s} step {1e3 * seg['step_s']:8.2f} ms  "
                         f"wait {1e3 * seg['wait_s']:7.2f} ms  stall {100 * seg['stall']:5.1f}%")
-    res["meta"]["wall_s"] = time.perf_counter() - t0
-    _write(out, res)
-    return res
 
 
 def read_device_step(path, rays: int) -> dict:

@@ -79,6 +79,8 @@ from nerfstudio.plugins.types import MethodSpecification
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from dali_nerf import RayLoader, Scene
+from dali_nerf.plan import SamplingPlan
+from dali_nerf.sources import make_source
 from dali_nerf.errors import ConfigError
 from dali_nerf.imageio import read_header
 
@@ -227,11 +229,11 @@ class DaliDataManager(VanillaDataManager):
         sdev = self._sampler_device()
         ctx = torch.cuda.device(torch.device(self.device)) if sdev == "cuda" else contextlib.nullcontext()
         with ctx:
-            self._loader = RayLoader(self.train_scene, rays_per_batch=c.train_num_rays_per_batch, rank=self.rank,
-                                     world_size=int(self.world_size), seed=c.seed, prefetch=c.prefetch,
-                                     device=sdev, num_threads=c.num_threads or None,
-                                     rays_per_run=c.rays_per_run or None,
-                                     output_map=("origins", "directions", "rgb", "indices"))
+            plan = SamplingPlan.for_loader(c.train_num_rays_per_batch, rank=self.rank, world_size=int(self.world_size),
+                                           seed=c.seed, prefetch=c.prefetch, device=sdev,
+                                           num_threads=c.num_threads or None, rays_per_run=c.rays_per_run or None)
+            self._loader = make_source("rays", self.train_scene, plan,
+                                       output_map=("origins", "directions", "rgb", "indices"))
         self._iter = iter(self._loader)
 
     def next_train(self, step: int) -> Tuple[RayBundle, Dict]:

@@ -1,7 +1,7 @@
 """Fused inference over spatial-segmentation sub-models (Mega-NeRF's ``MegaNeRF`` container).
 
 Each sample point ``x`` is evaluated only by the sub-models of the cells whose weight
-(:func:`point_weights`, also exported as ``dali_nerf.partition.point_weights``) is non-zero: the cells with
+(:func:`dali_nerf.partition.point_weights`) is non-zero: the cells with
 ``dist(x, c_j) <= margin * min_k dist(x, c_k)``, weighted by ``1 / dist`` and normalised. Points
 are grouped by cell, so each sub-model runs once per call on exactly its points.
 
@@ -21,62 +21,16 @@ piecewise sub-model field with no overhead beyond routing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Sequence
+from typing import Dict, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # only annotations: dali_nerf.partition re-exports point_weights from here
-    from ..partition.cells import Partition
+from ..partition.blend import point_weights, point_weights_t
+from ..partition.cells import Partition
 
 __all__ = ["FusedField", "point_weights", "point_weights_t"]
-
-
-def point_weights(partition: Partition, x):
-    """Inverse-distance blending weights of points (Mega-NeRF's fused-inference rule).
-
-    Cells with ``dist(x, c_j) <= margin * min_k dist(x, c_k)`` get weight ``1 / dist``, normalised
-    to sum 1; the nearest cell is always included. A point at a centroid (dist 0) gets weight 1
-    there (shared equally among coincident centroids). Distances as ``partition.dims``.
-
-    Args:
-        partition: the cells (C).
-        x: (P, 3) numpy array or torch tensor.
-    Returns:
-        (P, C) weights, same library (and for torch, dtype/device) as ``x``; rows sum to 1.
-
-    Example:
-        >>> point_weights(part, torch.zeros(1, 3)).sum(1)
-        tensor([1.])
-    """
-    is_np = not isinstance(x, torch.Tensor)
-    xt = torch.as_tensor(np.asarray(x, np.float64)) if is_np else x
-    c = torch.as_tensor(np.array(partition.centroids), dtype=xt.dtype, device=xt.device)
-    P = torch.as_tensor(partition.projector(), dtype=xt.dtype, device=xt.device)
-    w = point_weights_t(xt, c, P, partition.margin)
-    return w.numpy() if is_np else w
-
-
-def point_weights_t(x, centroids, P, margin: float):
-    """torch core of :func:`point_weights` (any dtype and device).
-
-    Args:
-        x: (P, 3) points; centroids: (C, 3); P: (3, 3) projector (``Partition.projector()``);
-        margin: the partition's margin m >= 1.
-    Returns:
-        (P, C) weights, rows sum to 1.
-    """
-    diff = (x[:, None, :] - centroids[None]) @ P  # (P, C, 3)
-    dist = torch.linalg.norm(diff, dim=-1)  # (P, C)
-    dmin = dist.min(dim=1, keepdim=True).values
-    keep = dist <= margin * dmin
-    tiny = torch.finfo(dist.dtype).tiny
-    zero = dmin <= 0
-    inv = torch.where(keep, 1.0 / dist.clamp_min(tiny), torch.zeros_like(dist))
-    # at a centroid: weight only on the coincident centroid(s)
-    inv = torch.where(zero, (dist <= 0).to(dist.dtype), inv)
-    return inv / inv.sum(dim=1, keepdim=True)
 
 
 class FusedField(nn.Module):

@@ -58,6 +58,52 @@ def _as_col(v, b: int, like: torch.Tensor, default: float) -> torch.Tensor:
     return v.reshape(-1).expand(b) if v.numel() in (1, b) else v.reshape(b)
 
 
+def _ray_samples(origins, directions, near, far, aabb, occupancy, samples: int, generator, train: bool, warp,
+                 spacing: str, split: float):
+    """The sample points of :func:`render_rays`: ``(t (B, S), delta (B, S), pos (B, S, 3), hit (B,), S)``:
+    each ray's [near, far] clipped to ``aabb``, S stratified (jittered in training) depths, linear
+    or lin_disp, and their positions (warped by ``warp``)."""
+    b = origins.shape[0]
+    dev, dt = origins.device, origins.dtype
+    if spacing not in ("linear", "lin_disp"):
+        raise ValueError(f"render_rays: spacing={spacing!r}: use linear or lin_disp")
+    t0 = _as_col(near, b, origins, 0.0)
+    t1 = _as_col(far, b, origins, float("inf"))
+    if aabb is not None:
+        te, tx = ray_aabb(origins, directions, torch.as_tensor(aabb, dtype=dt, device=dev))
+        t0 = torch.maximum(t0, te)
+        t1 = torch.minimum(t1, tx)
+    elif not torch.isfinite(t1).all():
+        raise ValueError("render_rays: rays need finite far bounds or an aabb")
+    hit = t1 > t0
+    span = torch.where(hit, t1 - t0, torch.zeros_like(t0))
+    s = int(samples)
+    if occupancy is not None and not getattr(occupancy, "ready", True):
+        s = max(8, s // WARMUP_DIVISOR)  # everything occupied yet: coarse marching until the first update
+    if train and generator is not None:
+        u = torch.rand((b, s), generator=generator, device=dev, dtype=dt)
+    elif train:
+        u = torch.rand((b, s), device=dev, dtype=dt)
+    else:
+        u = torch.full((b, s), 0.5, device=dev, dtype=dt)
+    if spacing == "linear":
+        delta = (span / s)[:, None].expand(b, s)  # (B, S)
+        t = t0[:, None] + (torch.arange(s, device=dev, dtype=dt)[None] + u) * delta  # (B, S)
+    else:
+        if not torch.isfinite(t1[hit]).all():
+            raise ValueError("render_rays: spacing lin_disp needs finite far bounds")
+        t0h = torch.where(hit, t0, torch.zeros_like(t0)).clamp_min(torch.finfo(dt).tiny)
+        t1h = torch.where(hit, t1, t0h + 1.0)
+        edges = lin_disp_samples(t0h, t1h, torch.linspace(0.0, 1.0, s + 1, device=dev, dtype=dt)[None].expand(b, s + 1),
+                                 split)  # (B, S + 1) bin edges
+        delta = torch.where(hit[:, None], edges[:, 1:] - edges[:, :-1], torch.zeros_like(u))
+        t = edges[:, :-1] + u * delta
+    pos = origins[:, None, :] + t[..., None] * directions[:, None, :]  # (B, S, 3)
+    if warp is not None:
+        pos = warp(pos.reshape(-1, 3)).reshape(b, s, 3)
+    return t, delta, pos, hit, s
+
+
 def render_rays(field, origins: torch.Tensor, directions: torch.Tensor, near, far, background, *,
                 occupancy=None, samples: int = 192, generator: Optional[torch.Generator] = None,
                 train: bool = True, aabb: Optional[torch.Tensor] = None,
@@ -100,42 +146,8 @@ def render_rays(field, origins: torch.Tensor, directions: torch.Tensor, near, fa
         aabb = getattr(occupancy, "aabb", None)
     if aabb is None and warp is None:
         aabb = getattr(raw, "aabb", None)
-    if spacing not in ("linear", "lin_disp"):
-        raise ValueError(f"render_rays: spacing={spacing!r}: use linear or lin_disp")
-    t0 = _as_col(near, b, origins, 0.0)
-    t1 = _as_col(far, b, origins, float("inf"))
-    if aabb is not None:
-        te, tx = ray_aabb(origins, directions, torch.as_tensor(aabb, dtype=dt, device=dev))
-        t0 = torch.maximum(t0, te)
-        t1 = torch.minimum(t1, tx)
-    elif not torch.isfinite(t1).all():
-        raise ValueError("render_rays: rays need finite far bounds or an aabb")
-    hit = t1 > t0
-    span = torch.where(hit, t1 - t0, torch.zeros_like(t0))
-    s = int(samples)
-    if occupancy is not None and not getattr(occupancy, "ready", True):
-        s = max(8, s // WARMUP_DIVISOR)  # everything occupied yet: coarse marching until the first update
-    if train and generator is not None:
-        u = torch.rand((b, s), generator=generator, device=dev, dtype=dt)
-    elif train:
-        u = torch.rand((b, s), device=dev, dtype=dt)
-    else:
-        u = torch.full((b, s), 0.5, device=dev, dtype=dt)
-    if spacing == "linear":
-        delta = (span / s)[:, None].expand(b, s)  # (B, S)
-        t = t0[:, None] + (torch.arange(s, device=dev, dtype=dt)[None] + u) * delta  # (B, S)
-    else:
-        if not torch.isfinite(t1[hit]).all():
-            raise ValueError("render_rays: spacing lin_disp needs finite far bounds")
-        t0h = torch.where(hit, t0, torch.zeros_like(t0)).clamp_min(torch.finfo(dt).tiny)
-        t1h = torch.where(hit, t1, t0h + 1.0)
-        edges = lin_disp_samples(t0h, t1h, torch.linspace(0.0, 1.0, s + 1, device=dev, dtype=dt)[None].expand(b, s + 1),
-                                 split)  # (B, S + 1) bin edges
-        delta = torch.where(hit[:, None], edges[:, 1:] - edges[:, :-1], torch.zeros_like(u))
-        t = edges[:, :-1] + u * delta
-    pos = origins[:, None, :] + t[..., None] * directions[:, None, :]  # (B, S, 3)
-    if warp is not None:
-        pos = warp(pos.reshape(-1, 3)).reshape(b, s, 3)
+    t, delta, pos, hit, s = _ray_samples(origins, directions, near, far, aabb, occupancy, samples, generator, train,
+                                         warp, spacing, split)
     mask = hit[:, None].expand(b, s)
     if occupancy is not None:
         mask = mask & occupancy.occupied(pos)

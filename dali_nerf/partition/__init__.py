@@ -6,15 +6,14 @@
   Mega-NeRF's brute force :func:`ray_cells_dense`, the scene's ray segments;
 * :mod:`.mega_nerf` -- Mega-NeRF cluster-mask export / ``params.pt`` import.
 
-The fusion weights of points (:func:`point_weights`) live with the fused field in
-:mod:`dali_nerf.models.fused` and are re-exported here.
+* :mod:`.blend` -- the fusion weights of points, :func:`point_weights` (the fused field's blend).
 
 >>> part = Partition.from_config(cfg.partition, scene)
 >>> ray_cells(part, origins, directions, near, far).shape   # (B, C) bool
 (4096, 4)
 """
 
-from ..models.fused import point_weights
+from .blend import point_weights
 from .cells import Partition, assign_rank, plane_axes
 from .mega_nerf import export_mega_nerf, export_megannerf, import_mega_nerf, import_megannerf, load_masks
 from .routing import cell_fraction, clip_to_bounds, ray_cells, ray_cells_dense, scene_ray_bounds

@@ -121,7 +121,8 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
 
 
 def make_source(name: str, scene, plan: SamplingPlan, *, cache=None, store: Optional[CacheStore] = None,
-                partition=None, cells=None, slot: int = 0, scatter: Optional[ShmLink] = None):
+                partition=None, cells=None, slot: int = 0, scatter: Optional[ShmLink] = None,
+                output_map: Optional[Sequence[str]] = None):
     """The source ``name`` of a resolved ``plan`` (the only constructor of sources).
 
     Data parallel when ``plan.cells`` is empty; else the source of cell ``plan.cells[slot]`` of
@@ -129,10 +130,15 @@ def make_source(name: str, scene, plan: SamplingPlan, *, cache=None, store: Opti
     (else ``store``, else a decode here) is what it samples: DDP the rank's shard (rank 0 of
     ``sync_global``: every image), SS every image of the split — on ``plan.device`` for the op's
     graph, on the host for the baselines, which sample there. Without a cache or a store, a DDP
-    ``rays`` source decodes its shard itself, or streams it when it exceeds ``plan.max_bytes``."""
+    ``rays`` source decodes its shard itself, or streams it when it exceeds ``plan.max_bytes``.
+    ``output_map``: the batch keys of a DDP ``rays`` source (default: all of them)."""
     if not plan.cells:
         if name == "rays" and cache is None and store is not None:  # a shared store holds its shard
             cache = store.shard()
+        if output_map is not None:
+            if name != "rays":
+                raise ConfigError(f"make_source: output_map is for the rays source, not {name!r}")
+            return RayLoader(scene, cache=cache, plan=plan, output_map=tuple(output_map))
         return _ddp_source(name, scene, plan, cache, store or CacheStore(scene, plan), scatter)
     return _ss_source(name, scene, plan, cache, store or CacheStore(scene, plan), partition, cells, slot, scatter)
 

@@ -1,0 +1,107 @@
+"""Evaluation of a run: held-out views rendered and compared (PSNR, SSIM), the mean-colour floor,
+the renders written, and the periodic held-out curve (``train.eval_every`` / ``eval_every_s``).
+
+The evaluated split is decoded once per evaluator (:func:`dali_nerf.imagecache.eval_cache`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import cv2
+import numpy as np
+import torch
+
+from .atomic import atomic_write_bytes
+from .config import Config
+from .fieldsetup import eval_background
+from .imagecache import eval_cache
+from .models import psnr as psnr_fn, render_image, ssim as ssim_fn
+from .models.ray_space import RaySpace
+
+__all__ = ["eval_subset", "evaluate_field", "mean_color_psnr", "write_renders", "PeriodicEval"]
+
+
+def eval_subset(scene, max_images: int = 0):
+    """The evaluated views: all of ``scene`` (max_images <= 0) or ``max_images`` evenly spaced."""
+    n = scene.num_images if max_images <= 0 else min(max_images, scene.num_images)
+    return scene.subset(np.linspace(0, scene.num_images - 1, n).round().astype(np.int64)) if n < scene.num_images else scene
+
+
+@torch.no_grad()
+def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int = 0, decode=None,
+                   space: Optional[RaySpace] = None):
+    """Render held-out views; returns (list of (pred, gt) HxWx3 float tensors, psnr, ssim, seconds).
+
+    Args:
+        field: radiance field (``forward(x, d) -> sigma, rgb``), eval mode.
+        scene: the eval split Scene; images are decoded with the same DALI decode stage.
+        space: the field's :class:`RaySpace` (the one it was trained in; None: world).
+    """
+    sub = eval_subset(scene, max_images)
+    cache = decode if decode is not None else eval_cache(sub)
+    bg = eval_background(field, scene, device)
+    pairs, ps, ss = [], [], []
+    t0 = time.perf_counter()
+    for i in range(sub.num_images):
+        off, w, h, _ = (int(v) for v in cache.layout[i])
+        gt = torch.from_numpy(np.array(cache.pixels[off:off + w * h])).reshape(h, w, 3).float() / 255.0
+        near = float(sub.near[i]) if sub.near is not None else 0.0
+        far = float(sub.far[i]) if sub.far is not None else 1e3
+        pred = render_image(field, torch.as_tensor(np.array(sub.c2w[i]), device=device), torch.as_tensor(np.array(sub.intrinsics[i]), device=device),
+                            w, h, near, far, bg, occupancy=occupancy, samples=cfg.model.samples_per_ray,
+                            space=space).cpu().clamp(0, 1)
+        pairs.append((pred, gt))
+        ps.append(psnr_fn(pred, gt))
+        ss.append(ssim_fn(pred, gt))
+    seconds = time.perf_counter() - t0
+    return pairs, float(np.mean(ps)), float(np.mean(ss)), seconds
+
+
+def mean_color_psnr(pairs) -> float:
+    """The floor every PSNR is read against: mean over the views of the PSNR of the view's own
+    mean colour (a constant image, the best a field that learned nothing but a colour can do).
+    ``pairs``: (pred, gt) HxWx3 as :func:`evaluate_field` returns them."""
+    return float(np.mean([psnr_fn(gt.mean(dim=(0, 1), keepdim=True).expand_as(gt), gt) for _, gt in pairs]))
+
+
+def write_renders(pairs, out_dir: Path, prefix: str = "test") -> List[str]:
+    """Write ``<prefix>_NNN.png``: prediction | ground truth side by side."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = []
+    for i, (pred, gt) in enumerate(pairs):
+        img = torch.cat([pred, gt], dim=1).numpy() if gt is not None else pred.numpy()
+        img = (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)[:, :, ::-1]
+        ok, buf = cv2.imencode(".png", img)
+        name = f"{prefix}_{i:03d}.png"
+        atomic_write_bytes(out_dir / name, buf.tobytes())
+        names.append(name)
+    return names
+
+
+class PeriodicEval:
+    """``train.eval_every``: held-out PSNR of the current field(s) every N steps, as a metrics row
+    ``{"step", "eval_psnr", "eval_ssim", "eval_render_s"}`` (rank 0). Every rank calls it (the SS
+    method gathers the sub-models); the views are decoded once. Its time is outside every phase."""
+
+    def __init__(self, cfg: Config, method, env, tasks, eval_scene):
+        self.cfg, self.method, self.env, self.tasks, self.eval_scene = cfg, method, env, tasks, eval_scene
+        self.views = None
+
+    def __call__(self, step: int) -> Optional[dict]:
+        field, occupancy = self.method.eval_field(self.cfg, self.tasks, self.env)
+        row = None
+        if self.env.rank == 0:
+            n = self.cfg.train.eval_images
+            if self.views is None:
+                self.views = eval_cache(eval_subset(self.eval_scene, n))
+            was_training = field.training
+            field.eval()
+            _, p, s, seconds = evaluate_field(field, occupancy, self.eval_scene, self.cfg, self.env.device, n,
+                                              decode=self.views, space=self.method.space)
+            field.train(was_training)
+            row = {"step": step, "eval_psnr": p, "eval_ssim": s, "eval_render_s": seconds}
+        self.env.barrier()  # the other ranks wait here, not inside the next step's timed phases
+        return row

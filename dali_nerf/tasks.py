@@ -1,0 +1,60 @@
+"""What the DDP and the SS trainers train: a :class:`Task` is one radiance field on one ray stream
+(DDP: the replica of the rank; SS: one per cell the rank owns); a :class:`Method` builds the tasks
+and says how to evaluate them (subclasses in trainers/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from .config import Config
+from .models.ray_space import RaySpace
+
+__all__ = ["Task", "Method", "close_sources"]
+
+
+@dataclass
+class Task:
+    """One field trained on one ray stream (DDP: the replica; SS: one cell)."""
+
+    name: str                      # "ddp" or "cell3"
+    source: object                 # RayLoader or a baseline: iterator of batch dicts
+    field: torch.nn.Module         # the (possibly DDP-wrapped) module whose params are trained
+    raw_field: torch.nn.Module     # unwrapped field, for rendering and checkpoints
+    occupancy: Optional[torch.nn.Module]
+    optimizer: torch.optim.Optimizer
+    scheduler: Optional[object] = None
+    cell: int = -1
+    iterator: object = None
+    space: Optional[RaySpace] = None  # the field's space (None: world, the rays as they are)
+
+    def batches(self):
+        if self.iterator is None:
+            self.iterator = iter(self.source)
+        return self.iterator
+
+
+class Method:
+    """What differs between DDP and SS. Subclasses live in trainers/. ``space`` is the
+    :class:`RaySpace` its fields live in (set by ``build_tasks``; evaluation uses it)."""
+
+    name = "base"
+    space: Optional[RaySpace] = None
+
+    def build_tasks(self, cfg: Config, scene, env) -> List[Task]:
+        raise NotImplementedError
+
+    def eval_field(self, cfg: Config, tasks: List[Task], env):
+        """Rank 0: (field, occupancy) to evaluate; called on every rank (may communicate)."""
+        raise NotImplementedError
+
+    def extra_summary(self, cfg, tasks, env, eval_scene, field, occupancy) -> dict:
+        return {}
+
+
+def close_sources(tasks: List[Task]) -> None:
+    for t in tasks:
+        if hasattr(t.source, "close"):
+            t.source.close()
