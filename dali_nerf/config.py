@@ -487,8 +487,9 @@ def _coerce(key: str, value: Any, tp) -> Any:
             raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
         try:
             return float(value)
-        except OverflowError:  # an integer of hundreds of digits
-            raise ConfigError(f"{key}: {str(value)[:20]}... is too large for a number") from None
+        except OverflowError:  # an int beyond the float range
+            raise ConfigError(f"{key}: {len(str(abs(value)))}-digit integer is beyond the range of a number "
+                              f"(about 1.8e308); give a smaller value") from None
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
@@ -523,7 +524,7 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
         key, raw = ov.split("=", 1)
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
+        except (yaml.YAMLError, ValueError):  # ValueError: an integer of more than 4300 digits
             value = raw
         parts = key.strip().split(".")
         node = data
@@ -557,6 +558,8 @@ def load_config(path=None, overrides: Sequence[str] = (), check_paths: bool = Tr
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}" if mark is not None else ""
             raise ConfigError(f"{where}: not valid YAML{at}; fix the syntax") from None
+        except ValueError as e:  # the YAML is well formed but a value cannot be built (Python's int digit limit)
+            raise ConfigError(f"{where}: a value cannot be read ({str(e).split(';')[0]}); fix it") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: top level must be a mapping of sections, got {type(data).__name__}")
     try:

@@ -47,7 +47,9 @@ def test_sync_contract_and_epoch(scene, cls, mode):
     for b in bs:
         _check(scene, cache, b, 300)
     s = src.stats()
-    assert s["steps"] == 5 and s["rays_per_s"] > 0 and 0 <= s["stall_fraction"] <= 1
+    assert s["steps"] == 5 and 0 < s["wait_s"] <= s["elapsed_s"]  # synchronous: next() is all wait
+    assert s["stall_fraction"] == pytest.approx(s["wait_s"] / s["elapsed_s"], rel=1e-12)
+    assert s["rays_per_s"] == pytest.approx(5 * 300 / s["elapsed_s"], rel=1e-12)
     if mode == "epoch":
         P = cache.num_pixels
         src.set_epoch(0)

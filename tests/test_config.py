@@ -81,3 +81,18 @@ def test_cli_exit_code_two_no_traceback(tmp_path):
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "train.stepz" in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_numbers_too_large_are_one_line_errors(tmp_path):
+    """An integer beyond the float range in a float key (found by tests/test_properties_config.py:
+    OverflowError escaped), and an integer literal over Python's 4300-digit str->int limit in a
+    YAML file (ValueError escaped from yaml.safe_load) or an override (kept as text, then a type
+    error), each give one line naming the key or the file."""
+    msg = err(tmp_path, "{}\n", ["train.lr=1" + "0" * 400])
+    assert "train.lr" in msg and "401-digit integer" in msg
+    msg = err(tmp_path, "train:\n  lr: 1" + "0" * 400 + "\n")
+    assert "train.lr" in msg
+    msg = err(tmp_path, "train:\n  steps: " + "9" * 5000 + "\n")
+    assert "a value cannot be read" in msg and "4300 digits" in msg
+    msg = err(tmp_path, "{}\n", ["train.steps=" + "9" * 5000])
+    assert "train.steps: expected an integer, got str" in msg

@@ -19,7 +19,7 @@ from dali_nerf.runlog import bar_stall as _bar_stall, steady_stall as _steady_st
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_phase_timer_cpu_spans_host_and_minus():
+def test_phase_timer_cpu_spans_host_and_minus(monkeypatch):
     t = PhaseTimer(torch.device("cpu"))
     assert t.kind == "host" and not t.cuda
     a, b = 1.0, 3.5  # CPU marks are perf_counter values
@@ -32,9 +32,16 @@ def test_phase_timer_cpu_spans_host_and_minus():
     assert ph == {"wait": 0.25, "forward": 2.5, "backward": 4.5, "sync": 1.5}
     t.resolve(ph)  # resolved spans are consumed
     assert ph["forward"] == 2.5
-    m0 = t.mark()
-    m1 = t.mark()
-    assert isinstance(m0, float) and m1 >= m0
+    # a CPU mark is the host's perf_counter reading at the boundary (what span() subtracts)
+    from dali_nerf import training
+
+    clock = iter([12.5, 13.75])
+    monkeypatch.setattr(training.time, "perf_counter", lambda: next(clock))
+    m0, m1 = t.mark(), t.mark()
+    assert (m0, m1) == (12.5, 13.75)
+    t.span("forward", m0, m1)
+    t.resolve(ph)
+    assert ph["forward"] == 2.5 + 1.25
 
 
 def test_steady_stall_and_bar_show_warmup_apart():
@@ -84,10 +91,16 @@ def test_trainer_summary_and_printed_json_split_warmup(tmp_path):
         assert printed[k] == s[k], k
     rows = [json.loads(l) for l in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
     assert s["warmup_wait_s"] == rows[0]["wait_s"] > 0
-    assert 0 <= s["stall_fraction_after_first_step"] <= 1
+    # the stalls are the definitions over the per-step rows (the steady one without the first step)
+    wait, step = [r["wait_s"] for r in rows], [r["step_s"] for r in rows]
+    assert s["stall_fraction"] == pytest.approx(sum(wait) / sum(step), rel=1e-9)
+    assert s["stall_fraction_after_first_step"] == pytest.approx(sum(wait[1:]) / sum(step[1:]), rel=1e-9)
     assert s["phase_timing"] == "host" and s["sync_in_backward"] is False
-    st = s["source_stats"]
-    assert st["warmup_s"] > 0 and 0 <= st["stall_fraction_steady"] <= 1
+    st = s["source_stats"]  # BatchStats' definitions (sources/base.py)
+    assert st["steps"] == 6 and st["warmup_s"] > 0
+    assert st["stall_fraction_steady"] == pytest.approx((st["wait_s"] - st["warmup_s"]) / (st["elapsed_s"] - st["warmup_s"]),
+                                                        rel=1e-9)
+    assert st["stall_fraction"] == pytest.approx(st["wait_s"] / st["elapsed_s"], rel=1e-9)
 
 
 def test_ddp_comm_hook_times_on_gloo_and_keeps_overlap_under_nccl(tmp_path, monkeypatch):

@@ -124,7 +124,9 @@ def test_import_is_not_native():
 @pytest.mark.slow
 def test_cuda_source_compiles_with_nvcc(tmp_path):
     if ops._find_nvcc() is None:
-        pytest.skip("nvcc not found: the CUDA backend cannot be compiled here")
+        pytest.skip("nvcc not found (the CUDA toolkit, or the nvidia-cuda-nvcc-cu12 wheel): the CUDA backend cannot be "
+                    "compiled here; runs wherever nvcc is found ($NVCC, PATH, CUDA_HOME), and on a GPU machine the same "
+                    "build is step 1 of scripts/gpu_study.sh")
     # one arch keeps this test shorter; the default build targets sm_80 and sm_90
     env = {**os.environ, "DALI_NERF_CACHE": str(tmp_path), "DALI_NERF_CUDA_ARCHS": "80"}
     code = "from dali_nerf.ops import build_plugin; print(build_plugin(cuda=True))"
@@ -159,7 +161,8 @@ def test_device_formula_has_no_fma(tmp_path):
     same probe has FMAs: the check can fail."""
     nvcc = ops._find_nvcc()
     if nvcc is None:
-        pytest.skip("nvcc not found: the device code cannot be compiled here")
+        pytest.skip("nvcc not found (the CUDA toolkit, or the nvidia-cuda-nvcc-cu12 wheel): the device code cannot be "
+                    "compiled here; runs wherever nvcc is found ($NVCC, PATH, CUDA_HOME)")
     plan = ops._build_plan(cuda=True)
     fp_flags = [f for f in plan["cmd"] if f.startswith(("-fmad", "--fmad", "-use_fast_math", "--use_fast_math",
                                                           "-ftz", "--ftz", "-prec-", "--prec-"))]

@@ -212,8 +212,11 @@ def test_unbounded_scene_learns_contracted_and_less_in_world_space(scenes, tmp_p
     assert con["test_psnr"] > world["test_psnr"] + 3.0, (con["test_psnr"], world["test_psnr"])
     rows = metrics(tmp_path / "contract")
     assert rows[-1]["step"] == 150
-    # random backgrounds: each training ray over its own colour; short run, it learns from the start
-    rnd = _run(tmp_path, "ddp_unbounded.yaml", scenes / "unbounded", "random", 60, "scene.background=random")
+    # random backgrounds: each training ray over its own colour, evaluated over Scene.background.
+    # Measured on 2026-12-06 (commit 147b142, 2-core VM), 150 steps: 18.14 dB held-out against the
+    # 11.46 dB floor (pipeline.seed 1: 17.65), last/first-10-step loss 0.23 (0.24); after 1 step
+    # 10.34 dB. Asserted with the other kinds' +3 dB margin, and the loss at most half.
+    rnd = _run(tmp_path, "ddp_unbounded.yaml", scenes / "unbounded", "random", 150, "scene.background=random")
     rows = [r for r in metrics(tmp_path / "random") if "loss" in r]
-    assert np.mean([r["loss"] for r in rows[-10:]]) < 0.95 * np.mean([r["loss"] for r in rows[:10]])
-    assert math.isfinite(rnd["test_psnr"])
+    assert np.mean([r["loss"] for r in rows[-10:]]) < 0.5 * np.mean([r["loss"] for r in rows[:10]])
+    assert rnd["test_psnr"] > rnd["mean_color_psnr"] + 3.0, (rnd["test_psnr"], rnd["mean_color_psnr"])

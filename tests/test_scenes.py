@@ -534,3 +534,64 @@ def test_mega_nerf_errors(tmp_path):
     with pytest.raises(SceneError) as e:
         load_scene(tmp_path, "train")
     assert_one_line(e, "pose_scale_factor", "coordinates.pt")
+
+
+# ---------------------------------------------------------------- corrupt values -----------------
+def test_corrupt_values_are_one_line_errors_naming_the_file(tmp_path):
+    """Regressions found by tests/test_properties_scenes.py: each of these escaped as a traceback
+    (UnicodeDecodeError, ValueError, OverflowError, numpy's SyntaxError / TokenError) or was
+    accepted as an inf in the float32 Scene, or named only the folder."""
+    def fails(root, path, *needles, split="train"):
+        with pytest.raises(SceneError) as e:
+            load_scene(root, split)
+        assert_one_line(e, path, *needles)
+
+    bl = tmp_path / "bl"
+    make_blender(bl)
+    tj = bl / "transforms_train.json"
+    good = tj.read_text()
+    tj.write_bytes(good.encode()[:40] + b"\xd9" + good.encode()[41:])
+    fails(bl, tj, "not UTF-8")
+    tj.write_text(good.replace('"camera_angle_x": 0.9', '"camera_angle_x": 1' + "0" * 4400))
+    fails(bl, tj, "4300 digits")
+    tj.write_text(good.replace('"camera_angle_x": 0.9', '"camera_angle_x": 1' + "0" * 400))
+    fails(bl, tj, "camera_angle_x", "out of range")
+    meta = json.loads(good)
+    meta["frames"][1]["transform_matrix"][0][3] = 10 ** 400
+    tj.write_text(json.dumps(meta))
+    fails(bl, tj, "transform_matrix")
+    meta["frames"][1]["transform_matrix"][0][3] = 1e300  # finite in float64, inf in the Scene's float32
+    tj.write_text(json.dumps(meta))
+    fails(bl, tj, "non-finite pose")
+    tj.write_text(json.dumps({**json.loads(good), "far": 1e300}))
+    fails(bl, tj, "'far'", "float32")
+
+    ns = tmp_path / "ns"
+    make_nerfstudio(ns)  # 12 frames: frame 10 is the test split's
+    nj = ns / "transforms.json"
+    meta = json.loads(nj.read_text())
+    nj.write_text(json.dumps({**meta, "fl_x": 1e300}))
+    fails(ns, nj, "fl_x", "float32")
+    nj.write_text(json.dumps({**meta, "w": 1e20}))  # an int64 overflow
+    fails(ns, nj, "w, h", "2^31")
+    test_frame = next(f for f in meta["frames"] if f["file_path"].endswith("frame_00010.png"))
+    test_frame["transform_matrix"][0][0] = 10 ** 400  # the train split's up vote falls back to its own cameras
+    nj.write_text(json.dumps(meta))
+    assert np.isfinite(load_scene(ns, "train").up).all()
+
+    ll = tmp_path / "ll"
+    make_llff(ll)
+    npy = ll / "poses_bounds.npy"
+    raw = npy.read_bytes()
+    npy.write_bytes(raw.replace(b"'shape': (", b"'shape': ((", 1))  # numpy tokenizes the header: TokenError
+    fails(ll, npy, "corrupt header")
+
+    mn = tmp_path / "mn"
+    mn.mkdir()
+    make_mega_nerf(mn, meta_extra={"near": 0.1, "far": 2.5})
+    md = mn / "train" / "metadata" / "000002.pt"
+    good_md = torch.load(md, weights_only=True)
+    torch.save({**good_md, "W": 10 ** 400}, md)
+    fails(mn, md, "'W'")
+    torch.save({k: v for k, v in good_md.items() if k not in ("near", "far")}, md)
+    fails(mn, md, "no 'near'/'far'", "000000.pt has near")

@@ -300,8 +300,33 @@ def test_machine_slug_and_commit():
     slug = study.machine_slug()
     assert slug.endswith(f"{os.cpu_count()}core-{__import__('platform').machine()}")
     assert " " not in slug
-    c = study.git_commit(REPO)
-    assert c == "unknown" or len(c.split("-")[0]) == 40
+    # the checkout's own commit (CI runs a clean clone): the test fails, not passes, when git does
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    assert len(head) == 40 and int(head, 16) >= 0
+    assert study.git_commit(REPO) in (head, head + "-dirty")
+
+
+def test_git_commit_marks_dirty_trees_outside_the_report(tmp_path):
+    """A throwaway repository: HEAD's hash, "-dirty" for a changed or untracked file outside
+    docs/study (the report's own folder) only, "unknown" outside any repository."""
+    repo = tmp_path / "repo"
+    (repo / "docs" / "study").mkdir(parents=True)
+    (repo / "a.txt").write_text("a\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false"]
+    for cmd in (["init", "-q"], ["add", "a.txt"], ["commit", "-q", "-m", "one"]):
+        subprocess.run(git + cmd, cwd=repo, check=True, capture_output=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    assert study.git_commit(repo) == head
+    (repo / "docs" / "study" / "report.md").write_text("the report\n")
+    assert study.git_commit(repo) == head  # the report being written does not dirty the commit
+    (repo / "b.txt").write_text("untracked\n")
+    assert study.git_commit(repo) == head + "-dirty"
+    (repo / "b.txt").unlink()
+    (repo / "a.txt").write_text("changed\n")
+    assert study.git_commit(repo) == head + "-dirty"
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    assert study.git_commit(outside) == "unknown"
 
 
 DERIVED_RUN_KEYS = ("method", "sampler", "ranks", "device", "emulated_step_ms", "step_s", "step_s_trials", "stall",
@@ -401,7 +426,8 @@ def test_refit_script_reproduces_the_committed_report(capsys):
 
     d = REPO / "docs" / "study" / study.machine_slug()
     if not (d / "derived.json").exists():
-        pytest.skip(f"no committed study for this machine ({d.name})")
+        pytest.skip(f"no committed study for this machine ({d.name}): runs on a machine whose study report is committed "
+                    f"(docs/study/<machine>/derived.json, written by dali-nerf bench study)")
     spec = importlib.util.spec_from_file_location("refit", REPO / "benchmarks" / "refit_cost_model.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -17,7 +17,7 @@ from dali_nerf.imagecache import decode_cache
 from dali_nerf.sources import RayLoader, SpatialRayLoader, TorchWorkersSampler, build_source
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not os.path.isdir("/proc/self/task"),
-                                reason="thread priorities are read through Linux's /proc and SCHED_IDLE")
+                                reason="thread priorities are read through Linux's /proc and SCHED_IDLE: runs on Linux")
 
 
 @pytest.fixture(scope="module")

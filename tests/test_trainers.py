@@ -95,8 +95,10 @@ def test_ddp_two_ranks_learns_replicas_identical_and_resume_is_exact(objects_sce
     s = json.loads((full / "summary.json").read_text())
     assert s["world_size"] == 2 and s["method"] == "ddp"
     assert s["test_psnr"] > mean_colour_psnr(objects_scene) + 1.0, s["test_psnr"]
-    for k in ("wait", "h2d", "forward", "backward", "sync", "optimizer", "step"):
-        assert s["phase_totals_s"][k] >= 0
+    for k in ("wait", "h2d", "forward", "backward", "sync", "optimizer", "step"):  # rank 0's per-step rows, summed
+        assert s["phase_totals_s"][k] == pytest.approx(sum(r[f"{k}_s"] for r in m), rel=1e-9, abs=1e-12), k
+    for r in m:  # the phases are parts of the step (host-timed on the CPU)
+        assert sum(r[f"{k}_s"] for k in ("wait", "h2d", "forward", "backward", "sync", "optimizer")) <= r["step_s"] * 1.001 + 1e-6, r
     assert s["phase_totals_s"]["sync"] > 0  # gradients were all-reduced
     assert (full / "metrics.rank1.jsonl").is_file() and (full / "config.yaml").is_file()
     assert all((full / "renders" / r).is_file() for r in s["renders"])
@@ -129,9 +131,10 @@ def test_eval_every_writes_a_psnr_curve_and_does_not_change_training(objects_sce
     assert not any("eval_psnr" in r for r in plain)  # eval_every=0: evaluated only at the end (summary)
     evals = [r for r in curve if "eval_psnr" in r]
     assert [r["step"] for r in evals] == [5, 10, 12]  # every 5 steps and at the last step
-    assert all(np.isfinite(r["eval_psnr"]) and r["eval_psnr"] > 0 and 0 <= r["eval_ssim"] <= 1 for r in evals)
+    assert all(np.isfinite(r["eval_psnr"]) and np.isfinite(r["eval_ssim"]) for r in evals)
     s = json.loads((runs / "curve" / "summary.json").read_text())
-    assert evals[-1]["eval_psnr"] == s["test_psnr"]
+    # the last row is the final evaluation itself (the same renders, PSNR and SSIM)
+    assert evals[-1]["eval_psnr"] == s["test_psnr"] and evals[-1]["eval_ssim"] == s["test_ssim"]
     assert s["test_psnr"] == json.loads((runs / "plain" / "summary.json").read_text())["test_psnr"]
     # the evaluations between steps do not perturb training
     assert [r["loss"] for r in curve if "loss" in r] == [r["loss"] for r in plain]
@@ -150,11 +153,18 @@ def test_ss_two_ranks_learns_and_fusion_beats_submodels(city_scene, tmp_path):
     for m in (m0, m1):
         assert np.mean([r["loss"] for r in m[-5:]]) < 0.8 * np.mean([r["loss"] for r in m[:5]])
         assert all(r["sync_s"] == 0.0 for r in m)  # no gradient sync in SS
-    # Not asserted here: beating the held-out views' own mean colour (summary mean_color_psnr). At this
-    # size (32x24, 16 views, 60 steps of a tiny field) the aerial views over the config's grey sky stay
-    # just under it (17.9 vs 18.0 dB, and lower with more steps); benchmarks/ss_vs_ddp.py measures
-    # that at full size (SS fused 24.3 dB against a 17.2 dB floor).
-    assert np.isfinite(s["mean_color_psnr"]) and s["fused_psnr"] > 10.0
+    # Learning, measured against the same run stopped after one step (the untrained field): on
+    # 2026-12-06 (commit 147b142, 2-core VM) the fused PSNR went from 15.36 dB after 1 step to 17.90
+    # after 60 (pipeline.seed 1 and 2: 17.47, 16.38); asserted: at least 1.25 dB gained, half the
+    # gain measured at the config's seed. Not asserted: beating the held-out views' own mean colour
+    # (summary mean_color_psnr, 17.99 dB). At this size (32x24, 16 views, a tiny field) the aerial
+    # views over the config's grey sky stay just under it, and lower with more steps (150 steps:
+    # 17.35; 48x36 with 32 views: 15.9 after 60 steps, 17.8 after 120); benchmarks/ss_vs_ddp.py
+    # measures that at full size (SS fused 24.3 dB against a 17.2 dB floor).
+    run_trainer("dali_nerf.trainers.spatial", 2, [*ov, "name=ss_step1", "train.steps=1"])
+    untrained = json.loads((runs / "ss_step1" / "summary.json").read_text())["fused_psnr"]
+    assert s["fused_psnr"] > untrained + 1.25, (s["fused_psnr"], untrained)
+    assert np.isfinite(s["mean_color_psnr"]) and s["fused_psnr"] > s["mean_color_psnr"] - 1.0, s
     alone = [a["psnr"] for a in s["submodels_alone"]]
     assert s["fused_psnr"] > max(alone), (s["fused_psnr"], alone)
     assert s["fusion_overhead"] > 0

@@ -21,7 +21,7 @@ from ..imageio import IMAGE_EXTENSIONS, check_pixel_limit, max_pixels_limit, rea
 __all__ = [
     "load_json", "require", "as_float", "check_poses", "check_focal", "check_images_exist",
     "downscaled_size", "scale_intrinsics", "prescaled_paths", "mean_up", "DRB_TO_GL", "check_sizes",
-    "undistorted_intrinsics", "opencv_matrix", "resolve_background", "BACKGROUND_NAMES",
+    "undistorted_intrinsics", "opencv_matrix", "resolve_background", "BACKGROUND_NAMES", "finite32",
 ]
 
 #: Named backgrounds of ``scene.background`` / ``load_scene(background=)``: name -> (colour, mode).
@@ -47,13 +47,33 @@ def load_json(path: Path) -> dict:
         raise SceneError(f"{path}: file not found") from None
     except OSError as e:
         raise SceneError(f"{path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise SceneError(f"{path}: not UTF-8 text (invalid byte at offset {e.start}); the file is corrupt, restore it") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise SceneError(f"{path}:{e.lineno}:{e.colno}: malformed JSON ({e.msg}); fix the file") from None
+    except ValueError as e:  # well-formed JSON Python cannot read: an integer of more than 4300 digits
+        raise SceneError(f"{path}: unreadable JSON value ({str(e).split(';')[0]}); fix the file") from None
     if not isinstance(data, dict):
         raise SceneError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
     return data
+
+
+def finite32(a) -> np.ndarray:
+    """Elementwise: finite, and still finite once stored as float32 (as the Scene stores it)."""
+    a = np.asarray(a, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.isfinite(a) & (np.abs(a) <= np.finfo(np.float32).max)
+
+
+def _short(v, n: int = 60) -> str:
+    """repr of a value from a file, at most ``n`` characters (a corrupt file's value may be huge)."""
+    try:
+        r = repr(v)
+    except ValueError:  # an integer over Python's str conversion limit
+        return "an integer of more than 4300 digits"
+    return r if len(r) <= n else r[:n] + "..."
 
 
 def require(d: dict, key: str, path, where: str = ""):
@@ -70,9 +90,11 @@ def as_float(v, key: str, path, where: str = "") -> float:
     try:
         x = float(v)
     except (TypeError, ValueError):
-        raise SceneError(f"{path}: key {key!r}{loc} must be a number, got {v!r}") from None
-    if not math.isfinite(x):
-        raise SceneError(f"{path}: key {key!r}{loc} is not finite ({v!r})")
+        raise SceneError(f"{path}: key {key!r}{loc} must be a number, got {_short(v)}") from None
+    except OverflowError:  # an integer beyond the float range
+        raise SceneError(f"{path}: key {key!r}{loc} is out of range (an integer of {len(str(abs(v)))} digits)") from None
+    if not math.isfinite(x) or not finite32(x):
+        raise SceneError(f"{path}: key {key!r}{loc} is not finite in float32 ({_short(v)})")
     return x
 
 
@@ -81,7 +103,7 @@ def as_matrix(v, shape: tuple, key: str, path, where: str = "") -> np.ndarray:
     loc = f" ({where})" if where else ""
     try:
         a = np.asarray(v, dtype=np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise SceneError(f"{path}: key {key!r}{loc} must be a {'x'.join(map(str, shape))} array of numbers") from None
     if a.shape != shape:
         raise SceneError(f"{path}: key {key!r}{loc} has shape {a.shape}, expected {shape}")
@@ -98,10 +120,11 @@ def check_poses(c2w: np.ndarray, names: Sequence[str], path, tol: float = 1e-3) 
         path: the file the poses came from.
     """
     c2w = np.asarray(c2w, np.float64)
-    bad = ~np.isfinite(c2w).all(axis=(1, 2))
+    bad = ~finite32(c2w).all(axis=(1, 2))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise SceneError(f"{path}: frame {names[i]!r} has a non-finite pose; fix or drop the frame")
+        raise SceneError(f"{path}: frame {names[i]!r} has a non-finite pose (or one beyond float32's range); "
+                         f"fix or drop the frame")
     r = c2w[:, :, :3]
     err = np.abs(np.einsum("nji,njk->nik", r, r) - np.eye(3)).max(axis=(1, 2))
     if (err > tol).any():
@@ -119,7 +142,7 @@ def check_poses(c2w: np.ndarray, names: Sequence[str], path, tol: float = 1e-3) 
 def check_focal(intrinsics: np.ndarray, names: Sequence[str], path) -> None:
     """fx, fy must be finite and > 0; cx, cy finite. ``intrinsics`` (N, 4)."""
     k = np.asarray(intrinsics, np.float64)
-    bad = ~np.isfinite(k).all(axis=1) | (k[:, 0] <= 0) | (k[:, 1] <= 0)
+    bad = ~finite32(k).all(axis=1) | (k[:, 0] <= 0) | (k[:, 1] <= 0)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise SceneError(
@@ -241,7 +264,7 @@ def mean_up(c2w: np.ndarray) -> np.ndarray:
 def parse_aabb(v, path, key: str = "aabb") -> np.ndarray:
     """(2, 3) min/max corners from a JSON value, min < max, else a SceneError naming the key."""
     a = as_matrix(v, (2, 3), key, path)
-    if not np.isfinite(a).all() or (a[0] >= a[1]).any():
+    if not finite32(a).all() or (a[0] >= a[1]).any():
         raise SceneError(f"{path}: key {key!r} must be [[xmin, ymin, zmin], [xmax, ymax, zmax]] with min < max")
     return a
 
@@ -250,7 +273,7 @@ def check_bounds(near: np.ndarray, far: np.ndarray, names: Sequence[str], path) 
     """Per-image bounds (N,) must be finite with 0 <= near < far."""
     near = np.asarray(near, np.float64)
     far = np.asarray(far, np.float64)
-    bad = ~np.isfinite(near) | ~np.isfinite(far) | (near < 0) | (far <= near)
+    bad = ~finite32(near) | ~finite32(far) | (near < 0) | (far <= near)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise SceneError(f"{path}: frame {names[i]!r} has invalid bounds near={near[i]:g} far={far[i]:g}; need 0 <= near < far")

@@ -97,6 +97,9 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
         raise SceneError(f"{path}: file not found") from None
     except (ValueError, OSError) as e:
         raise SceneError(f"{path}: not a readable .npy array ({e}); regenerate it with LLFF's imgs2poses.py") from None
+    except Exception as e:  # a corrupt header: numpy parses it as a Python literal (SyntaxError, TokenError, ...)
+        raise SceneError(f"{path}: not a readable .npy array (corrupt header: {type(e).__name__}); "
+                         f"regenerate it with LLFF's imgs2poses.py") from None
     if arr.ndim != 2 or arr.shape[1] != 17 or arr.shape[0] == 0:
         raise SceneError(f"{path}: has shape {arr.shape}, expected (N, 17) (N poses of 3x5 then near, far)")
     arr = arr.astype(np.float64)

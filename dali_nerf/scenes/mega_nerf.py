@@ -89,8 +89,8 @@ def _array(d: dict, key: str, shape, path) -> np.ndarray:
     v = d[key]
     try:
         a = np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise SceneError(f"{path}: key {key!r} must be numeric") from None
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer beyond the float range
+        raise SceneError(f"{path}: key {key!r} must be numeric (float64)") from None
     if shape is not None and a.shape != tuple(shape):
         raise SceneError(f"{path}: key {key!r} has shape {a.shape}, expected {tuple(shape)}")
     return a
@@ -175,7 +175,11 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
     if all(v is not None for v in nears + fars):
         near, far = np.array(nears), np.array(fars)
     elif any(v is not None for v in nears + fars):
-        raise SceneError(f"{meta_dir}: 'near'/'far' in some metadata files but not all; give them everywhere or in coordinates.pt")
+        lacking = next(i for i in range(n) if nears[i] is None or fars[i] is None)
+        having = next(i for i in range(n) if nears[i] is not None or fars[i] is not None)
+        raise SceneError(f"{meta_dir / (names[lacking] + '.pt')}: has no 'near'/'far' but {names[having]}.pt has "
+                         f"{'near' if nears[having] is not None else 'far'}; give both in every metadata file or in "
+                         f"coordinates.pt")
     elif "near" in coords and "far" in coords:
         near = np.full(n, _scalar(coords, "near", coord_path))
         far = np.full(n, _scalar(coords, "far", coord_path))

@@ -149,8 +149,8 @@ def _camera(meta: dict, fr: dict, path, where: str, first_image: str):
         fy = fx
     cx = as_float(get("cx", w / 2), "cx", path, where)
     cy = as_float(get("cy", h / 2), "cy", path, where)
-    if w != int(w) or h != int(h):
-        raise SceneError(f"{path}: w, h ({where}) must be integers, got {w:g}, {h:g}")
+    if w != int(w) or h != int(h) or max(abs(w), abs(h)) >= 2 ** 31:
+        raise SceneError(f"{path}: w, h ({where}) must be integers below 2^31, got {w:g}, {h:g}")
     return (fx, fy, cx, cy), (int(w), int(h)), dist, fisheye
 
 
@@ -240,8 +240,11 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
         up = as_matrix(meta["up"], (3,), "up", path)
     else:  # a property of the scene, not of the split: every frame's camera votes
         try:
-            up = mean_up(np.stack([np.asarray(f["transform_matrix"], np.float64)[:3] for f in frames]))
-        except (KeyError, TypeError, ValueError):
+            with np.errstate(over="ignore", invalid="ignore"):
+                up = mean_up(np.stack([np.asarray(f["transform_matrix"], np.float64)[:3] for f in frames]))
+        except (KeyError, TypeError, ValueError, OverflowError):
+            up = None
+        if up is None or not np.isfinite(up).all():  # another split's frame is malformed: this split's cameras vote
             up = mean_up(c2w)
     if not np.isfinite(up).all() or np.linalg.norm(up) == 0:
         raise SceneError(f"{path}: key 'up' must be a non-zero 3-vector")

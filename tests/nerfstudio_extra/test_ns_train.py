@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("nerfstudio", reason="nerfstudio not installed: the [nerfstudio] extra's tests run in its own "
                                          "environment (bash scripts/test_nerfstudio.sh)")
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
-                                        reason="tensorboard not installed (it comes with nerfstudio)")
+                                        reason="tensorboard not installed (it comes with nerfstudio): runs in the [nerfstudio] "
+                                               "extra's environment (bash scripts/test_nerfstudio.sh)")
 
 from dali_nerf.scenegen import make_scene  # noqa: E402
 
