@@ -1,7 +1,7 @@
 """Evaluation of a run: held-out views rendered and compared (PSNR, SSIM), the mean-colour floor,
 the renders written, and the periodic held-out curve (``train.eval_every`` / ``eval_every_s``).
 
-The evaluated split is decoded once per evaluator (:func:`dali_nerf.imagecache.eval_cache`).
+The evaluated views are decoded once per run (:class:`EvalViews`, :func:`dali_nerf.imagecache.eval_cache`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .imagecache import eval_cache
 from .models import psnr as psnr_fn, render_image, ssim as ssim_fn
 from .models.ray_space import RaySpace
 
-__all__ = ["eval_subset", "evaluate_field", "mean_color_psnr", "write_renders", "PeriodicEval"]
+__all__ = ["eval_subset", "evaluate_field", "mean_color_psnr", "write_renders", "EvalViews", "PeriodicEval"]
 
 
 def eval_subset(scene, max_images: int = 0):
@@ -81,26 +81,43 @@ def write_renders(pairs, out_dir: Path, prefix: str = "test") -> List[str]:
     return names
 
 
+class EvalViews:
+    """The views a run evaluates (``train.eval_images`` of the evaluation split, evenly spaced),
+    decoded once, on first use, with the run's decode settings (``cache.decode_batch``, the plan's
+    sampler threads), and shared by the periodic evaluation, the final one and the SS method's
+    per-cell renders (:func:`dali_nerf.imagecache.eval_cache`)."""
+
+    def __init__(self, cfg: Config, eval_scene, threads: int = 2):
+        self.scene = eval_scene
+        self.max_images = cfg.train.eval_images
+        self.threads, self.batch = int(threads), int(cfg.cache.decode_batch)
+        self._cache = None
+
+    def cache(self):
+        """The decoded views (an ImageCache of the evaluated subset), decoded at the first call."""
+        if self._cache is None:
+            self._cache = eval_cache(eval_subset(self.scene, self.max_images), threads=self.threads, batch=self.batch)
+        return self._cache
+
+
 class PeriodicEval:
     """``train.eval_every``: held-out PSNR of the current field(s) every N steps, as a metrics row
     ``{"step", "eval_psnr", "eval_ssim", "eval_render_s"}`` (rank 0). Every rank calls it (the SS
-    method gathers the sub-models); the views are decoded once. Its time is outside every phase."""
+    method gathers the sub-models); the views come from the run's :class:`EvalViews`. Its time is
+    outside every phase."""
 
-    def __init__(self, cfg: Config, method, env, tasks, eval_scene):
-        self.cfg, self.method, self.env, self.tasks, self.eval_scene = cfg, method, env, tasks, eval_scene
-        self.views = None
+    def __init__(self, cfg: Config, method, env, tasks, views: EvalViews):
+        self.cfg, self.method, self.env, self.tasks, self.views = cfg, method, env, tasks, views
 
     def __call__(self, step: int) -> Optional[dict]:
         field, occupancy = self.method.eval_field(self.cfg, self.tasks, self.env)
         row = None
         if self.env.rank == 0:
-            n = self.cfg.train.eval_images
-            if self.views is None:
-                self.views = eval_cache(eval_subset(self.eval_scene, n))
             was_training = field.training
             field.eval()
-            _, p, s, seconds = evaluate_field(field, occupancy, self.eval_scene, self.cfg, self.env.device, n,
-                                              decode=self.views, space=self.method.space)
+            _, p, s, seconds = evaluate_field(field, occupancy, self.views.scene, self.cfg, self.env.device,
+                                              self.views.max_images, decode=self.views.cache(),
+                                              space=self.method.space)
             field.train(was_training)
             row = {"step": step, "eval_psnr": p, "eval_ssim": s, "eval_render_s": seconds}
         self.env.barrier()  # the other ranks wait here, not inside the next step's timed phases

@@ -50,7 +50,9 @@ class Method:
         """Rank 0: (field, occupancy) to evaluate; called on every rank (may communicate)."""
         raise NotImplementedError
 
-    def extra_summary(self, cfg, tasks, env, eval_scene, field, occupancy) -> dict:
+    def extra_summary(self, cfg, tasks, env, eval_scene, field, occupancy, views=None) -> dict:
+        """Method specifics of ``summary.json`` (rank 0); ``views``: the run's
+        :class:`~dali_nerf.evaluation.EvalViews` (decoded once)."""
         return {}
 
 

@@ -47,11 +47,12 @@ import torch.distributed as dist
 from .atomic import atomic_write_text
 from .config import Config
 from .errors import ConfigError
-from .evaluation import PeriodicEval, evaluate_field, mean_color_psnr, write_renders
+from .evaluation import EvalViews, PeriodicEval, evaluate_field, mean_color_psnr, write_renders
 from .fieldsetup import train_background
 from .models import render_rays
 from .models.ray_space import RaySpace
 from .phases import PHASES, PhaseTimer
+from .plan import plan_from_config
 from .resume import read_resume_state, restore_tasks, save_checkpoint
 from .runlog import MetricsWriter, append_metrics_row, bar_stall, progress_bar, steady_stall
 from .runtime import (DistEnv, gpu_memory, load_scenes, prepare_run_dir, seed_everything, setup_distributed,
@@ -114,6 +115,7 @@ class LoopResult:
     stopped_by: str = "steps"     # steps | stop_after | max_seconds | target_psnr
     evals: list = dataclasses.field(default_factory=list)  # rank 0's periodic evaluation rows (with train_s)
     target_reached_s: Optional[float] = None   # training seconds at the evaluation that reached train.target_psnr
+    views: Optional[EvalViews] = None   # the run's evaluated views (decoded once)
 
 
 def train_task_step(cfg: Config, env: DistEnv, task: Task, step: int, scene, bg, sync_timers, timer: "PhaseTimer"):
@@ -205,7 +207,9 @@ class _Loop:
         self.tb = TBWriter(cfg.run_dir, cfg.train.tensorboard if env.rank == 0 else "never",
                            purge_step=start_step + 1 if start_step else None)
         self.bar = progress_bar(cfg, method, env, start_step)
-        self.periodic_eval = PeriodicEval(cfg, method, env, tasks, eval_scene)
+        # the evaluated views, decoded once for the run (periodic, final and per-cell evaluations)
+        self.views = EvalViews(cfg, eval_scene, threads=plan_from_config(cfg, env.rank, env.world_size).threads)
+        self.periodic_eval = PeriodicEval(cfg, method, env, tasks, self.views)
         self.bg = torch.as_tensor(np.array(scene.background), device=env.device)
         self.totals = {p: 0.0 for p in PHASES}
         self.totals["step"] = 0.0
@@ -326,7 +330,7 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
         source_stats = loop.close()
     return LoopResult(start_step, loop.end_step, loop.totals, loop.first_step_wait, loop.rays_total, loop.last, wall,
                       source_stats, loop.timer.kind, all(t.measured for t in loop.sync_timers.values()), train_s,
-                      loop.stopped_by, loop.evals, loop.target_reached_s)
+                      loop.stopped_by, loop.evals, loop.target_reached_s, loop.views)
 
 
 def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], eval_scene,
@@ -339,8 +343,9 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
         return {}
     sc = cfg.scene
     field.eval()
+    views = r.views or EvalViews(cfg, eval_scene)
     pairs, p, s, seconds = evaluate_field(field, occupancy, eval_scene, cfg, env.device, cfg.train.eval_images,
-                                          space=method.space)
+                                          decode=views.cache(), space=method.space)
     renders = write_renders(pairs, cfg.run_dir / "renders", prefix=sc.eval_split)
     with TBWriter(cfg.run_dir, cfg.train.tensorboard) as tb:
         for i, (pred, gt) in enumerate(pairs):
@@ -380,6 +385,6 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
         summary.update(target_psnr=cfg.train.target_psnr, target_reached_s=reached)
     if env.device.type == "cuda":
         summary["gpu_memory"] = gpu_memory(env.device)
-    summary.update(method.extra_summary(cfg, tasks, env, eval_scene, field, occupancy))
+    summary.update(method.extra_summary(cfg, tasks, env, eval_scene, field, occupancy, views))
     atomic_write_text(cfg.run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary

@@ -26,9 +26,8 @@ import torch.distributed as dist
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
 from dali_nerf.models.fused import FusedField
 from dali_nerf.errors import ConfigError
-from dali_nerf.evaluation import eval_subset, evaluate_field
+from dali_nerf.evaluation import EvalViews, evaluate_field
 from dali_nerf.fieldsetup import learned_background_init, scene_space
-from dali_nerf.imagecache import eval_cache
 from dali_nerf.partition import Partition, assign_rank
 from dali_nerf.runtime import DistEnv
 from dali_nerf.seeds import init_seed
@@ -119,10 +118,11 @@ class SpatialMethod(Method):
         self.cell_states = states
         return build_fused(cfg, self.partition, self.aabb, states, env.device)
 
-    def extra_summary(self, cfg, tasks, env, eval_scene, field, occupancy):
-        """Fusion overhead (fused render time / one sub-model's) and each sub-model's PSNR alone."""
+    def extra_summary(self, cfg, tasks, env, eval_scene, field, occupancy, views=None):
+        """Fusion overhead (fused render time / one sub-model's) and each sub-model's PSNR alone,
+        on the run's evaluated views (decoded once for the run)."""
         n = min(cfg.train.eval_images or eval_scene.num_images, eval_scene.num_images)
-        views = eval_cache(eval_subset(eval_scene, n))  # decoded once for all the renders
+        views = (views or EvalViews(cfg, eval_scene)).cache()
         alone = []
         for c in range(self.partition.num_cells):
             f = _cell_field(cfg, self.aabb, self.cell_states[c]["field"]).to(env.device).eval()
