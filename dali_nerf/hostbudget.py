@@ -41,7 +41,7 @@ from typing import Optional
 
 from .errors import ConfigError
 
-__all__ = ["HostBudget", "host_budget", "usable_cores", "local_world_size", "RAYS_PER_THREAD",
+__all__ = ["HostBudget", "host_budget", "run_size", "usable_cores", "local_world_size", "RAYS_PER_THREAD",
            "PRIORITIES", "check_priority", "resolve_priority", "dali_threads", "to_background"]
 
 PRIORITIES = ("normal", "background")
@@ -107,10 +107,19 @@ def host_budget(rays_per_batch: int, local_ranks: Optional[int] = None, cores: O
         raise ConfigError(f"host_budget: local_ranks and cores must be >= 1, got {n}, {c}")
     per = c / n
     threads = int(max(1, min(int(max_threads), int(per) - 1)))
+    return HostBudget(c, n, per, threads, run_size(rays_per_batch, threads, max_run), resolve_priority("auto", device))
+
+
+def run_size(rays_per_batch: int, threads: int, max_run: int = 262144) -> int:
+    """Rays per DALI run for ``threads`` sampler threads: ``RAYS_PER_THREAD`` each, at most
+    ``max_run``, at least one batch, rounded up to a multiple of the batch.
+
+    >>> run_size(4096, 1), run_size(4096, 8), run_size(100000, 1)
+    (65536, 262144, 100000)
+    """
     B = int(rays_per_batch)
-    run = max(B, min(int(max_run), RAYS_PER_THREAD * threads))
-    run = -(-run // B) * B
-    return HostBudget(c, n, per, threads, run, resolve_priority("auto", device))
+    run = max(B, min(int(max_run), RAYS_PER_THREAD * int(threads)))
+    return -(-run // B) * B
 
 
 def check_priority(value, key: str = "thread_priority", auto: bool = False) -> str:

@@ -417,21 +417,22 @@ def shard_cache(scene, plan, device: Optional[str] = None) -> ImageCache:
     """This rank's shard of ``scene`` (DALI's rule for ``plan.rank`` of ``plan.world_size``), on
     ``device`` (default ``plan.device``: where the rank samples), with the plan's threads and
     decode batch: what a data-parallel source samples."""
-    return decode_cache(scene, plan.rank, plan.world_size, device=device or plan.device, num_threads=plan.threads,
-                        batch=plan.decode_batch)
+    return decode_cache(scene, plan.rank, plan.world_size, device=device or plan.device,
+                        num_threads=plan.decode_threads, batch=plan.decode_batch)
 
 
 def full_cache(scene, plan, device: Optional[str] = None) -> ImageCache:
     """Every image of ``scene`` (a spatial-segmentation rank: a ray of any image may cross its
     cells; rank 0 of ``sync_global``, which samples for every rank), on ``device`` (default
     ``plan.device``)."""
-    return decode_cache(scene, 0, 1, device=device or plan.device, num_threads=plan.threads, batch=plan.decode_batch)
+    return decode_cache(scene, 0, 1, device=device or plan.device, num_threads=plan.decode_threads,
+                        batch=plan.decode_batch)
 
 
 def window_cache(scene, plan, ids, stop=None) -> ImageCache:
     """The images ``ids`` (split indices, in order) of a streaming window of ``plan``'s shard;
     ``stop`` cancels it between decode runs (:class:`DecodeCancelled`)."""
-    return decode_cache(scene, plan.rank, plan.world_size, device=plan.device, num_threads=plan.threads,
+    return decode_cache(scene, plan.rank, plan.world_size, device=plan.device, num_threads=plan.decode_threads,
                         batch=plan.decode_batch, indices=ids, stop=stop)
 
 

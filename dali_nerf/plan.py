@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 from .errors import ConfigError
-from .hostbudget import HostBudget, check_priority, host_budget, resolve_priority
+from .hostbudget import HostBudget, check_priority, host_budget, resolve_priority, run_size
 
 __all__ = ["SamplingPlan", "plan_from_config", "resolve_device", "sampling_device"]
 
@@ -71,7 +71,8 @@ class SamplingPlan:
     rays_per_run: int
     """Rays per DALI run: K * B, K = :attr:`steps_per_run`."""
     threads: int
-    """Sampler threads: DALI CPU threads of the ray and decode graphs."""
+    """Sampler threads of one source: the DALI CPU threads of its ray graph (an SS rank's cells
+    share the rank's threads, :attr:`rank_threads`)."""
     priority: str
     """Priority of the threads (and worker processes) that sample ahead: normal | background."""
     device: str
@@ -96,6 +97,13 @@ class SamplingPlan:
     num_cells: int = 0
     budget: Optional[HostBudget] = None
     """The host budget the threads and run size came from (None: both were given)."""
+    rank_threads: int = 0
+    """The rank's sampler threads (0: :attr:`threads`): the decode's, and the SS cells' share."""
+
+    @property
+    def decode_threads(self) -> int:
+        """DALI threads of the rank's decode graph: all of the rank's sampler threads."""
+        return self.rank_threads or self.threads
 
     @property
     def steps_per_run(self) -> int:
@@ -147,7 +155,10 @@ def plan_from_config(cfg, rank: int = 0, world_size: int = 1, *, cells: Sequence
 
     Threads and rays per run: ``pipeline.num_threads`` / ``pipeline.rays_per_run`` where > 0, else
     :func:`~dali_nerf.hostbudget.host_budget` for ``local_ranks`` ranks (default
-    ``LOCAL_WORLD_SIZE``) on ``cores`` usable cores (default this process's affinity). Priority:
+    ``LOCAL_WORLD_SIZE``) on ``cores`` usable cores (default this process's affinity). The threads
+    are the rank's: an SS rank's ``cells`` share them (each cell's ray graph gets
+    ``threads // len(cells)``, at least 1, and a run of that many threads' rays,
+    :func:`~dali_nerf.hostbudget.run_size`, unless ``pipeline.rays_per_run`` sets it). Priority:
     ``pipeline.thread_priority`` resolved for ``train.device``. Device: ``device`` where given (the
     images in host memory of a GPU run: "cpu"), else :func:`sampling_device` of ``train.device``."""
     p, c = cfg.pipeline, cfg.cache
@@ -157,8 +168,12 @@ def plan_from_config(cfg, rank: int = 0, world_size: int = 1, *, cells: Sequence
     if not (threads and run):
         budget = host_budget(B, local_ranks=local_ranks, cores=cores, device=cfg.train.device)
         threads, run = int(threads or budget.threads), int(run or budget.rays_per_run)
+    rank_threads = int(threads)
+    if cells:  # an SS rank's cells share its threads (each at least one), and their runs that many threads
+        threads = max(1, rank_threads // len(cells))
+        run = p.rays_per_run or run_size(B, threads)
     K = max(1, math.ceil(int(run) / B))
-    return SamplingPlan(rays_per_batch=B, rays_per_run=K * B, threads=int(threads),
+    return SamplingPlan(rays_per_batch=B, rays_per_run=K * B, threads=int(threads), rank_threads=rank_threads,
                         priority=resolve_priority(p.thread_priority, cfg.train.device),
                         device=resolve_device(device) if device else sampling_device(cfg.train.device),
                         seed=int(p.seed), mode=p.mode, rank=int(rank),
