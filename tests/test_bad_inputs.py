@@ -541,7 +541,7 @@ def test_numbers_beyond_what_the_op_holds(scenes, tmp_path, capsys):
             ("pipeline.prefetch=100000", ("pipeline.prefetch: must be in [0, 1024]",)),
             ("partition.grid=[9,9]", ("partition.grid: grid 9x9 = 81 cells", "at most 64")),
             ("partition.margin=.inf", ("partition.margin: must be a finite number >= 1.0, got inf",)),
-            ("train.lr=1" + "0" * 400, ("train.lr:", "too large for a number")),
+            ("train.lr=1" + "0" * 400, ("train.lr:", "beyond the range of a number")),
             # a downscale that leaves 1x1 images: refused before training, not an SSIM traceback after it
             ("scene.downscale=1000000", ("scene.downscale=1000000: the test images become as small as 1x1 (r_0.png)",
                                          "11x11 window", "use a smaller scene.downscale"))):
