@@ -471,3 +471,67 @@ def test_step_counts_stay_within_four_of_their_share():
                     if G <= P:
                         worst = max(worst, float(np.abs(c[G:] - c[:-G] - G * (hi - lo) / P).max()))
     assert worst <= 4.0, worst
+
+
+# ------------------------------------------------------------------------------ the CUDA backend
+
+@pytest.mark.gpu
+def test_cuda_global_stream_equals_cpu_op():
+    """The CUDA op's global stream gives the CPU op's 9 outputs byte for byte: every rank of
+    W = 1..4 on its shard, both modes, runs crossing epochs, a run that keeps no ray, cameras and
+    layout as CPU and as device inputs. Skipped, with the reason, without a GPU (tests/test_gpu.py)."""
+    import test_gpu
+
+    if test_gpu.REASON is not None:
+        pytest.skip(f"GPU test: {test_gpu.REASON}")
+    out = test_gpu.run_gpu_script("""
+        from test_op_global import NAMES, shard_cache, split_cache
+
+        def run9(cache, rays, starts, device, small_on="cpu", **kw):
+            pixels, cams, lay = cache
+            feed = iter(list(starts))
+            gpu = device == "gpu"
+            px = torch.from_numpy(pixels).cuda() if gpu else pixels
+            small = small_on if gpu else "cpu"
+            if small == "gpu":
+                cams, lay = (torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in (cams, lay))
+
+            @pipeline_def(batch_size=1, num_threads=2, device_id=0, prefetch_queue_depth=1)
+            def pipe():
+                p = fn.external_source(source=lambda: [px], batch=True, no_copy=True, device=device)
+                c = fn.external_source(source=lambda: [cams], batch=True, no_copy=True, device=small)
+                l = fn.external_source(source=lambda: [lay], batch=True, no_copy=True, device=small)
+                s = fn.external_source(source=lambda: [np.array(next(feed), np.int64)], batch=True)
+                return tuple(fn.dali_nerf.ray_sampler(p, c, l, rays=rays, start=s, device=device, **kw))
+
+            pp = pipe()
+            pp.build()
+            res = []
+            for _ in starts:
+                out = pp.run()
+                out = [o.as_cpu() for o in out] if gpu else out
+                res.append({k: np.array(o[0]).copy() for k, o in zip(NAMES, out)})
+            del pp
+            return res
+
+        cache = split_cache(7, [(24, 16), (7, 5), (31, 9), (1, 1), (16, 16), (13, 22)])
+        P = len(cache[0])
+        empty = 0
+        for W in (1, 2, 3, 4):
+            for r in range(W):
+                sub, lo = shard_cache(cache, r, W)
+                for mode in ("random", "epoch"):
+                    for G, K in ((401, 9), (3, 1)):
+                        kw = dict(mode=mode, seed=5, global_pixels=P, shard_begin=lo, step_positions=G)
+                        starts = [0, G * (P // G), G * (5 * P // G + 1)]
+                        cpu = run9(sub, K * G, starts, "cpu", **kw)
+                        for small_on in ("cpu", "gpu"):
+                            got = run9(sub, K * G, starts, "gpu", small_on=small_on, **kw)
+                            for g, c in zip(got, cpu):
+                                empty += len(c["positions"]) == 0
+                                for k in NAMES:
+                                    assert g[k].tobytes() == c[k].tobytes(), (k, W, r, mode, G, small_on)
+        assert empty > 0
+        print("OK")
+    """)
+    assert out.strip().endswith("OK")
