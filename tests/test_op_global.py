@@ -451,6 +451,104 @@ def test_gpu_per_thread_code_matches_the_reference(harness, mode):
         assert np.array_equal(pix[:m], ref.pixels(seed, mode, sizes, keep)), (P, a, b)
 
 
+# ------------------------------------------------------------------------------ the CPU's slot walks
+
+WALK_DRIVER = r"""
+#include <vector>
+#include "walk.h"
+using namespace dali_nerf::cpu;
+extern "C" int dn_has_avx2() { return __builtin_cpu_supports("avx2") ? 1 : 0; }
+// kind 0: walk_scalar, 1: walk_avx2, 2: walk_jump; called repeatedly as the chunk runner does
+extern "C" long long dn_walk(int kind, uint64_t a, uint64_t P, uint64_t lo, uint64_t hi, uint64_t q0, uint64_t len,
+                             int cap, uint64_t *out_j, uint64_t *out_q, uint64_t *end_q) {
+  Returns r = first_returns(a, P, hi - lo, uint64_t(1) << 24);
+  if (kind == 2 && !r.ok) return -1;
+  std::vector<uint32_t> js(cap + 4);
+  std::vector<uint64_t> qs(cap + 4);
+  uint64_t q = q0, walked = 0;
+  long long total = 0;
+  while (walked < len) {
+    int m = 0;
+    uint64_t w = kind == 0 ? walk_scalar(q, a, P, lo, hi, len - walked, js.data(), qs.data(), cap, m)
+               : kind == 1 ? walk_avx2(q, a, P, lo, hi, len - walked, js.data(), qs.data(), cap, m)
+                           : walk_jump(q, a, P, lo, hi, len - walked, js.data(), qs.data(), cap, m, r);
+    if (w == 0) return -2;
+    for (int i = 0; i < m; i++) { out_j[total + i] = walked + js[i]; out_q[total + i] = qs[i]; }
+    total += m;
+    walked += w;
+  }
+  *end_q = q;
+  return total;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def walks(tmp_path_factory):
+    """walk.cc alone (no DALI) with a driver, compiled like the plugin."""
+    folder = tmp_path_factory.mktemp("walks")
+    (folder / "driver.cc").write_text(WALK_DRIVER)
+    lib = folder / "walks.so"
+    cmd = [ops._find_cxx(), "-std=c++20", "-O3", "-fno-math-errno", "-shared", "-fPIC", f"-I{ops._CSRC}",
+           str(folder / "driver.cc"), str(ops._CSRC / "walk.cc"), "-o", str(lib)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    w = ctypes.CDLL(str(lib))
+    u64 = ctypes.c_uint64
+    w.dn_walk.restype = ctypes.c_longlong
+    w.dn_walk.argtypes = [ctypes.c_int, u64, u64, u64, u64, u64, u64, ctypes.c_int, ctypes.c_void_p,
+                          ctypes.c_void_p, ctypes.c_void_p]
+    return w
+
+
+@settings(max_examples=300)
+@given(data=st.data(), P=st.one_of(st.integers(2, 300), st.integers(300, 10**6), st.integers(10**6, 2**62)),
+       cap=st.sampled_from([1, 3, 8, 1024]), weyl=st.booleans())
+def test_slot_walks_keep_the_same_positions(walks, data, P, cap, weyl):
+    """walk_scalar, walk_avx2 (4 positions a step) and walk_jump (kept to kept by the three
+    first-return times) record the same kept positions and slots as the definition
+    ((q0 + a j) mod P in [lo, hi)), end on the same slot, for any coprime multiplier, arc, start
+    slot, length and buffer size (resumed call after call, as the chunk runner does)."""
+    if weyl:
+        a = ref.weyl_multiplier(P)
+    else:
+        a = data.draw(st.integers(1, P - 1), label="a")
+        while np.gcd(a, P) != 1:
+            a = a % (P - 1) + 1
+    n = data.draw(st.one_of(st.integers(1, min(P, 40)), st.integers(1, P)), label="n")
+    lo = data.draw(st.integers(0, P - n), label="lo")
+    q0 = data.draw(st.integers(0, P - 1), label="q0")
+    length = data.draw(st.integers(1, 3000), label="len")
+    j = np.arange(length, dtype=object)
+    truth_q = [(q0 + a * int(k)) % P for k in j]
+    truth = [(int(k), q) for k, q in zip(j, truth_q) if lo <= q < lo + n]
+    end = (q0 + a * length) % P
+    kinds = [0, 2] + ([1] if walks.dn_has_avx2() else [])
+    jumped = False
+    for kind in kinds:
+        oj, oq, eq = np.zeros(length, np.uint64), np.zeros(length, np.uint64), np.zeros(1, np.uint64)
+        m = walks.dn_walk(kind, a, P, lo, lo + n, q0, length, cap, _p(oj), _p(oq), _p(eq))
+        if kind == 2 and m == -1:  # first_returns declined: outside 2 <= n <= P / 2, or a return
+            assert _return_time(a, P, n) > 2**24, (P, a, n)  # time beyond its 2^24 positions
+            continue
+        jumped |= kind == 2
+        assert m >= 0, (kind, m)
+        assert [(int(x), int(y)) for x, y in zip(oj[:m], oq[:m])] == truth, kind
+        assert int(eq[0]) == end, kind
+    assert jumped or not (weyl and 2 <= n <= P // 2 and P // n < 2**10)  # the op's case jumps
+
+
+def _return_time(a: int, P: int, n: int) -> float:
+    """max(g1, g2) of walk.h's first_returns: exact for n <= 20000; inf outside 2 <= n <= P / 2
+    and, unchecked, for larger arcs (their short return times are a speed matter only)."""
+    if not 2 <= n <= P // 2:
+        return float("inf")
+    if n > 20_000:
+        return float("inf")  # not checked: a declined large arc is a performance fallback only
+    inv = pow(a, -1, P)
+    return max(min(d * inv % P for d in range(1, n)), min(-d * inv % P for d in range(1, n)))
+
+
 # ------------------------------------------------------------------------------ the spread
 
 def test_step_counts_stay_within_four_of_their_share():

@@ -42,7 +42,7 @@ __all__ = ["load_plugin", "build_plugin", "plugin_cache_dir", "cuda_available", 
 
 LIB_NAME = "libdali_nerf_ops.so"
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_CPU_SOURCES = ("ray_sampler.cc", "writer.cc", "routing.cc", "global.cc")
+_CPU_SOURCES = ("ray_sampler.cc", "writer.cc", "routing.cc", "global.cc", "walk.cc")
 _CUDA_SOURCES = (*_CPU_SOURCES, "ray_sampler.cu")
 
 _load_guard = threading.Lock()

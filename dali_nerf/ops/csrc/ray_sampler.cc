@@ -26,6 +26,12 @@ using cpu::Outputs;
 using cpu::RouteTable;
 using cpu::TileMap;
 
+/// What a global-stream CPU run keeps across runs: the cache's first-return times (for its size n).
+struct GlobalScratch {
+  uint64_t n = 0;
+  cpu::Returns jumps;
+};
+
 /// What a routed CPU run keeps across runs.
 struct RoutedScratch {
   std::vector<Accepted> blocks;
@@ -64,8 +70,15 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
   if (global()) {  // the split's global stream: chunks of positions, each knowing its output slot
     auto &counts_out = ws.Output<CPUBackend>(7);
     auto &pos_out = ws.Output<CPUBackend>(8);
+    // the first-return times of a cache (walk_jump), kept across runs: the cache's size rarely changes
+    if (!scratch_) scratch_ = std::make_shared<GlobalScratch>();
+    GlobalScratch &gscratch = *std::static_pointer_cast<GlobalScratch>(scratch_);
     for (int s = 0; s < nsamples; s++) {
       detail::GlobalStream gs = global_stream(static_cast<int64_t>(caches[s].P));
+      if (gscratch.n != gs.n) {
+        gscratch.jumps = cpu::global_jumps(gs);
+        gscratch.n = gs.n;
+      }
       const uint64_t g0 = static_cast<uint64_t>(starts_[s]), total = static_cast<uint64_t>(R);
       // chunks of about kChunk kept rays (and at least one per thread where there is work for
       // them); each one's first output slot is the count kept before it (floor sums, no walk)
@@ -87,7 +100,8 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
         uint64_t c0 = b * len, n = std::min<uint64_t>(len, total - c0);
         int64_t limit = first[b + 1] - first[b];
         tp.AddWork([&, s, b, c0, n, limit](int) {
-          got[b] = cpu::run_global_chunk(caches[s], outs[s], positions, gs, g0 + c0, n, first[b], limit, simd);
+          got[b] = cpu::run_global_chunk(caches[s], outs[s], positions, gs, g0 + c0, n, first[b], limit, simd,
+                                          &gscratch.jumps);
         }, std::max<int64_t>(limit, 1));
       }
       tp.RunAll();
