@@ -132,7 +132,7 @@ def world_run(cache, W: int, start: int, steps: int, G: int, seed: int, mode: st
 SIZES = st.lists(st.tuples(st.integers(1, 11), st.integers(1, 11)), min_size=4, max_size=8)
 
 
-@settings(max_examples=25)
+@settings(max_examples=30)
 @given(data=st.data(), sizes=SIZES, mode=st.sampled_from(["random", "epoch"]), seed=st.integers(0, 2**40),
        G=st.integers(1, 70), steps=st.integers(1, 4))
 def test_global_batches_are_the_same_for_every_world_size(data, sizes, mode, seed, G, steps):
@@ -164,7 +164,7 @@ def test_global_batches_are_the_same_for_every_world_size(data, sizes, mode, see
         assert (np.sum(counts, axis=0) == G).all(), W
 
 
-@settings(max_examples=20)
+@settings(max_examples=30)
 @given(data=st.data(), sizes=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=2, max_size=7),
        seed=st.integers(0, 2**40), G=st.integers(1, 50), epoch=st.integers(0, 2))
 def test_epoch_covers_every_pixel_once_across_a_world_size_change(data, sizes, seed, G, epoch):
@@ -198,25 +198,29 @@ def test_epoch_covers_every_pixel_once_across_a_world_size_change(data, sizes, s
 
 
 @pytest.mark.parametrize("uniform", [False, True])
-def test_avx2_walk_matches_scalar_code(uniform):
-    """``simd=True`` (AVX2 slot walk, 4 positions a step, and the AVX2 ray writer) gives the bits
-    of ``simd=False``: runs long enough to fill the walk's 1024-ray batches, cross epoch
-    boundaries, end on a partial group, with images of one size (the writer's division path) or
-    of many sizes."""
+def test_long_runs_match_reference_with_and_without_avx2(uniform):
+    """Runs of 21 steps of 1001 positions (several epochs of the split, several chunks of the
+    thread pool whose boundaries cut steps, several 1024-ray walk batches per chunk, every walk:
+    AVX2 and scalar per-position walks on large shards, jumps on small ones) give the reference's
+    positions, pixels and step counts, and ``simd=True`` gives the bits of ``simd=False``; images of
+    one size (the writer's division path) or of many sizes."""
     sizes = [(24, 16)] * 6 if uniform else [(24, 16), (7, 5), (31, 9), (1, 1), (16, 16), (13, 22)]
     cache = split_cache(3, sizes)
-    P = len(cache[0])
+    n, P = sizes_of(cache), len(cache[0])
+    G, K, start = 1001, 21, 1001 * 3
+    g = np.arange(start, start + K * G)
+    assert K * G > 8 * P
     for W in (1, 2, 5):
         for mode in ("random", "epoch"):
-            for simd in (True, False):
-                got = [o for _, _, o in world_run(cache, W, 7 * 401, 9, 401, 11, mode, simd=simd)]
-                if simd:
-                    fast = got
-                else:
-                    for f, s in zip(fast, got):
-                        for k in NAMES:
-                            assert f[k].tobytes() == s[k].tobytes(), (W, mode, k)
-        assert 9 * 401 > P  # the run crosses an epoch boundary
+            fast = world_run(cache, W, start, K, G, 11, mode)
+            slow = world_run(cache, W, start, K, G, 11, mode, simd=False)
+            for (lo, sub, f), (_, _, sl) in zip(fast, slow):
+                hi = lo + len(sub[0])
+                for k in NAMES:
+                    assert f[k].tobytes() == sl[k].tobytes(), (W, mode, k)
+                assert np.array_equal(f["positions"], g[ref.kept(11, mode, P, g, lo, hi)]), (W, mode, lo)
+                assert np.array_equal(pixel_ids(sub, f["indices"]) + lo, ref.pixels(11, mode, n, f["positions"]))
+                assert np.array_equal(f["step_counts"], ref.step_counts(11, mode, P, lo, hi, start, G, K))
 
 
 def test_runs_continue_in_ray_pipeline():

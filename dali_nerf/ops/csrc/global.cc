@@ -23,7 +23,9 @@ Returns global_jumps(const detail::GlobalStream &gs) {
 }
 
 int64_t run_global_chunk(const Cache &c, const Outputs &out, int64_t *positions, const detail::GlobalStream &gs,
-                         uint64_t g0, uint64_t len, int64_t slot, int64_t limit, bool simd, const Returns *jumps) {
+                         uint64_t g0, uint64_t len, int64_t slot, int64_t limit, bool simd, const Returns *jumps,
+                         uint64_t step_begin, uint64_t G, int64_t *tally) {
+  uint64_t step_end = step_begin + G;  // the end of the step the next kept position is counted in
   constexpr int kCap = 1024;  // kept positions per batch: level 2, then one write_pixels call
   uint32_t js[kCap + 4];
   uint64_t qs[kCap + 4], pix[kCap + 4];
@@ -41,6 +43,11 @@ int64_t run_global_chunk(const Cache &c, const Outputs &out, int64_t *positions,
       if (jumps && jumps->ok) walked += walk_jump(q, gs.a, P, gs.lo, hi, seg - walked, js, qs, kCap, m, *jumps);
       else if (avx2) walked += walk_avx2(q, gs.a, P, gs.lo, hi, seg - walked, js, qs, kCap, m);
       else walked += walk_scalar(q, gs.a, P, gs.lo, hi, seg - walked, js, qs, kCap, m);
+      for (int i = 0; i < m; i++) {  // the steps' tallies (positions increase)
+        uint64_t pos = base + js[i];
+        while (pos >= step_end) { step_end += G; tally++; }
+        ++*tally;
+      }
       int w = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(m, limit - kept)));
       for (int i = 0; i < w; i++) {  // level 2: the slot's image, then the pixel inside it
         uint64_t ql = qs[i] - gs.lo, pos = base + js[i];

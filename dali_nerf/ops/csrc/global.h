@@ -21,8 +21,11 @@ namespace cpu {
 /// [slot, slot + limit) and their global positions to `positions`; returns how many positions it
 /// kept (== limit unless the counts disagree, which the caller reports; nothing is written past
 /// slot + limit). jumps: the cache's first-return times (walk_jump), or null (walk every position).
+/// Adds the kept positions of each step (G positions from step_begin, the first step the chunk
+/// overlaps) to tally[0], tally[1], ...
 int64_t run_global_chunk(const Cache &c, const Outputs &out, int64_t *positions, const detail::GlobalStream &gs,
-                         uint64_t g0, uint64_t len, int64_t slot, int64_t limit, bool simd, const Returns *jumps);
+                         uint64_t g0, uint64_t len, int64_t slot, int64_t limit, bool simd, const Returns *jumps,
+                         uint64_t step_begin, uint64_t G, int64_t *tally);
 
 /// The first-return times run_global_chunk walks with for a cache of n of the split's P pixels:
 /// found when the cache holds at most a quarter of them (below that, testing every position with

@@ -80,38 +80,40 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
         gscratch.n = gs.n;
       }
       const uint64_t g0 = static_cast<uint64_t>(starts_[s]), total = static_cast<uint64_t>(R);
+      const uint64_t G = static_cast<uint64_t>(step_positions_);
+      const int64_t M = kept_[s];
       // chunks of about kChunk kept rays (and at least one per thread where there is work for
-      // them); each one's first output slot is the count kept before it (floor sums, no walk)
+      // them); each task finds its first output slot (the count kept before its chunk, floor
+      // sums) and tallies the kept rays of the steps its chunk overlaps
       uint64_t per = std::max<uint64_t>(1, gs.P / std::max<uint64_t>(1, gs.n));
       uint64_t len = std::min<uint64_t>(static_cast<uint64_t>(kChunk) * per,
                                         (total + nthreads - 1) / nthreads);
       len = std::max<uint64_t>(len, 4096);
-      int64_t nchunks = static_cast<int64_t>((total + len - 1) / len);
-      std::vector<int64_t> first(nchunks + 1, 0);
-      for (int64_t b = 0; b < nchunks; b++) {
-        uint64_t c0 = b * len, n = std::min<uint64_t>(len, total - c0);
-        first[b + 1] = first[b] + static_cast<int64_t>(detail::count_kept(gs, g0 + c0, n));
-      }
-      DALI_ENFORCE(first[nchunks] == kept_[s], "dali_nerf ray_sampler: internal error: the kept counts of "
-                                               "Setup and Run differ");
+      const int64_t nchunks = static_cast<int64_t>((total + len - 1) / len);
+      std::vector<int64_t> first(nchunks), got(nchunks);
+      std::vector<std::vector<int64_t>> tally(nchunks);
       int64_t *positions = pos_out.mutable_tensor<int64_t>(s);
-      std::vector<int64_t> got(nchunks, -1);
       for (int64_t b = 0; b < nchunks; b++) {
         uint64_t c0 = b * len, n = std::min<uint64_t>(len, total - c0);
-        int64_t limit = first[b + 1] - first[b];
-        tp.AddWork([&, s, b, c0, n, limit](int) {
-          got[b] = cpu::run_global_chunk(caches[s], outs[s], positions, gs, g0 + c0, n, first[b], limit, simd,
-                                          &gscratch.jumps);
-        }, std::max<int64_t>(limit, 1));
+        tp.AddWork([&, s, b, c0, n](int) {
+          first[b] = static_cast<int64_t>(detail::count_kept(gs, g0, c0));
+          tally[b].assign((c0 + n - 1) / G - c0 / G + 1, 0);
+          got[b] = cpu::run_global_chunk(caches[s], outs[s], positions, gs, g0 + c0, n, first[b],
+                                         std::max<int64_t>(0, M - first[b]), simd, &gscratch.jumps,
+                                         g0 + (c0 / G) * G, G, tally[b].data());
+        }, static_cast<int64_t>(n / per) + 1);
       }
       tp.RunAll();
-      for (int64_t b = 0; b < nchunks; b++) {
-        DALI_ENFORCE(got[b] == first[b + 1] - first[b],
-                     "dali_nerf ray_sampler: internal error: the slot walk kept " + std::to_string(got[b]) +
-                     " positions where the count says " + std::to_string(first[b + 1] - first[b]));
-      }
       int64_t *counts = counts_out.mutable_tensor<int64_t>(s);
-      std::copy(step_counts_[s].begin(), step_counts_[s].end(), counts);
+      std::fill(counts, counts + R / G, int64_t{0});
+      for (int64_t b = 0; b < nchunks; b++) {
+        int64_t next = b + 1 < nchunks ? first[b + 1] : M;
+        DALI_ENFORCE(got[b] == next - first[b],
+                     "dali_nerf ray_sampler: internal error: the slot walk kept " + std::to_string(got[b]) +
+                     " positions where the count says " + std::to_string(next - first[b]));
+        uint64_t step0 = (b * len) / G;
+        for (size_t k = 0; k < tally[b].size(); k++) counts[step0 + k] += tally[b][k];
+      }
       consumed_out.mutable_tensor<int64_t>(s)[0] = R;
       next_start_[s] = starts_[s] + R;
     }

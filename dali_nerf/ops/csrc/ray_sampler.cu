@@ -10,7 +10,7 @@
 // and uploaded in one copy. The kernels evaluate the shared formula (row_ray, route_decide),
 // compiled with -fmad=false, so rays and routing decisions are the CPU's bits.
 //   * unrouted: one thread per output ray; `consumed` (= rays) is written by thread 0.
-//   * global stream (`global_pixels` > 0): the kept counts come from Setup (host floor sums); one
+//   * global stream (`global_pixels` > 0): the kept counts come from host floor sums; one
 //     thread per chunk of 64 positions walks their slots (detail::walk_kept), a count pass +
 //     cub::DeviceScan::ExclusiveSum give each chunk its first output slot, a write pass walks
 //     again and writes the kept rays (level 2: detail::image_pixel, per ray) and their positions;
@@ -232,7 +232,11 @@ void RaySampler<::dali::GPUBackend>::RunImpl(::dali::Workspace &ws) {
       const uint64_t g0 = s0, total = static_cast<uint64_t>(R);
       const int64_t M = kept_[s];
       std::array<int64_t, 1> consumed_host = {R};
-      auto dev = scratch.ToContiguousGPU(stream, tab, lay, step_counts_[s], consumed_host);
+      const int64_t G = step_positions_;
+      std::vector<int64_t> step_counts(R / G);  // host floor sums, uploaded with the tables
+      for (size_t k = 0; k < step_counts.size(); k++)
+        step_counts[k] = static_cast<int64_t>(detail::count_kept(gs, g0 + k * G, static_cast<uint64_t>(G)));
+      auto dev = scratch.ToContiguousGPU(stream, tab, lay, step_counts, consumed_host);
       GpuCache g{pix_in.tensor<uint8_t>(s), std::get<1>(dev), std::get<0>(dev), static_cast<int>(N),
                  static_cast<uint64_t>(P)};
       const int64_t nchunks = static_cast<int64_t>((total + kGlobalChunk - 1) / kGlobalChunk);

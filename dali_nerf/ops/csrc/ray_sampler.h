@@ -170,13 +170,12 @@ class RaySampler : public ::dali::Operator<Backend> {
             static_cast<uint64_t>(P_local), mode_};
   }
 
-  /// Setup of a global-stream run: checks, the kept count of each step (floor sums, no walk) and
-  /// the output shapes (M kept rays; step_counts (K,); positions (M,)).
+  /// Setup of a global-stream run: checks, the run's kept count M (floor sums, no walk) and the
+  /// output shapes (M kept rays; step_counts (K,); positions (M,)).
   bool setup_global(std::vector<::dali::OutputDesc> &output_desc, const ::dali::Workspace &ws) {
     auto ps_all = ws.GetInputShape(0);
     int nsamples = ps_all.num_samples();
     const int64_t G = step_positions_, K = rays_ / step_positions_;
-    step_counts_.resize(nsamples);
     kept_.resize(nsamples);
     ::dali::TensorListShape<2> vec3(nsamples), vec1(nsamples);
     ::dali::TensorListShape<1> pos(nsamples), counts(nsamples);
@@ -189,14 +188,8 @@ class RaySampler : public ::dali::Operator<Backend> {
       DALI_ENFORCE(starts_[i] % G == 0,
                    "dali_nerf ray_sampler: with `global_pixels` > 0, `start` must be a multiple of "
                    "`step_positions` (" + std::to_string(G) + "), got " + std::to_string(starts_[i]));
-      detail::GlobalStream gs = global_stream(P_local);
-      step_counts_[i].resize(K);
-      int64_t total = 0;
-      for (int64_t k = 0; k < K; k++) {
-        step_counts_[i][k] = static_cast<int64_t>(
-            detail::count_kept(gs, static_cast<uint64_t>(starts_[i] + k * G), static_cast<uint64_t>(G)));
-        total += step_counts_[i][k];
-      }
+      int64_t total = static_cast<int64_t>(detail::count_kept(global_stream(P_local), static_cast<uint64_t>(starts_[i]),
+                                                              static_cast<uint64_t>(rays_)));
       kept_[i] = total;
       vec3.set_tensor_shape(i, ::dali::TensorShape<2>(total, 3));
       vec1.set_tensor_shape(i, ::dali::TensorShape<2>(total, 1));
@@ -230,10 +223,9 @@ class RaySampler : public ::dali::Operator<Backend> {
   bool continue_runs_;  // `start` applies to the first run of a sample only; later runs continue
   // the split's global stream (global_pixels_ > 0): P of the split, the cache's first global pixel,
   // positions per step (G); its key and Weyl multiplier; per sample of the current run, the kept
-  // count of each step and in all (from Setup)
+  // count M (from Setup)
   int64_t global_pixels_, shard_begin_, step_positions_;
   uint64_t gkey_ = 0, weyl_ = 0;
-  std::vector<std::vector<int64_t>> step_counts_;
   std::vector<int64_t> kept_;
   int mode_;
   double up_[3];
