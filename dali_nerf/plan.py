@@ -100,7 +100,7 @@ class SamplingPlan:
     """The host budget the threads and run size came from (None: both were given)."""
     rank_threads: int = 0
     """The rank's sampler threads (0: :attr:`threads`): the decode's, and the SS cells' share."""
-    stream: str = "shard"
+    ray_stream: str = "shard"
     """The DDP ``rays`` source's stream: shard (the rank's own stream over its shard) | global (the
     split's stream of global batches, :attr:`global_batch` positions a step; the rank's batch is
     the part of each in its shard). SS cells and the baselines ignore it."""
@@ -121,7 +121,7 @@ class SamplingPlan:
     def positions_per_run(self) -> int:
         """Stream positions one DALI run walks: K x G with the global stream (the op's ``rays``;
         the rank keeps about K x B of them), K x B otherwise."""
-        return self.steps_per_run * (self.global_batch if self.stream == "global" else self.rays_per_batch)
+        return self.steps_per_run * (self.global_batch if self.ray_stream == "global" else self.rays_per_batch)
 
     def stream(self, cell: Optional[int] = None) -> Tuple[int, int]:
         """(stream id, number of streams) of the op's key: (rank, world size) for data parallel,
@@ -159,7 +159,7 @@ class SamplingPlan:
                    seed=int(seed), mode=mode, rank=int(rank), world_size=int(world_size), prefetch=int(prefetch),
                    workers=int(workers), decode_batch=int(decode_batch), max_bytes=max_bytes,
                    window_images=int(window_images), rays_per_window=int(rays_per_window), cells=tuple(cells),
-                   num_cells=int(num_cells), budget=budget, stream=stream, global_batch=G)
+                   num_cells=int(num_cells), budget=budget, ray_stream=stream, global_batch=G)
 
 
 def _global_batch(stream: str, rays_per_batch: int, world_size: int) -> int:
@@ -218,4 +218,4 @@ def plan_from_config(cfg, rank: int = 0, world_size: int = 1, *, cells: Sequence
                         decode_batch=int(c.decode_batch), max_bytes=c.max_bytes,
                         window_images=int(getattr(c, "window_images", 0)),
                         rays_per_window=int(getattr(c, "rays_per_window", 0)), cells=tuple(int(x) for x in cells),
-                        num_cells=int(num_cells), budget=budget, stream=stream, global_batch=G)
+                        num_cells=int(num_cells), budget=budget, ray_stream=stream, global_batch=G)

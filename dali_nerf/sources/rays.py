@@ -157,7 +157,7 @@ class RayLoader(BatchSource):
                                            rays_per_window=rays_per_window, stream=stream)
         else:
             check_common(scene, plan.rays_per_batch, plan.rank, plan.world_size, plan.seed, plan.prefetch, plan.mode)
-        is_global = plan.stream == "global"
+        is_global = plan.ray_stream == "global"
         if is_global and "positions" not in output_map and output_map == DEFAULT_OUTPUTS:
             output_map = DEFAULT_OUTPUTS + ("positions",)  # a global batch names its rays' global positions
         valid = BATCH_KEYS + (("positions",) if is_global else ())
@@ -172,7 +172,7 @@ class RayLoader(BatchSource):
         self.prefetch, self.mode, self.device = plan.prefetch, plan.mode, plan.device
         self.thread_priority, self.num_threads = plan.priority, plan.threads
         self.steps_per_run, self.rays_per_run = plan.steps_per_run, plan.rays_per_run
-        self.stream, self.global_batch = plan.stream, plan.global_batch
+        self.stream, self.global_batch = plan.ray_stream, plan.global_batch
         self.positions_per_run = plan.positions_per_run
         self.output_map = tuple(k for k in output_map if scene.has_bounds or k not in ("near", "far"))
         self._shard_pixels = shard_sizes(scene, self.world_size)
