@@ -247,11 +247,13 @@ def _load_v2(folder: Path, env: DistEnv) -> dict:
 def load_checkpoint(folder, rank: int = 0, world_size: Optional[int] = None) -> dict:
     """The state rank ``rank`` of ``world_size`` ranks (default: as many as wrote it) resumes from
     in checkpoint ``folder`` (format 2: the run state with ``tasks`` for that rank, its RNG and
-    loader states on the same world size; format 1: the rank's file), without the run's checks:
-    for tools and tests (``dali-nerf render`` reads every task)."""
+    loader states on the same world size; format 1: the rank's file), with the world-size rules
+    of a resume (a refusal is a DaliNerfError) but not the scene check: for tools and tests."""
     folder = Path(folder)
     if checkpoint_format(folder) == 1:
-        return dict(load_rank_state(folder, rank), format=1)
+        if world_size is None:
+            return dict(load_rank_state(folder, rank), format=1)
+        return _load_v1(folder, DistEnv(int(rank), int(world_size), int(rank), torch.device("cpu")))
     W = int(world_size or load_file(folder, RUN_FILE)["world_size"])
     return _load_v2(folder, DistEnv(int(rank), W, int(rank), torch.device("cpu")))
 
