@@ -180,3 +180,38 @@ def test_four_ranks_resumed_on_two_then_three_match_the_uninterrupted_run(scene_
                           for l in errors), r5.stderr[-3000:]
     assert {p: p.read_bytes() for p in (runs / "moved").rglob("*") if p.is_file()} == files
     assert latest_checkpoint(ck).name == "step_0000060"
+
+
+@pytest.mark.slow  # two 1-rank SS runs in this process and one 2-rank torchrun launch: ~1 min
+def test_ss_cells_move_to_other_ranks_on_resume(tmp_path):
+    """An SS run of 4 cells on 1 rank, stopped at step 10 and resumed on 2 ranks (cells 0, 2 and
+    1, 3: assign_rank), ends with each cell's field equal to the uninterrupted 1-rank run's up to
+    floating-point order (each cell's stream and jitter are its own) and the fused PSNR within
+    0.05 dB; 5 ranks for 4 cells are refused."""
+    from dali_nerf.trainers.spatial import main as ss_main
+
+    city = make_scene("city", tmp_path / "city", width=32, height=24, n_train=12, n_val=1, seed=1)
+    common = ["--config", "configs/ss_city.yaml", f"scene.path={city}", f"train.runs_dir={tmp_path / 'runs'}",
+              "train.steps=20", "train.checkpoint_every=10", "train.log_every=10", "train.eval_images=1", "train.lr=0.02",
+              "pipeline.rays_per_batch=256", "pipeline.rays_per_run=1024", "partition.grid=[2,2]", "train.device=cpu",
+              *TINY]
+    assert ss_main([*common, "name=whole"]) == 0
+    assert ss_main([*common, "name=moved", "train.stop_after=10"]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "dali_nerf.trainers.spatial", *common, "name=moved", "--resume"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-4000:]
+    runs = tmp_path / "runs"
+    whole, moved = (json.loads((runs / n / "summary.json").read_text()) for n in ("whole", "moved"))
+    assert moved["world_size"] == 2 and moved["resumed_from"] == 10 and whole["world_size"] == 1
+    a, b = (latest_checkpoint(runs / n / "checkpoints") for n in ("whole", "moved"))
+    assert sorted(p.name for p in b.iterdir()) == ["cell0.pt", "cell1.pt", "cell2.pt", "cell3.pt", RUN_FILE]
+    for c in range(4):
+        fa, fb = (load_file(f, f"cell{c}.pt")["task"]["field"] for f in (a, b))
+        for k in fa:
+            assert torch.allclose(fa[k], fb[k], rtol=1e-3, atol=1e-5), (c, k, float((fa[k] - fb[k]).abs().max()))
+    print(f"fused PSNR: 1 rank {whole['fused_psnr']!r} dB, 1 -> 2 ranks {moved['fused_psnr']!r} dB")
+    assert abs(whole["fused_psnr"] - moved["fused_psnr"]) < 0.05
+    with pytest.raises(DaliNerfError, match="the run's 4 cells cannot be shared among 5 ranks"):
+        load_checkpoint(b, 0, 5)

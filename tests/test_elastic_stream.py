@@ -58,7 +58,7 @@ def _steps(loaders, n):
     return [_merged([p[i] for p in per]) for i in range(n)]
 
 
-@settings(max_examples=12)
+@settings(max_examples=25)
 @given(sizes=splits(), m=st.integers(1, 4), seed=SEEDS, mode=st.sampled_from(["random", "epoch"]),
        start=st.integers(0, 5), steps=st.integers(1, 4), runs=st.integers(1, 3))
 def test_global_batches_are_the_same_for_world_sizes_1_to_4(sizes, m, seed, mode, start, steps, runs):
@@ -101,7 +101,7 @@ def resumes(draw):
     return sizes, W, W2, G
 
 
-@settings(max_examples=15)
+@settings(max_examples=30)
 @given(case=resumes(), seed=SEEDS, epoch=st.integers(0, 3), cut=st.floats(0.0, 1.0), runs=st.integers(1, 3),
        which=st.integers(0, 3))
 def test_an_epoch_across_a_resume_from_W_to_W2_visits_every_pixel_once(case, seed, epoch, cut, runs, which):
@@ -139,7 +139,7 @@ def test_an_epoch_across_a_resume_from_W_to_W2_visits_every_pixel_once(case, see
     assert_each_pixel_once(scene, [idx[inside]])
 
 
-@settings(max_examples=10)
+@settings(max_examples=20)
 @given(sizes=splits(), seed=SEEDS, mode=st.sampled_from(["random", "epoch"]), k=st.integers(0, 7),
        W=st.integers(1, 4), W2=st.integers(1, 4))
 def test_a_state_continues_the_same_batches_on_another_world_size(sizes, seed, mode, k, W, W2):
