@@ -18,7 +18,9 @@ Two doors:
 
 A spatial-segmentation rank trains several cells: its plan carries them (``cells``, ``num_cells``)
 and :meth:`SamplingPlan.stream` gives each cell's stream key, (cell, number of cells), so a cell's
-stream is the same whichever rank trains it; a data-parallel rank's stream is (rank, world size).
+stream is the same whichever rank trains it; a data-parallel rank's stream is (rank, world size),
+or, with ``ray_stream`` global (``pipeline.stream``), the split's global stream of G =
+``global_batch`` positions a step (B x world size), the seed's alone.
 
 >>> plan = plan_from_config(cfg, rank=0, world_size=2)
 >>> plan.threads, plan.rays_per_run, plan.priority, plan.stream()

@@ -8,8 +8,8 @@ Format 2, one step folder (DDP replicas are identical, so the model is stored on
   ``method``, ``pipeline`` (the source's name), ``stream`` (the formula's version:
   ``global-v2`` | ``shard-v1`` | the baseline's), ``global_batch`` G (0 when the stream has
   none), ``seed``, ``mode``, ``scene`` (the training split's fingerprint), ``cells`` (SS: their
-  number), ``ranks``: per rank of the writer ``{"rng", "sources"}`` (the RNG states and, DDP, the
-  loader's state, and its replica's digest, :func:`replica_digest`);
+  number), ``ranks``: per rank of the writer ``{"rng", "sources", "cells", "replica"}`` (its RNG
+  states; DDP: its loader's state and its replica's digest, :func:`replica_digest`; SS: its cells);
 * DDP ``model.pt`` (rank 0): ``{"tasks": {"ddp": field, optimizer, scheduler, occupancy, space}}``;
 * SS ``cell<C>.pt`` (the rank that trains cell C): that cell's task state with its loader state.
 
@@ -204,8 +204,11 @@ def _load_v1(folder: Path, env: DistEnv) -> dict:
     try:
         st = load_rank_state(folder, env.rank)
     except CheckpointUnreadable:
-        if not (folder / f"rank{env.rank}.pt").exists():  # a rank the run did not have?
-            other = load_rank_state(folder, 0)
+        if env.rank and not (folder / f"rank{env.rank}.pt").exists():  # a rank the run did not have?
+            try:
+                other = load_rank_state(folder, 0)
+            except CheckpointUnreadable:
+                other = None  # rank 0's own read reports it
             if isinstance(other, dict) and other.get("world_size") not in (None, env.world_size):
                 _refuse_v1(folder, other["world_size"], env.world_size)
         raise

@@ -54,7 +54,7 @@ from .models.keyed import ray_keys
 from .models.ray_space import RaySpace
 from .phases import PHASES, PhaseTimer
 from .plan import plan_from_config
-from .resume import read_resume_state, restore_tasks, resumed_config, save_checkpoint
+from .resume import read_resume_state, restore_tasks, resumed_config, run_stream, save_checkpoint
 from .runlog import MetricsWriter, append_metrics_row, bar_stall, progress_bar, steady_stall
 from .runtime import (DistEnv, gpu_memory, load_scenes, prepare_run_dir, seed_everything, setup_distributed,
                       step_generator, to_device, torch_threads_kept)
@@ -383,6 +383,8 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
         "name": cfg.name, "method": method.name, "world_size": env.world_size, "device": str(env.device),
         "steps": r.end_step, "steps_planned": cfg.train.steps, "steps_this_run": steps_run, "resumed_from": r.start_step,
         "rays_per_batch": cfg.pipeline.rays_per_batch, "pipeline": cfg.pipeline.name,
+        "stream": run_stream(cfg)[0],
+        "global_batch": run_stream(cfg)[1] * cfg.pipeline.rays_per_batch * env.world_size or None,
         "test_psnr": p, "test_ssim": s, "mean_color_psnr": mean_color_psnr(pairs), "eval_split": sc.eval_split, "eval_images": len(pairs),
         "eval_render_s": seconds,
         "final_train_loss": r.last.get("loss"),
