@@ -8,7 +8,6 @@ rule (by dense sampling along each ray, and by an exact critical-point check whe
 from __future__ import annotations
 
 import ctypes
-import subprocess
 
 import numpy as np
 import pytest
@@ -17,9 +16,9 @@ pytest.importorskip("nvidia.dali")
 
 from nvidia.dali import fn, pipeline_def  # noqa: E402
 
-from dali_nerf import ops  # noqa: E402
 from dali_nerf.ops import load_plugin  # noqa: E402
 from dali_nerf.seeds import op_stream_key, splitmix_finalise  # noqa: E402
+from _cxx import compile_harness  # noqa: E402
 
 U64 = np.uint64
 M64 = (1 << 64) - 1
@@ -599,14 +598,7 @@ extern "C" int dn_decide(const float *cams, const int64_t *lay, int64_t N, const
 @pytest.fixture(scope="module")
 def formula(tmp_path_factory):
     """ray_math.h compiled for the host by the plugin's compiler with the plugin's code flags."""
-    folder = tmp_path_factory.mktemp("ray_math")
-    (folder / "harness.cc").write_text(HARNESS)
-    lib = folder / "harness.so"
-    cmd = [ops._find_cxx(), "-std=c++20", "-O3", "-fno-math-errno", "-shared", "-fPIC", f"-I{ops._CSRC}",
-           str(folder / "harness.cc"), "-o", str(lib)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return ctypes.CDLL(str(lib))
+    return compile_harness(tmp_path_factory.mktemp("ray_math"), HARNESS)
 
 
 def _ptr(a):

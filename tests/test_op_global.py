@@ -9,7 +9,6 @@ with the cache's own (v1) stream's ray of the same pixel, so a kept ray is "the 
 from __future__ import annotations
 
 import ctypes
-import subprocess
 import warnings
 from types import SimpleNamespace
 
@@ -25,6 +24,7 @@ from dali_nerf import ops  # noqa: E402
 from dali_nerf.ops import load_plugin  # noqa: E402
 from dali_nerf.ops import reference as ref  # noqa: E402
 from dali_nerf.pipelines.decode import shard_range  # noqa: E402
+from _cxx import compile_harness  # noqa: E402
 from test_op import CENTROIDS, check_against_reference, make_cache, pixel_ids  # noqa: E402
 
 NAMES = ("origins", "directions", "rgb", "indices", "near", "far", "consumed", "step_counts", "positions")
@@ -370,14 +370,7 @@ extern "C" int64_t dn_gpu_walk(uint64_t key, int mode, uint64_t P, uint64_t lo, 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("global_stream")
-    (folder / "harness.cc").write_text(HARNESS)
-    lib = folder / "harness.so"
-    cmd = [ops._find_cxx(), "-std=c++20", "-O3", "-fno-math-errno", "-shared", "-fPIC", f"-I{ops._CSRC}",
-           str(folder / "harness.cc"), "-o", str(lib)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    h = ctypes.CDLL(str(lib))
+    h = compile_harness(tmp_path_factory.mktemp("global_stream"), HARNESS)
     u64, i64 = ctypes.c_uint64, ctypes.c_int64
     h.dn_weyl.restype = u64
     h.dn_weyl.argtypes = [u64]
@@ -490,14 +483,7 @@ extern "C" long long dn_walk(int kind, uint64_t a, uint64_t P, uint64_t lo, uint
 @pytest.fixture(scope="module")
 def walks(tmp_path_factory):
     """walk.cc alone (no DALI) with a driver, compiled like the plugin."""
-    folder = tmp_path_factory.mktemp("walks")
-    (folder / "driver.cc").write_text(WALK_DRIVER)
-    lib = folder / "walks.so"
-    cmd = [ops._find_cxx(), "-std=c++20", "-O3", "-fno-math-errno", "-shared", "-fPIC", f"-I{ops._CSRC}",
-           str(folder / "driver.cc"), str(ops._CSRC / "walk.cc"), "-o", str(lib)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    w = ctypes.CDLL(str(lib))
+    w = compile_harness(tmp_path_factory.mktemp("walks"), WALK_DRIVER, ops._CSRC / "walk.cc", name="driver")
     u64 = ctypes.c_uint64
     w.dn_walk.restype = ctypes.c_longlong
     w.dn_walk.argtypes = [ctypes.c_int, u64, u64, u64, u64, u64, u64, ctypes.c_int, ctypes.c_void_p,
