@@ -25,6 +25,7 @@ checkpoint, as ``metrics.jsonl`` drops its lines.
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -92,6 +93,25 @@ def _hwc_uint8(img) -> np.ndarray:
     return a
 
 
+def _wait_past_existing_events(log_dir: Path, max_wait_s: float = 2.0) -> None:
+    """Return once a new event file in ``log_dir`` sorts after every file there.
+
+    TensorBoard reads a run's event files in name order, and a purge (``purge_step``) hides only
+    the events of files read before it. A name is ``events.out.tfevents.<second>.<host>.<pid>.<n>``:
+    within one second files sort by pid and by a per-process counter as text (``...10`` before
+    ``...9``), so a writer opened in the second of an earlier file can sort before it, and the
+    killed run's events after the checkpoint show again. Waiting for the next second (at most
+    ``max_wait_s``, for a clock set back) makes the new file's second the largest."""
+    newest = -1
+    for f in log_dir.glob("events.out.tfevents.*"):
+        stamp = f.name.split(".")[3]
+        if stamp.isdigit():
+            newest = max(newest, int(stamp))
+    wait = newest + 1 - time.time()
+    if wait > 0:
+        time.sleep(min(wait, max_wait_s))
+
+
 class TBWriter:
     """Rank 0's TensorBoard writer for one run (other ranks pass ``mode="never"``).
 
@@ -114,6 +134,7 @@ class TBWriter:
             from torch.utils.tensorboard import SummaryWriter  # needs tensorboard; only when enabled
 
             try:
+                _wait_past_existing_events(self.log_dir)
                 self._w = SummaryWriter(log_dir=str(self.log_dir), purge_step=self.purge_step, flush_secs=30)
             except OSError as e:
                 raise DaliNerfError(f"{self.log_dir}: cannot write TensorBoard events ({e.strerror}); "

@@ -215,9 +215,11 @@ def test_from_config_streams(scene):
     from dali_nerf.config import load_config
     from dali_nerf.sources import build_source
 
-    cfg = load_config(None, [f"cache.max_bytes={MAX_BYTES}", "cache.window_images=2", "pipeline.rays_per_batch=64",
-                             "train.device=cpu"], check_paths=False)
-    src = build_source(cfg, scene, 0, 1)
+    over = [f"cache.max_bytes={MAX_BYTES}", "cache.window_images=2", "pipeline.rays_per_batch=64", "train.device=cpu"]
+    # the default global stream cannot stream a shard through windows: one line naming the fix
+    with pytest.raises(ConfigError, match=r"^cache.max_bytes=\d+: .*, or set pipeline.stream=shard\b[^\n]*$"):
+        build_source(load_config(None, over, check_paths=False), scene, 0, 1)
+    src = build_source(load_config(None, over + ["pipeline.stream=shard"], check_paths=False), scene, 0, 1)
     try:
         assert src.streaming and src.window_images == 2
         assert next(src)["rgb"].shape == (64, 3)

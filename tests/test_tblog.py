@@ -4,6 +4,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +66,28 @@ def test_resume_purges_events_after_the_checkpoint(tmp_path):
     tb.close()
     ev = _read(tmp_path / "tensorboard").Scalars("train/loss")
     assert [(e.step, e.value) for e in ev] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0), (6, 106.0)]
+
+
+def test_resumed_writer_sorts_after_the_killed_runs_file_in_the_same_second(tmp_path, monkeypatch):
+    """A resumed writer opened in the second of the killed run's file, with the per-process file
+    counter crossing 9 -> 10 (their names then sort ``...10`` before ``...9``): TBWriter waits for
+    the next second, so TensorBoard still reads the killed run's file first and the purge hides
+    its later steps."""
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer._global_uid, "_value", 9)
+    time.sleep(1.0 - time.time() % 1.0 + 0.01)  # both writers start early in one second
+    tb = TBWriter(tmp_path, mode="always")
+    for s in range(1, 5):
+        tb.scalars(s, {"train/loss": float(s)})
+    tb.close()
+    tb = TBWriter(tmp_path, mode="always", purge_step=3)
+    tb.scalars(3, {"train/loss": 103.0})
+    tb.close()
+    names = sorted(f.name for f in (tmp_path / "tensorboard").iterdir())
+    assert [n.rsplit(".", 1)[1] for n in names] == ["9", "10"], names
+    ev = _read(tmp_path / "tensorboard").Scalars("train/loss")
+    assert [(e.step, e.value) for e in ev] == [(1, 1.0), (2, 2.0), (3, 103.0)]
 
 
 def test_modes(tmp_path, monkeypatch):
