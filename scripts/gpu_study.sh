@@ -11,7 +11,7 @@
 #   make-scene    35   a generated objects scene, 100 images of 800x800                make-scene.log
 #   loop          90   dali-nerf bench loop: configs/ddp_blender_gpu.yaml's model on   loop/loop.json, loop.md
 #                      the GPU, CUDA-event phases, 3 rotated trials at 16384 and
-#                      65536 rays: rays, rays_prefetch0 (the same sampler,
+#                      65536 rays: rays, rays_sync (the same sampler,
 #                      synchronous), sync_local, sync_global, torch_workers and a
 #                      ready-batch floor; images in host memory and in GPU memory;
 #                      step, wait, stall, step / floor, peak GPU memory, device step
