@@ -185,7 +185,8 @@ def _train_emulated_shared(cfg: Config, method, env, scene, links, dev, barrier,
     bar = (lambda: barrier.wait(timeout)) if barrier is not None else (lambda: None)
     buf = shm.buf if shm is not None else (bytearray(scatter) if scatter else None)
     sources, ready = [], []
-    prio = plan_from_config(cfg, rank, W).priority
+    # the priority of the threads that sample ahead (rays_sync: none does, its DALI threads run at normal)
+    prio = "normal" if p.name == "rays_sync" else plan_from_config(cfg, rank, W).priority
     try:
         sources = _sources(cfg, method.name, scene, rank, W, ShmLink(buf, bar, dev))
         n_sources = len(sources)

@@ -373,10 +373,10 @@ def test_study_smoke_end_to_end(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=6, n_val=1, n_test=1)
     ov = [f"scene.path={tmp_path / 'scene'}", f"train.runs_dir={tmp_path / 'runs'}", f"bench.out={tmp_path / 'docs'}",
-          "bench.steps=4", "bench.warmup=1", "pipeline.rays_per_batch=128", "pipeline.rays_per_run=512",
+          "bench.steps=4", "bench.warmup=1", "pipeline.rays_per_batch=128", "pipeline.rays_per_run=384",
           "bench.sampling_sizes=[128,256]", "bench.sampler_seconds=0", "bench.methods=[ddp,ss]", "bench.trials=1",
-          "bench.samplers=[sync_global,sync_local,rays]", "bench.emulated_ranks=[]", "bench.emulated_ranks_ss=[]",
-          "model.samples_per_ray=4", "model.resolution=8"]
+          "bench.samplers=[sync_global,rays_sync,rays]", "bench.emulated_ranks=[]",
+          "bench.emulated_ranks_ss=[]", "model.samples_per_ray=4", "model.resolution=8"]
     # as the CLI runs it: the command scope puts back what the study sets (torch threads)
     rc = run_cli(study.main, argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
     assert rc == 0
@@ -387,17 +387,49 @@ def test_study_smoke_end_to_end(tmp_path, monkeypatch):
         assert (out / png).stat().st_size > 1000
     raw = json.loads((out / "derived.json").read_text())
     done = {(r["method"], r["sampler"], r["ranks"]) for r in raw["derived"]["runs"]}
-    assert {("ddp", s, w) for s in ("sync_global", "sync_local", "rays", "ready") for w in (1, 2)} <= done
-    assert all(r["device"] == "cpu" and r["steps_used"] == 4 for r in raw["derived"]["runs"])
+    assert {(m, s, w) for m in ("ddp", "ss") for s in ("sync_global", "rays_sync", "rays", "ready") for w in (1, 2)} == done
+    # the DALI sources over whole runs of 384 / 128 = 3 steps (warm-up 1 -> 3, timed 4 -> 6), the others as asked
+    for r in raw["derived"]["runs"]:
+        assert r["device"] == "cpu" and r["cores"] == study.host_cores(), r
+        assert (r["steps_used"], r["warmup"]) == ((6, 3) if r["sampler"] in ("rays", "rays_sync") else (4, 1)), r
+        assert r["runq_s"] is not None and r["cores_per_gpu"] == pytest.approx(r["cores"] / r["ranks"])
     # every CPU pair has its floor (the trainers with pipeline.name=ready), so its ideal is the
-    # baseline's step over the floor's
-    assert all(sp["ideal_basis"] == "floor" and sp["step_floor_s"] > 0 for sp in raw["derived"]["speedups"])
-    again = study.derive([r["dir"] for r in raw["derived"]["trial_runs"]], warmup=1)
-    assert again["summary"]["mean_speedup"] == pytest.approx(raw["derived"]["summary"]["mean_speedup"])
+    # baseline's step over the floor's; the control splits each speedup (one trial: exactly)
+    for sp in raw["derived"]["speedups"]:
+        assert sp["ideal_basis"] == "floor" and sp["step_floor_s"] > 0
+        assert sp["sampler_gain"] * sp["overlap_gain"] == pytest.approx(sp["speedup"], rel=1e-9)
+    assert raw["derived"]["summary"]["comparable"] is None  # CPU compute: nothing set beside the ISPASS study
+    again = study.derive([r["dir"] for r in raw["derived"]["trial_runs"]])
+    assert [x["speedup"] for x in again["speedups"]] == pytest.approx([x["speedup"] for x in raw["derived"]["speedups"]])
 
 
 @pytest.mark.slow
-def test_study_smoke_emulated(tmp_path, monkeypatch):
+def test_a_failed_cell_is_reported_and_the_command_exits_2(tmp_path, monkeypatch, capsys):
+    """One cell of the grid fails for real (SS's ready floor refuses pipeline.mode=epoch, the rays
+    cell runs): the report is written with the cell listed under "Cells that did not run", and the
+    command exits 2 with one line naming the cell, its trainer's error and its log."""
+    from dali_nerf.cli import main
+    from dali_nerf.scenegen import make_scene
+
+    monkeypatch.chdir(tmp_path)
+    make_scene("objects", tmp_path / "scene", width=16, height=16, n_train=4, n_val=1, n_test=1)
+    rc = main(["bench", "study", "--config", str(REPO / "configs" / "study.yaml"), f"scene.path={tmp_path / 'scene'}",
+               f"train.runs_dir={tmp_path / 'runs'}", f"bench.out={tmp_path / 'docs'}", "bench.ranks=[1]",
+               "bench.methods=[ss]", "bench.samplers=[rays]", "pipeline.mode=epoch", "bench.trials=1", "bench.steps=2",
+               "bench.warmup=1", "pipeline.rays_per_batch=64", "pipeline.rays_per_run=128", "bench.emulated_ranks=[]",
+               "bench.emulated_ranks_ss=[]", "bench.sampling_sizes=[]", "bench.sampler_seconds=0", "model.resolution=8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    log = tmp_path / "runs" / "study_ss_ready_1_t0_0.log"
+    assert err[0].startswith("error: bench study: the report (") and "1 cell(s) that failed: study_ss_ready_1_t0_0" in err[0]
+    assert "pipeline.mode=epoch: the SS baselines sample iid rays only" in err[0] and str(log) in err[0]
+    text = (tmp_path / "docs" / study.machine_slug() / "report.md").read_text()
+    assert "## Cells that did not run" in text and "study_ss_ready_1_t0_0: exit 2: error: pipeline.mode=epoch" in text
+    assert "| ss | rays | 1 |" in text  # the cell that ran is in the report
+
+
+@pytest.mark.slow
+def test_study_smoke_emulated(tmp_path, monkeypatch, capsys):
     """Emulated DDP launches at 1 and 2 ranks on every core, and 1 rank pinned to 1 core (a 2-rank
     launch on 1 core is not run: under 1 core per GPU), with sync_global, the control rays_sync and
     rays, 1 trial, tiny steps: report, plots, derived.json with the documented keys (cores per GPU,
@@ -423,6 +455,10 @@ def test_study_smoke_emulated(tmp_path, monkeypatch):
     text = (out / "report.md").read_text()
     assert "device compute emulated by a timed wait; host work real" in text
     assert "Lockstep cost" in text and "floor ms" in text and "cores per GPU" in text
+    # the console prints the report's Result section as written there: one set of numbers
+    printed = capsys.readouterr().out
+    section = text.split("## Result\n", 1)[1].split("\n## ", 1)[0].strip()
+    assert section and section in printed
     for png in ("phases.png", "speedup.png", "model_check.png", "projection.png", "scaling.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     raw = json.loads((out / "derived.json").read_text())

@@ -122,8 +122,9 @@ def run_grid(cfg: Config, config_path: str, overrides: Sequence[str], log=print)
             f.flush()
             rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc != 0:
-            tail = [l for l in logf.read_text().splitlines() if l.strip() and not l.startswith(("W", "[W"))][-1:]
-            reason = f"exit {rc}: {tail[0][:300] if tail else 'no output'}"
+            lines = [l for l in logf.read_text().splitlines()[1:] if l.strip() and not l.startswith(("W", "[W"))]
+            said = [l for l in lines if l.startswith("error:")][:1] or lines[-1:]  # the trainer's one-line error
+            reason = f"exit {rc}: {said[0][:300] if said else 'no output'}"
             failed.append((name, reason, str(logf)))
             log(f"[{i + 1}/{len(plan)}] {name}: FAILED ({reason}); log {logf}")
             continue

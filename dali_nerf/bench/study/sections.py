@@ -110,7 +110,7 @@ def _ci_x(x: dict, key: str) -> str:
 
 def _regime_line(r: dict, headline: bool = False) -> str:
     """One like-for-like regime: where, the speedup as the product of the two gains, the stalls."""
-    where = (f"{r['method'].upper()}, {_cpg(r)} ({_gpus(r['ranks'])} on {r['cores']} cores), "
+    where = (f"{r['method'].upper()}, {_cpg(r)} ({_gpus(r['ranks'])} on {r['cores']} core{'s' if r['cores'] > 1 else ''}), "
              f"{r['emulated_step_ms']:g} ms device step, {r['rays_per_rank']} rays per GPU")
     hidden = "" if r.get("hidden_stall") is None else f", hidden {100 * r['hidden_stall']:.1f}%"
     return (f"- {'**headline** ' if headline else ''}{where}: speedup {_ci_x(r, 'speedup')} = sampler gain "
@@ -185,8 +185,9 @@ def _starved_lines(s: dict, emu: List[dict]) -> List[str]:
     low = [c for c in emu if starved(c)]
     if st and low:
         g = [c for c in low if c["sampler"] == "sync_global"]
-        L += [f"Starved host (< 1 core per GPU: {min(c['ranks'] for c in low)}-{max(c['ranks'] for c in low)} "
-              f"emulated GPUs on {max(c['cores'] for c in low)} cores; not compared with the ISPASS study): "
+        lo, hi = min(c["ranks"] for c in low), max(c["ranks"] for c in low)
+        L += [f"Starved host (< 1 core per GPU: {lo if lo == hi else f'{lo}-{hi}'} emulated GPUs on "
+              f"{max(c['cores'] for c in low)} cores; not compared with the ISPASS study): "
               + (f"sync_global stall up to {100 * max(c['stall'] for c in g):.1f}%, " if g else "")
               + f"pipelined step up to {st['max_step_over_floor']:.2f}x its floor, hidden stall up to "
               f"{100 * st['max_hidden_stall']:.1f}% of the step (lost outside next(), which the stall does not see).",
