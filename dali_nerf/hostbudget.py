@@ -25,8 +25,9 @@ waits on the device and must run the moment it wakes (launch the next kernels, j
 collective): in lockstep every rank waits for the last one to wake. When the rank's compute is
 not on this CPU (a GPU, or the study's emulated devices), :func:`resolve_priority` runs them at
 ``background`` priority (Linux ``SCHED_IDLE``: they run on cores nothing else wants, and a
-waking training thread takes the core at once). Measured on the 2-core machine (``benchmarks/thread_priority.py``, DDP, emulated devices, step over
-the floor, mean of 6 trials each): 8 ranks at 1 ms device steps 1.32x at normal priority and 1.07x
+waking training thread takes the core at once). Measured on a 2-core Intel Xeon VM (2026-12-04,
+commit 087fcd4, ``benchmarks/thread_priority.py``, DDP, emulated devices, step over the floor,
+mean of 6 trials each): 8 ranks at 1 ms device steps 1.32x at normal priority and 1.07x
 in background; 16 ranks at 2 ms 1.25x and 1.10x.
 Where the compute is on the CPU the sampler competes with it for the cores as equals
 (``normal``): in background it would get only the cores torch leaves idle. On a host whose cores

@@ -1,5 +1,5 @@
 """Bad inputs through the public library API (``load_scene`` + ``RayLoader`` / ``decode_cache``),
-not only through the trainers (issue 18; docs/RELIABILITY.md, "Library API").
+not only through the trainers (docs/RELIABILITY.md, "Library API").
 
 Each test asserts the one-line message names the file or field. Scenes are tiny, written into
 ``tmp_path``; the oversized ones are PNG *headers* claiming a large size, a few hundred bytes on disk.

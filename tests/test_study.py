@@ -262,6 +262,22 @@ def test_report_from_committed_derived_json_is_byte_identical(tmp_path, monkeypa
         assert (tmp_path / "again" / png).read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("derived_json", COMMITTED, ids=[p.parent.name for p in COMMITTED])
+def test_readme_states_the_committed_studys_one_sentence(derived_json):
+    """README states what the committed study shows in its one sentence (the report's Result opens
+    with it): how much of the speedup is overlap and how much a faster sampler, in which regime."""
+    raw = json.loads(derived_json.read_text())
+    if raw["meta"].get("format", 1) != study.REPORT_FORMAT:
+        pytest.skip(f"{derived_json}: a report of format {raw['meta'].get('format', 1)}, without the same-sampler "
+                    f"control; runs once the study is regenerated with this code")
+    from dali_nerf.bench.study.sections import headline_sentence
+
+    sentence = headline_sentence(raw["derived"]["summary"], raw["meta"])
+    assert sentence, "the committed study has no like-for-like regime"
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert sentence in readme, f"README.md should quote: {sentence}"
+
+
 def test_committed_study_exists():
     assert COMMITTED, "no docs/study/*/derived.json: the byte-identical report test has nothing to check"
 
@@ -496,6 +512,9 @@ def test_study_smoke_emulated(tmp_path, monkeypatch, capsys):
     assert sc["threads"] == ([1, n] if n > 1 else [1]) and len(sc["loader_s"]) == len(sc["threads"])
     assert len(raw["sampling"]["rays_sync_s"]) == 2
     _check_recomputed(raw)
+    # the study's own output rewritten from its derived.json: the same report, byte for byte
+    again = study.report_from_derived(out / "derived.json", tmp_path / "again")
+    assert again.read_bytes() == (out / "report.md").read_bytes()
 
 
 def test_refit_script_reproduces_the_committed_report(capsys):

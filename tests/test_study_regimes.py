@@ -183,7 +183,10 @@ def test_the_result_section_quotes_no_flagged_or_starved_pair(tmp_path):
     text = "\n".join(sections.result(d["summary"], emu, d["speedups"], meta))
     assert "**headline** DDP, 2 cores per GPU (1 emulated GPU on 2 cores), 1 ms device step" in text
     assert "speedup 3.20x" in text and "sampler gain 2.50x" in text and "overlap gain 1.28x" in text
-    assert "1 core per GPU (2 emulated GPUs on 2 cores)" in text and "1 core per GPU (1 emulated GPU on 1 core)" in text
+    # every like-for-like regime in the table: (method, cores per GPU, GPUs on cores, device step)
+    for row in ("| ddp | 2 | 1 on 2 | 1 |", "| ddp | 2 | 1 on 2 | 2 |", "| ddp | 1 | 2 on 2 | 1 |", "| ddp | 1 | 1 on 1 | 1 |"):
+        assert text.count(row) == 1, row
+    assert "| ddp | 0.5 |" not in text and "| 5 | 4096 |" not in text  # neither the starved host nor the flagged pair
     assert "Starved host (< 1 core per GPU" in text and "the ISPASS study" in text
     assert "43.3%" in text and "1.95x on average" in text
     for x in (_by(d, "sync_global", ranks=4), _by(d, "sync_global", ems=5.0)):  # never quoted

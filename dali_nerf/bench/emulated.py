@@ -16,9 +16,13 @@ rendezvous: slower ranks hold the others, as NCCL does) plus the link's all-redu
 back with no work — is measured at the start of each launch and reported.
 
 Budgets (equal for every sampler): ``threads`` sampler threads per rank from
-:func:`dali_nerf.hostbudget.host_budget` (DALI threads for ``rays``, worker processes for
-``torch_workers``, the training thread's torch threads for ``sync_*``), the same run size for the
-DALI sources, and ``train.torch_threads`` for the rank's own thread.
+:func:`dali_nerf.hostbudget.host_budget` (DALI threads for ``rays`` and ``rays_sync``, worker
+processes for ``torch_workers``, the training thread's torch threads for ``sync_*``), the same run
+size for the DALI sources, and ``train.torch_threads`` for the rank's own thread. A launch may be
+pinned to a subset of the host's cores (``launch(..., cpus=...)``: the ranks inherit the CPU
+affinity, read their budget from it and refuse one that differs from the launch's), which names
+its regime by cores per GPU. The DALI sources are timed over whole runs from a run boundary
+(:func:`dali_nerf.emulated_train.warmup_steps`, :func:`~dali_nerf.emulated_train.whole_runs`).
 
 SS: one cell per rank (``ss_grid(W)`` cells), every rank holding all images.
 """

@@ -254,9 +254,9 @@ class StarvationGuard:
     Background priority (``SCHED_IDLE``) is for a sampler that is ahead: its threads then take only
     cores nothing else wants. On a host whose cores are all busy with normal-priority work (other
     ranks' threads, other jobs, a training thread launching kernels) such threads get almost no CPU:
-    measured on the 2-core machine with three busy-looping processes beside one RayLoader at 1 ms
-    steps (``benchmarks/starvation.py``), 202 steps/s with waits up to 0.5 s, against 879 steps/s
-    at normal priority. A sampler the consumer waits for gains nothing from yielding the cores (the consumer
+    measured on a 2-core Intel Xeon VM (2026-12-05, commit 4612e62) with three busy-looping
+    processes beside one RayLoader at 1 ms steps (``benchmarks/starvation.py``), 202 steps/s with
+    waits up to 0.5 s, against 879 steps/s at normal priority. A sampler the consumer waits for gains nothing from yielding the cores (the consumer
     is idle meanwhile), whatever keeps it behind, so the loaders return it to normal priority.
 
     ``add(t_enter, t_exit)`` records one blocking wait of the consumer; it returns True once the

@@ -433,7 +433,8 @@ def _speedup(k: tuple, rs: List[dict], groups: Dict[tuple, List[dict]], ckey: Di
         "ideal_speedup": ideal, "ideal_trials": id_t, "ideal_ci": id_ci, "ideal_basis": "floor" if use_floor else "wait",
         "ideal_speedup_wait": ideal_w, "ideal_wait_ci": iw_ci, "stall_data": stall_data,
         "ratio": sp / ideal if ideal > 0 else float("nan"), "flags": flags,
-        "cause": _cause(bmean, pmean, fc) if flags else None, **gains,
+        # with a floor, the pipelined configuration (all its runs) against it, as the host flag reads it
+        "cause": _cause(bmean, pc if (fc is not None and pc) else pmean, fc) if flags else None, **gains,
         "pipelined_over_floor": pc.get("step_over_floor") if pc else None,
         "hidden_stall": pc.get("hidden_stall") if pc else None,
         "hidden_runq": pc.get("hidden_runq") if pc else None,

@@ -2,7 +2,7 @@
 the derived configurations, the sampling profile from the sampling micro-benchmark, and the fit on
 one set of runs checked on the others.
 
->>> model, rows, desc = fit_and_check(derive(dirs), cfg.bench, 4096, grad_bytes, sampling)
+>>> model, rows, desc = fit_and_check(derive(dirs), cfg.bench, 4096, grad_bytes, sampling, cores=2)
 """
 
 from __future__ import annotations

@@ -262,25 +262,29 @@ def measure_sampling(cfg: Config, sizes: Sequence[int], batches: int = 20) -> di
     return out
 
 
-def measure_scaling(cfg: Config, scene, cores: int, batches: int = 20) -> dict:
+def measure_scaling(cfg: Config, scene, cores: int, batches: int = 20, rounds: int = 3) -> dict:
     """How sampling scales with the cores it is given, at ``pipeline.rays_per_batch``: seconds per
     batch with 1 and with ``cores`` threads (torch threads for sync_local; DALI threads, at the host
-    budget's run size for that many threads, for the loader and rays_sync), on this host. The cost
-    model's per-core costs assume linear scaling; this measures it up to this host's cores.
+    budget's run size for that many threads, for the loader and rays_sync), on this host, the best
+    of ``rounds`` interleaved rounds (a shared host's other work only ever slows a round down). The
+    cost model's per-core costs assume linear scaling; this measures it up to this host's cores.
 
     Returns {"rays", "threads" [1, cores], "sync_s", "loader_s", "rays_sync_s" (lists by threads),
-    "efficiency" {"sync", "loader", "rays_sync"}: time at 1 thread / (cores x time at ``cores``),
-    1 = linear; None on a 1-core host}."""
+    "rounds", "efficiency" {"sync", "loader", "rays_sync"}: time at 1 thread / (cores x time at
+    ``cores``), 1 = linear; None on a 1-core host}."""
     B = int(cfg.pipeline.rays_per_batch)
     ns = [1] + ([cores] if cores > 1 else [])
-    out = {"rays": B, "threads": ns, "sync_s": [], "loader_s": [], "rays_sync_s": []}
-    for n in ns:
-        c = copy.deepcopy(cfg)
-        c.pipeline.rays_per_batch, c.pipeline.num_threads, c.pipeline.rays_per_run = B, n, run_size(B, n)
-        torch.set_num_threads(n)
-        for name, key in (("sync_local", "sync_s"), ("rays", "loader_s"), (em.SYNC_CONTROL, "rays_sync_s")):
-            c.pipeline.name = name
-            out[key].append(_time_source(c, scene, batches))
+    keys = (("sync_local", "sync_s"), ("rays", "loader_s"), (em.SYNC_CONTROL, "rays_sync_s"))
+    best = {(n, k): float("inf") for n in ns for _, k in keys}
+    for _ in range(rounds):
+        for n in ns:
+            c = copy.deepcopy(cfg)
+            c.pipeline.rays_per_batch, c.pipeline.num_threads, c.pipeline.rays_per_run = B, n, run_size(B, n)
+            torch.set_num_threads(n)
+            for name, key in keys:
+                c.pipeline.name = name
+                best[(n, key)] = min(best[(n, key)], _time_source(c, scene, batches))
+    out = {"rays": B, "threads": ns, "rounds": rounds} | {k: [best[(n, k)] for n in ns] for _, k in keys}
     out["efficiency"] = ({k: out[f"{k}_s"][0] / (ns[-1] * out[f"{k}_s"][-1]) for k in ("sync", "loader", "rays_sync")}
                          if len(ns) > 1 else None)
     return out
