@@ -5,11 +5,19 @@ a Blender-scene-sized cache), cameras on a sphere of radius 4 looking at the ori
 far 6. Modes: random, epoch, and routed (random stream routed to cell 0 of a 2x2 grid of
 centroids at (+-1.5, 0, +-1.5), margin 1.15, dims 2). Each pipeline run samples ``rays``. The
 modes are measured interleaved (8 rounds of ``--seconds / 8`` each), so that their ratios,
-printed last, are not at the mercy of a machine whose speed drifts. ``--route-tile 0,4,8`` runs
-the routed mode once per tile side of the op's routing tile map (0: every ray tested exactly),
-interleaved with the others.
+printed last, are not at the mercy of a machine whose speed drifts (each round runs them in a
+rotated order, so none always runs first). ``--route-tile 0,4,8`` runs the routed mode once per
+tile side of the op's routing tile map (0: every ray tested exactly), interleaved with the others.
+
+``--worlds 1,2,4,8,16`` compares instead, for each world size W and each of ``--modes`` random
+and epoch, the cache's own per-rank stream (``stream``/``num_streams`` = 0/W: ``rays`` rays per
+run) with the split's global stream (``global_pixels`` = W x the cache's pixels, the cache being
+rank W // 2's shard: each run walks W x ``rays`` global positions and keeps about ``rays``), on
+the same cache, all interleaved in rotated rounds. The rate is kept rays per second per thread
+(wall clock) and per CPU-second; the last column is global / per-rank.
 
     python benchmarks/op_throughput.py --rays 4096,262144 --seconds 2
+    python benchmarks/op_throughput.py --worlds 1,2,4,8,16 --modes random,epoch --rays 65536 --seconds 16
 """
 
 from __future__ import annotations
@@ -51,12 +59,13 @@ CENTROIDS = np.array([[-1.5, 0, -1.5], [1.5, 0, -1.5], [-1.5, 0, 1.5], [1.5, 0, 
 class Runner:
     """One synchronous pipeline of the op in one mode; ``step()`` runs it once."""
 
-    def __init__(self, cache, rays: int, mode: str, routed: bool, threads: int, gpu: bool, route_tile=None):
+    def __init__(self, cache, rays: int, mode: str, routed: bool, threads: int, gpu: bool, route_tile=None,
+                 stream_args=None):
         from nvidia.dali import fn, pipeline_def
 
         pixels, cams, lay = cache
         self.rays, self.start = rays, 0
-        self.n = self.used = 0
+        self.n = self.used = self.kept = self.measured = 0  # measured: rays emitted by measured runs
         self.wall = self.cpu = 0.0
 
         def next_start():
@@ -83,6 +92,7 @@ class Runner:
             kw = dict(cell=0, margin=1.15) if routed else {}
             if routed and route_tile is not None:
                 kw["route_tile"] = route_tile
+            kw.update(stream_args or {})
             out = fn.dali_nerf.ray_sampler(*ins, rays=rays, mode=mode, seed=1, start=s,
                                            device="gpu" if gpu else "cpu", **kw)
             return tuple(out)
@@ -98,34 +108,61 @@ class Runner:
         consumed = out[6].as_cpu() if self.gpu else out[6]
         c = int(np.array(consumed[0])[0])
         self.start += c
+        self.kept += int(out[0].shape()[0][0])  # rays emitted (fewer than consumed: routed, global)
         return c
 
     def measure(self, seconds: float) -> None:
         """Run for about ``seconds`` (at least one run) and add to the totals."""
         t0, c0, n = time.perf_counter(), time.process_time(), 0
+        kept0 = self.kept
         while n == 0 or time.perf_counter() - t0 < seconds:
             self.used += self._run()
             n += 1
         self.wall += time.perf_counter() - t0
         self.cpu += time.process_time() - c0
         self.n += n
+        self.measured += self.kept - kept0
 
     def result(self):
-        """(Mrays/s, acceptance, Mrays per CPU-second)."""
-        rays = self.n * self.rays
+        """(Mrays/s, acceptance, Mrays per CPU-second), rays = the rays emitted."""
+        rays = self.measured
         return rays / self.wall / 1e6, rays / self.used, rays / self.cpu / 1e6
 
 
+def run_rounds(runners, seconds: float, rounds: int = 8) -> None:
+    """``rounds`` rounds, each running every runner for ``seconds / rounds``; round k starts with
+    runner k (mod their number), so none always runs first or last after the same neighbour."""
+    for k in range(rounds):
+        for j in range(len(runners)):
+            runners[(k + j) % len(runners)].measure(seconds / rounds)
+
+
 def measure(cache, rays: int, modes, seconds: float, threads: int, gpu: bool, rounds: int = 8):
-    """Interleaved measurement of several modes: ``rounds`` rounds, each running every mode for
-    ``seconds / rounds``, so that a slow patch of the machine hits all modes alike and their
-    ratios compare like with like. ``modes``: list of (mode, routed, route_tile or None).
-    Returns their results."""
+    """Interleaved measurement of several modes (:func:`run_rounds`), so that a slow patch of the
+    machine hits all modes alike and their ratios compare like with like. ``modes``: list of
+    (mode, routed, route_tile or None). Returns their results."""
     runners = [Runner(cache, rays, m, r, threads, gpu, t) for m, r, t in modes]
-    for _ in range(rounds):
-        for rn in runners:
-            rn.measure(seconds / rounds)
+    run_rounds(runners, seconds, rounds)
     res = [rn.result() for rn in runners]
+    del runners
+    return res
+
+
+def compare_streams(cache, rays: int, modes, worlds, seconds: float, threads: int, gpu: bool,
+                    rounds: int = 8):
+    """Per-rank stream vs the split's global stream on the same cache, for each mode and world
+    size W (module docstring). Returns {(mode, W): (per-rank result, global result)}."""
+    P = len(cache[0])
+    runners = {}
+    for mode in modes:
+        for W in worlds:
+            per_rank = Runner(cache, rays, mode, False, threads, gpu,
+                              stream_args=dict(stream=0, num_streams=W))
+            glob = Runner(cache, rays * W, mode, False, threads, gpu,
+                          stream_args=dict(global_pixels=P * W, shard_begin=P * (W // 2), step_positions=rays * W))
+            runners[(mode, W)] = (per_rank, glob)
+    run_rounds([r for pair in runners.values() for r in pair], seconds, rounds)
+    res = {k: (a.result(), b.result()) for k, (a, b) in runners.items()}
     del runners
     return res
 
@@ -142,6 +179,9 @@ def main(argv=None):
                     help="comma-separated subset of random, epoch, routed")
     ap.add_argument("--route-tile", default="",
                     help="comma-separated route_tile values for the routed mode (default: the op's)")
+    ap.add_argument("--worlds", default="",
+                    help="comma-separated world sizes: compare the per-rank stream with the global "
+                         "stream (random, epoch) instead")
     args = ap.parse_args(argv)
 
     from dali_nerf.ops import load_plugin
@@ -152,10 +192,22 @@ def main(argv=None):
         cache = (torch.from_numpy(cache[0]).cuda(), cache[1], cache[2])
     print(f"plugin {path}\ncache {args.images} x {args.res}x{args.res} = {len(cache[0])} pixels, "
           f"threads {args.threads}, backend {'gpu' if args.gpu else 'cpu'}")
+    keys = args.modes.split(",")
+    if args.worlds:
+        worlds = [int(w) for w in args.worlds.split(",")]
+        if any(k not in ("random", "epoch") for k in keys) or any(w < 1 for w in worlds):
+            raise SystemExit("--worlds: use --modes random and/or epoch, and world sizes >= 1")
+        print("| mode | W | rays/run | per-rank Mrays/s/thread | global Mrays/s/thread | per-rank Mrays/CPU-s | "
+              "global Mrays/CPU-s | global / per-rank |\n|---|---|---|---|---|---|---|---|")
+        for rays in [int(r) for r in args.rays.split(",")]:
+            res = compare_streams(cache, rays, keys, worlds, args.seconds, args.threads, args.gpu)
+            for (mode, W), (a, b) in res.items():
+                print(f"| {mode} | {W} | {rays} | {a[0] / args.threads:.2f} | {b[0] / args.threads:.2f} | "
+                      f"{a[2]:.2f} | {b[2]:.2f} | {b[2] / a[2]:.0%} |", flush=True)
+        return
     # Mrays per CPU-second (process time, all threads) is less sensitive to other load than the
     # wall-clock rate; on an idle machine with --threads 2 it is about half of Mrays/s
     print("| mode | rays/run | Mrays/s | Mrays/CPU-s | acceptance |\n|---|---|---|---|---|")
-    keys = args.modes.split(",")
     for key in keys:
         if key not in ("random", "epoch", "routed"):
             raise SystemExit(f"--modes: unknown mode {key!r}: use random, epoch or routed")

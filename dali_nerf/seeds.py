@@ -11,19 +11,24 @@ purpose           function                                         used by
 process RNGs      :func:`process_seed` (seed, rank)                training: torch/numpy/random
 model init        :func:`init_seed` (seed[, cell])                 trainers: ``torch.manual_seed``
 render jitter     :func:`step_seed` (seed, rank, step, cell)       training: per-step generator
+per-ray draws     :func:`ray_key` (seed, purpose)                  training, global stream: jitter /
+                                                                   background keyed by position
 window order      :func:`window_order_keys` (seed, rank, cycle)    sources.streaming: window_plan
 window stream     :func:`window_key` (seed, rank, cycle, window)   sources.streaming: the op's seed
 baseline blocks   :func:`block_seed` (seed, stream, position)      sources.sync: random mode
 baseline epochs   :func:`perm_seed` (seed, stream, epoch)          sources.sync: epoch mode
 routed baselines  :func:`routed_stream` (cell | slot)              sources.sync: the stream id
 operator          :func:`op_stream_key` (seed, rank, ws, mode)     the op, in C++ (mirror here)
+global stream     :func:`op_global_key` (seed, mode)               the op with ``global_pixels``
 ================= ================================================ ==============================
 
 The operator's stream key is computed inside the C++ operator (``dali_nerf/ops/csrc``) from its
 ``seed``, ``rank``, ``world_size`` and ``mode`` arguments; :func:`op_stream_key` is its Python
 mirror, checked against the operator's output by ``tests/test_op.py``. The DDP ray stream passes
 (seed, rank, world_size); a streaming window passes ``window_key(...)`` as the op's seed; the SS
-stream of cell j passes (seed, rank=j, world_size=number of cells).
+stream of cell j passes (seed, rank=j, world_size=number of cells). The split's global stream
+(the op's ``global_pixels`` > 0, :mod:`dali_nerf.ops.reference`) is keyed by
+:func:`op_global_key` (seed, mode): no rank, no world size.
 
 >>> step_seed(0, 0, 1) == step_seed(0, 0, 1)
 True
@@ -35,8 +40,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["mix64", "mix63", "process_seed", "init_seed", "step_seed", "window_order_keys", "window_key",
-           "block_seed", "perm_seed", "routed_stream", "op_stream_key", "splitmix_finalise"]
+__all__ = ["mix64", "mix63", "process_seed", "init_seed", "step_seed", "ray_key", "window_order_keys", "window_key",
+           "block_seed", "perm_seed", "routed_stream", "op_stream_key", "op_global_key", "splitmix_finalise"]
 
 M64 = (1 << 64) - 1
 M63 = (1 << 63) - 1
@@ -91,6 +96,18 @@ def step_seed(seed: int, rank: int, step: int, cell: int = -1) -> int:
     return (seed * 6364136223846793005 + (rank + 1) * 1442695040888963407 + step * 97 + (cell + 1) * 7919) % (2**63)
 
 
+RAY_PURPOSES = {"jitter": 1, "background": 2}
+"""The per-ray draws of a training step of the global stream."""
+
+
+def ray_key(seed: int, purpose: str) -> int:
+    """64-bit key of a per-ray draw (``jitter``: the stratified samples; ``background``: a random
+    background colour) of the global stream: the ray's draw is a hash of (this key, its global
+    position, j) (:func:`dali_nerf.models.keyed.ray_keys`), so it is the same on any rank of
+    any world size."""
+    return mix64(seed, 0x72617973, RAY_PURPOSES[purpose])  # 0x72617973: "rays"
+
+
 # ---- streaming windows ----------------------------------------------------------------------
 
 def window_order_keys(seed: int, rank: int, cycle: int, image_ids) -> np.ndarray:
@@ -135,3 +152,9 @@ def op_stream_key(seed: int, rank: int, world_size: int, mode: int) -> int:
     k = splitmix_finalise(k + _GOLDEN * (rank + 1))
     k = splitmix_finalise(k ^ ((0xBB67AE8584CAA73B * (world_size + 1)) & M64))
     return splitmix_finalise(k + mode * 0x3C6EF372FE94F82B)
+
+
+def op_global_key(seed: int, mode: int) -> int:
+    """The operator's key of the split's global stream (computed in C++, ``detail::global_key``):
+    the seed and the mode (0 = random, 1 = epoch) alone, so every world size gets the same stream."""
+    return splitmix_finalise(op_stream_key(seed, 0, 1, mode) + 0x1F83D9ABFB41BD6B)

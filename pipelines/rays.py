@@ -13,8 +13,17 @@ Unrouted (DDP, streaming windows): run ``j`` of a pipeline built with ``first_st
 stream positions ``[s0 + j * rays_per_run, s0 + (j + 1) * rays_per_run)``. Routed
 (``partition``, ``cell``; SS): the partition's centroids are a 4th input and each run emits
 exactly ``rays_per_run`` rays that cross the cell (exact closed-form test inside the op), having
-consumed ``consumed`` stream positions; the stream key is the caller's (seed, rank, world_size) —
-the SS sources pass rank = cell, world_size = number of cells. Outputs (one sample each):
+consumed ``consumed`` stream positions; the stream key is the caller's (seed, stream, num_streams):
+the DDP sources pass their rank and world size, the SS sources the cell and the number of cells.
+
+The split's global stream (``global_pixels=P`` > 0; DDP, unrouted): the stream is the seed's alone
+(``stream``/``num_streams`` must stay 0 / 1) and the cache holds the split's pixels
+``[shard_begin, shard_begin + len(cache.pixels))``; run ``j`` walks the global positions
+``[s0 + j * rays_per_run, s0 + (j + 1) * rays_per_run)`` (``rays_per_run`` = K steps of
+``step_positions`` = G, the global batch; ``s0`` a multiple of G) and emits the rays of the
+positions that fall in the cache, in position order, plus two outputs (:data:`GLOBAL_OUTPUTS`):
+``step_counts`` (K,) (rays of each step) and ``positions`` (M,) (each ray's global position).
+Outputs (one sample each):
 
 =========== ========= ======= ==============================================
 origins     (R, 3)    float32 world ray origins
@@ -23,11 +32,16 @@ rgb         (R, 3)    float32 target colour in [0, 1]
 indices     (R, 3)    int64   (camera index in split, row, col)
 near, far   (R, 1)    float32 per-ray bounds (0, 1e10 when the scene has none)
 consumed    (1,)      int64   stream positions used (R when not routed)
+step_counts (K,)      int64   global stream only: rays of each of the K steps
+positions   (M,)      int64   global stream only: each ray's global position
 =========== ========= ======= ==============================================
 
->>> pipe = ray_pipeline(cache, rays_per_run=262144, mode="random", seed=0, rank=0, world_size=1)
+>>> pipe = ray_pipeline(cache, rays_per_run=262144, mode="random", seed=0, stream=0, num_streams=1)
 >>> origins, directions, rgb, indices, near, far, consumed = pipe.run()
->>> routed = ray_pipeline(cache, 4096, "random", 0, rank=2, world_size=4, partition=part, cell=2)
+>>> routed = ray_pipeline(cache, 4096, "random", 0, 2, 4, partition=part, cell=2)
+>>> ddp = ray_pipeline(cache, 16 * 8192, "epoch", 0, 0, 1, global_pixels=P, shard_begin=lo,
+...                    step_positions=8192, first_start=step * 8192)
+>>> *rays, consumed, step_counts, positions = ddp.run()
 """
 
 from __future__ import annotations
@@ -40,11 +54,11 @@ import numpy as np
 from dali_nerf._dali import ray_graph_api
 from dali_nerf.errors import ConfigError
 
-__all__ = ["ray_pipeline", "release_pipeline", "RAY_OUTPUTS", "pixel_feed", "OP_ARGS", "check_op_args",
+__all__ = ["ray_pipeline", "release_pipeline", "RAY_OUTPUTS", "GLOBAL_OUTPUTS", "GLOBAL_STREAM", "SHARD_STREAM", "pixel_feed", "OP_ARGS", "check_op_args",
            "INT32_MAX", "INT64_MAX", "MAX_CELLS", "RAY_BYTES"]
 
 INT32_MAX = 2**31 - 1
-"""Largest value of the op's ``int`` arguments (``rays``, ``rank``, ``world_size``, ...)."""
+"""Largest value of the op's ``int`` arguments (``rays``, ``stream``, ``num_streams``, ...)."""
 INT64_MAX = 2**63 - 1
 """Largest value of the op's ``int64_t`` arguments (``seed``, ``start``)."""
 MAX_CELLS = 64
@@ -86,8 +100,11 @@ OP_ARGS = {
     "rays": _Arg("int", 1, INT32_MAX, text=f"an integer in [1, {INT32_MAX}] (the op's int32)"),
     "mode": _Arg("choice", choices=("random", "epoch"), text="random or epoch"),
     "seed": _Arg("int", 0, INT64_MAX, text=f"an integer in [0, {INT64_MAX}] (the op's int64)"),
-    "rank": _Arg("int", 0, INT32_MAX - 1, text="an integer in [0, world_size)"),
-    "world_size": _Arg("int", 1, INT32_MAX, text=f"an integer in [1, {INT32_MAX}] (the op's int32)"),
+    "stream": _Arg("int", 0, INT32_MAX - 1, text="an integer in [0, num_streams)"),
+    "num_streams": _Arg("int", 1, INT32_MAX, text=f"an integer in [1, {INT32_MAX}] (the op's int32)"),
+    "global_pixels": _Arg("int", 0, 2**62, text="0 (the cache's own stream) or the split's pixel count, at most 2**62"),
+    "shard_begin": _Arg("int", 0, 2**62 - 1, text="the split's pixel id of the cache's first pixel, in [0, global_pixels)"),
+    "step_positions": _Arg("int", 0, INT64_MAX, text=f"0 or the global positions per step in [1, {INT64_MAX}]"),
     "start": _Arg("int", -1, INT64_MAX - 1, text=f"-1 (continue) or a stream position in [0, {INT64_MAX - 1}] (int64)"),
     "continue_runs": _Arg("bool", text="true or false"),
     "cell": _Arg("int", -1, MAX_CELLS - 1, text=f"-1 (no routing) or a cell index in [0, {MAX_CELLS})"),
@@ -105,7 +122,8 @@ it (DALI would overflow a too-large integer or fail with a multi-line C++ assert
 
 def check_op_args(args: dict) -> None:
     """Refuse, as one ConfigError naming the argument and its valid range, an op argument outside
-    :data:`OP_ARGS` (and ``rank < world_size``; ``start + rays`` within int64; ``up`` non-zero).
+    :data:`OP_ARGS` (and ``stream < num_streams``; ``shard_begin < global_pixels``; ``start + rays``
+    within int64; ``up`` non-zero).
 
     >>> check_op_args({"rays": 2**31})
     Traceback (most recent call last):
@@ -117,8 +135,11 @@ def check_op_args(args: dict) -> None:
             raise ConfigError(f"ray_sampler argument {k}: unknown; the op takes {', '.join(OP_ARGS)}")
         if not spec.accepts(v):
             raise ConfigError(f"ray_sampler argument {k}={v!r}: must be {spec.text}")
-    if "rank" in args and not args["rank"] < args.get("world_size", 1):
-        raise ConfigError(f"ray_sampler argument rank={args['rank']!r}: must be in [0, world_size={args.get('world_size', 1)})")
+    if "stream" in args and not args["stream"] < args.get("num_streams", 1):
+        raise ConfigError(f"ray_sampler argument stream={args['stream']!r}: must be in [0, num_streams={args.get('num_streams', 1)})")
+    if args.get("global_pixels", 0) and not args.get("shard_begin", 0) < args["global_pixels"]:
+        raise ConfigError(f"ray_sampler argument shard_begin={args['shard_begin']!r}: must be in [0, global_pixels="
+                          f"{args['global_pixels']})")
     if "up" in args and not any(args["up"]):
         raise ConfigError(f"ray_sampler argument up={args['up']!r}: must be {OP_ARGS['up'].text}")
     if args.get("start", 0) > INT64_MAX - args.get("rays", 1):
@@ -127,6 +148,17 @@ def check_op_args(args: dict) -> None:
 
 RAY_OUTPUTS = ("origins", "directions", "rgb", "indices", "near", "far", "consumed")
 """Output names of :func:`ray_pipeline`, in order."""
+
+GLOBAL_OUTPUTS = RAY_OUTPUTS + ("step_counts", "positions")
+"""Output names of :func:`ray_pipeline` with ``global_pixels`` > 0, in order."""
+
+GLOBAL_STREAM = "global-v2"
+"""The version of the global stream's formula (the op with ``global_pixels``;
+dali_nerf/ops/reference.py): loader states and checkpoints carry it, and a state of another
+version is refused. Change it with the formula."""
+
+SHARD_STREAM = "shard-v1"
+"""The version of the per-cache streams (a DDP rank's own stream over its shard)."""
 
 
 def pixel_feed(pixels, gpu: bool):
@@ -147,17 +179,22 @@ def _routing_args(partition, cell: int) -> dict:
                 bounds=[] if partition.bounds is None else [float(v) for v in np.asarray(partition.bounds).ravel()])
 
 
-def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, world_size: int, *,
+def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, stream: int, num_streams: int, *,
                  first_start: int = 0, device: str = "cpu", num_threads: int = 2, prefetch: int = 2,
-                 device_id=None, partition=None, cell: int = -1):
-    """Build the ray graph over an :class:`~dali_nerf.imagecache.ImageCache`.
+                 device_id=None, partition=None, cell: int = -1, global_pixels: int = 0,
+                 shard_begin: int = 0, step_positions: int = 0):
+    """Build the ray graph over an :class:`~dali_nerf.pipelines.decode.ImageCache`.
 
     Args:
         cache: pixels (P, 3) u8, cameras (N, 18) f32, layout (N, 4) i64 (kept alive by the caller;
             fed with ``no_copy=True`` — they must not change while the pipeline exists).
-        rays_per_run: R, rays per run (one output sample; accepted rays when routed).
-        mode: "random" | "epoch"; seed, rank, world_size: the stream's key.
-        first_start: stream position of run 0's first ray.
+        rays_per_run: R, rays per run (one output sample; accepted rays when routed); with
+            ``global_pixels``: global positions walked per run (K * ``step_positions``).
+        mode: "random" | "epoch"; seed, stream, num_streams: the stream's key (a DDP rank and
+            the world size, or an SS cell and the number of cells; 0 and 1 with
+            ``global_pixels``).
+        first_start: stream position of run 0's first ray (a global position, a multiple of
+            ``step_positions``, with ``global_pixels``).
         device: "cpu" or "cuda" (GPU backend of the op; ``cache.pixels`` must then be a CUDA
             tensor, fed as one (1, P, 3) batch, :func:`pixel_feed`; cameras/layout/centroids
             stay CPU inputs).
@@ -165,11 +202,20 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, worl
             reused by the next run).
         partition, cell: route to ``cell`` of this :class:`~dali_nerf.partition.Partition`
             (None: no routing).
+        global_pixels: P of the split's global stream (0: the cache's own stream, as before).
+        shard_begin: the split's pixel id of the cache's first pixel (global stream).
+        step_positions: G, global positions per step (global stream; 0: ``rays_per_run``).
     Returns:
-        A built pipeline whose ``run()`` gives the 7 outputs of :data:`RAY_OUTPUTS`.
+        A built pipeline whose ``run()`` gives the 7 outputs of :data:`RAY_OUTPUTS` (the 9 of
+        :data:`GLOBAL_OUTPUTS` with ``global_pixels``).
     """
-    args = dict(rays=rays_per_run, mode=mode, seed=seed, rank=rank, world_size=world_size, start=first_start,
+    args = dict(rays=rays_per_run, mode=mode, seed=seed, stream=stream, num_streams=num_streams, start=first_start,
                 continue_runs=True)
+    stream_args = dict(stream=int(stream), num_streams=int(num_streams))
+    if global_pixels:  # the op's defaults otherwise: nothing changes for the cache's own streams
+        stream_args.update(global_pixels=int(global_pixels), shard_begin=int(shard_begin),
+                           step_positions=int(step_positions))
+        args.update(stream_args)
     routing = _routing_args(partition, cell) if partition is not None else {}
     args.update(routing)
     check_op_args(args)  # before DALI: one line naming the argument, not a C++ assert
@@ -196,8 +242,8 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, rank: int, worl
         # the GPU op takes cameras, layout and centroids as CPU inputs (its host-side checks and
         # tables read them there); only the pixels live on the device
         return tuple(fn.dali_nerf.ray_sampler(
-            pixels, *inputs, rays=int(rays_per_run), mode=mode, seed=int(seed), rank=int(rank),
-            world_size=int(world_size), start=int(first_start), continue_runs=True, device=dev, **routing,
+            pixels, *inputs, rays=int(rays_per_run), mode=mode, seed=int(seed), start=int(first_start),
+            continue_runs=True, device=dev, **stream_args, **routing,
         ))
 
     sync = prefetch <= 0

@@ -54,13 +54,17 @@ def test_every_schema_argument_has_a_python_check():
     assert len(names) >= 14 and "rays" in names and "seed" in names
     assert set(names) == set(OP_ARGS), ("the op's schema and pipelines/rays.py OP_ARGS differ", set(names) ^ set(OP_ARGS))
     for name, spec in OP_ARGS.items():
-        check_op_args({name: good_value(spec)} | ({"world_size": INT32_MAX} if name == "rank" else {}))
+        extra = {"num_streams": INT32_MAX} if name == "stream" else {}
+        if name == "shard_begin":
+            extra = {"global_pixels": 2**62}
+        check_op_args({name: good_value(spec)} | extra)
         for v in bad_values(spec):
             with pytest.raises(ConfigError) as e:
                 check_op_args({name: v})
             assert str(e.value).startswith(f"ray_sampler argument {name}=") and spec.text in str(e.value), (name, v)
-    for args, word in (({"rank": 3, "world_size": 3}, "rank=3"), ({"up": [0.0, 0.0, 0.0]}, "up="),
-                       ({"start": INT64_MAX, "rays": 2}, "start=")):
+    for args, word in (({"stream": 3, "num_streams": 3}, "stream=3"), ({"up": [0.0, 0.0, 0.0]}, "up="),
+                       ({"start": INT64_MAX, "rays": 2}, "start="),
+                       ({"global_pixels": 100, "shard_begin": 100}, "shard_begin=100")):
         with pytest.raises(ConfigError, match=re.escape(word)):
             check_op_args(args)
 
@@ -69,10 +73,10 @@ def test_ray_pipeline_checks_before_dali():
     """ray_pipeline refuses before it imports DALI or touches the cache (a placeholder here)."""
     for kw, word in ((dict(rays_per_run=2**31), "rays=2147483648"), (dict(seed=2**63), "seed=9223372036854775808"),
                      (dict(seed=-1), "seed=-1"), (dict(first_start=-2), "start=-2"), (dict(mode="sorted"), "mode=")):
-        args = dict(rays_per_run=64, mode="random", seed=0, rank=0, world_size=1) | kw
+        args = dict(rays_per_run=64, mode="random", seed=0, stream=0, num_streams=1) | kw
         with pytest.raises(ConfigError, match=re.escape(word)):
-            ray_pipeline(object(), args.pop("rays_per_run"), args.pop("mode"), args.pop("seed"), args.pop("rank"),
-                         args.pop("world_size"), **args)
+            ray_pipeline(object(), args.pop("rays_per_run"), args.pop("mode"), args.pop("seed"), args.pop("stream"),
+                         args.pop("num_streams"), **args)
 
 
 @pytest.fixture(scope="module")

@@ -192,7 +192,7 @@ def _segment(cfg, env, task, scene, src, warm: int, steps: int, first_step: int)
 
 def aggregate(segments: List[dict]) -> dict:
     """``rows`` and ``device_steps`` from the segments (see the module docstring)."""
-    from .study import mean_ci
+    from .study.derive import mean_ci
 
     floors = {(s["placement"], s["rays"], s["trial"]): s for s in segments if s["sampler"] == FLOOR}
     pipes: Dict[tuple, list] = {}
@@ -292,7 +292,7 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
     from ..scenes import scene_from_config
     from ..trainers.ddp import DDPMethod
     from ..runtime import DistEnv
-    from .study import git_commit, _machine_desc
+    from .study.provenance import git_commit, machine_desc as _machine_desc
 
     dev_name = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if dev_name == "cuda" and not torch.cuda.is_available():

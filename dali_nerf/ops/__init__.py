@@ -53,7 +53,7 @@ __all__ = ["load_plugin", "build_plugin", "plugin_cache_dir", "prune_cache", "cu
 
 LIB_NAME = "libdali_nerf_ops.so"
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_CPU_SOURCES = ("ray_sampler.cc", "writer.cc", "routing.cc")
+_CPU_SOURCES = ("ray_sampler.cc", "writer.cc", "routing.cc", "global.cc", "walk.cc")
 _CUDA_SOURCES = (*_CPU_SOURCES, "ray_sampler.cu")
 
 MAX_AGE_DAYS = 14.0

@@ -83,7 +83,7 @@ def main(args) -> int:
     cfg = load_config(config_path, overrides, check_paths=False)
     step_ms_source, device_step = STEP_MS_SOURCE, None
     if cfg.bench.device_step_file:  # the device step measured on a GPU (dali-nerf bench loop), not assumed
-        from .loop import read_device_step
+        from ..loop import read_device_step
 
         device_step = read_device_step(cfg.bench.device_step_file, cfg.pipeline.rays_per_batch)
         ms = device_step["ms_per_4096"]

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <vector>
 
+#include "global.h"
 #include "ray_sampler.h"
 #include "routing.h"
 #include "writer.h"
@@ -24,6 +25,12 @@ using cpu::kChunk;
 using cpu::Outputs;
 using cpu::RouteTable;
 using cpu::TileMap;
+
+/// What a global-stream CPU run keeps across runs: the cache's first-return times (for its size n).
+struct GlobalScratch {
+  uint64_t n = 0;
+  cpu::Returns jumps;
+};
 
 /// What a routed CPU run keeps across runs.
 struct RoutedScratch {
@@ -59,6 +66,59 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
                ws.Output<CPUBackend>(3).mutable_tensor<int64_t>(s)};
   }
   auto &consumed_out = ws.Output<CPUBackend>(6);
+
+  if (global()) {  // the split's global stream: chunks of positions, each knowing its output slot
+    auto &counts_out = ws.Output<CPUBackend>(7);
+    auto &pos_out = ws.Output<CPUBackend>(8);
+    // the first-return times of a cache (walk_jump), kept across runs: the cache's size rarely changes
+    if (!scratch_) scratch_ = std::make_shared<GlobalScratch>();
+    GlobalScratch &gscratch = *std::static_pointer_cast<GlobalScratch>(scratch_);
+    for (int s = 0; s < nsamples; s++) {
+      detail::GlobalStream gs = global_stream(static_cast<int64_t>(caches[s].P));
+      if (gscratch.n != gs.n) {
+        gscratch.jumps = cpu::global_jumps(gs);
+        gscratch.n = gs.n;
+      }
+      const uint64_t g0 = static_cast<uint64_t>(starts_[s]), total = static_cast<uint64_t>(R);
+      const uint64_t G = static_cast<uint64_t>(step_positions_);
+      const int64_t M = kept_[s];
+      // chunks of about kChunk kept rays (and at least one per thread where there is work for
+      // them); each task finds its first output slot (the count kept before its chunk, floor
+      // sums) and tallies the kept rays of the steps its chunk overlaps
+      uint64_t per = std::max<uint64_t>(1, gs.P / std::max<uint64_t>(1, gs.n));
+      uint64_t len = std::min<uint64_t>(static_cast<uint64_t>(kChunk) * per,
+                                        (total + nthreads - 1) / nthreads);
+      len = std::max<uint64_t>(len, 4096);
+      const int64_t nchunks = static_cast<int64_t>((total + len - 1) / len);
+      std::vector<int64_t> first(nchunks), got(nchunks);
+      std::vector<std::vector<int64_t>> tally(nchunks);
+      int64_t *positions = pos_out.mutable_tensor<int64_t>(s);
+      for (int64_t b = 0; b < nchunks; b++) {
+        uint64_t c0 = b * len, n = std::min<uint64_t>(len, total - c0);
+        tp.AddWork([&, s, b, c0, n](int) {
+          first[b] = static_cast<int64_t>(detail::count_kept(gs, g0, c0));
+          tally[b].assign((c0 + n - 1) / G - c0 / G + 1, 0);
+          got[b] = cpu::run_global_chunk(caches[s], outs[s], positions, gs, g0 + c0, n, first[b],
+                                         std::max<int64_t>(0, M - first[b]), simd, &gscratch.jumps,
+                                         g0 + (c0 / G) * G, G, tally[b].data());
+        }, static_cast<int64_t>(n / per) + 1);
+      }
+      tp.RunAll();
+      int64_t *counts = counts_out.mutable_tensor<int64_t>(s);
+      std::fill(counts, counts + R / G, int64_t{0});
+      for (int64_t b = 0; b < nchunks; b++) {
+        int64_t next = b + 1 < nchunks ? first[b + 1] : M;
+        DALI_ENFORCE(got[b] == next - first[b],
+                     "dali_nerf ray_sampler: internal error: the slot walk kept " + std::to_string(got[b]) +
+                     " positions where the count says " + std::to_string(next - first[b]));
+        uint64_t step0 = (b * len) / G;
+        for (size_t k = 0; k < tally[b].size(); k++) counts[step0 + k] += tally[b][k];
+      }
+      consumed_out.mutable_tensor<int64_t>(s)[0] = R;
+      next_start_[s] = starts_[s] + R;
+    }
+    return;
+  }
 
   if (cell_ < 0) {
     for (int s = 0; s < nsamples; s++) {
@@ -171,20 +231,33 @@ DALI_SCHEMA(dali_nerf__RaySampler)
     .DocStr(R"(Samples training rays from an in-memory image cache (dali_nerf).
 
 Each output sample holds ``rays`` rays taken from a deterministic stream of pixel ids that starts
-at stream position ``start``: ``random`` mode hashes (seed, rank, world_size, position), ``epoch``
-mode visits every pixel of the cache exactly once per block of P positions (keyed Feistel
-bijection). With ``cell >= 0`` only rays whose [near, far] segment meets the (margin-extended)
-Voronoi cell ``cell`` of ``centroids`` are emitted, in stream order; ``consumed`` tells how many
-stream positions were used, so the next run starts at ``start + consumed``.
+at stream position ``start``: ``random`` mode hashes (seed, stream, num_streams, position),
+``epoch`` mode visits every pixel of the cache exactly once per block of P positions (keyed
+Feistel bijection). With ``cell >= 0`` only rays whose [near, far] segment meets the
+(margin-extended) Voronoi cell ``cell`` of ``centroids`` are emitted, in stream order;
+``consumed`` tells how many stream positions were used, so the next run starts at
+``start + consumed``.
+
+With ``global_pixels`` > 0 the stream is the split's global stream instead, defined by the seed
+and the global position alone (any world size gives the same global batches; every pixel of the
+split once per epoch in ``epoch`` mode): the run walks the ``rays`` global positions
+``[start, start + rays)`` (``rays / step_positions`` steps; ``start`` a multiple of
+``step_positions``) and emits, in position order, the rays of the positions whose slot lies in
+the cache's pixel range ``[shard_begin, shard_begin + P)`` of the split. ``consumed`` = ``rays``.
 
 Outputs: origins (R,3) f32, directions (R,3) f32 unit, rgb (R,3) f32 = pixel / 255,
 indices (R,3) int64 (camera index in split, row, col), near (R,1) f32, far (R,1) f32,
-consumed (1,) int64.)")
+consumed (1,) int64; with ``global_pixels`` > 0, R is the number of kept positions and two more
+outputs follow: step_counts (K,) int64 (kept rays of each of the run's K steps, in order) and
+positions (R,) int64 (the global position of each ray).)")
     .NumInput(3, 4)
     // cameras, layout, centroids: CPU inputs allowed for the GPU backend too (its host-side
     // checks and tables then need no device-to-host copy; ARCHITECTURE.md "The operator")
     .InputDevice(1, 4, ::dali::InputDevice::MatchBackendOrCPU)
     .NumOutput(7)
+    .OutputFn([](const ::dali::OpSpec &spec) {
+      return spec.GetArgument<int64_t>("global_pixels") > 0 ? 9 : 7;
+    })
     .InputDox(0, "pixels", "TensorList (P, 3) uint8", "All images of the cache, row-major, concatenated.")
     .InputDox(1, "cameras", "TensorList (N, 18) float32",
               "Per image: camera-to-world 3x4 row-major (12), fx, fy, cx, cy, near, far.")
@@ -192,13 +265,30 @@ consumed (1,) int64.)")
               "Per image: pixel offset into `pixels`, width, height, camera index in the split.")
     .InputDox(3, "centroids", "TensorList (C, 3) float32",
               "Optional: cell centroids for spatial routing (needs `cell` >= 0).")
-    .AddArg("rays", "Rays per output sample.", DALI_INT32)
+    .AddArg("rays", "Rays per output sample; with `global_pixels` > 0, global positions walked per run "
+            "(K * `step_positions`).", DALI_INT32)
     .AddOptionalArg("mode", "\"random\" (iid hash of the position) or \"epoch\" (a permutation "
                     "of all P pixels per block of P positions).", std::string("random"))
     .AddOptionalArg("seed", "Stream seed.", int64_t{0})
-    .AddOptionalArg("rank", "Rank of this process (part of the stream key).", 0)
-    .AddOptionalArg("world_size", "Number of ranks (part of the stream key).", 1)
-    .AddOptionalArg("start", "Stream position of the first candidate ray "
+    .AddOptionalArg("stream", "Which of `num_streams` per-cache streams (part of the stream key: a "
+                    "rank, or a spatial cell). Leave unset with `global_pixels` > 0.", 0)
+    .AddOptionalArg("num_streams", "Number of per-cache streams (part of the stream key: the world "
+                    "size, or the number of cells). Leave unset with `global_pixels` > 0.", 1)
+    .DeprecateArgInFavorOf("rank", "stream", "dali_nerf 0.2",
+                           "`rank` is now `stream` (the same stream key)")
+    .DeprecateArgInFavorOf("world_size", "num_streams", "dali_nerf 0.2",
+                           "`world_size` is now `num_streams` (the same stream key)")
+    .AddOptionalArg("global_pixels", "P of the split's global stream: its pixels in all (the images "
+                    "in split order, row-major, concatenated). 0: the cache's own stream (the "
+                    "arguments above). The cache must hold a contiguous image range of the split.",
+                    int64_t{0})
+    .AddOptionalArg("shard_begin", "With `global_pixels` > 0: the split's pixel id of the cache's first "
+                    "pixel (a DDP shard's first image's offset in the split).", int64_t{0})
+    .AddOptionalArg("step_positions", "With `global_pixels` > 0: G, global positions per step (the "
+                    "global batch); `rays` and `start` are multiples of it. 0: `rays` (one step per "
+                    "run).", int64_t{0})
+    .AddOptionalArg("start", "Stream position of the first candidate ray (the global position with "
+                             "`global_pixels` > 0) "
                              "(argument input allowed: one int64 per sample). -1: continue right "
                              "where this operator's previous run of the same sample ended (start + "
                              "consumed), so that a pipeline running ahead (prefetch) continues a "

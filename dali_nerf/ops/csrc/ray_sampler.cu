@@ -10,6 +10,11 @@
 // and uploaded in one copy. The kernels evaluate the shared formula (row_ray, route_decide),
 // compiled with -fmad=false, so rays and routing decisions are the CPU's bits.
 //   * unrouted: one thread per output ray; `consumed` (= rays) is written by thread 0.
+//   * global stream (`global_pixels` > 0): the kept counts come from host floor sums; one
+//     thread per chunk of 64 positions walks their slots (detail::walk_kept), a count pass +
+//     cub::DeviceScan::ExclusiveSum give each chunk its first output slot, a write pass walks
+//     again and writes the kept rays (level 2: detail::image_pixel, per ray) and their positions;
+//     step_counts and consumed are uploaded with the tables. No stream synchronisation.
 //   * routed: rounds of K candidates. Pass 1 (one thread per candidate) evaluates the routing
 //     decision and stores a 0/1 flag and the pixel id; cub::DeviceScan::InclusiveSum turns the
 //     flags into output slots; pass 2 writes each accepted ray to slot (accepted so far + scan - 1)
@@ -93,6 +98,44 @@ __global__ void sample_kernel(GpuCache g, GpuOut out, int mode, uint64_t key, ui
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i == 0) consumed[0] = R;
   if (i < R) write_ray(g, out, i, detail::stream_pixel(mode, key, s0 + i, g.P));
+}
+
+// the split's global stream: one thread per chunk of kGlobalChunk consecutive positions walks its
+// slots (detail::walk_kept, the CPU's scalar walk); the count pass and an exclusive scan give each
+// chunk its first output slot, the write pass walks again and writes the kept rays there
+constexpr int64_t kGlobalChunk = 64;
+
+__global__ void global_count_kernel(detail::GlobalStream gs, uint64_t g0, uint64_t total, int64_t nchunks,
+                                    uint32_t *counts) {
+  int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= nchunks) return;
+  uint64_t c0 = static_cast<uint64_t>(t) * kGlobalChunk;
+  uint64_t n = total - c0 < kGlobalChunk ? total - c0 : kGlobalChunk;
+  uint32_t k = 0;
+  detail::walk_kept(gs, g0 + c0, n, [&](uint64_t, uint64_t, uint64_t) { k++; });
+  counts[t] = k;
+}
+
+__global__ void global_write_kernel(GpuCache g, GpuOut out, int64_t *positions, detail::GlobalStream gs,
+                                    uint64_t g0, uint64_t total, int64_t nchunks, const uint32_t *first,
+                                    int64_t M) {
+  int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= nchunks) return;
+  uint64_t c0 = static_cast<uint64_t>(t) * kGlobalChunk;
+  uint64_t n = total - c0 < kGlobalChunk ? total - c0 : kGlobalChunk;
+  int64_t slot = first[t];
+  detail::walk_kept(gs, g0 + c0, n, [&](uint64_t j, uint64_t q, uint64_t e) {
+    if (slot < M) {  // (Setup's count of M and this walk agree; never write past the output)
+      uint64_t ql = q - gs.lo;
+      int img = find_image(g, ql);
+      uint64_t off = static_cast<uint64_t>(g.lay[4 * img]);
+      uint64_t npix = static_cast<uint64_t>(g.lay[4 * img + 1]) * static_cast<uint64_t>(g.lay[4 * img + 2]);
+      uint64_t pos = g0 + c0 + j;
+      write_ray(g, out, slot, off + detail::image_pixel(gs, pos, e, gs.lo + off, npix, ql - off));
+      positions[slot] = static_cast<int64_t>(pos);
+    }
+    slot++;
+  });
 }
 
 __global__ void flag_kernel(GpuCache g, const detail::RouteConsts *rc, const double *route, int mode,
@@ -183,6 +226,39 @@ void RaySampler<::dali::GPUBackend>::RunImpl(::dali::Workspace &ws) {
                ws.Output<GPUBackend>(3).mutable_tensor<int64_t>(s)};
     int64_t *consumed = ws.Output<GPUBackend>(6).mutable_tensor<int64_t>(s);
     uint64_t s0 = static_cast<uint64_t>(starts_[s]);
+
+    if (global()) {
+      detail::GlobalStream gs = global_stream(P);
+      const uint64_t g0 = s0, total = static_cast<uint64_t>(R);
+      const int64_t M = kept_[s];
+      std::array<int64_t, 1> consumed_host = {R};
+      const int64_t G = step_positions_;
+      std::vector<int64_t> step_counts(R / G);  // host floor sums, uploaded with the tables
+      for (size_t k = 0; k < step_counts.size(); k++)
+        step_counts[k] = static_cast<int64_t>(detail::count_kept(gs, g0 + k * G, static_cast<uint64_t>(G)));
+      auto dev = scratch.ToContiguousGPU(stream, tab, lay, step_counts, consumed_host);
+      GpuCache g{pix_in.tensor<uint8_t>(s), std::get<1>(dev), std::get<0>(dev), static_cast<int>(N),
+                 static_cast<uint64_t>(P)};
+      const int64_t nchunks = static_cast<int64_t>((total + kGlobalChunk - 1) / kGlobalChunk);
+      uint32_t *counts = scratch.AllocateGPU<uint32_t>(nchunks);
+      uint32_t *first = scratch.AllocateGPU<uint32_t>(nchunks);
+      size_t temp_bytes = 0;
+      CUDA_CALL(cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes, counts, first, static_cast<int>(nchunks), stream));
+      void *temp = scratch.AllocateGPU<uint8_t>(std::max<size_t>(temp_bytes, 1), 256);
+      global_count_kernel<<<blocks_for(nchunks, kThreads), kThreads, 0, stream>>>(gs, g0, total, nchunks, counts);
+      CUDA_CALL(cudaGetLastError());
+      CUDA_CALL(cub::DeviceScan::ExclusiveSum(temp, temp_bytes, counts, first, static_cast<int>(nchunks), stream));
+      int64_t *positions = ws.Output<GPUBackend>(8).mutable_tensor<int64_t>(s);
+      global_write_kernel<<<blocks_for(nchunks, kThreads), kThreads, 0, stream>>>(g, out, positions, gs, g0, total,
+                                                                                  nchunks, first, M);
+      CUDA_CALL(cudaGetLastError());
+      const auto &counts_shape = ws.Output<GPUBackend>(7).tensor_shape(s);
+      CUDA_CALL(cudaMemcpyAsync(ws.Output<GPUBackend>(7).mutable_tensor<int64_t>(s), std::get<2>(dev),
+                                ::dali::volume(counts_shape) * sizeof(int64_t), cudaMemcpyDeviceToDevice, stream));
+      CUDA_CALL(cudaMemcpyAsync(consumed, std::get<3>(dev), sizeof(int64_t), cudaMemcpyDeviceToDevice, stream));
+      next_start_[s] = starts_[s] + R;
+      continue;
+    }
 
     if (!routed) {
       auto dev = scratch.ToContiguousGPU(stream, tab, lay);

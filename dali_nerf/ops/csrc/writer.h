@@ -51,14 +51,14 @@ struct Cache {
   /// Checks the inputs (detail::check_cache; a DALI error when invalid) and builds the view.
   void init(const uint8_t *px, int64_t P_, const float *cams, const int64_t *lay, int64_t N);
 
+  /// Index of the image holding pixel id `pix`.
+  inline size_t image_of(uint64_t pix) const {
+    if (uniform) return fast_div(pix, WH, invWH);
+    return std::upper_bound(offs.begin(), offs.end(), pix) - offs.begin() - 1;
+  }
+
   inline const Image &locate(uint64_t pix, uint64_t &row, uint64_t &col) const {
-    size_t img;
-    if (uniform) {
-      img = fast_div(pix, WH, invWH);
-    } else {
-      img = std::upper_bound(offs.begin(), offs.end(), pix) - offs.begin() - 1;
-    }
-    const Image &im = imgs[img];
+    const Image &im = imgs[image_of(pix)];
     uint64_t rem = pix - im.off;
     row = fast_div(rem, im.W, im.invW);
     col = rem - row * im.W;
