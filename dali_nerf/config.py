@@ -90,17 +90,16 @@ class CacheConfig:
 
 SOURCE_NAMES = ("rays", "rays_sync", "sync_global", "sync_local", "torch_workers", "ready")
 """``pipeline.name`` values (:data:`dali_nerf.sources.registry.SOURCES`, which a test holds equal)."""
-STUDY_SAMPLERS = ("rays", "rays_sync", "sync_global", "sync_local", "torch_workers")
+STUDY_SAMPLERS = ("sync_global", "sync_local", "torch_workers", "rays_sync", "rays")
 """``bench.samplers`` / ``bench.emulated_samplers`` values (the floor, ``ready``, is always added)."""
 
 
 @dataclass
 class PipelineConfig:
     name: str = "rays"
-    """Batch source: rays (our DALI pipeline + operator, sampling ahead) | rays_sync (the same sampler
-    run synchronously in the training thread, prefetch 0: the study's same-sampler control) |
-    sync_global | sync_local | torch_workers | ready (one batch again and again: the benchmarks'
-    floor, for timing only)."""
+    """Batch source: rays (our DALI pipeline + operator, sampling ahead) | rays_sync (the same, run in
+    the training thread at prefetch 0: the study's same-sampler control) | sync_global | sync_local |
+    torch_workers | ready (one batch again and again: the benchmarks' floor, for timing only)."""
     rays_per_batch: int = 4096
     """Rays per rank per training step: B. With ``stream: global`` the mean: the global batch is
     G = B x world size, and each step's batch of a rank holds the rays of G whose image is in its
@@ -347,14 +346,12 @@ class BenchConfig:
     """DDP world sizes of the emulated-device launches ([] skips them)."""
     emulated_ranks_ss: List[int] = field(default_factory=lambda: [1, 2])
     """SS world sizes of the emulated-device launches (one cell per rank; [] skips them)."""
-    emulated_samplers: List[str] = field(default_factory=lambda: ["sync_global", "sync_local", "torch_workers",
-                                                                  "rays_sync", "rays"])
+    emulated_samplers: List[str] = field(default_factory=lambda: list(STUDY_SAMPLERS))
     """Batch sources of the emulated launches (the floor, a ready batch, is always added)."""
     emulated_cores: List[int] = field(default_factory=lambda: [0])
-    """Cores each emulated launch runs on: its rank processes pinned by CPU affinity to the first N of
-    this process's usable cores (the host budget reads the affinity); 0 = every usable core. A pinned
-    launch (N below the usable cores) runs only at world sizes of at most N ranks (at least 1 core
-    per GPU): the full host's launches already cover the starved host below that."""
+    """Cores each emulated launch runs on: its ranks pinned (CPU affinity, which the host budget reads)
+    to the first N usable cores; 0 = all. A pinned launch runs only world sizes <= N (>= 1 core per
+    GPU): the full host's launches already cover the starved host below that."""
     emulated_step_ms: List[float] = field(default_factory=lambda: [1.0, 2.0, 5.0, 10.0])
     """Emulated device compute ms (forward + backward + optimizer) per 4096-ray step."""
     emulated_steps: int = 30
@@ -396,10 +393,9 @@ class BenchConfig:
             raise ConfigError(f"{key}.ranks: must be a list of integers >= 1 ([] = no CPU rows), got {self.ranks}")
         for m in self.methods:
             _choice(f"{key}.methods", m, ("ddp", "ss"))
-        for s in self.samplers:
-            _choice(f"{key}.samplers", s, STUDY_SAMPLERS)
-        for s in self.emulated_samplers:
-            _choice(f"{key}.emulated_samplers", s, STUDY_SAMPLERS)
+        for name in ("samplers", "emulated_samplers"):
+            for s in getattr(self, name):
+                _choice(f"{key}.{name}", s, STUDY_SAMPLERS)
         for i, c in enumerate(self.emulated_cores):
             _nonneg(f"{key}.emulated_cores[{i}]", c)
         _positive(f"{key}.trials", self.trials)
