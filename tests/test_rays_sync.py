@@ -38,20 +38,21 @@ def _loader_threads():
     return {t.name for t in threading.enumerate() if t.name.startswith("dali_nerf-")}
 
 
-def test_ddp_rays_sync_is_rays_without_overlap(city):
-    """The same batches as rays, bit for bit, across runs; batches held across runs keep their
-    values (each run is copied out of the synchronous executor's buffers, which it reuses); no
-    hand-over thread, prefetch 0, normal priority whatever the config resolves for rays."""
+@pytest.mark.parametrize("stream", ["global", "shard"])
+def test_ddp_rays_sync_is_rays_without_overlap(city, stream):
+    """The same batches as rays, bit for bit, across runs, on either stream; batches held across
+    runs keep their values (each run is copied out of the synchronous executor's buffers, which it
+    reuses); no hand-over thread, prefetch 0, normal priority whatever the config resolves for rays."""
     before = _loader_threads()
-    sync = build_source(_config("rays_sync"), city, 0, 2)
+    sync = build_source(_config("rays_sync", f"pipeline.stream={stream}"), city, 0, 2)
     try:
         held = [next(sync) for _ in range(4 * RUN // B)]
         assert _loader_threads() == before  # nothing samples ahead
         assert (sync.prefetch, sync.thread_priority, sync.steps_per_run) == (0, "normal", RUN // B)
-        assert sync.plan.rays_per_run == RUN and sync.num_threads == 1
+        assert sync.plan.rays_per_run == RUN and sync.num_threads == 1 and sync.plan.ray_stream == stream
     finally:
         sync.close()
-    ahead = build_source(_config("rays"), city, 0, 2)
+    ahead = build_source(_config("rays", f"pipeline.stream={stream}"), city, 0, 2)
     try:
         assert (ahead.prefetch, ahead.thread_priority) == (2, "background")
         for i, h in enumerate(held):
@@ -91,3 +92,22 @@ def test_config_names_the_registrys_sources():
         with pytest.raises(ConfigError) as e:
             load_config(None, [bad], check_paths=False)
         assert key in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("stream", ["global", "shard"])
+def test_checkpoints_record_rays_sync_as_the_rays_stream(stream):
+    """A checkpoint of a rays_sync run records the stream of rays (global: G = B x W kept on a resume
+    at another world size), as its batches are those of rays."""
+    from dali_nerf.resume import resumed_config, run_stream
+    from dali_nerf.runtime import DistEnv
+
+    for method in ("ddp", "ss"):
+        want = run_stream(_config("rays", f"pipeline.stream={stream}", f"method={method}"))
+        assert run_stream(_config("rays_sync", f"pipeline.stream={stream}", f"method={method}")) == want
+    cfg = _config("rays_sync", f"pipeline.stream={stream}")
+    st = {"format": 2, "method": "ddp", "pipeline": "rays_sync", "stream": run_stream(cfg)[0], "step": 4,
+          "world_size": 2, "global_batch": run_stream(cfg)[1] * B * 2}
+    got = resumed_config(cfg, st, DistEnv(rank=1, world_size=4, local_rank=1, device=torch.device("cpu")))
+    assert (got.pipeline.stream, got.pipeline.rays_per_batch) == (stream, B // 2 if stream == "global" else B)
+    other = _config("rays_sync", "pipeline.stream=" + ("shard" if stream == "global" else "global"))
+    assert resumed_config(other, st, DistEnv(1, 2, 1, torch.device("cpu"))).pipeline.stream == stream
