@@ -141,7 +141,7 @@ def test_declared_size_differs_from_header_refused(tmp_path):
 
 
 def test_declared_447_gib_refused_in_one_line(tmp_path, monkeypatch):
-    """The issue's case: w/h of 200000 over ordinary PNGs would size a 447 GiB cache."""
+    """A header's w/h of 200000 over ordinary PNGs would size a 447 GiB cache."""
     root = nerfstudio(tmp_path / "ns", declared=(200000, 200000))
     with pytest.raises(DataError) as e:
         load_scene(root, "train")
