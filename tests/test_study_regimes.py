@@ -142,8 +142,9 @@ def test_keeps_up_and_the_flags_share_one_threshold(tmp_path, over, keeps):
 
 def _grid(tmp_path):
     """Regimes: 2 cores per GPU (1 rank on 2 cores) at 1 and 2 ms, 1 core per GPU twice (2 ranks
-    on 2 cores; 1 rank pinned to 1 core), a starved host (4 ranks on 2 cores) and a flagged pair
-    (1 rank on 2 cores at 5 ms: pipelined 1.5x its floor), with distinct speedups to look for."""
+    on 2 cores; 1 rank pinned to 1 core), a starved host (4 ranks on 2 cores), a flagged pair
+    (1 rank on 2 cores at 5 ms: pipelined 1.5x its floor) and a configuration run once as the cost
+    model's check segments are (3 ms), with distinct speedups to look for."""
     dirs = []
     dirs += _regime(tmp_path, "a", 1, 2, 1.0, [4.0 * MS] * 2, [1.6 * MS] * 2, [1.25 * MS] * 2, 1.2 * MS)  # 3.20x
     dirs += _regime(tmp_path, "b", 1, 2, 2.0, [4.6 * MS] * 2, [2.5 * MS] * 2, [2.3 * MS] * 2, 2.2 * MS)  # 2.00x
@@ -151,6 +152,7 @@ def _grid(tmp_path):
     dirs += _regime(tmp_path, "d", 1, 1, 1.0, [3.3 * MS] * 2, [1.7 * MS] * 2, [1.5 * MS] * 2, 1.4 * MS)  # 2.20x
     dirs += _regime(tmp_path, "e", 4, 2, 1.0, [9.99 * MS] * 2, [3.0 * MS] * 2, [1.0 * MS] * 2, 0.95 * MS)  # starved
     dirs += _regime(tmp_path, "f", 1, 2, 5.0, [7.77 * 1.5 * MS] * 2, [6 * MS] * 2, [1.5 * MS] * 2, 1.0 * MS)  # flagged
+    dirs += _regime(tmp_path, "g", 1, 2, 3.0, [6.3 * MS], [3.1 * MS], [3.0 * MS], 2.9 * MS)  # 2.10x, 1 trial
     return study.derive(dirs)
 
 
@@ -161,9 +163,11 @@ def test_like_for_like_compares_only_unflagged_regimes_of_at_least_one_core_per_
     flagged = _by(d, "sync_global", ems=5.0)
     assert study.starved(starved) and starved["cores_per_gpu"] == 0.5 and not starved["flags"]
     assert flagged["flags"] and not study.starved(flagged)
+    once = _by(d, "sync_global", ems=3.0)
+    assert once["trials"] == 1 and not once["flags"] and not study.starved(once) and study.main_trials(d["speedups"]) == 2
     lf = s["like_for_like"]
     got = {(r["ranks"], r["cores"], r["emulated_step_ms"]) for r in lf["regimes"]}
-    assert got == {(1, 2, 1.0), (1, 2, 2.0), (2, 2, 1.0), (1, 1, 1.0)}  # no starved, no flagged pair
+    assert got == {(1, 2, 1.0), (1, 2, 2.0), (2, 2, 1.0), (1, 1, 1.0)}  # no starved, flagged or single-trial pair
     h = lf["headline"]  # the most cores per GPU, then the most ranks, then the shortest device step
     assert (h["cores_per_gpu"], h["ranks"], h["emulated_step_ms"]) == (2.0, 1, 1.0)
     assert h["speedup"] == pytest.approx(3.2) and h["sampler_gain"] == pytest.approx(2.5)
@@ -187,9 +191,10 @@ def test_the_result_section_quotes_no_flagged_or_starved_pair(tmp_path):
     for row in ("| ddp | 2 | 1 on 2 | 1 |", "| ddp | 2 | 1 on 2 | 2 |", "| ddp | 1 | 2 on 2 | 1 |", "| ddp | 1 | 1 on 1 | 1 |"):
         assert text.count(row) == 1, row
     assert "| ddp | 0.5 |" not in text and "| 5 | 4096 |" not in text  # neither the starved host nor the flagged pair
+    assert "| 3 | 4096 |" not in text  # nor the configuration run once
     assert "Starved host (< 1 core per GPU" in text and "the ISPASS study" in text
     assert "43.3%" in text and "1.95x on average" in text
-    for x in (_by(d, "sync_global", ranks=4), _by(d, "sync_global", ems=5.0)):  # never quoted
+    for x in (_by(d, "sync_global", ranks=4), _by(d, "sync_global", ems=5.0), _by(d, "sync_global", ems=3.0)):
         assert f"{x['speedup']:.2f}x" not in text, x["speedup"]
     assert "the study:" not in text  # "the ISPASS study", named as such
     sentence = sections.headline_sentence(d["summary"], meta)

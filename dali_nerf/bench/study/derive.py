@@ -27,8 +27,8 @@ from ...errors import DaliNerfError
 from .. import emulated as em
 
 __all__ = ["derive", "read_run", "derive_summary", "mean_ci", "keeps_up", "keeps_up_reason", "starved",
-           "comparable", "like_for_like", "PHASE_KEYS", "BASELINES", "BAND", "KEEPS_UP_STEP", "GAINS_TOLERANCE",
-           "PAPER"]
+           "comparable", "main_trials", "like_for_like", "PHASE_KEYS", "BASELINES", "BAND", "KEEPS_UP_STEP",
+           "GAINS_TOLERANCE", "PAPER"]
 
 PHASE_KEYS = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
 BASELINES = ("sync_global", "sync_local", "torch_workers")
@@ -489,11 +489,19 @@ def derive(run_dirs: Sequence, warmup: Optional[int] = None) -> dict:
     return out
 
 
-def comparable(x: dict) -> bool:
+def comparable(x: dict, trials: int = 1) -> bool:
     """A pair the report may set beside the ISPASS study: emulated GPUs, at least 1 core per GPU,
-    a synchronous baseline split by the control (both gains), not flagged."""
+    a synchronous baseline split by the control (both gains), not flagged, in ``trials`` trials at
+    least (:func:`main_trials`: the main grid, not the cost model's check segments, run once)."""
     return (x["device"] == "emulated" and not starved(x) and x.get("cores_per_gpu") is not None
-            and x["baseline"] in BASELINES and x.get("sampler_gain") is not None and not x["flags"])
+            and x["baseline"] in BASELINES and x.get("sampler_gain") is not None and not x["flags"]
+            and int(x.get("trials") or 0) >= trials)
+
+
+def main_trials(speedups: List[dict]) -> int:
+    """The trials of the emulated main grid: the most of any emulated pair (the check segments at
+    other batch sizes run once); 1 without one."""
+    return max([int(x.get("trials") or 0) for x in speedups if x["device"] == "emulated"] or [1])
 
 
 def _regime(x: dict) -> dict:
@@ -512,7 +520,8 @@ def like_for_like(speedups: List[dict]) -> Optional[dict]:
     the three stalls, the hidden stall, pipelined step / floor], "headline": the DDP regime with the
     most cores per GPU (then the most ranks, then the shortest device step: where input sampling
     matters most), "overlap_gain_mean", "overlap_gain_max" (DDP and SS), "paper": :data:`PAPER`}."""
-    rs = [_regime(x) for x in speedups if comparable(x) and x["baseline"] == "sync_global"]
+    n = main_trials(speedups)
+    rs = [_regime(x) for x in speedups if comparable(x, n) and x["baseline"] == "sync_global"]
     if not rs:
         return None
     ddp = [r for r in rs if r["method"] == "ddp"] or rs
@@ -532,7 +541,7 @@ def derive_summary(derived: dict) -> dict:
     configs, speedups = derived["runs"], derived["speedups"]
     sync_stalls = [c["stall"] for c in configs if c["sampler"] in BASELINES]
     pipe_stalls = [c["stall"] for c in configs if c["sampler"] == em.PIPELINED]
-    comp = [x for x in speedups if comparable(x)]
+    comp = [x for x in speedups if comparable(x, main_trials(speedups))]
     low = [c for c in configs if starved(c) and c["sampler"] == em.PIPELINED]
     return {
         "pairs": len(speedups), "flagged_pairs": sum(1 for s in speedups if s["flags"]),
