@@ -21,13 +21,13 @@ MS = 1e-3
 
 
 def _seg(root: Path, name, sampler, ranks, trial, wait, rest, *, pair=None, ems=1.0, cores=2, runq=None, over=None,
-         steps=4) -> Path:
+         steps=4, rays=4096) -> Path:
     """An emulated segment as a launch writes it (config.yaml, study.json with the cores its ranks ran
     on, metrics per rank); step 1 is a warm-up of 1 s phases that must be ignored."""
     d = root / name
     d.mkdir(parents=True)
     (d / "config.yaml").write_text(yaml.safe_dump({
-        "name": name, "method": "ddp", "pipeline": {"name": sampler, "rays_per_batch": 4096, "num_threads": 1},
+        "name": name, "method": "ddp", "pipeline": {"name": sampler, "rays_per_batch": rays, "num_threads": 1},
         "train": {"device": "emulated", "emulated_step_ms": ems}, "bench": {"warmup": 1}}))
     (d / "study.json").write_text(json.dumps({"trial": trial, "pair": pair, "device": "emulated",
                                               "emulated_step_ms": ems, "cores": cores, "budget": {"cores": cores}}))
@@ -39,31 +39,31 @@ def _seg(root: Path, name, sampler, ranks, trial, wait, rest, *, pair=None, ems=
             extra |= {"overshoot_s": over} if over is not None else {}
             if s == 1:
                 ph, extra = {k: 1.0 for k in ph}, {k: 1.0 for k in extra}
-            recs.append(json.dumps({"step": s, "rays": 4096, **{f"{k}_s": v for k, v in ph.items()},
+            recs.append(json.dumps({"step": s, "rays": rays, **{f"{k}_s": v for k, v in ph.items()},
                                     "step_s": sum(ph.values()), **extra}))
         (d / ("metrics.jsonl" if r == 0 else f"metrics.rank{r}.jsonl")).write_text("\n".join(recs) + "\n")
     return d
 
 
 def _regime(root: Path, tag, ranks, cores, ems, base, ctl, pipe, floor, *, ctl_pipe=None, wait_p=0.01 * MS,
-            runq=(None, None), over=(None, None)) -> list:
+            runq=(None, None), over=(None, None), rays=4096) -> list:
     """One configuration's trials: sync_global (its step ``base[t]``: half of it waiting), rays_sync
     (``ctl[t]``), the rays run paired with each of them (``pipe[t]``, ``ctl_pipe[t]``) and the floor.
-    ``runq`` / ``over``: (pipelined, floor) per-step seconds measured."""
+    ``runq`` / ``over``: (pipelined, floor) per-step seconds measured; ``rays``: per GPU and step."""
     dirs = []
     for t in range(len(base)):
         p = f"{tag}_p{t}"
         q = f"{tag}_q{t}"
         dirs.append(_seg(root, f"{tag}_g{t}", "sync_global", ranks, t, base[t] / 2, base[t] / 2, pair=p, ems=ems,
-                         cores=cores))
-        dirs.append(_seg(root, p, "rays", ranks, t, wait_p, pipe[t] - wait_p, ems=ems, cores=cores, runq=runq[0],
+                         cores=cores, rays=rays))
+        dirs.append(_seg(root, p, "rays", ranks, t, wait_p, pipe[t] - wait_p, ems=ems, cores=cores, rays=rays, runq=runq[0],
                          over=over[0]))
         dirs.append(_seg(root, f"{tag}_s{t}", "rays_sync", ranks, t, 0.3 * ctl[t], 0.7 * ctl[t], pair=q, ems=ems,
-                         cores=cores))
+                         cores=cores, rays=rays))
         cp = (ctl_pipe or pipe)[t]
-        dirs.append(_seg(root, q, "rays", ranks, t, wait_p, cp - wait_p, ems=ems, cores=cores, runq=runq[0],
+        dirs.append(_seg(root, q, "rays", ranks, t, wait_p, cp - wait_p, ems=ems, cores=cores, rays=rays, runq=runq[0],
                          over=over[0]))
-        dirs.append(_seg(root, f"{tag}_f{t}", em.FLOOR, ranks, t, 0.0, floor, ems=ems, cores=cores, runq=runq[1],
+        dirs.append(_seg(root, f"{tag}_f{t}", em.FLOOR, ranks, t, 0.0, floor, ems=ems, cores=cores, rays=rays, runq=runq[1],
                          over=over[1]))
     return dirs
 
@@ -164,7 +164,7 @@ def test_like_for_like_compares_only_unflagged_regimes_of_at_least_one_core_per_
     assert study.starved(starved) and starved["cores_per_gpu"] == 0.5 and not starved["flags"]
     assert flagged["flags"] and not study.starved(flagged)
     once = _by(d, "sync_global", ems=3.0)
-    assert once["trials"] == 1 and not once["flags"] and not study.starved(once) and study.main_trials(d["speedups"]) == 2
+    assert once["trials"] == 1 and not once["flags"] and not study.starved(once) and study.main_grid(d["speedups"]) == (2, 4096)
     lf = s["like_for_like"]
     got = {(r["ranks"], r["cores"], r["emulated_step_ms"]) for r in lf["regimes"]}
     assert got == {(1, 2, 1.0), (1, 2, 2.0), (2, 2, 1.0), (1, 1, 1.0)}  # no starved, flagged or single-trial pair
@@ -200,3 +200,18 @@ def test_the_result_section_quotes_no_flagged_or_starved_pair(tmp_path):
     sentence = sections.headline_sentence(d["summary"], meta)
     assert sentence in text and "3.20x faster" in sentence and "2.50x is a faster sampler" in sentence
     assert "1.28x is overlap" in sentence and "at 2 cores per GPU" in sentence
+
+
+def test_a_single_trial_study_leaves_the_check_segments_out_of_the_comparison(tmp_path):
+    """With 1 trial (a reduced run) the cost model's check segments (other batch sizes, run once as
+    well) are told apart by their batch: the main grid is the batch of the most pairs."""
+    dirs = _regime(tmp_path, "a", 1, 2, 1.0, [4.0 * MS], [1.6 * MS], [1.25 * MS], 1.2 * MS)  # 3.20x
+    dirs += _regime(tmp_path, "b", 2, 2, 1.0, [5.0 * MS], [1.9 * MS], [1.6 * MS], 1.5 * MS)  # 3.125x
+    dirs += _regime(tmp_path, "c", 2, 2, 2.0, [9.0 * MS], [3.1 * MS], [3.0 * MS], 2.9 * MS, rays=16384)  # check: 3.00x
+    d = study.derive(dirs)
+    assert study.main_grid(d["speedups"]) == (1, 4096)
+    check = _by(d, "sync_global", ranks=2, ems=2.0)
+    assert check["rays_per_rank"] == 16384 and not check["flags"] and not study.starved(check)
+    lf = d["summary"]["like_for_like"]
+    assert {(r["ranks"], r["rays_per_rank"]) for r in lf["regimes"]} == {(1, 4096), (2, 4096)}
+    assert d["summary"]["comparable"]["pairs"] == 2

@@ -53,7 +53,7 @@ from ...errors import DaliNerfError
 from ...scenegen import make_scene
 from .. import costmodel as cm
 from .derive import (BAND, BASELINES, GAINS_TOLERANCE, KEEPS_UP_STEP, PAPER, PHASE_KEYS, comparable, derive,
-                     derive_summary, keeps_up, keeps_up_reason, like_for_like, main_trials, mean_ci, read_run,
+                     derive_summary, keeps_up, keeps_up_reason, like_for_like, main_grid, mean_ci, read_run,
                      starved)
 from .model import fit_and_check, observations, sampling_profile
 from .provenance import git_commit, host_cores, machine_desc, machine_slug
@@ -67,7 +67,7 @@ __all__ = ["main", "derive", "read_run", "machine_slug", "machine_desc", "git_co
            "cpu_plan", "measure_sampling", "sampler_table", "sampling_profile", "write_report", "report_from_derived",
            "sampler_table_of", "observations", "mean_ci", "derive_summary", "fit_and_check", "keeps_up",
            "keeps_up_reason", "PHASE_KEYS", "BASELINES", "BAND", "STEP_MS_SOURCE", "REPORT_FORMAT", "host_cores",
-           "comparable", "main_trials", "like_for_like", "starved", "GAINS_TOLERANCE", "KEEPS_UP_STEP", "PAPER"]
+           "comparable", "main_grid", "like_for_like", "starved", "GAINS_TOLERANCE", "KEEPS_UP_STEP", "PAPER"]
 
 
 STEP_MS_SOURCE = ("a stated assumption, not a measurement (no GPU was measured by this project): a range meant to "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -27,7 +28,7 @@ from ...errors import DaliNerfError
 from .. import emulated as em
 
 __all__ = ["derive", "read_run", "derive_summary", "mean_ci", "keeps_up", "keeps_up_reason", "starved",
-           "comparable", "main_trials", "like_for_like", "PHASE_KEYS", "BASELINES", "BAND", "KEEPS_UP_STEP",
+           "comparable", "main_grid", "like_for_like", "PHASE_KEYS", "BASELINES", "BAND", "KEEPS_UP_STEP",
            "GAINS_TOLERANCE", "PAPER"]
 
 PHASE_KEYS = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
@@ -489,19 +490,21 @@ def derive(run_dirs: Sequence, warmup: Optional[int] = None) -> dict:
     return out
 
 
-def comparable(x: dict, trials: int = 1) -> bool:
+def comparable(x: dict, main: Optional[tuple] = None) -> bool:
     """A pair the report may set beside the ISPASS study: emulated GPUs, at least 1 core per GPU,
-    a synchronous baseline split by the control (both gains), not flagged, in ``trials`` trials at
-    least (:func:`main_trials`: the main grid, not the cost model's check segments, run once)."""
+    a synchronous baseline split by the control (both gains), not flagged, and of the main grid
+    (``main``: :func:`main_grid`'s trials and rays per GPU; None: any)."""
     return (x["device"] == "emulated" and not starved(x) and x.get("cores_per_gpu") is not None
             and x["baseline"] in BASELINES and x.get("sampler_gain") is not None and not x["flags"]
-            and int(x.get("trials") or 0) >= trials)
+            and (main is None or (int(x.get("trials") or 0) >= main[0] and x.get("rays_per_rank") == main[1])))
 
 
-def main_trials(speedups: List[dict]) -> int:
-    """The trials of the emulated main grid: the most of any emulated pair (the check segments at
-    other batch sizes run once); 1 without one."""
-    return max([int(x.get("trials") or 0) for x in speedups if x["device"] == "emulated"] or [1])
+def main_grid(speedups: List[dict]) -> Optional[tuple]:
+    """(trials, rays per GPU) of the emulated main grid: those of the most emulated pairs (then the
+    most trials), which leaves out the cost model's check segments (other batch sizes, run once);
+    None without an emulated pair."""
+    n = Counter((int(x.get("trials") or 0), x.get("rays_per_rank")) for x in speedups if x["device"] == "emulated")
+    return max(n, key=lambda k: (n[k], k[0])) if n else None
 
 
 def _regime(x: dict) -> dict:
@@ -520,8 +523,8 @@ def like_for_like(speedups: List[dict]) -> Optional[dict]:
     the three stalls, the hidden stall, pipelined step / floor], "headline": the DDP regime with the
     most cores per GPU (then the most ranks, then the shortest device step: where input sampling
     matters most), "overlap_gain_mean", "overlap_gain_max" (DDP and SS), "paper": :data:`PAPER`}."""
-    n = main_trials(speedups)
-    rs = [_regime(x) for x in speedups if comparable(x, n) and x["baseline"] == "sync_global"]
+    main = main_grid(speedups)
+    rs = [_regime(x) for x in speedups if comparable(x, main) and x["baseline"] == "sync_global"]
     if not rs:
         return None
     ddp = [r for r in rs if r["method"] == "ddp"] or rs
@@ -541,7 +544,7 @@ def derive_summary(derived: dict) -> dict:
     configs, speedups = derived["runs"], derived["speedups"]
     sync_stalls = [c["stall"] for c in configs if c["sampler"] in BASELINES]
     pipe_stalls = [c["stall"] for c in configs if c["sampler"] == em.PIPELINED]
-    comp = [x for x in speedups if comparable(x, main_trials(speedups))]
+    comp = [x for x in speedups if comparable(x, main_grid(speedups))]
     low = [c for c in configs if starved(c) and c["sampler"] == em.PIPELINED]
     return {
         "pairs": len(speedups), "flagged_pairs": sum(1 for s in speedups if s["flags"]),

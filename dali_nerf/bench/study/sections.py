@@ -177,7 +177,7 @@ def result(s: dict, emu: List[dict], sps: List[dict], meta: dict) -> List[str]:
     c = (s or {}).get("comparable")
     if c:
         L += [f"Over the {c['pairs']} comparable pairs (emulated, >= 1 core per GPU, every baseline, not flagged, "
-              f"in the main grid's trials): "
+              f"of the main grid): "
               f"speedup {c['mean_speedup']:.2f}x on average ({c['max_speedup']:.2f}x at most) = sampler gain "
               f"{c['mean_sampler_gain']:.2f}x x overlap gain {c['mean_overlap_gain']:.2f}x on average (overlap gain "
               f"{c['max_overlap_gain']:.2f}x at most; the ISPASS study: {PAPER['speedup_mean']}x on average, "
