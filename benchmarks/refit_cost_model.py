@@ -35,7 +35,8 @@ def main(argv=None) -> None:
     raw = json.load(open(a.derived))
     sampling = dict(raw["sampling"], profile=sampling_profile(raw["sampling"], usable_cores()))
     b = load_config(a.config, check_paths=False).bench
-    _, rows, desc = fit_and_check(raw["derived"], b, raw["meta"]["rays"], raw["cost_model"]["grad_bytes"], sampling)
+    _, rows, desc = fit_and_check(raw["derived"], b, raw["meta"]["rays"], raw["cost_model"]["grad_bytes"], sampling,
+                                  usable_cores())
     print(f"{a.derived} (commit {raw['meta']['commit'][:12]}); fit: {desc}")
     for name in ("fit", "check"):
         errs = {s: [abs(r["step_error"]) for r in rows if r["set"] == name and r["sampler"] == s] for s in cm.SAMPLERS}

@@ -1,4 +1,4 @@
-"""Spatial segmentation vs data parallel on the generated `city` scene (issue 5's target).
+"""Spatial segmentation vs data parallel on the generated `city` scene (docs/BENCHMARKS.md states its target).
 
 Both trainers run configs/ss_city.yaml (model, sampling and loss settings shared) with the same
 ranks, the same steps and the same rays per rank per step (SS: ``rays_per_batch`` per cell x

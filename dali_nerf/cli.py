@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     bl.add_argument("--config", default="configs/ddp_blender_gpu.yaml")
     bl.add_argument("--scene", default=None, help="scene folder (default: the config's scene.path)")
     bl.add_argument("--batches", default="16384,65536", help="rays per step, comma-separated")
-    bl.add_argument("--samplers", default="rays,rays_prefetch0,sync_local,sync_global,torch_workers,ready")
+    bl.add_argument("--samplers", default="rays,rays_sync,sync_local,sync_global,torch_workers,ready")
     bl.add_argument("--placements", default="host,device",
                     help="host (images in host memory, CPU sampling) and/or device (images in GPU memory)")
     bl.add_argument("--trials", type=int, default=3)

@@ -30,7 +30,8 @@ from .pipelines.rays import INT32_MAX, INT64_MAX, MAX_CELLS
 
 __all__ = [
     "Config", "SceneConfig", "CacheConfig", "PipelineConfig", "ModelConfig", "TrainConfig",
-    "PartitionConfig", "BenchConfig", "load_config", "config_to_dict", "apply_overrides", "STREAMS",
+    "PartitionConfig", "BenchConfig", "load_config", "config_to_dict", "apply_overrides", "SOURCE_NAMES",
+    "STUDY_SAMPLERS", "STREAMS",
 ]
 
 
@@ -87,11 +88,18 @@ class CacheConfig:
         _nonneg(f"{key}.rays_per_window", self.rays_per_window)
 
 
+SOURCE_NAMES = ("rays", "rays_sync", "sync_global", "sync_local", "torch_workers", "ready")
+"""``pipeline.name`` values (:data:`dali_nerf.sources.registry.SOURCES`, which a test holds equal)."""
+STUDY_SAMPLERS = ("sync_global", "sync_local", "torch_workers", "rays_sync", "rays")
+"""``bench.samplers`` / ``bench.emulated_samplers`` values (the floor, ``ready``, is always added)."""
+
+
 @dataclass
 class PipelineConfig:
     name: str = "rays"
-    """Batch source: rays (our DALI pipeline + operator) | sync_global | sync_local | torch_workers | ready
-    (one batch again and again: the benchmarks' floor, for timing only)."""
+    """Batch source: rays (our DALI pipeline + operator, sampling ahead) | rays_sync (the same, run in
+    the training thread at prefetch 0: the study's same-sampler control) | sync_global | sync_local |
+    torch_workers | ready (one batch again and again: the benchmarks' floor, for timing only)."""
     rays_per_batch: int = 4096
     """Rays per rank per training step: B. With ``stream: global`` the mean: the global batch is
     G = B x world size, and each step's batch of a rank holds the rays of G whose image is in its
@@ -126,7 +134,7 @@ class PipelineConfig:
     (dali_nerf/hostbudget.py)."""
 
     def validate(self, key: str):
-        _choice(f"{key}.name", self.name, ("rays", "sync_global", "sync_local", "torch_workers", "ready"))
+        _choice(f"{key}.name", self.name, SOURCE_NAMES)
         _choice(f"{key}.mode", self.mode, ("random", "epoch"))
         _choice(f"{key}.stream", self.stream, STREAMS)
         # the op's argument types bound what reaches it (pipelines/rays.py OP_ARGS)
@@ -308,8 +316,8 @@ class BenchConfig:
     """World sizes of the study's CPU rows (trainer processes with CPU compute; [] = none)."""
     methods: List[str] = field(default_factory=lambda: ["ddp", "ss"])
     """Training methods of the study grid."""
-    samplers: List[str] = field(default_factory=lambda: ["sync_global", "sync_local", "rays"])
-    """Batch sources of the study grid."""
+    samplers: List[str] = field(default_factory=lambda: ["sync_global", "sync_local", "rays_sync", "rays"])
+    """Batch sources of the study grid (rays_sync: the same-sampler control; the floor is always added)."""
     out: str = "docs/study"
     """Report folder (a per-machine subfolder is created)."""
     scene_kind: str = "objects"
@@ -338,8 +346,12 @@ class BenchConfig:
     """DDP world sizes of the emulated-device launches ([] skips them)."""
     emulated_ranks_ss: List[int] = field(default_factory=lambda: [1, 2])
     """SS world sizes of the emulated-device launches (one cell per rank; [] skips them)."""
-    emulated_samplers: List[str] = field(default_factory=lambda: ["sync_global", "sync_local", "torch_workers", "rays"])
+    emulated_samplers: List[str] = field(default_factory=lambda: list(STUDY_SAMPLERS))
     """Batch sources of the emulated launches (the floor, a ready batch, is always added)."""
+    emulated_cores: List[int] = field(default_factory=lambda: [0])
+    """Cores each emulated launch runs on: its ranks pinned (CPU affinity, which the host budget reads)
+    to the first N usable cores; 0 = all. A pinned launch runs only world sizes <= N (>= 1 core per
+    GPU): the full host's launches already cover the starved host below that."""
     emulated_step_ms: List[float] = field(default_factory=lambda: [1.0, 2.0, 5.0, 10.0])
     """Emulated device compute ms (forward + backward + optimizer) per 4096-ray step."""
     emulated_steps: int = 30
@@ -381,10 +393,11 @@ class BenchConfig:
             raise ConfigError(f"{key}.ranks: must be a list of integers >= 1 ([] = no CPU rows), got {self.ranks}")
         for m in self.methods:
             _choice(f"{key}.methods", m, ("ddp", "ss"))
-        for s in self.samplers:
-            _choice(f"{key}.samplers", s, ("rays", "sync_global", "sync_local", "torch_workers"))
-        for s in self.emulated_samplers:
-            _choice(f"{key}.emulated_samplers", s, ("rays", "sync_global", "sync_local", "torch_workers"))
+        for name in ("samplers", "emulated_samplers"):
+            for s in getattr(self, name):
+                _choice(f"{key}.{name}", s, STUDY_SAMPLERS)
+        for i, c in enumerate(self.emulated_cores):
+            _nonneg(f"{key}.emulated_cores[{i}]", c)
         _positive(f"{key}.trials", self.trials)
         _positive(f"{key}.emulated_steps", self.emulated_steps)
         _nonneg(f"{key}.emulated_warmup", self.emulated_warmup)

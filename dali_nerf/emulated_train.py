@@ -27,38 +27,50 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import torch.distributed as dist
 
 from dali_nerf.atomic import atomic_write_text
 from dali_nerf.config import Config
-from dali_nerf.emulation import (EMULATED_LABEL, DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer,
-                                 emulated_step, model_grad_bytes, shared_block)
+from dali_nerf.emulation import (EMULATED_LABEL, KEEPS_UP_STEP, DeviceLinks, EmulatedDevice, LockstepBarrier,
+                                 PhaseTimer, emulated_step, model_grad_bytes, shared_block)
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import usable_cores
 from dali_nerf.partition import Partition, assign_rank
 from dali_nerf.plan import plan_from_config
 from dali_nerf.runtime import load_scenes, prepare_run_dir, setup_distributed, torch_threads_kept
 from dali_nerf.sources import build_source, floor_source
+from dali_nerf.sources.base import was_demoted
+from dali_nerf.sources.registry import RAY_GRAPH_SOURCES
 from dali_nerf.sources.shm_scatter import ShmLink, ShmScatter
 
-__all__ = ["train_emulated", "warmup_steps"]
-
-KEEPS_UP_STEP = 1.15
-"""A source keeps up when its step is within this factor of the floor's (and its stall <= 2%)."""
-
+__all__ = ["train_emulated", "warmup_steps", "whole_runs", "KEEPS_UP_STEP"]
 
 def warmup_steps(sampler: str, source, prefetch: int, workers: int, base: int = 5) -> int:
     """Untimed steps before a source's timed ones: ``base`` plus the batches it may hold ready
     already (DALI's prefetch queue, the run-ahead queue and the run in hand; the workers' queues),
-    so the timed steps see its steady state."""
+    so the timed steps see its steady state; for the DALI sources (``rays``, ``rays_sync``) then up
+    to the next run boundary (:func:`whole_runs`), counted from the steps the source has given."""
     if sampler == "rays":
-        return base + (max(1, prefetch) + 2) * int(getattr(source, "steps_per_run", 1))
-    if sampler == "torch_workers":
+        base += (max(1, prefetch) + 2) * int(getattr(source, "steps_per_run", 1))
+    elif sampler == "torch_workers":
         return base + max(1, workers) * max(1, prefetch) + 1
+    if sampler in RAY_GRAPH_SOURCES:
+        done = int(source.stats().get("steps", 0))
+        base += -(done + base) % int(source.steps_per_run)
     return base
+
+
+def whole_runs(sampler: str, source, steps: int) -> int:
+    """Timed steps: ``steps``; for the DALI sources rounded up to whole runs of K steps, so every
+    run's cost (synchronous: all on the step that starts the run) counts once per K steps: a window
+    of 40 steps of 16-step runs holds 2 or 3 run starts, which skews the mean wait by ~20%."""
+    if sampler not in RAY_GRAPH_SOURCES:
+        return steps
+    k = int(source.steps_per_run)
+    return k * max(1, -(-int(steps) // k))
 
 
 def _shared(env_rank: int, W: int, scatter_bytes: int):
@@ -104,8 +116,8 @@ def _run(sources, dev, timer, lock, grad_bytes: int, W: int, steps: int, on_devi
     return recs
 
 
-def _mean_after(recs: List[dict], warm: int, key: str) -> float:
-    rows = recs[warm:] or recs[-1:]
+def _mean_after(recs: List[dict], warm: int, key: str, n: Optional[int] = None) -> float:
+    rows = recs[warm:warm + n if n else None] or recs[-1:]
     return float(np.mean([r[key] for r in rows]))
 
 
@@ -173,7 +185,8 @@ def _train_emulated_shared(cfg: Config, method, env, scene, links, dev, barrier,
     bar = (lambda: barrier.wait(timeout)) if barrier is not None else (lambda: None)
     buf = shm.buf if shm is not None else (bytearray(scatter) if scatter else None)
     sources, ready = [], []
-    prio = plan_from_config(cfg, rank, W).priority
+    # the priority of the threads that sample ahead (rays_sync: none does, its DALI threads run at normal)
+    prio = "normal" if p.name == "rays_sync" else plan_from_config(cfg, rank, W).priority
     try:
         sources = _sources(cfg, method.name, scene, rank, W, ShmLink(buf, bar, dev))
         n_sources = len(sources)
@@ -190,10 +203,13 @@ def _train_emulated_shared(cfg: Config, method, env, scene, links, dev, barrier,
         ready = [floor_source(next(s)) for s in sources]
         warm = max(warmup_steps(p.name, s, p.prefetch, p.workers) for s in sources)
         warm = min(warm, t.steps // 2)  # a short run keeps half its steps timed (summary: warmup_steps)
+        # the DALI sources: whole runs of the timed steps that fit (all of them when not one run fits)
+        whole = whole_runs(p.name, sources[0], 1)
+        timed = (t.steps - warm) // whole * whole or (t.steps - warm)
         bar()
         recs = _run(sources, dev, PhaseTimer(), lock, grad_bytes, W, t.steps, on_device, "source")
         bar()
-        demoted = any(getattr(s, "thread_priority", prio) != prio for s in sources)  # starved: back to normal
+        demoted = any(was_demoted(s) for s in sources)  # starved: back to normal
     finally:
         for s in sources:
             try:
@@ -208,8 +224,8 @@ def _train_emulated_shared(cfg: Config, method, env, scene, links, dev, barrier,
         if t.emulated_floor_steps else []
     ready = None
     bar()
-    mine = {"rank": rank, "step_s": _mean_after(recs, warm, "step_s"), "wait_s": _mean_after(recs, warm, "wait_s"),
-            "cpu_s": _mean_after(recs, warm, "cpu_s"),
+    mine = {"rank": rank, "step_s": _mean_after(recs, warm, "step_s", timed),
+            "wait_s": _mean_after(recs, warm, "wait_s", timed), "cpu_s": _mean_after(recs, warm, "cpu_s", timed),
             "floor_step_s": _mean_after(floor, fw, "step_s") if floor else None,
             "floor_cpu_s": _mean_after(floor, fw, "cpu_s") if floor else None, "demoted": demoted}
     everyone = [None] * W
@@ -240,7 +256,7 @@ def _train_emulated_shared(cfg: Config, method, env, scene, links, dev, barrier,
         "name": cfg.name, "method": method.name, "world_size": W, "device": "emulated", "label": EMULATED_LABEL,
         "emulated_step_ms": t.emulated_step_ms, "pipeline": p.name, "rays_per_batch": p.rays_per_batch,
         "cells_per_rank": n_sources if method.name == "ss" else None,
-        "steps": t.steps, "warmup_steps": warm, "floor_steps": t.emulated_floor_steps,
+        "steps": t.steps, "warmup_steps": warm, "timed_steps": timed, "floor_steps": t.emulated_floor_steps,
         "step_s": step_s, "floor_step_s": floor_s, "step_over_floor": step_s / floor_s if floor_s else None,
         "stall_fraction": float(np.mean(stalls)), "stall_fraction_ranks": stalls,
         "rays_per_s": W * rays / max(step_s, 1e-12),

@@ -49,11 +49,16 @@ from dali_nerf.sources.shm_scatter import RAY_FLOATS
 
 __all__ = ["DeviceLinks", "EmulatedDevice", "LockstepBarrier", "PhaseTimer", "emulated_step",
            "shared_block", "model_grad_bytes",
-           "batch_nbytes", "PHASES", "RAY_FLOATS", "EMULATED_LABEL"]
+           "batch_nbytes", "PHASES", "RAY_FLOATS", "EMULATED_LABEL", "KEEPS_UP_STEP"]
 
 # RAY_FLOATS: float32 columns of a packed ray (dali_nerf.sources.shm_scatter)
 
 EMULATED_LABEL = "device compute emulated by a timed wait; host work real"
+
+KEEPS_UP_STEP = 1.15
+"""A source keeps up with its emulated devices when its step is within this factor of the floor's
+(the same step with a ready batch) and its stall is at most 2%: the trainers' emulated mode's
+``host_keeps_up`` and the study's verdict and flags use this one threshold."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +159,9 @@ def emulated_step(source, dev: EmulatedDevice, timer: PhaseTimer, *, on_device: 
     transfer, as sync_global's scatter does), the previous step's all-reduce, and the compute
     (forward, backward and optimizer as one; backward and optimizer stay 0). The wait is
     attributed by what was asked: h2d and sync their requested device seconds, forward the rest
-    (compute and the wait's overshoot). sync (``lockstep`` given) also holds the lockstep barrier:
+    (compute and the wait's overshoot; the overshoot alone, the wait past the seconds asked, is also
+    noted as ``overshoot_s``: a rank woken late by busy cores). sync (``lockstep`` given) also holds
+    the lockstep barrier:
     the all-reduce's rendezvous, which includes waiting for slower ranks; the all-reduce of
     ``grad_bytes`` itself is then enqueued, so it is waited for (and counted) in the next step."""
     with timer.phase("wait"):
@@ -168,6 +175,7 @@ def emulated_step(source, dev: EmulatedDevice, timer: PhaseTimer, *, on_device: 
     timer.add("h2d", req["h2d"])
     timer.add("sync", req["sync"])
     timer.add("forward", max(0.0, span - req["h2d"] - req["sync"]))
+    timer.note("overshoot", max(0.0, span - sum(req.values())))
     if lockstep is not None:
         with timer.phase("sync"):
             lockstep()

@@ -1,11 +1,12 @@
 """The host's CPU budget per rank: sampler threads and run size that fit the cores a rank gets.
 
 A rank's loader threads share the host's cores with every other rank on the node. Measured on a
-2-core machine (issue 14): 16 co-located ranks, each a RayLoader with its defaults (2 DALI
-threads, 262144 rays per run), stepped in 5.26 ms against a 2.17 ms floor while their time in
-``next()`` was 3.4% — the loaders' bursts slowed the training processes outside ``next()``; with 1
-thread and 65536 rays per run the same ranks stepped in 2.93 ms. So threads and run size follow
-the cores per local rank:
+2-core AMD EPYC VM (2026-12-03, 16 emulated DDP ranks at 2 ms device steps, the study's emulated
+launch at commit da9281d): each rank a RayLoader with the fixed defaults it had then (2 DALI threads,
+262144 rays per run) stepped in 5.26 ms against a 2.17 ms floor while their time in ``next()`` was
+3.4% — the loaders' bursts slowed the training processes outside ``next()``; with 1 thread and
+65536 rays per run the same ranks stepped in 2.93 ms. So threads and run size follow the cores
+per local rank:
 
 * ``cores_per_rank`` = usable cores (``os.sched_getaffinity``) / local ranks (``LOCAL_WORLD_SIZE``);
 * ``threads`` = ``cores_per_rank - 1`` (one core's worth left to the rank's own thread: the
@@ -24,8 +25,9 @@ waits on the device and must run the moment it wakes (launch the next kernels, j
 collective): in lockstep every rank waits for the last one to wake. When the rank's compute is
 not on this CPU (a GPU, or the study's emulated devices), :func:`resolve_priority` runs them at
 ``background`` priority (Linux ``SCHED_IDLE``: they run on cores nothing else wants, and a
-waking training thread takes the core at once). Measured on the 2-core machine (``benchmarks/thread_priority.py``, DDP, emulated devices, step over
-the floor, mean of 6 trials each): 8 ranks at 1 ms device steps 1.32x at normal priority and 1.07x
+waking training thread takes the core at once). Measured on a 2-core Intel Xeon VM (2026-12-04,
+commit 087fcd4, ``benchmarks/thread_priority.py``, DDP, emulated devices, step over the floor,
+mean of 6 trials each): 8 ranks at 1 ms device steps 1.32x at normal priority and 1.07x
 in background; 16 ranks at 2 ms 1.25x and 1.10x.
 Where the compute is on the CPU the sampler competes with it for the cores as equals
 (``normal``): in background it would get only the cores torch leaves idle. On a host whose cores
@@ -36,12 +38,14 @@ normal priority by themselves (:class:`dali_nerf.sources.base.StarvationGuard`).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 from .errors import ConfigError
 
-__all__ = ["HostBudget", "host_budget", "run_size", "usable_cores", "local_world_size", "RAYS_PER_THREAD",
+__all__ = ["HostBudget", "host_budget", "run_size", "usable_cores", "first_cores", "pinned", "local_world_size",
+           "RAYS_PER_THREAD",
            "PRIORITIES", "check_priority", "resolve_priority", "dali_threads", "to_background"]
 
 PRIORITIES = ("normal", "background")
@@ -73,6 +77,35 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def first_cores(n: int) -> Tuple[int, ...]:
+    """The first ``n`` of this process's usable cores (its CPU affinity, in order); ConfigError when
+    it has fewer."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        raise ConfigError("CPU affinity is not available on this platform: pinning needs Linux") from None
+    if not 1 <= int(n) <= len(cpus):
+        raise ConfigError(f"{n} cores: this process may run on {len(cpus)} ({', '.join(map(str, cpus))})")
+    return tuple(cpus[:int(n)])
+
+
+@contextmanager
+def pinned(cpus: Optional[Sequence[int]]):
+    """Run the calling thread on ``cpus`` inside the block, and put its affinity back after (None:
+    no change). Processes started inside inherit it across fork and exec: this is how a launch of
+    ranks (spawned processes, torchrun and its workers) runs on a subset of the host's cores, each
+    rank then reading that subset as its usable cores (:func:`usable_cores`, the host budget)."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def local_world_size() -> int:

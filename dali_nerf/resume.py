@@ -47,6 +47,7 @@ from .partition import assign_rank
 from .pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
 from .runtime import DistEnv, gather_codes
 from .scenes import describe_change, scene_fingerprint
+from .sources.registry import RAY_GRAPH_SOURCES
 from .tasks import Task, close_sources
 
 __all__ = ["save_checkpoint", "read_resume_state", "restore_tasks", "resumed_config", "run_stream", "load_checkpoint",
@@ -128,13 +129,13 @@ def replica_digest(task: Task) -> str:
 
 def run_stream(cfg: Config) -> tuple:
     """(stream version, G) of a run's training stream: what a checkpoint records and an elastic
-    resume keeps. DDP ``rays``: the global stream (G = B x W at the run's start) or the shard
-    stream; ``sync_global``: rank 0's global batch of B x W; SS ``rays``: the cells' own streams;
-    the rest: per-rank streams (G 0)."""
+    resume keeps. DDP ``rays`` (and ``rays_sync``, the same sampler): the global stream (G = B x W
+    at the run's start) or the shard stream; ``sync_global``: rank 0's global batch of B x W; SS
+    ``rays`` / ``rays_sync``: the cells' own streams; the rest: per-rank streams (G 0)."""
     p = cfg.pipeline
     if cfg.method == "ss":
-        return ("cells-v1" if p.name == "rays" else f"ss-{p.name}-v1"), 0
-    if p.name == "rays":
+        return ("cells-v1" if p.name in RAY_GRAPH_SOURCES else f"ss-{p.name}-v1"), 0
+    if p.name in RAY_GRAPH_SOURCES:
         return (GLOBAL_STREAM, 1) if p.stream == "global" else (SHARD_STREAM, 0)
     return (f"{p.name}-v1", 1 if p.name == "sync_global" else 0)
 
@@ -313,11 +314,11 @@ def resumed_config(cfg: Config, st: Optional[dict], env: DistEnv) -> Config:
         return cfg
     p, notes = cfg.pipeline, []
     if st.get("format", 1) == 1:
-        if cfg.method == "ddp" and p.name == "rays" and p.stream != "shard":
+        if cfg.method == "ddp" and p.name in RAY_GRAPH_SOURCES and p.stream != "shard":
             notes.append("a checkpoint of format 1 continues the shard stream: pipeline.stream=shard")
             p = dataclasses.replace(p, stream="shard")
     elif st.get("pipeline") == p.name:
-        if cfg.method == "ddp" and p.name == "rays":
+        if cfg.method == "ddp" and p.name in RAY_GRAPH_SOURCES:
             kind = "global" if st.get("stream") == GLOBAL_STREAM else "shard"
             if kind != p.stream:
                 notes.append(f"the run samples the {kind} stream: pipeline.stream={kind}")

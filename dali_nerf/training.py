@@ -52,7 +52,7 @@ from .fieldsetup import train_background
 from .models import render_rays
 from .models.keyed import ray_keys
 from .models.ray_space import RaySpace
-from .phases import PHASES, PhaseTimer
+from .phases import PHASES, PhaseTimer, runq_seconds
 from .plan import plan_from_config
 from .resume import read_resume_state, restore_tasks, resumed_config, run_stream, save_checkpoint
 from .runlog import MetricsWriter, append_metrics_row, bar_stall, progress_bar, steady_stall
@@ -249,7 +249,7 @@ class _Loop:
         """One step of every task, timed by phase; its metrics row, written and added to the totals."""
         cfg, env = self.cfg, self.env
         ph = {p: 0.0 for p in PHASES}
-        t_step = time.perf_counter()
+        t_step, q0 = time.perf_counter(), runq_seconds()
         losses, nrays = [], 0
         for task in self.tasks:
             loss, n = train_task_step(cfg, env, task, step, self.scene, self.bg, self.sync_timers, self.timer)
@@ -261,6 +261,9 @@ class _Loop:
         rec = {"step": step, "loss": loss_v, "psnr": -10.0 * math.log10(max(loss_v, 1e-12)), "rays": nrays}
         rec.update({f"{p}_s": ph[p] for p in PHASES})
         rec["step_s"] = step_s
+        q1 = runq_seconds()
+        if q0 is not None and q1 is not None:  # the training thread's wait for a core (phases.runq_seconds)
+            rec["runq_s"] = q1 - q0
         self.writer.write(rec)
         if self.first_step_wait is None:
             self.first_step_wait = (ph["wait"], step_s)

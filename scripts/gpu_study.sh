@@ -11,7 +11,7 @@
 #   make-scene    35   a generated objects scene, 100 images of 800x800                make-scene.log
 #   loop          90   dali-nerf bench loop: configs/ddp_blender_gpu.yaml's model on   loop/loop.json, loop.md
 #                      the GPU, CUDA-event phases, 3 rotated trials at 16384 and
-#                      65536 rays: rays, rays_prefetch0 (the same sampler,
+#                      65536 rays: rays, rays_sync (the same sampler,
 #                      synchronous), sync_local, sync_global, torch_workers and a
 #                      ready-batch floor; images in host memory and in GPU memory;
 #                      step, wait, stall, step / floor, peak GPU memory, device step
@@ -108,7 +108,8 @@ if [ $GPU = 1 ]; then
   LOOP_ARGS=(--batches "$LOOP_BATCHES" --trials 3 --steps 12 --warmup 4 --pretrain 60 --device cuda)
   MODEL=()
   STUDY_RAYS=${LOOP_BATCHES%%,*}  # the study's batch: the loop's first (its device step is measured there)
-  STUDY_ARGS=("bench.emulated_ranks=[1,2,4,8]" "bench.trials=${STUDY_TRIALS:-2}" bench.emulated_steps=20
+  # every usable core only (16: 1, 2, 4, 8 ranks are 16, 8, 4, 2 cores per GPU); no pinned launches in the slice
+  STUDY_ARGS=("bench.emulated_ranks=[1,2,4,8]" "bench.emulated_cores=[0]" "bench.trials=${STUDY_TRIALS:-2}" bench.emulated_steps=20
               bench.emulated_warmup=3 "bench.sampling_sizes=[$STUDY_RAYS]")
   TTQ_SECONDS=${QUALITY_SECONDS:-150}; TTQ_ARGS=(train.eval_every_s=15 train.target_psnr=${QUALITY_TARGET:-34}
                                                  train.eval_images=4)
@@ -125,7 +126,7 @@ else
   STUDY_RAYS=256
   # (sync_local only: the CPU's "device step" is long, and rays' warm-up of whole runs is hundreds of
   # steps at a toy batch; the study's own tests run every sampler)
-  STUDY_ARGS=("bench.emulated_ranks=[1,2]" bench.trials=1 bench.emulated_steps=3 bench.emulated_warmup=1
+  STUDY_ARGS=("bench.emulated_ranks=[1,2]" "bench.emulated_cores=[0]" bench.trials=1 bench.emulated_steps=3 bench.emulated_warmup=1
               "bench.sampling_sizes=[]" "bench.emulated_samplers=[sync_local]")
   TTQ_SECONDS=2; TTQ_ARGS=(train.eval_every_s=0.5 train.target_psnr=99 train.eval_images=1 train.device=cpu
                             pipeline.rays_per_batch=256)

@@ -57,7 +57,7 @@ def test_outputs_schema_and_rotation(result):
         assert s["stall"] == pytest.approx(s["wait_s"] / s["step_s"])
         assert set(s["phases_s"]) == {"wait", "h2d", "forward", "backward", "sync", "optimizer"}
         assert s["compute_s"] == pytest.approx(sum(s["phases_s"][p] for p in ("forward", "backward", "optimizer")))
-        if s["sampler"] == "rays_prefetch0":  # whole DALI runs of 512 / 128 = 4 steps, from a run boundary
+        if s["sampler"] == "rays_sync":  # whole DALI runs of 512 / 128 = 4 steps, from a run boundary
             assert s["steps"] % 4 == 0 and s["warmup"] % 4 == 0 and s["steps"] >= 2
         else:
             assert (s["steps"], s["warmup"]) == (2, 1)

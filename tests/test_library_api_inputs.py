@@ -1,5 +1,5 @@
 """Bad inputs through the public library API (``load_scene`` + ``RayLoader`` / ``decode_cache``),
-not only through the trainers (issue 18; docs/RELIABILITY.md, "Library API").
+not only through the trainers (docs/RELIABILITY.md, "Library API").
 
 Each test asserts the one-line message names the file or field. Scenes are tiny, written into
 ``tmp_path``; the oversized ones are PNG *headers* claiming a large size, a few hundred bytes on disk.
@@ -141,7 +141,7 @@ def test_declared_size_differs_from_header_refused(tmp_path):
 
 
 def test_declared_447_gib_refused_in_one_line(tmp_path, monkeypatch):
-    """The issue's case: w/h of 200000 over ordinary PNGs would size a 447 GiB cache."""
+    """A header's w/h of 200000 over ordinary PNGs would size a 447 GiB cache."""
     root = nerfstudio(tmp_path / "ns", declared=(200000, 200000))
     with pytest.raises(DataError) as e:
         load_scene(root, "train")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -127,3 +128,49 @@ def test_ddp_comm_hook_times_on_gloo_and_keeps_overlap_under_nccl(tmp_path, monk
         assert hooks == [(None, default_hooks.allreduce_hook)] and timer.measured is False
     finally:
         dist.destroy_process_group()
+
+
+def test_record_counts_the_training_threads_wait_for_a_core():
+    """``runq_s``: the recording thread's run-queue wait over the step. A thread that never sleeps
+    is either on a core or waiting for one, so its CPU time plus ``runq_s`` is the step's wall
+    time; pinned to one core beside a process that spins on it, it waits about half of a 0.4 s
+    step. The affinity is put back after the block."""
+    from dali_nerf.hostbudget import first_cores, pinned
+    from dali_nerf.phases import runq_seconds
+
+    if runq_seconds() is None:
+        pytest.skip("no /proc/thread-self/schedstat: Linux with schedstats only")
+    before = os.sched_getaffinity(0)
+    with pinned(first_cores(1)):
+        assert len(os.sched_getaffinity(0)) == 1
+        spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 3\nwhile time.time() < t: pass"])
+        try:
+            time.sleep(0.3)  # it runs (on our core: it inherited the affinity)
+            t = PhaseTimer("cpu")
+            c0 = time.thread_time()
+            t.note("overshoot", 0.25)
+            t.note("overshoot", 0.5)
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 0.4:
+                pass
+            rec = t.record(1, 4096)
+            ran = time.thread_time() - c0
+        finally:
+            spin.kill()
+            spin.wait()
+    assert os.sched_getaffinity(0) == before
+    assert rec["runq_s"] + ran == pytest.approx(rec["step_s"], rel=0.05), (rec, ran)
+    assert 0.1 < rec["runq_s"] < rec["step_s"], rec
+    assert rec["overshoot_s"] == 0.75 and "overshoot_s" not in t.record(2, 4096)  # per step
+    with pytest.raises(ValueError, match="record\\(\\) writes itself"):
+        t.note("runq", 1.0)
+
+
+def test_first_cores_names_the_affinity_it_lacks():
+    from dali_nerf.errors import ConfigError
+    from dali_nerf.hostbudget import first_cores
+
+    cpus = sorted(os.sched_getaffinity(0))
+    assert first_cores(len(cpus)) == tuple(cpus) and first_cores(1) == (cpus[0],)
+    with pytest.raises(ConfigError, match=f"{len(cpus) + 1} cores: this process may run on {len(cpus)}"):
+        first_cores(len(cpus) + 1)

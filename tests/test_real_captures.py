@@ -1,4 +1,4 @@
-"""Real-capture training (issue 15): the field's space (world / NDC / contracted), backgrounds the
+"""Real-capture training: the field's space (world / NDC / contracted), backgrounds the
 trainer supplies (random, learned), and short 2-rank runs on the generated forward-facing (LLFF)
 and unbounded (nerfstudio, outward cameras) scenes."""
 

@@ -74,9 +74,10 @@ def test_derive_known_values(tmp_path):
     assert sp["sync_global"]["ideal_speedup"] == pytest.approx(1 / (1 - 0.5))
     assert sp["sync_local"]["speedup"] == pytest.approx(0.075 / 0.05)
     assert sp["sync_local"]["ideal_speedup"] == pytest.approx(1 / (1 - 0.025 / 0.075))
-    assert d["summary"]["max_speedup"] == pytest.approx(2.0)
-    assert d["summary"]["mean_speedup"] == pytest.approx((2.0 + 1.5) / 2)
-    assert d["summary"]["max_stall_sync"] == pytest.approx(0.5)
+    assert d["summary"]["pairs"] == 2 and d["summary"]["max_stall_sync"] == pytest.approx(0.5)
+    # CPU rows are never set beside the ISPASS study: no comparable pair, no like-for-like regime
+    assert d["summary"]["comparable"] is None and d["summary"]["like_for_like"] is None
+    assert runs["rays"]["cores"] is None and sp["sync_global"]["sampler_gain"] is None  # no control ran
     # an explicit warm-up overrides config.yaml: including step 3 (1.0 s phases) changes the means
     d0 = study.derive([g], warmup=2)
     assert d0["runs"][0]["steps_used"] == 6
@@ -231,7 +232,8 @@ def test_report_from_hand_written_runs(tmp_path):
         assert (tmp_path / "out" / png).stat().st_size > 1000
         assert (tmp_path / "out" / png).read_bytes()[:4] == b"\x89PNG"
     raw = json.loads((tmp_path / "out" / "derived.json").read_text())
-    assert raw["derived"]["summary"]["max_speedup"] == pytest.approx(d["summary"]["max_speedup"])
+    assert raw["derived"]["summary"]["max_stall_sync"] == pytest.approx(d["summary"]["max_stall_sync"])
+    assert raw["meta"]["format"] == study.REPORT_FORMAT and "format" not in meta  # recorded, the caller's dict untouched
     assert len(raw["projection"]) == len(proj)
 
 
@@ -242,13 +244,38 @@ COMMITTED = sorted((REPO / "docs" / "study").glob("*/derived.json"))
 def test_report_from_committed_derived_json_is_byte_identical(tmp_path, monkeypatch, derived_json):
     """Each committed study's report.md, rewritten from its derived.json alone (plus the sampler table,
     which only the report keeps), is the committed file byte for byte; so is derived.json. The host
-    rewriting it has another core count than the study's (the report takes the study's)."""
+    rewriting it has another core count than the study's (the report takes the study's). A report
+    of an older format (meta["format"], 1 when absent) is refused in one line naming its command,
+    until the study is rerun with this code (the committed report is regenerated then)."""
     monkeypatch.setattr(os, "cpu_count", lambda: 7)
+    fmt = json.loads(derived_json.read_text())["meta"].get("format", 1)
+    if fmt != study.REPORT_FORMAT:
+        with pytest.raises(DaliNerfError, match=rf"format {fmt}; this code writes format {study.REPORT_FORMAT} .*"
+                                                r"rerunning its command: dali-nerf bench study --config"):
+            study.report_from_derived(derived_json, tmp_path / "again")
+        assert not (tmp_path / "again").exists()  # nothing half-written
+        return
     out = study.report_from_derived(derived_json, tmp_path / "again")
     assert out.read_bytes() == (derived_json.parent / "report.md").read_bytes()
     assert (tmp_path / "again" / "derived.json").read_bytes() == derived_json.read_bytes()
     for png in ("phases.png", "speedup.png", "model_check.png", "projection.png"):
         assert (tmp_path / "again" / png).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("derived_json", COMMITTED, ids=[p.parent.name for p in COMMITTED])
+def test_readme_states_the_committed_studys_one_sentence(derived_json):
+    """README states what the committed study shows in its one sentence (the report's Result opens
+    with it): how much of the speedup is overlap and how much a faster sampler, in which regime."""
+    raw = json.loads(derived_json.read_text())
+    if raw["meta"].get("format", 1) != study.REPORT_FORMAT:
+        pytest.skip(f"{derived_json}: a report of format {raw['meta'].get('format', 1)}, without the same-sampler "
+                    f"control; runs once the study is regenerated with this code")
+    from dali_nerf.bench.study.sections import headline_sentence
+
+    sentence = headline_sentence(raw["derived"]["summary"], raw["meta"])
+    assert sentence, "the committed study has no like-for-like regime"
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert sentence in readme, f"README.md should quote: {sentence}"
 
 
 def test_committed_study_exists():
@@ -331,20 +358,25 @@ def test_git_commit_marks_dirty_trees_outside_the_report(tmp_path):
 
 
 DERIVED_RUN_KEYS = ("method", "sampler", "ranks", "device", "emulated_step_ms", "step_s", "step_s_trials", "stall",
-                    "stall_trials")
-DERIVED_PAIR_KEYS = ("speedup", "speedup_ci", "ideal_speedup", "ideal_basis", "ideal_speedup_wait", "stall_data")
+                    "stall_trials", "cores", "cores_per_gpu", "hidden_stall", "hidden_runq", "hidden_overshoot",
+                    "runq_share", "step_over_floor")
+DERIVED_PAIR_KEYS = ("speedup", "speedup_ci", "ideal_speedup", "ideal_basis", "ideal_speedup_wait", "stall_data",
+                     "sampler_gain", "overlap_gain", "cores_per_gpu", "pipelined_over_floor", "hidden_stall",
+                     "gains_vs_speedup", "stall_rays_sync")
 
 
 def _check_recomputed(raw):
     """derived.json's numbers are those of the metrics files on disk."""
     again = study.derive([r["dir"] for r in raw["derived"]["trial_runs"]])
-    want = {(c["device"], c["method"], c["sampler"], c["ranks"], c["emulated_step_ms"], c["rays_per_rank"]): c
-            for c in raw["derived"]["runs"]}
+    key = ("device", "method", "sampler", "ranks", "cores", "emulated_step_ms", "rays_per_rank")
+    want = {tuple(c[k] for k in key): c for c in raw["derived"]["runs"]}
+    assert len(want) == len(raw["derived"]["runs"]) == len(again["runs"])
     for c in again["runs"]:
-        w = want[(c["device"], c["method"], c["sampler"], c["ranks"], c["emulated_step_ms"], c["rays_per_rank"])]
+        w = want[tuple(c[k] for k in key)]
         assert c["step_s_trials"] == pytest.approx(w["step_s_trials"]) and c["stall"] == pytest.approx(w["stall"])
     for a, b in zip(again["speedups"], raw["derived"]["speedups"]):
         assert a["speedup"] == pytest.approx(b["speedup"]) and a["ideal_speedup"] == pytest.approx(b["ideal_speedup"])
+        assert a["overlap_gain"] == pytest.approx(b["overlap_gain"]) and a["cores"] == b["cores"]
 
 
 @pytest.mark.slow
@@ -357,10 +389,10 @@ def test_study_smoke_end_to_end(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=6, n_val=1, n_test=1)
     ov = [f"scene.path={tmp_path / 'scene'}", f"train.runs_dir={tmp_path / 'runs'}", f"bench.out={tmp_path / 'docs'}",
-          "bench.steps=4", "bench.warmup=1", "pipeline.rays_per_batch=128", "pipeline.rays_per_run=512",
+          "bench.steps=4", "bench.warmup=1", "pipeline.rays_per_batch=128", "pipeline.rays_per_run=384",
           "bench.sampling_sizes=[128,256]", "bench.sampler_seconds=0", "bench.methods=[ddp,ss]", "bench.trials=1",
-          "bench.samplers=[sync_global,sync_local,rays]", "bench.emulated_ranks=[]", "bench.emulated_ranks_ss=[]",
-          "model.samples_per_ray=4", "model.resolution=8"]
+          "bench.samplers=[sync_global,rays_sync,rays]", "bench.emulated_ranks=[]",
+          "bench.emulated_ranks_ss=[]", "model.samples_per_ray=4", "model.resolution=8"]
     # as the CLI runs it: the command scope puts back what the study sets (torch threads)
     rc = run_cli(study.main, argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
     assert rc == 0
@@ -371,19 +403,55 @@ def test_study_smoke_end_to_end(tmp_path, monkeypatch):
         assert (out / png).stat().st_size > 1000
     raw = json.loads((out / "derived.json").read_text())
     done = {(r["method"], r["sampler"], r["ranks"]) for r in raw["derived"]["runs"]}
-    assert {("ddp", s, w) for s in ("sync_global", "sync_local", "rays", "ready") for w in (1, 2)} <= done
-    assert all(r["device"] == "cpu" and r["steps_used"] == 4 for r in raw["derived"]["runs"])
+    assert {(m, s, w) for m in ("ddp", "ss") for s in ("sync_global", "rays_sync", "rays", "ready") for w in (1, 2)} == done
+    # the DALI sources over whole runs of 384 / 128 = 3 steps (warm-up 1 -> 3, timed 4 -> 6), the others as asked
+    for r in raw["derived"]["runs"]:
+        assert r["device"] == "cpu" and r["cores"] == study.host_cores(), r
+        assert (r["steps_used"], r["warmup"]) == ((6, 3) if r["sampler"] in ("rays", "rays_sync") else (4, 1)), r
+        assert r["runq_s"] is not None and r["cores_per_gpu"] == pytest.approx(r["cores"] / r["ranks"])
     # every CPU pair has its floor (the trainers with pipeline.name=ready), so its ideal is the
-    # baseline's step over the floor's
-    assert all(sp["ideal_basis"] == "floor" and sp["step_floor_s"] > 0 for sp in raw["derived"]["speedups"])
-    again = study.derive([r["dir"] for r in raw["derived"]["trial_runs"]], warmup=1)
-    assert again["summary"]["mean_speedup"] == pytest.approx(raw["derived"]["summary"]["mean_speedup"])
+    # baseline's step over the floor's; the control splits each speedup (one trial: exactly)
+    for sp in raw["derived"]["speedups"]:
+        assert sp["ideal_basis"] == "floor" and sp["step_floor_s"] > 0
+        assert sp["sampler_gain"] * sp["overlap_gain"] == pytest.approx(sp["speedup"], rel=1e-9)
+    assert raw["derived"]["summary"]["comparable"] is None  # CPU compute: nothing set beside the ISPASS study
+    again = study.derive([r["dir"] for r in raw["derived"]["trial_runs"]])
+    assert [x["speedup"] for x in again["speedups"]] == pytest.approx([x["speedup"] for x in raw["derived"]["speedups"]])
 
 
 @pytest.mark.slow
-def test_study_smoke_emulated(tmp_path, monkeypatch):
-    """One emulated 4-rank launch, 2 samplers, 1 trial, tiny steps: report, plots, derived.json with
-    the documented keys, and its numbers recomputed from the metrics files."""
+def test_a_failed_cell_is_reported_and_the_command_exits_2(tmp_path, monkeypatch, capsys):
+    """One cell of the grid fails for real (SS's ready floor refuses pipeline.mode=epoch, the rays
+    cell runs): the report is written with the cell listed under "Cells that did not run", and the
+    command exits 2 with one line naming the cell, its trainer's error and its log."""
+    from dali_nerf.cli import main
+    from dali_nerf.scenegen import make_scene
+
+    monkeypatch.chdir(tmp_path)
+    make_scene("objects", tmp_path / "scene", width=16, height=16, n_train=4, n_val=1, n_test=1)
+    rc = main(["bench", "study", "--config", str(REPO / "configs" / "study.yaml"), f"scene.path={tmp_path / 'scene'}",
+               f"train.runs_dir={tmp_path / 'runs'}", f"bench.out={tmp_path / 'docs'}", "bench.ranks=[1]",
+               "bench.methods=[ss]", "bench.samplers=[rays]", "pipeline.mode=epoch", "bench.trials=1", "bench.steps=2",
+               "bench.warmup=1", "pipeline.rays_per_batch=64", "pipeline.rays_per_run=128", "bench.emulated_ranks=[]",
+               "bench.emulated_ranks_ss=[]", "bench.sampling_sizes=[]", "bench.sampler_seconds=0", "model.resolution=8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    log = tmp_path / "runs" / "study_ss_ready_1_t0_0.log"
+    assert err[0].startswith("error: bench study: the report (") and "1 cell(s) that failed: study_ss_ready_1_t0_0" in err[0]
+    assert "pipeline.mode=epoch: the SS baselines sample iid rays only" in err[0] and str(log) in err[0]
+    text = (tmp_path / "docs" / study.machine_slug() / "report.md").read_text()
+    assert "## Cells that did not run" in text and "study_ss_ready_1_t0_0: exit 2: error: pipeline.mode=epoch" in text
+    assert "| ss | rays | 1 |" in text  # the cell that ran is in the report
+
+
+@pytest.mark.slow
+def test_study_smoke_emulated(tmp_path, monkeypatch, capsys):
+    """Emulated DDP launches at 1 and 2 ranks on every core, and 1 rank pinned to 1 core (a 2-rank
+    launch on 1 core is not run: under 1 core per GPU), with sync_global, the control rays_sync and
+    rays, 1 trial, tiny steps: report, plots, derived.json with the documented keys (cores per GPU,
+    both gains, hidden stall, run-queue and overshoot measured), the DALI sources timed over whole
+    runs, the pinned ranks' own host budget read from their affinity, and the numbers recomputed
+    from the metrics files."""
     import argparse
 
     from dali_nerf.scenegen import make_scene
@@ -391,32 +459,62 @@ def test_study_smoke_emulated(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=8, n_val=1, n_test=1)
     ov = [f"scene.path={tmp_path / 'scene'}", f"train.runs_dir={tmp_path / 'runs'}", f"bench.out={tmp_path / 'docs'}",
-          "bench.ranks=[]", "bench.methods=[ddp]", "bench.emulated_ranks=[4]", "bench.emulated_ranks_ss=[]",
-          "bench.emulated_samplers=[sync_global,rays]", "bench.emulated_step_ms=[2]", "bench.trials=1",
-          "bench.emulated_steps=4", "bench.emulated_warmup=1", "pipeline.rays_per_batch=256", "bench.check_rays=[]",
-          "bench.sampling_sizes=[128,256]", "bench.sampler_seconds=0"]
+          "bench.ranks=[]", "bench.methods=[ddp]", "bench.emulated_ranks=[1,2]", "bench.emulated_ranks_ss=[]",
+          "bench.emulated_cores=[0,1]", "bench.emulated_samplers=[sync_global,rays_sync,rays]",
+          "bench.emulated_step_ms=[2]", "bench.trials=1", "bench.emulated_steps=4", "bench.emulated_warmup=1",
+          "pipeline.rays_per_batch=2048", "bench.check_rays=[]", "bench.sampling_sizes=[1024,2048]",
+          "bench.sampler_seconds=0"]
     # as the CLI runs it: the command scope puts back what the study sets (torch threads)
     rc = run_cli(study.main, argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
     assert rc == 0
     out = tmp_path / "docs" / study.machine_slug()
     text = (out / "report.md").read_text()
     assert "device compute emulated by a timed wait; host work real" in text
-    assert "Lockstep cost" in text and "floor ms" in text
+    assert "Lockstep cost" in text and "floor ms" in text and "cores per GPU" in text
+    # the console prints the report's Result section as written there: one set of numbers
+    printed = capsys.readouterr().out
+    section = text.split("## Result\n", 1)[1].split("\n## ", 1)[0].strip()
+    assert section and section in printed
     for png in ("phases.png", "speedup.png", "model_check.png", "projection.png", "scaling.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     raw = json.loads((out / "derived.json").read_text())
+    n = study.host_cores()
+    launches = {(1, n), (2, n)} | ({(1, 1)} if n > 1 else set())
+    assert {(la["ranks"], la["cores"]) for la in raw["emulation"]["launches"]} == launches
     runs = raw["derived"]["runs"]
-    assert {(r["sampler"], r["ranks"], r["device"]) for r in runs} == {
-        ("sync_global", 4, "emulated"), ("rays", 4, "emulated"), ("ready", 4, "emulated")}
+    assert {(r["sampler"], r["ranks"], r["cores"]) for r in runs} == {
+        (s, w, c) for s in ("sync_global", "rays_sync", "rays", "ready") for w, c in launches}
+    K = 65536 // 2048  # the host budget's run: 1 sampler thread, 65536 rays
     for r in runs:
-        assert all(k in r for k in DERIVED_RUN_KEYS)
+        assert all(k in r for k in DERIVED_RUN_KEYS) and r["device"] == "emulated"
         assert r["emulated_step_ms"] == 2.0 and len(r["step_s_trials"]) == 1 and len(r["stall_trials"]) == 1
-        assert r["floor_step_s"] > 0
-    (sp,) = raw["derived"]["speedups"]
-    assert all(k in sp for k in DERIVED_PAIR_KEYS) and len(sp["speedup_ci"]) == 2
-    assert raw["emulation"]["launches"][0]["ranks"] == 4 and raw["emulation"]["launches"][0]["barrier_s"] > 0
+        assert r["floor_step_s"] > 0 and r["cores_per_gpu"] == pytest.approx(r["cores"] / r["ranks"])
+        assert r["runq_s"] is not None and r["runq_s"] >= 0 and r["overshoot_s"] >= 0 and r["hidden_stall"] is not None
+        # whole runs, from a run boundary, for the DALI sources; bench.emulated_steps for the others
+        assert r["steps_used"] == (K if r["sampler"] in ("rays", "rays_sync") else 4), r
+    for run in raw["derived"]["trial_runs"]:
+        if run["sampler"] in ("rays", "rays_sync"):  # the timed steps start at a run boundary of the source
+            before = json.loads((Path(run["dir"]) / "study.json").read_text())["source_steps_before"]
+            assert (before + run["warmup"]) % K == 0, (before, run["warmup"])
+    sps = raw["derived"]["speedups"]
+    assert {(x["baseline"], x["ranks"], x["cores"]) for x in sps} == {
+        (b, w, c) for b in ("sync_global", "rays_sync") for w, c in launches}
+    for x in sps:
+        assert all(k in x for k in DERIVED_PAIR_KEYS) and len(x["speedup_ci"]) == 2
+        # one trial: the gains' product is the speedup exactly; the control's sampler gain is 1
+        assert x["sampler_gain"] * x["overlap_gain"] == pytest.approx(x["speedup"], rel=1e-9)
+        assert x["baseline"] != "rays_sync" or x["sampler_gain"] == 1.0
+    lf = raw["derived"]["summary"]["like_for_like"]
+    assert lf is None or lf["headline"]["cores_per_gpu"] >= 1  # timing on a shared machine may flag every pair
     assert isinstance(raw["emulation"]["launches"][0]["demoted"], list)
+    assert raw["meta"]["format"] == study.REPORT_FORMAT and raw["meta"]["cores"] == n
+    sc = raw["sampling"]["scaling"]
+    assert sc["threads"] == ([1, n] if n > 1 else [1]) and len(sc["loader_s"]) == len(sc["threads"])
+    assert len(raw["sampling"]["rays_sync_s"]) == 2
     _check_recomputed(raw)
+    # the study's own output rewritten from its derived.json: the same report, byte for byte
+    again = study.report_from_derived(out / "derived.json", tmp_path / "again")
+    assert again.read_bytes() == (out / "report.md").read_bytes()
 
 
 def test_refit_script_reproduces_the_committed_report(capsys):

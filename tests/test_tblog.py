@@ -108,7 +108,7 @@ def test_modes(tmp_path, monkeypatch):
 WIRED = any(f.name == "tensorboard" for f in dataclasses.fields(TrainConfig))
 
 
-@pytest.mark.skipif(not WIRED, reason="train.tensorboard not wired into dali_nerf/training.py yet (issue 19: the lead adds it)")
+@pytest.mark.skipif(not WIRED, reason="train.tensorboard not wired into dali_nerf/training.py yet")
 def test_trainer_run_writes_tensorboard_events(tmp_path):
     """A real 1-rank DDP trainer run: its event file holds every step's scalars and the eval images."""
 
@@ -128,6 +128,6 @@ def test_trainer_run_writes_tensorboard_events(tmp_path):
     assert np.allclose([e.value for e in loss], want, rtol=1e-6)
     for t in ("train/psnr", "loader/rays_per_s", "loader/warmup_s", "phase/wait_s", "phase/forward_s"):
         assert len(acc.Scalars(t)) == 6, t
-    # the steady stall (issue 18) is defined from the run's second step on: the first step's wait is the warm-up
+    # the steady stall is defined from the run's second step on: the first step's wait is the warm-up
     assert [e.step for e in acc.Scalars("loader/stall_fraction")] == list(range(2, 7))
     assert acc.Tags()["images"], "no eval image in the event file"

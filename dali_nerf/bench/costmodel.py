@@ -239,6 +239,8 @@ class ProjectionAssumptions:
     rays_per_rank: int
     cores_per_gpu: float = 8.0
     """Host CPU cores available to each GPU's process for sampling."""
+    scaling: str = "sampling cost per ray per core as measured here"
+    """How the per-core sampling cost is known to scale to ``cores_per_gpu`` (measured where, assumed above)."""
     intra_latency_s: float = 20e-6
     intra_bytes_per_s: float = 150e9
     """All-reduce bus bandwidth inside a node (NVLink class)."""
@@ -251,7 +253,7 @@ class ProjectionAssumptions:
     def lines(self) -> List[str]:
         return [
             f"GPU compute per step: {self.gpu_compute_s * 1e3:.3f} ms at {self.rays_per_rank} rays/GPU ({self.gpu_compute_source})",
-            f"host CPU cores per GPU for sampling: {self.cores_per_gpu:g} (sampling cost per ray per core as measured here)",
+            f"host CPU cores per GPU for sampling: {self.cores_per_gpu:g} ({self.scaling})",
             f"all-reduce inside a node: {self.intra_latency_s * 1e6:.0f} us + bytes / {self.intra_bytes_per_s / 1e9:.0f} GB/s (ring, 2(n-1)/n)",
             f"all-reduce across nodes: {self.inter_latency_s * 1e6:.0f} us + bytes / {self.inter_bytes_per_s / 1e9:.0f} GB/s",
             "sync_global: one process samples the global batch for every GPU of the job, then scatters it",

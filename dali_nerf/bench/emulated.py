@@ -16,9 +16,13 @@ rendezvous: slower ranks hold the others, as NCCL does) plus the link's all-redu
 back with no work — is measured at the start of each launch and reported.
 
 Budgets (equal for every sampler): ``threads`` sampler threads per rank from
-:func:`dali_nerf.hostbudget.host_budget` (DALI threads for ``rays``, worker processes for
-``torch_workers``, the training thread's torch threads for ``sync_*``), the same run size for the
-DALI sources, and ``train.torch_threads`` for the rank's own thread.
+:func:`dali_nerf.hostbudget.host_budget` (DALI threads for ``rays`` and ``rays_sync``, worker
+processes for ``torch_workers``, the training thread's torch threads for ``sync_*``), the same run
+size for the DALI sources, and ``train.torch_threads`` for the rank's own thread. A launch may be
+pinned to a subset of the host's cores (``launch(..., cpus=...)``: the ranks inherit the CPU
+affinity, read their budget from it and refuse one that differs from the launch's), which names
+its regime by cores per GPU. The DALI sources are timed over whole runs from a run boundary
+(:func:`dali_nerf.emulated_train.warmup_steps`, :func:`~dali_nerf.emulated_train.whole_runs`).
 
 SS: one cell per rank (``ss_grid(W)`` cells), every rank holding all images.
 """
@@ -39,21 +43,29 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import yaml
 
+from ..emulated_train import warmup_steps, whole_runs
 from ..emulation import DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer, emulated_step
 from ..errors import DaliNerfError
-from ..hostbudget import HostBudget
+from ..hostbudget import HostBudget, pinned
 from ..imagecache import CacheStore
 from ..partition import Partition
 from ..plan import SamplingPlan, plan_from_config
 from ..scenes import scene_from_config
 from ..sources import make_source
+from ..sources.base import was_demoted
 from ..sources.shm_scatter import ShmLink, ShmScatter
 
-__all__ = ["Segment", "schedule", "pair_order", "with_floor", "launch", "ss_grid", "segment_plan", "FLOOR", "PIPELINED"]
+__all__ = ["Segment", "schedule", "pair_order", "with_floor", "launch", "launch_budget", "ss_grid", "segment_plan",
+           "FLOOR", "PIPELINED",
+           "SYNC_CONTROL", "RAY_SOURCES"]
 
 FLOOR = "ready"
 """Sampler name of the emulation floor (a source that hands out a ready batch)."""
 PIPELINED = "rays"
+SYNC_CONTROL = "rays_sync"
+"""The same sampler as :data:`PIPELINED`, synchronous in the training thread (the overlap's control)."""
+RAY_SOURCES = (PIPELINED, SYNC_CONTROL)
+"""The sources of our DALI ray graph: timed over whole runs."""
 
 
 @dataclass(frozen=True)
@@ -172,14 +184,16 @@ def ss_grid(ranks: int) -> List[int]:
 # the rank processes
 
 
-def _ahead(sampler: str, src, budget: HostBudget, prefetch: int) -> int:
-    """Batches a source may hold ready when its segment starts (filled while other segments ran):
-    the segment's warm-up drains them first, so the timed steps see the source's steady state."""
-    if sampler == PIPELINED:  # DALI's prefetch queue, the RunAhead queue and the run in hand
-        return (max(1, prefetch) + 2) * int(getattr(src, "steps_per_run", 1))
-    if sampler == "torch_workers":
-        return budget.threads * max(1, prefetch) + 1
-    return 0
+def launch_budget(cfg, ranks: int, cores: Optional[int] = None) -> HostBudget:
+    """The budget of an emulated launch of ``ranks`` ranks (on ``cores`` usable cores; None: this
+    process's): the host budget for that many local ranks (whatever ``pipeline.num_threads`` /
+    ``rays_per_run`` the CPU rows use), at ``pipeline.thread_priority`` resolved for emulated
+    devices (:func:`dali_nerf.plan.plan_from_config`). A rank reads it again from its own affinity
+    and refuses to run on another."""
+    emu = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, num_threads=0, rays_per_run=0),
+                              train=dataclasses.replace(cfg.train, device="emulated"))
+    plan = plan_from_config(emu, 0, ranks, local_ranks=ranks, cores=cores)
+    return dataclasses.replace(plan.budget, priority=plan.priority)
 
 
 def segment_plan(cfg, B: int, rank: int, W: int, budget: HostBudget, partition=None) -> SamplingPlan:
@@ -206,7 +220,7 @@ def _make_source(cfg, method: str, sampler: str, B: int, rank: int, W: int, scen
                  budget: HostBudget, link: ShmLink, partition=None):
     """A launch's batch source (from the registry: :func:`segment_plan`, caches shared by every
     sampler of the rank through ``store``)."""
-    if sampler not in (FLOOR, "sync_local", "torch_workers", PIPELINED, "sync_global"):
+    if sampler not in (FLOOR, "sync_local", "torch_workers", PIPELINED, SYNC_CONTROL, "sync_global"):
         raise DaliNerfError(f"bench.samplers: {sampler!r} has no emulated source for method {method}")
     plan = segment_plan(cfg, B, rank, W, budget, partition)
     return make_source(sampler, scene, plan, store=store, partition=partition, scatter=link)
@@ -233,6 +247,10 @@ def _rank_main(rank: int, W: int, cfg, method: str, segments: List[Segment], out
     try:
         torch.set_num_threads(max(1, budget.threads))
         bar = lambda: barrier.wait(timeout_s)  # noqa: E731
+        own = launch_budget(cfg, W)  # from this process's CPU affinity (a pinned launch's ranks inherit it)
+        if (own.cores, own.threads) != (budget.cores, budget.threads):
+            raise DaliNerfError(f"rank {rank} may run on {own.cores} cores ({own.threads} sampler threads), the "
+                                f"launch's budget is for {budget.cores} ({budget.threads}): pin the launch (cpus)")
         scene = scene_from_config(cfg)
         if not scene.has_bounds:
             raise DaliNerfError(f"{cfg.scene.path}: the emulated study needs a scene with near/far bounds (sync_global "
@@ -258,28 +276,33 @@ def _rank_main(rank: int, W: int, cfg, method: str, segments: List[Segment], out
             dev = EmulatedDevice(seg.step_ms, links)
             if isinstance(src, ShmScatter):
                 src.dev = dev
-            warm = warmup + _ahead(seg.sampler, src, budget, cfg.pipeline.prefetch)
+            # drain what the source prefetched while other segments ran; the DALI sources from a run
+            # boundary, timed over whole runs (the same on every rank: their sources gave as many steps)
+            before = int(src.stats().get("steps", 0)) if hasattr(src, "stats") else None  # batches it gave already
+            warm = warmup_steps(seg.sampler, src, cfg.pipeline.prefetch, budget.threads, base=warmup)
+            timed = whole_runs(seg.sampler, src, steps)
             bar()
             timer = PhaseTimer()
             recs = []
-            for k in range(1, warm + steps + 1):
+            for k in range(1, warm + timed + 1):
                 emulated_step(src, dev, timer, on_device=isinstance(src, ShmScatter), lockstep=lock,
                               grad_bytes=grad_bytes, ranks=W)
                 recs.append(timer.record(k, seg.rays))
             meta = {"config": {"name": seg.name, "method": method,
                                "pipeline": {"name": seg.sampler, "rays_per_batch": seg.rays, "num_threads": budget.threads,
-                                            "rays_per_run": budget.rays_per_run, "prefetch": cfg.pipeline.prefetch},
+                                            "rays_per_run": budget.rays_per_run,
+                                            "prefetch": 0 if seg.sampler == SYNC_CONTROL else cfg.pipeline.prefetch},
                                "train": {"device": "emulated", "emulated_step_ms": seg.step_ms,
                                          "torch_threads": budget.threads},
-                               "bench": {"warmup": warm, "steps": steps}},
+                               "bench": {"warmup": warm, "steps": timed}},
                     "study": {"trial": seg.trial, "order": seg.order, "pair": seg.pair, "device": "emulated",
                               "emulated_step_ms": seg.step_ms, "ranks": W, "barrier_s": barrier_s,
+                              "cores": own.cores, "source_steps_before": before,
                               "cells": W if method == "ss" else None, "grad_bytes": grad_bytes,
                               "budget": dataclasses.asdict(budget)}}
             _write_segment(out_p, seg, rank, recs, meta)
         # loaders whose background sampler was starved and returned to normal priority (StarvationGuard)
-        demoted = sorted(f"{k[0]} ({k[1]} rays)" for k, src in sources.items()
-                         if getattr(src, "thread_priority", budget.priority) != budget.priority)
+        demoted = sorted(f"{k[0]} ({k[1]} rays)" for k, src in sources.items() if was_demoted(src))
         msgs.put((rank, "ok", (barrier_s, demoted)))
     except BaseException as e:  # reported by the parent with this rank's log
         traceback.print_exc()
@@ -298,8 +321,11 @@ def _rank_main(rank: int, W: int, cfg, method: str, segments: List[Segment], out
 
 
 def launch(cfg, method: str, ranks: int, segments: List[Segment], out: Path, budget: HostBudget,
-           links: DeviceLinks, grad_bytes: int, steps: int, warmup: int, timeout_s: float = 300.0) -> dict:
-    """Run ``segments`` on ``ranks`` spawned rank processes; returns {"dirs" (segment folders),
+           links: DeviceLinks, grad_bytes: int, steps: int, warmup: int, timeout_s: float = 300.0,
+           cpus: Optional[Sequence[int]] = None) -> dict:
+    """Run ``segments`` on ``ranks`` spawned rank processes (pinned to ``cpus`` when given: the
+    ranks inherit the affinity, and ``budget`` should be the host budget of that many cores);
+    returns {"dirs" (segment folders),
     "barrier_s" (mean seconds of one lockstep barrier with no work, max over ranks), "wall_s",
     "demoted" (["rank R: sampler (B rays)"] for each background loader whose starved sampler
     returned to normal priority during the launch; empty when none did)}.
@@ -318,11 +344,13 @@ def launch(cfg, method: str, ranks: int, segments: List[Segment], out: Path, bud
     t0 = time.perf_counter()
     procs = []
     try:
-        for r in range(ranks):
-            p = ctx.Process(target=_rank_main, args=(r, ranks, cfg, method, segments, str(out), barrier, buf, budget,
-                                                     links, grad_bytes, steps, warmup, timeout_s, msgs), daemon=False)
-            p.start()
-            procs.append(p)
+        with pinned(cpus):
+            for r in range(ranks):
+                p = ctx.Process(target=_rank_main, args=(r, ranks, cfg, method, segments, str(out), barrier, buf,
+                                                         budget, links, grad_bytes, steps, warmup, timeout_s, msgs),
+                                daemon=False)
+                p.start()
+                procs.append(p)
     finally:
         for k, v in env_keep.items():
             if v is None:

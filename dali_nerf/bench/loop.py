@@ -19,12 +19,12 @@ by the trial (:func:`dali_nerf.bench.emulated.pair_order`: every baseline next t
 run, the floor between two groups), for each placement:
 
 * ``host``: images decoded once into host memory, sampled on the CPU; the loop copies each
-  batch to the device (the ``h2d`` phase): ``rays`` (RayLoader, pipelined), ``rays_prefetch0``
-  (the same sampler with ``prefetch=0``: synchronous), ``sync_local``, ``sync_global`` (one rank:
+  batch to the device (the ``h2d`` phase): ``rays`` (RayLoader, pipelined), ``rays_sync``
+  (the same sampler run synchronously: the registry's same-sampler control, ``prefetch=0``), ``sync_local``, ``sync_global`` (one rank:
   rank 0's global batch is its own), ``torch_workers`` (as the trainer builds it: on a GPU its
   batches are pinned and copied in ``next()``), ``ready`` (the floor: one host batch again);
 * ``device`` (a GPU only): images decoded into device memory (nvJPEG): ``rays`` and
-  ``rays_prefetch0`` are the CUDA operator, ``sync_local`` / ``sync_global`` the torch sampler on
+  ``rays_sync`` are the CUDA operator, ``sync_local`` / ``sync_global`` the torch sampler on
   the device-resident images, ``ready`` one batch already in device memory (no copy).
 
 Outputs (``--out``), rewritten after every segment so that a run cut short keeps what it measured:
@@ -60,17 +60,17 @@ from ..plan import plan_from_config
 
 __all__ = ["main", "run_loop", "read_device_step", "SAMPLERS", "LABELS", "aggregate"]
 
-SAMPLERS = ("rays", "rays_prefetch0", "sync_local", "sync_global", "torch_workers", "ready")
+SAMPLERS = ("rays", "rays_sync", "sync_local", "sync_global", "torch_workers", "ready")
 """Sources of the benchmark (``ready`` is the floor)."""
 LABELS = {
     "rays": "rays (pipelined)",
-    "rays_prefetch0": "rays_prefetch0 (same sampler, synchronous)",
+    "rays_sync": "rays_sync (same sampler, synchronous)",
     "sync_local": "sync_local",
     "sync_global": "sync_global (1 rank)",
     "torch_workers": "torch_workers",
     "ready": "ready (floor)",
 }
-DEVICE_SAMPLERS = ("rays", "rays_prefetch0", "sync_local", "sync_global", "ready")
+DEVICE_SAMPLERS = ("rays", "rays_sync", "sync_local", "sync_global", "ready")
 """Sources with a device placement (images resident in GPU memory)."""
 FLOOR = "ready"
 PIPELINED = "rays"
@@ -114,26 +114,26 @@ def _make_source(cfg: Config, name: str, placement: str, B: int, scene, cache, d
     """The source ``name`` at ``B`` rays over ``cache`` (decoded on the placement's device), from the
     registry: the trainer's plan for ``device`` with ``threads`` sampler threads, sampling where the
     placement keeps the images (torch_workers as the trainer builds it for ``device``: workers
-    sample on the host, batches pinned on a GPU); ``rays_prefetch0`` is ``rays`` at prefetch 0."""
+    sample on the host, batches pinned on a GPU)."""
     from ..sources import make_source
 
     if name not in SAMPLERS:
         raise ConfigError(f"--samplers: unknown source {name!r}; use {', '.join(SAMPLERS)}")
     p = cfg.pipeline
     c = dataclasses.replace(cfg, pipeline=dataclasses.replace(
-        p, rays_per_batch=int(B), num_threads=int(threads), prefetch=0 if name == "rays_prefetch0" else p.prefetch),
+        p, rays_per_batch=int(B), num_threads=int(threads)),
         train=dataclasses.replace(cfg.train, device=device))
     where = device if name == "torch_workers" else ("cuda" if placement == "device" else "cpu")
     plan = plan_from_config(c, 0, 1, device=where)
     if name == "torch_workers":
         plan = dataclasses.replace(plan, prefetch=max(1, p.prefetch))
-    return make_source("rays" if name == "rays_prefetch0" else name, scene, plan, cache=cache)
+    return make_source(name, scene, plan, cache=cache)
 
 
 def _warmup(name: str, src, base: int) -> int:
     """Untimed steps: ``base`` (past the pipeline build and first run); the synchronous ``rays``
     control: one whole DALI run, so that its timed steps start at a run boundary."""
-    if name == "rays_prefetch0":
+    if name == "rays_sync":
         return max(base, int(src.steps_per_run))
     return base
 
@@ -141,7 +141,7 @@ def _warmup(name: str, src, base: int) -> int:
 def _timed_steps(name: str, src, steps: int) -> int:
     """``steps``; the synchronous ``rays`` control: rounded up to whole DALI runs (its sampling
     cost falls on every K-th step)."""
-    if name == "rays_prefetch0":
+    if name == "rays_sync":
         k = int(src.steps_per_run)
         return k * max(1, -(-steps // k))
     return steps

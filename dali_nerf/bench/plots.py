@@ -3,7 +3,7 @@ backend is selected and no global figure state is touched).
 
 * :func:`plot_phases`      stacked bars of the per-phase breakdown per configuration (ms per step);
 * :func:`plot_speedups`    measured speedup (95% CI) of the pipelined loader against the ideal 1/(1-data stall);
-* :func:`plot_scaling`     emulated rows: stall and step / floor against the number of GPUs;
+* :func:`plot_scaling`     emulated rows: stall and step / floor against cores per GPU;
 * :func:`plot_model_check` measured vs cost-model step time (fit set and out-of-sample check);
 * :func:`plot_projection`  projected stall and speedup to many GPUs per node and several nodes.
 """
@@ -15,8 +15,12 @@ from typing import List, Sequence
 
 from matplotlib.figure import Figure
 
-__all__ = ["plot_phases", "plot_speedups", "plot_scaling", "plot_model_check", "plot_projection", "PHASE_COLORS"]
+__all__ = ["plot_phases", "plot_speedups", "plot_scaling", "plot_model_check", "plot_projection", "PHASE_COLORS",
+           "SAMPLER_COLORS"]
 
+SAMPLER_COLORS = {"sync_global": "#d62728", "sync_local": "#ff7f0e", "torch_workers": "#9467bd",
+                  "rays_sync": "#17becf", "rays": "#2ca02c"}
+"""One colour per batch source, in every plot."""
 PHASE_COLORS = {"wait": "#d62728", "h2d": "#9467bd", "forward": "#1f77b4", "backward": "#2ca02c",
                 "sync": "#ff7f0e", "optimizer": "#8c564b"}
 
@@ -55,7 +59,7 @@ def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
     pair; the y = x line and the band [0.9, 1.15] x ideal inside which the stall explains the speedup."""
     fig = Figure(figsize=(6.4, 5.2))
     ax = fig.subplots()
-    colors = {"sync_global": "#d62728", "sync_local": "#ff7f0e", "torch_workers": "#9467bd"}
+    colors = SAMPLER_COLORS
     markers = {"cpu": "s", "emulated": "o", "cuda": "^"}
     seen = set()
     for x in speedups:
@@ -81,22 +85,24 @@ def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
 
 
 def plot_scaling(configs: Sequence[dict], path: Path) -> Path:
-    """Emulated rows: stall (left) and step / floor (right) against the number of emulated GPUs,
-    one row of panels per method, one colour per sampler, one line style per device step time
-    (the study's batch size only)."""
+    """Emulated rows: stall (left) and step / floor (right) against cores per GPU (the cores a
+    launch ran on over its ranks; below 1, shaded: the starved host), one row of panels per method,
+    one colour per sampler, one line style per device step time (the study's batch size only)."""
     rays = max({c["rays_per_rank"] for c in configs}, key=lambda b: sum(c["rays_per_rank"] == b for c in configs))
     rows = [c for c in configs if c["rays_per_rank"] == rays and c["sampler"] != "ready"]
     methods = sorted({c["method"] for c in rows})
     fig = Figure(figsize=(11, 3.8 * len(methods)))
     axes = fig.subplots(len(methods), 2, squeeze=False)
-    colors = {"sync_global": "#d62728", "sync_local": "#ff7f0e", "torch_workers": "#9467bd", "rays": "#2ca02c"}
     steps = sorted({c["emulated_step_ms"] for c in rows})
     styles = ["-", "--", ":", "-."]
+    x_of = lambda c: c.get("cores_per_gpu") or 1.0 / c["ranks"]  # noqa: E731 (rows that kept no cores: per rank)
     for mi, m in enumerate(methods):
         a1, a2 = axes[mi]
-        for s, col in colors.items():
+        for s, col in SAMPLER_COLORS.items():
             for si, ms in enumerate(steps):
-                pts = sorted((c["ranks"], c) for c in rows if c["method"] == m and c["sampler"] == s and c["emulated_step_ms"] == ms)
+                pts = sorted(((x_of(c), c) for c in rows
+                              if c["method"] == m and c["sampler"] == s and c["emulated_step_ms"] == ms),
+                             key=lambda p: (p[0], p[1]["ranks"]))
                 if not pts:
                     continue
                 xs = [p[0] for p in pts]
@@ -105,9 +111,12 @@ def plot_scaling(configs: Sequence[dict], path: Path) -> Path:
                 a2.plot(xs, [p[1].get("step_over_floor") or float("nan") for p in pts], color=col, ls=styles[si % 4],
                         marker=".", label=f"{s} {ms:g} ms")
         a2.axhline(1.15, color="gray", lw=0.6, ls="--")
+        lo = min([x_of(c) for c in rows] + [1.0])
         for a in (a1, a2):
             a.set_xscale("log", base=2)
-            a.set_xlabel("emulated GPUs (ranks)")
+            a.set_xlabel("cores per GPU (shaded: < 1, the starved host)")
+            if lo < 1:
+                a.axvspan(lo / 1.2, 1.0, color="gray", alpha=0.12)
             a.grid(alpha=0.3)
         a1.set_ylabel(f"{m.upper()}: stall (% of step)")
         a2.set_ylabel(f"{m.upper()}: step / emulation floor")

@@ -8,7 +8,8 @@
 * :mod:`.sync`       the synchronous baselines (sync_local, sync_global, torch_workers, routed SS)
 * :mod:`.ready`      ReadySource: one batch again and again (the benchmarks' floor)
 * :mod:`.shm_scatter` ShmScatter: sync_global between emulated ranks, through shared memory
-* :mod:`.registry`   the only constructor: ``source_from_config`` (YAML -> source), ``build_source``
+* :mod:`.registry`   the only constructor (``rays``, ``rays_sync`` = rays synchronous, the baselines):
+  ``source_from_config`` (YAML -> source), ``build_source``
   (config + scene), ``make_source`` (a resolved :class:`~dali_nerf.plan.SamplingPlan`)
 
 Importing this package imports no DALI: the graphs import it when they are built

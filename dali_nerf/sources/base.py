@@ -28,7 +28,7 @@ from dali_nerf.scenes import describe_change, scene_fingerprint
 
 __all__ = ["BatchSource", "BatchStats", "BATCH_KEYS", "dali_to_torch", "check_common",
            "check_positive", "check_int", "check_run_size", "MAX_PREFETCH", "check_cache_device", "run_graph", "step_views", "RunAhead", "StarvationGuard",
-           "SamplerStarvedWarning", "demote_if_starved", "scene_state", "check_scene_state"]
+           "SamplerStarvedWarning", "demote_if_starved", "was_demoted", "scene_state", "check_scene_state"]
 
 BATCH_KEYS = ("origins", "directions", "rgb", "indices", "near", "far")
 """Keys a batch may carry (near/far only when the scene has bounds)."""
@@ -164,7 +164,10 @@ def dali_to_torch(tl, device: str, copy: bool = False) -> torch.Tensor:
 
     CPU: a zero-copy view (DALI 2.4's asynchronous executor gives each run new buffers, kept alive
     while referenced); ``copy``: the synchronous executor (prefetch 0) reuses its output buffers
-    on the next run, so the view is copied. CUDA: a device-to-device copy into a torch tensor.
+    on the next run, so the view is copied, by numpy: ``torch.Tensor.clone`` of a tensor over DALI's
+    buffer cost ~7.5 ms per output on the 2-core AMD EPYC VM (2026-12-06: ``run_graph(copy=True)``
+    of a 65536-ray run of the six outputs took 48 ms with ``clone``, 0.7 ms with ``np.array``,
+    against 0.6 ms without a copy), which made a synchronous run ~80x its sampling. CUDA: a device-to-device copy into a torch tensor.
     """
     if device == "cuda":  # pragma: no cover - needs a GPU
         feed_ndarray, to_torch_type = torch_feed()
@@ -172,8 +175,8 @@ def dali_to_torch(tl, device: str, copy: bool = False) -> torch.Tensor:
         dst = torch.empty(tuple(t.shape()), dtype=to_torch_type[t.dtype], device="cuda")
         feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream())
         return dst
-    t = torch.from_numpy(np.asarray(tl[0]))
-    return t.clone() if copy else t
+    a = np.asarray(tl[0])
+    return torch.from_numpy(np.array(a) if copy else a)
 
 
 def run_graph(pipe, device: str, keys: Sequence[str], copy: bool):
@@ -253,9 +256,9 @@ class StarvationGuard:
     Background priority (``SCHED_IDLE``) is for a sampler that is ahead: its threads then take only
     cores nothing else wants. On a host whose cores are all busy with normal-priority work (other
     ranks' threads, other jobs, a training thread launching kernels) such threads get almost no CPU:
-    measured on the 2-core machine with three busy-looping processes beside one RayLoader at 1 ms
-    steps (``benchmarks/starvation.py``), 202 steps/s with waits up to 0.5 s, against 879 steps/s
-    at normal priority. A sampler the consumer waits for gains nothing from yielding the cores (the consumer
+    measured on a 2-core Intel Xeon VM (2026-12-05, commit 4612e62) with three busy-looping
+    processes beside one RayLoader at 1 ms steps (``benchmarks/starvation.py``), 202 steps/s with
+    waits up to 0.5 s, against 879 steps/s at normal priority. A sampler the consumer waits for gains nothing from yielding the cores (the consumer
     is idle meanwhile), whatever keeps it behind, so the loaders return it to normal priority.
 
     ``add(t_enter, t_exit)`` records one blocking wait of the consumer; it returns True once the
@@ -399,6 +402,14 @@ def demote_if_starved(loader, who: str) -> bool:
     loader.thread_priority = "normal"
     loader._drop_pipeline()
     return True
+
+
+def was_demoted(source) -> bool:
+    """True when ``source`` (a loader of :func:`demote_if_starved`) started at background priority
+    (its plan's) and runs at normal priority now: its starved sampler was returned to normal. A
+    source planned at normal priority (the synchronous ``rays_sync``, the baselines) never was."""
+    plan = getattr(source, "plan", None)
+    return getattr(plan, "priority", None) == "background" and getattr(source, "thread_priority", None) == "normal"
 
 
 class BatchSource:

@@ -5,6 +5,7 @@ emulated-device mode, the study and the benchmarks alike.
 name          DDP (``cells=None``)                         SS (``cells`` = cells of every rank)
 ============= ============================================ ===========================================
 rays          :class:`~.rays.RayLoader` (DALI graph + op)  :class:`~.spatial.SpatialRayLoader`
+rays_sync     the same at ``prefetch=0``: synchronous       the same at ``prefetch=0``
 sync_local    :class:`~.sync.SyncLocalSampler`             :class:`~.sync.RoutedSyncLocal`
 sync_global   :class:`~.sync.SyncGlobalSampler`            :class:`~.sync.RoutedSyncGlobal`
               (emulated ranks: :class:`~.shm_scatter.ShmScatter`, ``scatter=ShmLink(...)``)
@@ -12,6 +13,15 @@ torch_workers :class:`~.sync.TorchWorkersSampler`          :class:`~.routed_work
 ready         :class:`~.ready.ReadySource` (sync_local's   the same of each cell's RoutedSyncLocal
               first batch, again and again: the floor)
 ============= ============================================ ===========================================
+
+``rays_sync`` is the study's same-sampler control: the sampler of ``rays`` (the DALI graph and our
+op, the plan's threads, run size and stream: the same batches) run in the training thread with no
+overlap. Prefetch 0 gives DALI's synchronous executor (``next()`` that crosses into a run waits for
+the whole run), no hand-over thread (:class:`~.base.RunAhead` runs only at prefetch > 0), and each
+run's outputs copied out of the executor's buffers, which it reuses on the next run (~1 ms per
+65536-ray run on 2 cores; the pipelined source hands out DALI's fresh buffers zero-copy). Its DALI
+threads keep normal priority: the training thread waits for them (nobody samples ahead). A shard
+streamed through decoded windows still decodes the next window on its own thread.
 
 Three doors, one construction:
 
@@ -32,6 +42,7 @@ the sources of a rank: an SS rank's cells, the study's samplers).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 from dali_nerf.errors import ConfigError
@@ -45,13 +56,17 @@ from dali_nerf.sources.spatial import SpatialRayLoader
 from dali_nerf.sources.sync import (RoutedSyncGlobal, RoutedSyncLocal, SyncGlobalSampler, SyncLocalSampler,
                                     TorchWorkersSampler)
 
-__all__ = ["build_source", "make_source", "source_from_config", "floor_source", "SOURCES", "SS_SOURCES"]
+__all__ = ["build_source", "make_source", "source_from_config", "floor_source", "SOURCES", "SS_SOURCES",
+           "RAY_GRAPH_SOURCES"]
 
-SOURCES = ("rays", "sync_global", "sync_local", "torch_workers", "ready")
+SOURCES = ("rays", "rays_sync", "sync_global", "sync_local", "torch_workers", "ready")
 """Valid ``pipeline.name`` values (data parallel)."""
 
-SS_SOURCES = ("rays", "sync_local", "sync_global", "torch_workers", "ready")
+SS_SOURCES = ("rays", "rays_sync", "sync_local", "sync_global", "torch_workers", "ready")
 """Valid ``pipeline.name`` values with ``method: ss``."""
+
+RAY_GRAPH_SOURCES = ("rays", "rays_sync")
+"""The sources that run our DALI ray graph (pipelined and synchronous): the same stream, epoch mode too."""
 
 
 def source_from_config(config, rank: int = 0, world_size: int = 1, overrides: Sequence[str] = (), *, scene=None):
@@ -112,7 +127,7 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
         raise ConfigError("build_source: cells were given without a partition")
     if name not in SS_SOURCES:
         raise ConfigError(f"pipeline.name={name}: method ss supports {', '.join(SS_SOURCES)}")
-    if name != "rays" and cfg.pipeline.mode != "random":
+    if name not in RAY_GRAPH_SOURCES and cfg.pipeline.mode != "random":
         raise ConfigError(f"pipeline.mode={cfg.pipeline.mode}: the SS baselines sample iid rays only; use pipeline.mode=random")
     plan = plan or plan_from_config(cfg, rank, world_size, cells=cells[rank], num_cells=partition.num_cells)
     store = store or CacheStore(scene, plan)
@@ -131,13 +146,16 @@ def make_source(name: str, scene, plan: SamplingPlan, *, cache=None, store: Opti
     ``sync_global``: every image), SS every image of the split — on ``plan.device`` for the op's
     graph, on the host for the baselines, which sample there. Without a cache or a store, a DDP
     ``rays`` source decodes its shard itself, or streams it when it exceeds ``plan.max_bytes``.
-    ``output_map``: the batch keys of a DDP ``rays`` source (default: all of them)."""
+    ``output_map``: the batch keys of a DDP ``rays`` / ``rays_sync`` source (default: all of them).
+    ``rays_sync`` is ``rays`` on the plan at prefetch 0 and normal priority (the module docstring)."""
+    if name == "rays_sync":
+        name, plan = "rays", dataclasses.replace(plan, prefetch=0, priority="normal")
     if not plan.cells:
         if name == "rays" and cache is None and store is not None:  # a shared store holds its shard
             cache = store.shard()
         if output_map is not None:
             if name != "rays":
-                raise ConfigError(f"make_source: output_map is for the rays source, not {name!r}")
+                raise ConfigError(f"make_source: output_map is for the rays and rays_sync sources, not {name!r}")
             return RayLoader(scene, cache=cache, plan=plan, output_map=tuple(output_map))
         return _ddp_source(name, scene, plan, cache, store or CacheStore(scene, plan), scatter)
     return _ss_source(name, scene, plan, cache, store or CacheStore(scene, plan), partition, cells, slot, scatter)

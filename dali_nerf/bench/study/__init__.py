@@ -11,11 +11,17 @@ speedup of each trial comes from that adjacent pair):
   (:data:`~dali_nerf.emulation.EMULATED_LABEL`), at every ``bench.emulated_step_ms``, beside the
   emulation floor (a source that hands out a ready batch).
 
+Every row runs the same-sampler control ``rays_sync`` too (our DALI sampler synchronous in the
+training thread), which splits each speedup into a sampler gain (baseline -> rays_sync) and an
+overlap gain (rays_sync -> rays); emulated launches also run pinned to fewer cores
+(``bench.emulated_cores``), so regimes are named, and compared, by cores per GPU.
+
 Everything is then derived from the runs' ``metrics*.jsonl`` (:func:`derive`: mean and 95%
-t-interval over trials of step time, stall and speedup; pairs flagged when the speedup is not
-explained by the baseline's stall), the cost model is fit on the small emulated runs and checked
-on those it did not see, and ``<bench.out>/<machine>/report.md`` is written with PNG plots and
-``derived.json`` beside it.
+t-interval over trials of step time, stall, hidden stall, speedup and its two gains; pairs flagged
+when the speedup is not explained by the baseline's stall), the cost model is fit on the small
+emulated runs and checked on those it did not see, and ``<bench.out>/<machine>/report.md`` is
+written with PNG plots and ``derived.json`` beside it. A cell or launch that failed is listed in
+the report, and the command then exits 2 naming it.
 
     dali-nerf bench study --config configs/study.yaml [key=value ...]
 
@@ -46,18 +52,22 @@ from ...emulation import model_grad_bytes
 from ...errors import DaliNerfError
 from ...scenegen import make_scene
 from .. import costmodel as cm
-from .derive import BAND, BASELINES, PHASE_KEYS, derive, derive_summary, keeps_up, keeps_up_reason, mean_ci, read_run
+from .derive import (BAND, BASELINES, GAINS_TOLERANCE, KEEPS_UP_STEP, PAPER, PHASE_KEYS, comparable, derive,
+                     derive_summary, keeps_up, keeps_up_reason, like_for_like, main_grid, mean_ci, read_run,
+                     starved)
 from .model import fit_and_check, observations, sampling_profile
-from .provenance import git_commit, machine_desc, machine_slug
+from .provenance import git_commit, host_cores, machine_desc, machine_slug
 from .provenance import machine_desc as _machine_desc  # main's name for it
-from .report import report_from_derived, sampler_table_of, write_report
+from .report import REPORT_FORMAT, report_from_derived, sampler_table_of, write_report
 from .runs import cpu_plan, measure_sampling, run_emulated, run_grid, sampler_table
+from .sections import result
 from .runs import sampler_table as _sampler_table  # main's name for it
 
 __all__ = ["main", "derive", "read_run", "machine_slug", "machine_desc", "git_commit", "run_grid", "run_emulated",
            "cpu_plan", "measure_sampling", "sampler_table", "sampling_profile", "write_report", "report_from_derived",
            "sampler_table_of", "observations", "mean_ci", "derive_summary", "fit_and_check", "keeps_up",
-           "keeps_up_reason", "PHASE_KEYS", "BASELINES", "BAND", "STEP_MS_SOURCE"]
+           "keeps_up_reason", "PHASE_KEYS", "BASELINES", "BAND", "STEP_MS_SOURCE", "REPORT_FORMAT", "host_cores",
+           "comparable", "main_grid", "like_for_like", "starved", "GAINS_TOLERANCE", "KEEPS_UP_STEP", "PAPER"]
 
 
 STEP_MS_SOURCE = ("a stated assumption, not a measurement (no GPU was measured by this project): a range meant to "
@@ -99,13 +109,16 @@ def main(args) -> int:
     emulation = None
     if (b.emulated_ranks or b.emulated_ranks_ss) and b.emulated_samplers and b.emulated_step_ms:
         emulation = run_emulated(cfg, grad_bytes)
-    derived = derive(dirs, warmup=b.warmup) if dirs else {"trial_runs": [], "runs": [], "speedups": [], "summary": {}}
-    if emulation:
+        failed = failed + [tuple(f) for f in emulation["failed"]]
+    derived = derive(dirs) if dirs else {"trial_runs": [], "runs": [], "speedups": [], "summary": {}}
+    if emulation and emulation["dirs"]:
         de = derive(emulation["dirs"])
         derived = {"trial_runs": derived["trial_runs"] + de["trial_runs"], "runs": derived["runs"] + de["runs"],
                    "speedups": derived["speedups"] + de["speedups"]}
         derived["summary"] = derive_summary(derived)
     if not derived["runs"]:
+        if failed:
+            raise DaliNerfError(f"bench study: nothing ran; {_failed_line(failed)}")
         raise DaliNerfError("bench: no configuration ran (bench.ranks/samplers and bench.emulated_* are all empty)")
 
     sampling = None
@@ -113,7 +126,8 @@ def main(args) -> int:
         print("measuring sampling cost on its own", flush=True)
         sampling = measure_sampling(cfg, b.sampling_sizes)
     B = cfg.pipeline.rays_per_batch
-    model, validation, fit_desc = fit_and_check(derived, b, B, grad_bytes, sampling)
+    cores = host_cores()
+    model, validation, fit_desc = fit_and_check(derived, b, B, grad_bytes, sampling, cores)
 
     if b.gpu_step_ms > 0:
         gpu_c, src = b.gpu_step_ms / 1e3, f"bench.gpu_step_ms={b.gpu_step_ms}"
@@ -124,7 +138,7 @@ def main(args) -> int:
         cpu_c = model.compute_s(B, 1)
         gpu_c, src = cpu_c / b.gpu_cpu_ratio, f"fitted single-core compute {cpu_c * 1e3:.1f} ms / bench.gpu_cpu_ratio={b.gpu_cpu_ratio:g}"
     assumptions = cm.ProjectionAssumptions(gpu_compute_s=gpu_c, gpu_compute_source=src, rays_per_rank=B,
-                                           cores_per_gpu=b.cores_per_gpu)
+                                           cores_per_gpu=b.cores_per_gpu, scaling=_scaling_note(sampling))
     projection = cm.project(model, assumptions)
     machine = machine_slug()
     cmd = "dali-nerf bench study --config " + shlex.quote(str(config_path)) + "".join(" " + shlex.quote(o) for o in overrides)
@@ -139,6 +153,7 @@ def main(args) -> int:
                     "(pipeline.thread_priority, auto: background for emulated devices, the same for the DALI loaders "
                     "and torch_workers; sync_* sample in the training thread)")
     meta = {
+        "cores": cores, "emulated_cores": list(b.emulated_cores),
         "machine": machine, "machine_desc": _machine_desc(), "command": cmd, "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": time.perf_counter() - t_start,
         "load_avg_start": load0, "load_avg_end": os.getloadavg()[0],
@@ -153,11 +168,30 @@ def main(args) -> int:
     }
     out = Path(b.out) / machine
     report = write_report(out, derived, model, validation, projection, assumptions, meta, sampling,
-                          _sampler_table(cfg), emulation)
-    s = derived["summary"]
-    if s.get("mean_speedup") is not None:
-        print(f"stall sync: mean {100 * s['mean_stall_sync']:.1f}% max {100 * s['max_stall_sync']:.1f}%; "
-              f"speedup of pipelined: mean {s['mean_speedup']:.2f}x max {s['max_speedup']:.2f}x; "
-              f"{s['flagged_pairs']}/{s['pairs']} pairs flagged", flush=True)
+                          _sampler_table(cfg), emulation, cores=cores)
+    # the report's Result section, as it is written there (one set of numbers, console and report)
+    emu = [c for c in derived["runs"] if c["device"] == "emulated"]
+    print("\n".join(result(derived["summary"], emu, derived["speedups"], meta)), flush=True)
     print(f"report: {report}", flush=True)
+    if failed:
+        raise DaliNerfError(f"bench study: the report ({report}) was written without {_failed_line(failed)}")
     return 0
+
+
+def _failed_line(failed) -> str:
+    """``N cell(s) that failed: name (reason; log path), ...`` in one line."""
+    return (f"{len(failed)} cell(s) that failed: "
+            + "; ".join(f"{n} ({r.splitlines()[0][:200]}; log {lg})" for n, r, lg in failed))
+
+
+def _scaling_note(sampling) -> str:
+    """The projection's statement of per-core sampling scaling: what this host measured (1 thread
+    against all its cores) and that above that it is assumed linear."""
+    sc = (sampling or {}).get("scaling") or {}
+    eff = sc.get("efficiency")
+    if not eff:
+        return "sampling cost per ray per core as measured here, assumed to scale linearly with cores (not measured)"
+    n = sc["threads"][-1]
+    return (f"sampling cost per ray per core as measured here; 1 -> {n} threads measured at {sc['rays']} rays: "
+            f"{100 * eff['sync']:.0f}% of linear (sync sampler), {100 * eff['loader']:.0f}% (pipelined loader); "
+            f"linear above {n} assumed, not measured")

@@ -2,12 +2,11 @@
 the derived configurations, the sampling profile from the sampling micro-benchmark, and the fit on
 one set of runs checked on the others.
 
->>> model, rows, desc = fit_and_check(derive(dirs), cfg.bench, 4096, grad_bytes, sampling)
+>>> model, rows, desc = fit_and_check(derive(dirs), cfg.bench, 4096, grad_bytes, sampling, cores=2)
 """
 
 from __future__ import annotations
 
-import os
 from typing import List, Optional
 
 from ...emulation import RAY_FLOATS, DeviceLinks, EmulatedDevice
@@ -16,23 +15,25 @@ from .. import costmodel as cm
 __all__ = ["observations", "sampling_profile", "fit_and_check"]
 
 
-def observations(derived: dict, cores: Optional[int] = None, device: Optional[str] = None) -> List[cm.Observation]:
+def observations(derived: dict, cores: int, device: Optional[str] = None) -> List[cm.Observation]:
     """Cost-model observations from :func:`derive`'s configurations (optionally one ``device``).
 
-    Cores per rank: CPU rows: train.torch_threads, else cores // ranks as the trainer sets it;
-    emulated rows: min(sampler threads, cores / ranks) (the ranks share the host's cores), except
-    sync_global, where rank 0 samples every rank's batch while the others wait for it (idle in the
-    scatter's barrier), so its threads have the host to themselves: min(sampler threads, cores)."""
-    cores = cores or os.cpu_count() or 1
+    Cores: the row's own (the cores its ranks ran on: ``cores``, recorded by the study), else
+    ``cores`` (the study host's usable cores). Cores per rank: CPU rows: train.torch_threads, else
+    cores // ranks as the trainer sets it; emulated rows: min(sampler threads, cores / ranks) (the
+    ranks share the host's cores), except sync_global, where rank 0 samples every rank's batch
+    while the others wait for it (idle in the scatter's barrier), so its threads have the host to
+    themselves: min(sampler threads, cores)."""
     out = []
     for r in derived["runs"]:
         if r["sampler"] not in cm.SAMPLERS or (device is not None and r["device"] != device):
             continue
+        n = r.get("cores") or cores
         if r["device"] == "emulated":
-            share = cores if r["sampler"] == "sync_global" else cores / r["ranks"]
+            share = n if r["sampler"] == "sync_global" else n / r["ranks"]
             c = min(float(r.get("sampler_threads") or 1), share)
         else:
-            c = r.get("torch_threads") or max(1, cores // r["ranks"])
+            c = r.get("torch_threads") or max(1, n // r["ranks"])
         out.append(cm.Observation(r["method"], r["sampler"], r["ranks"], r["rays_per_rank"], c,
                                   r["phases_s"]["wait"], r["compute_s"], r["phases_s"]["sync"], r["step_s"]))
     return out
@@ -46,7 +47,7 @@ def sampling_profile(sampling: dict, cores: int) -> cm.SamplingProfile:
     return cm.SamplingProfile(s0, ks * sampling["sync_cores"], p0, kp * sampling["loader_cores"], cores)
 
 
-def fit_and_check(derived: dict, b, rays: int, grad_bytes: int, sampling: Optional[dict],
+def fit_and_check(derived: dict, b, rays: int, grad_bytes: int, sampling: Optional[dict], cores: int,
                   links: Optional[DeviceLinks] = None):
     """The cost model fit on one set of runs, checked on the others.
 
@@ -54,11 +55,11 @@ def fit_and_check(derived: dict, b, rays: int, grad_bytes: int, sampling: Option
     other world sizes and batch sizes. Their device compute is known by construction (the emulated
     step time and host-to-device copy), so predictions take it as given and the model answers for
     the host side: the wait and the sync. Else (CPU rows only) fit and check on the CPU DDP rows,
-    in sample, said so. Returns (model, validation rows with "set" fit | check, description)."""
+    in sample, said so. ``cores``: the study host's usable cores (for rows that do not record
+    theirs). Returns (model, validation rows with "set" fit | check, description)."""
     links = links or DeviceLinks()
     emu_rows = [c for c in derived["runs"] if c["device"] == "emulated" and c["method"] == "ddp"
                 and c["sampler"] in cm.SAMPLERS]
-    cores = os.cpu_count() or 1
     if emu_rows:
         obs = observations({"runs": emu_rows}, cores=cores)
         fit_i = [i for i, c in enumerate(emu_rows) if c["ranks"] in b.fit_ranks and c["rays_per_rank"] == rays]

@@ -14,12 +14,22 @@ from typing import Optional
 
 import torch
 
-__all__ = ["machine_slug", "machine_desc", "git_commit"]
+from ...hostbudget import usable_cores
+
+__all__ = ["machine_slug", "machine_desc", "git_commit", "host_cores"]
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity: :func:`dali_nerf.hostbudget.usable_cores`),
+    what the study's budgets, host capacity and report count: under ``taskset -c 0-3`` a 64-core
+    machine is a 4-core host to the study."""
+    return usable_cores()
 
 
 def machine_slug() -> str:
-    """``cpu-2core-x86_64`` or ``gpu-<name>-<n>x-<cores>core-<arch>`` (lower case, no spaces)."""
-    cores = os.cpu_count() or 1
+    """``cpu-2core-x86_64`` or ``gpu-<name>-<n>x-<cores>core-<arch>`` (lower case, no spaces; cores:
+    :func:`host_cores`)."""
+    cores = host_cores()
     arch = platform.machine() or "unknown"
     gpu = None
     try:
@@ -32,8 +42,10 @@ def machine_slug() -> str:
 
 
 def machine_desc() -> str:
-    """``Linux x86_64, 2 CPU cores (<model name>), no GPU`` (the report's machine line)."""
-    desc = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores"
+    """``Linux x86_64, 2 CPU cores (<model name>), no GPU`` (the report's machine line; cores:
+    :func:`host_cores`, with the machine's count beside it when the affinity allows fewer)."""
+    n, total = host_cores(), os.cpu_count() or 1
+    desc = f"{platform.system()} {platform.machine()}, {n} CPU cores" + (f" usable of {total}" if n < total else "")
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

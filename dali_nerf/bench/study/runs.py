@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -28,15 +28,17 @@ from ...atomic import atomic_write_text
 from ...config import Config
 from ...emulation import DeviceLinks
 from ...errors import DaliNerfError
-from ...hostbudget import HostBudget
+from ...hostbudget import first_cores, run_size
 from ...plan import plan_from_config
 from ...scenes import load_scene
 from ...sources import build_source
 from .. import emulated as em
 from .. import sampler as sb
 from .model import sampling_profile
+from .provenance import host_cores
 
-__all__ = ["cpu_plan", "run_grid", "run_emulated", "measure_sampling", "sampler_table"]
+__all__ = ["cpu_plan", "cell_steps", "run_grid", "run_emulated", "launch_cores", "measure_sampling", "measure_scaling",
+           "sampler_table"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,10 +68,28 @@ def cpu_plan(methods: Sequence[str], samplers: Sequence[str], ranks: Sequence[in
     return plan
 
 
+def cell_steps(cfg: Config, method: str, sampler: str, ranks: int) -> tuple:
+    """(warm-up, timed steps) of a CPU cell: ``bench.warmup`` and ``bench.steps``; for the DALI
+    sources (``rays``, ``rays_sync``) both rounded up to whole runs of the rank's plan (K steps a
+    run), so the timed steps start at a run boundary and hold every run's cost once per K steps."""
+    b = cfg.bench
+    if sampler not in em.RAY_SOURCES:
+        return b.warmup, b.steps
+    cells = ()
+    if method == "ss":
+        n = cfg.partition.num_cells
+        cells = tuple(range(max(1, n // ranks)))
+        plan = plan_from_config(cfg, 0, ranks, local_ranks=ranks, cells=cells, num_cells=n)
+    else:
+        plan = plan_from_config(cfg, 0, ranks, local_ranks=ranks)
+    k = plan.steps_per_run
+    return k * -(-b.warmup // k), k * -(-b.steps // k)
+
+
 def run_grid(cfg: Config, config_path: str, overrides: Sequence[str], log=print):
     """Run every CPU cell of ``cfg.bench`` ``bench.trials`` times, each run a trainer process, in
-    the rotated order of :func:`cpu_plan`; each run folder gets a ``study.json`` (trial, order,
-    pair).
+    the rotated order of :func:`cpu_plan`, at :func:`cell_steps`; each run folder gets a
+    ``study.json`` (trial, order, pair, the cores it ran on).
 
     Returns (run folders that finished, [(cell name, one-line reason, log file)] of those that
     failed); the report lists the failed ones. Every cell failing raises
@@ -79,11 +99,14 @@ def run_grid(cfg: Config, config_path: str, overrides: Sequence[str], log=print)
     root.mkdir(parents=True, exist_ok=True)
     dirs, failed = [], []
     plan = cpu_plan(b.methods, b.samplers, b.ranks, b.trials)
+    cores = host_cores()
     for i, (m, r, t, s, k, pk) in enumerate(plan):
         name = _cell_name(m, s, r, t, k)
-        ov = list(overrides) + [f"method={m}", f"pipeline.name={s}", f"train.steps={b.warmup + b.steps}",
+        warm, steps = cell_steps(cfg, m, s, r)
+        ov = list(overrides) + [f"method={m}", f"pipeline.name={s}", f"train.steps={warm + steps}",
+                                f"bench.warmup={warm}", f"bench.steps={steps}",
                                 f"name={name}", "train.eval_images=1", "train.checkpoint_every=0",
-                                f"train.log_every={b.warmup + b.steps}"]
+                                f"train.log_every={warm + steps}"]
         module = "dali_nerf.trainers.ddp" if m == "ddp" else "dali_nerf.trainers.spatial"
         if r == 1:
             cmd = [sys.executable, "-m", module]
@@ -99,13 +122,15 @@ def run_grid(cfg: Config, config_path: str, overrides: Sequence[str], log=print)
             f.flush()
             rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc != 0:
-            tail = [l for l in logf.read_text().splitlines() if l.strip() and not l.startswith(("W", "[W"))][-1:]
-            reason = f"exit {rc}: {tail[0][:300] if tail else 'no output'}"
+            lines = [l for l in logf.read_text().splitlines()[1:] if l.strip() and not l.startswith(("W", "[W"))]
+            said = [l for l in lines if l.startswith("error:")][:1] or lines[-1:]  # the trainer's one-line error
+            reason = f"exit {rc}: {said[0][:300] if said else 'no output'}"
             failed.append((name, reason, str(logf)))
             log(f"[{i + 1}/{len(plan)}] {name}: FAILED ({reason}); log {logf}")
             continue
         pair = _cell_name(m, em.PIPELINED, r, t, pk) if pk is not None else None
-        atomic_write_text(root / name / "study.json", json.dumps({"trial": t, "order": k, "pair": pair, "device": "cpu"}))
+        atomic_write_text(root / name / "study.json", json.dumps({"trial": t, "order": k, "pair": pair, "device": "cpu",
+                                                                  "cores": cores}))
         log(f"[{i + 1}/{len(plan)}] {name}: {time.perf_counter() - t0:.1f} s")
         dirs.append(root / name)
     if not dirs and failed:
@@ -114,50 +139,67 @@ def run_grid(cfg: Config, config_path: str, overrides: Sequence[str], log=print)
     return dirs, failed
 
 
-def launch_budget(cfg: Config, ranks: int) -> HostBudget:
-    """The budget of an emulated launch of ``ranks`` ranks on this host: the host budget for that
-    many local ranks (whatever ``pipeline.num_threads`` / ``rays_per_run`` the CPU rows use), at
-    ``pipeline.thread_priority`` resolved for emulated devices (:func:`dali_nerf.plan.plan_from_config`)."""
-    emu = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, num_threads=0, rays_per_run=0),
-                              train=dataclasses.replace(cfg.train, device="emulated"))
-    plan = plan_from_config(emu, 0, ranks, local_ranks=ranks)
-    return dataclasses.replace(plan.budget, priority=plan.priority)
+def launch_cores(b, ranks: int, usable: int) -> List[Optional[int]]:
+    """The core counts of the launches at ``ranks`` ranks: None (every usable core) for 0 or a
+    count of at least ``usable`` in ``bench.emulated_cores``, and each smaller count N with
+    ``ranks <= N`` (at least 1 core per GPU); in that order, without repeats.
+
+    >>> launch_cores(type("B", (), {"emulated_cores": [0, 1]}), 1, 2), launch_cores(type("B", (), {"emulated_cores": [0, 1]}), 2, 2)
+    ([None, 1], [None])
+    """
+    out: List[Optional[int]] = []
+    for c in b.emulated_cores or [0]:
+        c = None if c == 0 or c >= usable else int(c)
+        if (c is None or ranks <= c) and c not in out:
+            out.append(c)
+    return out
 
 
 def run_emulated(cfg: Config, grad_bytes: int, log=print) -> dict:
-    """The emulated launches: for each method and its ``bench.emulated_ranks[_ss]``, one launch
-    running the floor and ``bench.emulated_samplers`` at every ``bench.emulated_step_ms``,
-    ``bench.trials`` times in rotation (DDP at ``bench.check_ranks`` also the ``bench.check_rays``
-    segments, once).
+    """The emulated launches: for each method, each of its ``bench.emulated_ranks[_ss]`` and each
+    core count of :func:`launch_cores`, one launch (its ranks pinned to those cores) running the
+    floor and ``bench.emulated_samplers`` at every ``bench.emulated_step_ms``, ``bench.trials``
+    times in rotation (DDP at ``bench.check_ranks`` on every core also the ``bench.check_rays``
+    segments, once). A launch that fails is recorded and the others run.
 
-    Returns {"dirs": [segment folders], "launches": [{"method", "ranks", "wall_s", "barrier_s",
-    "budget", "segments"}]}."""
+    Returns {"dirs": [segment folders], "launches": [{"method", "ranks", "cores", "wall_s",
+    "barrier_s", "budget", "segments", "demoted", "cells"}], "failed": [(launch, reason, log)],
+    "links", "grad_bytes"}."""
     b = cfg.bench
     B = cfg.pipeline.rays_per_batch
     links = DeviceLinks()
     gb = int(b.emulated_grad_bytes or grad_bytes)
     root = Path(cfg.train.runs_dir)
-    dirs, launches = [], []
+    usable = host_cores()
+    dirs, launches, failed = [], [], []
     for m in b.methods:
         for W in (b.emulated_ranks if m == "ddp" else b.emulated_ranks_ss):
-            budget = launch_budget(cfg, W)
-            segs = em.schedule(b.emulated_samplers, b.emulated_step_ms, b.trials, B,
-                               check_rays=b.check_rays if (m == "ddp" and W in b.check_ranks) else (),
-                               check_step_ms=b.check_step_ms)
-            out = root / f"emu_{m}_{W}"
-            if out.exists():
-                shutil.rmtree(out)
-            r = em.launch(cfg, m, W, segs, out, budget, links, gb, b.emulated_steps, b.emulated_warmup)
-            log(f"emulated {m} x{W}: {len(segs)} segments in {r['wall_s']:.1f} s "
-                f"(lockstep barrier {r['barrier_s'] * 1e6:.0f} us)")
-            dirs += r["dirs"]
-            if r["demoted"]:
-                log(f"emulated {m} x{W}: starved background samplers returned to normal priority: "
-                    f"{'; '.join(r['demoted'])}")
-            launches.append({"method": m, "ranks": W, "wall_s": r["wall_s"], "barrier_s": r["barrier_s"],
-                             "budget": dataclasses.asdict(budget), "segments": len(segs), "demoted": r["demoted"],
-                             "cells": W if m == "ss" else None})
-    return {"dirs": dirs, "launches": launches, "links": links.lines(), "grad_bytes": gb}
+            for c in launch_cores(b, W, usable):
+                budget = em.launch_budget(cfg, W, c)
+                segs = em.schedule(b.emulated_samplers, b.emulated_step_ms, b.trials, B,
+                                   check_rays=b.check_rays if (m == "ddp" and W in b.check_ranks and c is None) else (),
+                                   check_step_ms=b.check_step_ms)
+                name = f"emu_{m}_{W}" + (f"_c{c}" if c else "")
+                out = root / name
+                if out.exists():
+                    shutil.rmtree(out)
+                try:
+                    r = em.launch(cfg, m, W, segs, out, budget, links, gb, b.emulated_steps, b.emulated_warmup,
+                                  cpus=first_cores(c) if c else None)
+                except DaliNerfError as e:
+                    failed.append((name, str(e), str(out)))
+                    log(f"emulated {name}: FAILED ({e})")
+                    continue
+                log(f"emulated {m} x{W} on {budget.cores} cores: {len(segs)} segments in {r['wall_s']:.1f} s "
+                    f"(lockstep barrier {r['barrier_s'] * 1e6:.0f} us)")
+                dirs += r["dirs"]
+                if r["demoted"]:
+                    log(f"emulated {name}: starved background samplers returned to normal priority: "
+                        f"{'; '.join(r['demoted'])}")
+                launches.append({"method": m, "ranks": W, "cores": budget.cores, "wall_s": r["wall_s"],
+                                 "barrier_s": r["barrier_s"], "budget": dataclasses.asdict(budget),
+                                 "segments": len(segs), "demoted": r["demoted"], "cells": W if m == "ss" else None})
+    return {"dirs": dirs, "launches": launches, "failed": failed, "links": links.lines(), "grad_bytes": gb}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,9 +210,9 @@ def _time_source(cfg: Config, scene, batches: int, cpu: Optional[list] = None) -
     """Wall seconds per batch of ``cfg.pipeline.name`` alone; ``cpu``: appends the process CPU
     seconds per batch (every thread: the loader's DALI and hand-over threads too)."""
     warm = 2
-    if cfg.pipeline.name == "rays":  # cover several DALI runs, not just pops of one prefetched run,
-        per_run = plan_from_config(cfg).steps_per_run  # after the first runs
-        batches = max(batches, 8 * per_run)
+    if cfg.pipeline.name in em.RAY_SOURCES:  # cover several DALI runs, not just pops of one prefetched run,
+        per_run = plan_from_config(cfg).steps_per_run  # after the first runs; whole runs
+        batches = per_run * max(8, -(-batches // per_run))
         warm = 3 * per_run
     src = build_source(cfg, scene, 0, 1)
     try:
@@ -189,18 +231,20 @@ def _time_source(cfg: Config, scene, batches: int, cpu: Optional[list] = None) -
 
 
 def measure_sampling(cfg: Config, sizes: Sequence[int], batches: int = 20) -> dict:
-    """Seconds per batch of the synchronous sampler (sync_local, world size 1, train.torch_threads) and of our
-    pipelined loader with no consumer (its production rate), at each batch size.
+    """Seconds per batch of the synchronous sampler (sync_local, world size 1, train.torch_threads), of our
+    pipelined loader with no consumer (its production rate) and of the same loader synchronous
+    (rays_sync: sampling and the copy out of DALI's buffers, in the calling thread), at each batch
+    size; then the per-core scaling (:func:`measure_scaling`).
 
     Returns {"sizes", "sync_s" [...], "loader_s" [...], "loader_cpu_s" [...] (process CPU seconds per
-    batch, all threads), "sync_cores", "loader_cores", "profile"
+    batch, all threads), "rays_sync_s" [...], "sync_cores", "loader_cores", "scaling", "profile"
     (a :class:`~dali_nerf.bench.costmodel.SamplingProfile`, per-core costs)}."""
     sc = cfg.scene
     scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale, background=sc.background)
-    cores = os.cpu_count() or 1
+    cores = host_cores()
     threads = cfg.train.torch_threads or cores  # as the trainer's rank would run it
     torch.set_num_threads(threads)
-    out = {"sizes": list(sizes), "sync_s": [], "loader_s": [], "loader_cpu_s": []}
+    out = {"sizes": list(sizes), "sync_s": [], "loader_s": [], "loader_cpu_s": [], "rays_sync_s": []}
     for b in sizes:
         c = copy.deepcopy(cfg)
         c.pipeline.rays_per_batch = int(b)
@@ -208,9 +252,41 @@ def measure_sampling(cfg: Config, sizes: Sequence[int], batches: int = 20) -> di
         out["sync_s"].append(_time_source(c, scene, batches))
         c.pipeline.name = "rays"
         out["loader_s"].append(_time_source(c, scene, batches, cpu=out["loader_cpu_s"]))
+        c.pipeline.name = em.SYNC_CONTROL
+        out["rays_sync_s"].append(_time_source(c, scene, batches))
     out["sync_cores"] = threads
     out["loader_cores"] = min(plan_from_config(cfg).threads, cores)
+    out["scaling"] = measure_scaling(cfg, scene, cores, batches)
+    torch.set_num_threads(threads)
     out["profile"] = sampling_profile(out, cores)
+    return out
+
+
+def measure_scaling(cfg: Config, scene, cores: int, batches: int = 20, rounds: int = 3) -> dict:
+    """How sampling scales with the cores it is given, at ``pipeline.rays_per_batch``: seconds per
+    batch with 1 and with ``cores`` threads (torch threads for sync_local; DALI threads, at the host
+    budget's run size for that many threads, for the loader and rays_sync), on this host, the best
+    of ``rounds`` interleaved rounds (a shared host's other work only ever slows a round down). The
+    cost model's per-core costs assume linear scaling; this measures it up to this host's cores.
+
+    Returns {"rays", "threads" [1, cores], "sync_s", "loader_s", "rays_sync_s" (lists by threads),
+    "rounds", "efficiency" {"sync", "loader", "rays_sync"}: time at 1 thread / (cores x time at
+    ``cores``), 1 = linear; None on a 1-core host}."""
+    B = int(cfg.pipeline.rays_per_batch)
+    ns = [1] + ([cores] if cores > 1 else [])
+    keys = (("sync_local", "sync_s"), ("rays", "loader_s"), (em.SYNC_CONTROL, "rays_sync_s"))
+    best = {(n, k): float("inf") for n in ns for _, k in keys}
+    for _ in range(rounds):
+        for n in ns:
+            c = copy.deepcopy(cfg)
+            c.pipeline.rays_per_batch, c.pipeline.num_threads, c.pipeline.rays_per_run = B, n, run_size(B, n)
+            torch.set_num_threads(n)
+            for name, key in keys:
+                c.pipeline.name = name
+                best[(n, key)] = min(best[(n, key)], _time_source(c, scene, batches))
+    out = {"rays": B, "threads": ns, "rounds": rounds} | {k: [best[(n, k)] for n in ns] for _, k in keys}
+    out["efficiency"] = ({k: out[f"{k}_s"][0] / (ns[-1] * out[f"{k}_s"][-1]) for k in ("sync", "loader", "rays_sync")}
+                         if len(ns) > 1 else None)
     return out
 
 

@@ -13,9 +13,9 @@ import numpy as np
 from ...emulation import EMULATED_LABEL
 from .. import costmodel as cm
 from .. import emulated as em
-from .derive import BAND, PHASE_KEYS, keeps_up, keeps_up_reason
+from .derive import BAND, GAINS_TOLERANCE, PAPER, PHASE_KEYS, keeps_up, keeps_up_reason, starved
 
-__all__ = ["header", "result", "cpu_rows", "emulated_rows", "speedup_table", "sampler_section",
+__all__ = ["header", "result", "headline_sentence", "cpu_rows", "emulated_rows", "speedup_table", "sampler_section",
            "cost_model_section", "projection_section", "SAMPLER_SECTION",
            "SAMPLER_SKIPPED", "SAMPLING_COST"]
 
@@ -29,6 +29,14 @@ SAMPLING_COST = "Sampling cost measured on its own for the cost model (world siz
 
 def _fmt_ms(s: Optional[float]) -> str:
     return "-" if s is None else f"{s * 1e3:.2f}"
+
+
+def _pct(v: Optional[float]) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _num(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.3g}"
 
 
 def _ci_ms(c: dict, key: str = "step") -> str:
@@ -69,47 +77,140 @@ def header(meta: dict, emu: List[dict]) -> List[str]:
          f"after {meta['warmup']} warm-up steps" + (f", emulated rows {meta['emulated_steps']} timed steps after "
                                                   f"{meta['emulated_warmup']} warm-up steps plus the batches the source "
                                                   f"prefetched while other segments ran" if emu else "")
-         + "; values are means per step and rank, [lo, hi] the 95% t-interval over trials; stall = data wait / step time",
-         f"- budgets (equal for every sampler): {meta.get('budgets', '-')}", ""]
+         + "; the DALI sources (rays, rays_sync) from a run boundary over whole runs (the warm-up and the timed "
+           "steps rounded up to whole runs of K steps: a synchronous run's cost falls on one step in K); values are "
+           "means per step and rank, [lo, hi] the 95% t-interval over trials; stall = data wait / step time (the "
+           "ISPASS study's measure), hidden stall = 1 - floor step / step - stall (time lost outside next())",
+         f"- budgets (equal for every sampler): {meta.get('budgets', '-')}",
+         f"- cores: the study host's usable cores (its CPU affinity): {meta.get('cores', '-')}; emulated launches "
+         f"on every usable core and pinned to {meta.get('emulated_cores', '-')} (bench.emulated_cores; 0 = every "
+         f"usable core; a pinned launch only at >= 1 core per GPU), each rank's host budget read from its affinity",
+         "- control: rays_sync is rays (the same DALI graph, operator, threads, run size and stream) at prefetch 0: "
+         "synchronous in the training thread, each run's outputs copied out of DALI's buffers", ""]
     if meta.get("failed"):
         L += ["## Cells that did not run", ""] + [f"- {n}: {r}" + (f" (log `{lg}`)" if lg != "-" else "")
                                                   for n, r, lg in meta["failed"]] + [""]
     return L
 
 
+def _gpus(n: int) -> str:
+    return f"{n} emulated GPU" + ("s" if n != 1 else "")
+
+
+def _cpg(x: dict) -> str:
+    """``2 cores per GPU`` (or ``0.12 core per GPU``) of a row or pair."""
+    v = x.get("cores_per_gpu")
+    return "-" if v is None else f"{v:.3g} core{'s' if v > 1 else ''} per GPU"
+
+
+def _ci_x(x: dict, key: str) -> str:
+    lo, hi = x[f"{key}_ci"]
+    return f"{x[key]:.2f}x [{lo:.2f}, {hi:.2f}]"
+
+
+def _regime_line(r: dict, headline: bool = False) -> str:
+    """One like-for-like regime: where, the speedup as the product of the two gains, the stalls."""
+    where = (f"{r['method'].upper()}, {_cpg(r)} ({_gpus(r['ranks'])} on {r['cores']} core{'s' if r['cores'] > 1 else ''}), "
+             f"{r['emulated_step_ms']:g} ms device step, {r['rays_per_rank']} rays per GPU")
+    hidden = "" if r.get("hidden_stall") is None else f", hidden {100 * r['hidden_stall']:.1f}%"
+    return (f"- {'**headline** ' if headline else ''}{where}: speedup {_ci_x(r, 'speedup')} = sampler gain "
+            f"{_ci_x(r, 'sampler_gain')} x overlap gain {_ci_x(r, 'overlap_gain')}; stall sync_global "
+            f"{100 * r['stall_baseline']:.1f}%, rays_sync {100 * r['stall_rays_sync']:.1f}%, rays "
+            f"{100 * r['stall_pipelined']:.1f}%{hidden}"
+            + ("" if r.get("pipelined_over_floor") is None else f" (step {r['pipelined_over_floor']:.2f}x the floor)")
+            + ".")
+
+
+def _regime_table(rs: List[dict]) -> List[str]:
+    """The like-for-like regimes as a table: where, the three stalls, the hidden stall and the
+    pipelined step over its floor, the speedup and its two gains."""
+    L = ["| method | cores per GPU | GPUs on cores | device step ms | rays/GPU | stall sync_global | stall rays_sync | "
+         "stall rays | hidden | rays step / floor | speedup | sampler gain | overlap gain |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rs:
+        L.append(f"| {r['method']} | {r['cores_per_gpu']:.3g} | {r['ranks']} on {r['cores']} | {r['emulated_step_ms']:g} | "
+                 f"{r['rays_per_rank']} | {100 * r['stall_baseline']:.1f}% | {_pct(r.get('stall_rays_sync'))} | "
+                 f"{100 * r['stall_pipelined']:.1f}% | {_pct(r.get('hidden_stall'))} | {_num(r.get('pipelined_over_floor'))} | "
+                 f"{_ci_x(r, 'speedup')} | {_ci_x(r, 'sampler_gain')} | {_ci_x(r, 'overlap_gain')} |")
+    return L
+
+
+def headline_sentence(s: dict, meta: dict) -> Optional[str]:
+    """The study in one sentence (README's): how much of the speedup is overlap and how much a
+    faster sampler, in which regime; None without a like-for-like regime."""
+    lf = (s or {}).get("like_for_like")
+    if not lf:
+        return None
+    h = lf["headline"]
+    return (f"On {meta['machine']} at {_cpg(h)} ({_gpus(h['ranks'])}, {h['emulated_step_ms']:g} ms device steps, "
+            f"{EMULATED_LABEL}), pipelined sampling ran {h['speedup']:.2f}x faster than the ISPASS study's "
+            f"synchronous global sampler, of which {h['sampler_gain']:.2f}x is a faster sampler (our operator, "
+            f"synchronous) and {h['overlap_gain']:.2f}x is overlap (the ISPASS study's effect: 1.95x on average); "
+            f"over the {len(lf['regimes'])} like-for-like regimes at >= 1 core per GPU the overlap gain is "
+            f"{lf['overlap_gain_mean']:.2f}x on average ({lf['overlap_gain_max']:.2f}x at most).")
+
+
 def result(s: dict, emu: List[dict], sps: List[dict], meta: dict) -> List[str]:
-    """The result in a few lines: per method, the emulated sync_global stall and speedups, the rows
-    whose host does not keep up; then over all pairs (``s``: :func:`~dali_nerf.bench.study.derive.derive_summary`)."""
+    """The result, comparable with the ISPASS study: its regimes at >= 1 core per GPU first (its
+    setting, sync_global, split into the sampler gain and the overlap gain), the one mean over the
+    comparable pairs, then the starved host, the rows that do not keep up and the flags; quotes no
+    flagged pair (``s``: :func:`~dali_nerf.bench.study.derive.derive_summary`)."""
     L = ["## Result", ""]
-    emu_sp = [x for x in sps if x["device"] == "emulated"]
     if emu:
-        L += [f"Emulated rows: {EMULATED_LABEL}.", ""]
-        for m in sorted({c["method"] for c in emu}):
-            g = [c for c in emu if c["method"] == m and c["sampler"] == "sync_global"
-                 and c["rays_per_rank"] == meta["rays"]]
-            if g:
-                top = max(c["ranks"] for c in g)
-                parts = [f"{100 * c['stall']:.1f}% at {c['emulated_step_ms']:g} ms" for c in g if c["ranks"] == top]
-                w0 = min(x["ranks"] for x in g)
-                low = [f"{100 * c['stall']:.1f}%" for c in g if c["ranks"] == w0]
-                L.append(f"- {m.upper()} sync_global stall at {top} emulated GPUs: " + ", ".join(parts)
-                         + (f" (at {w0}: {', '.join(low)})" if w0 != top else "") + "; the study: up to 43.3%.")
-            sp = [x for x in emu_sp if x["method"] == m and x["rays_per_rank"] == meta["rays"]]
-            if sp:
-                L.append(f"- {m.upper()} speedup of pipelined sampling over the emulated pairs: mean "
-                         f"{np.mean([x['speedup'] for x in sp]):.2f}x, max {np.max([x['speedup'] for x in sp]):.2f}x "
-                         f"(the study: 1.95x average, 2.24x max).")
-            p = [c for c in emu if c["method"] == m and c["sampler"] == em.PIPELINED and keeps_up(c) is False]
-            if p:
-                L.append(f"- {m.upper()}: the pipelined CPU sampler does not keep up at " + ", ".join(
-                    f"{c['ranks']} GPUs / {c['emulated_step_ms']:g} ms / {c['rays_per_rank']} rays ({keeps_up_reason(c)})"
-                    for c in p) + ".")
-        L.append("")
-    if s["mean_speedup"] is not None:
-        L += [f"Over all {s['pairs']} pairs (CPU and emulated): baseline stall {100 * s['mean_stall_sync']:.1f}% on average "
-              f"(max {100 * s['max_stall_sync']:.1f}%), pipelined stall at most {100 * s['max_stall_pipelined']:.1f}%; "
-              f"{s['flagged_pairs']} of {s['pairs']} pairs flagged (speedup not explained by the baseline's data stall; "
-              f"causes in the speedup table).", ""]
+        L += [f"Emulated rows: {EMULATED_LABEL}. Regimes are named by cores per GPU: the cores a launch's ranks ran "
+              f"on (CPU affinity) over its emulated GPUs; GPU servers give each GPU 8-14. Below 1 core per GPU the "
+              f"host is starved: no GPU server is, so those rows are measured and listed but never set beside the "
+              f"ISPASS study. No flagged pair is quoted in this section.", ""]
+    sentence = headline_sentence(s, meta)
+    if sentence:
+        L += [f"In one sentence: {sentence}", ""]
+    lf = (s or {}).get("like_for_like")
+    if lf:
+        L += ["Like for like with the ISPASS study (its setting, sync_global: rank 0 samples every GPU's batch in the "
+              "training thread; rays_sync: our sampler, synchronous in the training thread; rays: our sampler, "
+              "pipelined). Sampler gain = sync_global step / rays_sync step (a faster sampler), overlap gain = "
+              f"rays_sync step / rays step (overlap: the ISPASS study's effect, {PAPER['speedup_mean']}x on average, "
+              f"{PAPER['speedup_max']}x at most); the stall = wait / step (the ISPASS study: input sampling up to "
+              f"{100 * PAPER['stall']:.1f}% of training time):", ""]
+        L += [_regime_line(lf["headline"], headline=True), "", "Every like-for-like regime (95% intervals over "
+              "trials; hidden: the pipelined step lost outside next()):", ""] + _regime_table(lf["regimes"]) + [""]
+    c = (s or {}).get("comparable")
+    if c:
+        L += [f"Over the {c['pairs']} comparable pairs (emulated, >= 1 core per GPU, every baseline, not flagged, "
+              f"of the main grid): "
+              f"speedup {c['mean_speedup']:.2f}x on average ({c['max_speedup']:.2f}x at most) = sampler gain "
+              f"{c['mean_sampler_gain']:.2f}x x overlap gain {c['mean_overlap_gain']:.2f}x on average (overlap gain "
+              f"{c['max_overlap_gain']:.2f}x at most; the ISPASS study: {PAPER['speedup_mean']}x on average, "
+              f"{PAPER['speedup_max']}x at most).", ""]
+    L += _starved_lines(s, emu)
+    if s and s.get("pairs"):
+        L += [f"Over all {s['pairs']} pairs (CPU and emulated, the control's included): baseline stall "
+              f"{100 * s['mean_stall_sync']:.1f}% on average (max {100 * s['max_stall_sync']:.1f}%), pipelined stall "
+              f"at most {100 * s['max_stall_pipelined']:.1f}%; {s['flagged_pairs']} of {s['pairs']} pairs flagged "
+              f"(pipelined step outside [1/{BAND[1]:g}, {BAND[1]:g}] x its floor, the threshold of \"keeps up\" too, "
+              f"or the other rules of the speedup table; causes there).", ""]
+    return L
+
+
+def _starved_lines(s: dict, emu: List[dict]) -> List[str]:
+    """The starved host in one paragraph, and the rows whose host does not keep up."""
+    L = []
+    st = (s or {}).get("starved")
+    low = [c for c in emu if starved(c)]
+    if st and low:
+        g = [c for c in low if c["sampler"] == "sync_global"]
+        lo, hi = min(c["ranks"] for c in low), max(c["ranks"] for c in low)
+        L += [f"Starved host (< 1 core per GPU: {lo if lo == hi else f'{lo}-{hi}'} emulated GPUs on "
+              f"{max(c['cores'] for c in low)} cores; not compared with the ISPASS study): "
+              + (f"sync_global stall up to {100 * max(c['stall'] for c in g):.1f}%, " if g else "")
+              + f"pipelined step up to {st['max_step_over_floor']:.2f}x its floor, hidden stall up to "
+              f"{100 * st['max_hidden_stall']:.1f}% of the step (lost outside next(), which the stall does not see).",
+              ""]
+    bad = [c for c in emu if keeps_up(c) is False]
+    if bad:
+        L += ["The pipelined CPU sampler does not keep up (step > " f"{BAND[1]:g}x the floor or stall > 2%) at: "
+              + "; ".join(f"{c['method'].upper()} {_gpus(c['ranks'])} at {_cpg(c)}, {c['emulated_step_ms']:g} ms, "
+                          f"{c['rays_per_rank']} rays ({keeps_up_reason(c)})" for c in bad) + ".", ""]
     return L
 
 
@@ -120,12 +221,17 @@ def cpu_rows(cpu: List[dict], meta: dict) -> List[str]:
         L += ["## CPU rows: regime", "", meta["regime"], ""]
     if cpu:
         L += ["## CPU rows (real CPU compute, trainer processes)", "", "![phases](phases.png)", "",
-              "| method | sampler | ranks | trials | step ms [95% CI] | stall [95% CI] | wait | h2d | forward | backward | sync | optimizer | Mrays/s | test PSNR |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "cores/rank: the cores the trainer's ranks ran on over its ranks; threads: sampler threads per rank "
+              "(DALI threads, worker processes; sync_* sample in the training thread); hidden: 1 - floor step / step "
+              "- stall; run-queue: the training thread's wait for a core, over the step.", "",
+              "| method | sampler | ranks | cores/rank | threads | trials | step ms [95% CI] | stall [95% CI] | hidden | run-queue | wait | h2d | forward | backward | sync | optimizer | Mrays/s | test PSNR |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in cpu:
             ph = c["phases_s"]
             psnr = f"{c['test_psnr']:.2f}" if c.get("test_psnr") is not None else "-"
-            L.append(f"| {c['method']} | {c['sampler']} | {c['ranks']} | {c['trials']} | {_ci_ms(c)} | {_ci_pct(c)} | "
+            L.append(f"| {c['method']} | {c['sampler']} | {c['ranks']} | {_num(c.get('cores_per_gpu'))} | "
+                     f"{c.get('sampler_threads') or '-'} | {c['trials']} | {_ci_ms(c)} | {_ci_pct(c)} | "
+                     f"{_pct(c.get('hidden_stall'))} | {_pct(c.get('runq_share'))} | "
                      + " | ".join(_fmt_ms(ph[k]) for k in PHASE_KEYS)
                      + f" | {c['rays_per_s'] / 1e6:.3f} | {psnr} |")
         fus = [(c["name"], c["fusion"]) for c in cpu if c["fusion"]]
@@ -157,25 +263,38 @@ def emulated_rows(emu: List[dict], emulation: Optional[dict], meta: dict, sampli
           "- floor: the same step with a source that hands out a ready batch (sleep overshoot, scheduling of many "
           "processes on these cores)", "",
           "Lockstep cost (W ranks calling the barrier back to back, no work), per launch:", "",
-          "| method | ranks | cells | barrier us | sampler threads/rank | rays per run | sampler priority | launch s | segments |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          "| method | ranks | cores | cores/GPU | cells | barrier us | sampler threads/rank | rays per run | sampler priority | launch s | segments |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for la in (emulation or {}).get("launches", []):
-        L.append(f"| {la['method']} | {la['ranks']} | {la['cells'] or '-'} | {la['barrier_s'] * 1e6:.0f} | "
+        n = la.get("cores") or la["budget"].get("cores")
+        L.append(f"| {la['method']} | {la['ranks']} | {n} | {_num(n / la['ranks'] if n else None)} | {la['cells'] or '-'} | "
+                 f"{la['barrier_s'] * 1e6:.0f} | "
                  f"{la['budget']['threads']} | {la['budget']['rays_per_run']} | {la['budget'].get('priority', 'normal')}"
                  f"{_demoted_note(la)} | "
                  f"{la['wall_s']:.0f} | {la['segments']} |")
-    capacity = None
+    per_core = None
     if sampling and sampling.get("loader_cpu_s"):
-        per_ray = max(cs / bb for bb, cs in zip(sampling["sizes"], sampling["loader_cpu_s"]))
-        capacity = (cores or 1) / per_ray
-        L += ["", f"Host capacity of the pipelined sampler: {capacity / 1e6:.1f} Mrays/s on {cores} cores "
-                  f"(its CPU time per ray, every thread, measured on its own below, at the costliest batch size); "
-                  f"demand = ranks x rays per rank / floor step. A row's host work is the demand's share of it: "
-                  f"on shared cores it also slows the ranks' own threads, which the step / floor column shows."]
+        per_core = 1.0 / max(cs / bb for bb, cs in zip(sampling["sizes"], sampling["loader_cpu_s"]))
+        L += ["", f"Host capacity of the pipelined sampler: {per_core / 1e6:.1f} Mrays/s per core, "
+                  f"{cores * per_core / 1e6:.1f} Mrays/s on the host's {cores} cores (its CPU time per ray, every "
+                  f"thread, measured on its own below, at the costliest batch size); a row's capacity is that of the "
+                  f"cores its launch ran on; demand = ranks x rays per rank / floor step. A row's host work is the "
+                  f"demand's share of it: on shared cores it also slows the ranks' own threads, which the step / "
+                  f"floor column shows."]
     L += ["", "host busy = the CPU time of the ranks' processes (every thread: the training thread, DALI's, the "
-              "run-ahead thread; not torch_workers' worker processes) over the step time and the host's cores.",
-          "", "| method | device step ms | rays/rank | ranks | sampler | step ms [95% CI] | floor ms | step / floor | stall [95% CI] | wait | h2d | compute | sync | host busy | host keeps up |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "run-ahead thread; not torch_workers' worker processes) over the step time and the launch's cores. "
+              "hidden = 1 - floor step / step - stall: the step lost outside next() (sampling threads taking the "
+              "cores, lockstep waits for slower ranks); measured directly beyond the floor's: run-queue (the training "
+              "thread ready but without a core) and overshoot (the device wait ending later than asked), each over the "
+              "step. Regime: cores per GPU; below 1 the starved host.", ""] + _emulated_table(emu, per_core)
+    L.append("")
+    return L
+
+
+def _emulated_table(emu: List[dict], per_core: Optional[float]) -> List[str]:
+    """The emulated rows' table: one row per configuration, the pipelined rows with their verdict."""
+    L = ["| method | device step ms | rays/rank | ranks | cores/GPU | threads | sampler | step ms [95% CI] | floor ms | step / floor | stall [95% CI] | hidden | run-queue | overshoot | wait | h2d | compute | sync | host busy | host keeps up |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in emu:
         ph = c["phases_s"]
         ku = keeps_up(c)
@@ -183,49 +302,62 @@ def emulated_rows(emu: List[dict], emulation: Optional[dict], meta: dict, sampli
             mark = "-"
         else:
             demand = c["ranks"] * c["rays_per_rank"] / (c["floor_step_s"] or 1)
+            cap = per_core * c["cores"] if per_core and c.get("cores") else None
             mark = ("yes" if ku else f"**no**: {keeps_up_reason(c)}") + f" (demand {demand / 1e6:.1f}" + (
-                f" Mrays/s = {100 * demand / capacity:.0f}% of the sampler's capacity on this host)" if capacity
-                else " Mrays/s)")
+                f" Mrays/s = {100 * demand / cap:.0f}% of the sampler's capacity on its cores)" if cap else " Mrays/s)")
         sof = f"{c['step_over_floor']:.2f}" if c.get("step_over_floor") is not None else "-"
         busy = "-" if c.get("host_busy") is None else f"{100 * c['host_busy']:.0f}%"
-        L.append(f"| {c['method']} | {c['emulated_step_ms']:g} | {c['rays_per_rank']} | {c['ranks']} | {c['sampler']} | "
-                 f"{_ci_ms(c)} | {_fmt_ms(c['floor_step_s'])} | {sof} | {_ci_pct(c)} | {_fmt_ms(ph['wait'])} | "
-                 f"{_fmt_ms(ph['h2d'])} | {_fmt_ms(ph['forward'] + ph['backward'] + ph['optimizer'])} | {_fmt_ms(ph['sync'])} | "
-                 f"{busy} | {mark} |")
-    L.append("")
+        regime = _num(c.get("cores_per_gpu")) + (" (starved host)" if starved(c) else "")
+        L.append(f"| {c['method']} | {c['emulated_step_ms']:g} | {c['rays_per_rank']} | {c['ranks']} | {regime} | "
+                 f"{c.get('sampler_threads') or '-'} | {c['sampler']} | {_ci_ms(c)} | {_fmt_ms(c['floor_step_s'])} | "
+                 f"{sof} | {_ci_pct(c)} | {_pct(c.get('hidden_stall'))} | {_pct(c.get('hidden_runq'))} | "
+                 f"{_pct(c.get('hidden_overshoot'))} | {_fmt_ms(ph['wait'])} | {_fmt_ms(ph['h2d'])} | "
+                 f"{_fmt_ms(ph['forward'] + ph['backward'] + ph['optimizer'])} | {_fmt_ms(ph['sync'])} | {busy} | {mark} |")
     return L
 
 
 def speedup_table(sps: List[dict]) -> List[str]:
-    """How speedup and its ideal are defined, and one row per pair with its flags and cause."""
+    """How speedup, its two gains and its ideal are defined, and one row per pair with its flags and cause."""
     L = ["## Speedup of pipelined sampling", "", "![speedup](speedup.png)", "",
-         "speedup = baseline step / step of the pipelined run next to it, per trial, then mean and 95% interval.", "",
+         "speedup = baseline step / step of the pipelined run next to it, per trial, then mean and 95% interval. "
+         "It splits through the same-sampler control rays_sync (run in the same trials): sampler gain = baseline "
+         "step / rays_sync step (a faster sampler, both synchronous), overlap gain = rays_sync step / the pipelined "
+         "step (the same sampler, overlapped with the step); per trial their product is the speedup, and the means' "
+         f"product is flagged when it is more than {100 * GAINS_TOLERANCE:g}% off the mean speedup. The rays_sync "
+         "row's own speedup is its overlap gain.", "",
          "ideal = 1 / (1 - data stall of the baseline), per trial, where the data stall is the share of the "
          "baseline's step that the floor (the same step with a ready batch: no data cost, run in the same trial) does "
          "not have: ideal = baseline step / floor step. It counts the stall wherever it shows up: the wait in next(), "
          "and, on shared cores, what the baseline's sampling adds to the other phases (a DDP all-reduce waiting for "
-         "a rank still sampling, copies and compute woken late while the cores sample). speedup / ideal is then the "
-         "floor's step over the pipelined run's: 1 when pipelining removes all of the data stall. A pair is flagged "
-         f"when speedup / ideal is outside [{BAND[0]}, {BAND[1]}] or its speedup interval lies above the ideal's; the "
-         "cause column decomposes the pipelined step against the floor's, phase by phase.", "",
+         "a rank still sampling, copies and compute woken late while the cores sample). speedup / ideal is then about "
+         "the floor's step over the pipelined run's: 1 when pipelining removes all of the data stall. A pair is "
+         f"flagged when the pipelined step is more than {BAND[1]:g}x its floor's (the threshold under which a row "
+         f"\"keeps up\") or less than 1/{BAND[1]:g} of it, when its speedup interval lies above the ideal's, when the "
+         "baseline waits more than its step exceeds the floor's, or when the gains disagree; the cause column "
+         "decomposes the pipelined step against the floor's, phase by phase.", "",
          "ideal (wait) = 1 / (1 - wait / step): the ideal from the per-rank wait alone, for comparison (it misses "
-         "the stall outside next()); ideal (lockstep) adds the sync above the floor's.", "",
-         "| device | method | step ms | rays/rank | ranks | baseline | speedup [95% CI] | ideal [95% CI] | speedup / ideal | ideal (wait) | ideal (lockstep) | data stall baseline | stall baseline | stall pipelined | flag: cause |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "the stall outside next()); ideal (lockstep) adds the sync above the floor's. cores/GPU below 1: the "
+         "starved host.", "",
+         "| device | method | step ms | rays/rank | ranks | cores/GPU | baseline | speedup [95% CI] | sampler gain [95% CI] | overlap gain [95% CI] | ideal [95% CI] | speedup / ideal | ideal (wait) | ideal (lockstep) | data stall baseline | stall baseline | stall rays_sync | stall pipelined | pipelined step / floor | hidden stall pipelined | flag: cause |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in sps:
         fl = "-" if not x["flags"] else f"**{'; '.join(x['flags'])}**: {x['cause']}"
+        gains = " | ".join("-" if x.get(g) is None else _ci_x(x, g) for g in ("sampler_gain", "overlap_gain"))
+        regime = _num(x.get("cores_per_gpu")) + (" (starved host)" if starved(x) else "")
         L.append(f"| {x['device']} | {x['method']} | {'-' if x['emulated_step_ms'] is None else format(x['emulated_step_ms'], 'g')} | "
-                 f"{x['rays_per_rank']} | {x['ranks']} | {x['baseline']} | {x['speedup']:.2f}x [{x['speedup_ci'][0]:.2f}, "
-                 f"{x['speedup_ci'][1]:.2f}] | {x['ideal_speedup']:.2f}x [{x['ideal_ci'][0]:.2f}, {x['ideal_ci'][1]:.2f}] | "
+                 f"{x['rays_per_rank']} | {x['ranks']} | {regime} | {x['baseline']} | {_ci_x(x, 'speedup')} | {gains} | "
+                 f"{x['ideal_speedup']:.2f}x [{x['ideal_ci'][0]:.2f}, {x['ideal_ci'][1]:.2f}] | "
                  f"{x['ratio']:.2f} | {x['ideal_speedup_wait']:.2f}x | "
                  f"{'-' if x.get('ideal_speedup_lockstep') is None else format(x['ideal_speedup_lockstep'], '.2f') + 'x'} | "
-                 f"{'-' if x.get('stall_data') is None else format(100 * x['stall_data'], '.1f') + '%'} | "
-                 f"{100 * x['stall_baseline']:.1f}% | {100 * x['stall_pipelined']:.1f}% | {fl} |")
+                 f"{_pct(x.get('stall_data'))} | {100 * x['stall_baseline']:.1f}% | {_pct(x.get('stall_rays_sync'))} | "
+                 f"{100 * x['stall_pipelined']:.1f}% | {_num(x.get('pipelined_over_floor'))} | "
+                 f"{_pct(x.get('hidden_stall'))} | {fl} |")
     return L
 
 
 def sampler_section(sampler_table: Optional[str], sampling: Optional[dict]) -> List[str]:
-    """The ``dali-nerf bench sampler`` table (or that it was skipped) and the sampling-cost table."""
+    """The ``dali-nerf bench sampler`` table (or that it was skipped), the sampling-cost table and
+    the per-core scaling measured on this host."""
     L = ["", SAMPLER_SECTION, ""]
     if sampler_table:
         L += [sampler_table.strip(), ""]
@@ -233,10 +365,32 @@ def sampler_section(sampler_table: Optional[str], sampling: Optional[dict]) -> L
         L += [SAMPLER_SKIPPED, ""]
     if sampling:
         L += [SAMPLING_COST, "",
-              "| rays per batch | sync sampler ms | sync Mrays/s | pipelined loader ms | loader Mrays/s |", "|---|---|---|---|---|"]
-        for bb, a, c in zip(sampling["sizes"], sampling["sync_s"], sampling["loader_s"]):
-            L.append(f"| {bb} | {_fmt_ms(a)} | {bb / a / 1e6:.2f} | {_fmt_ms(c)} | {bb / c / 1e6:.2f} |")
-        L.append("")
+              "| rays per batch | sync sampler ms | sync Mrays/s | pipelined loader ms | loader Mrays/s | rays_sync ms | rays_sync Mrays/s |",
+              "|---|---|---|---|---|---|---|"]
+        rs = sampling.get("rays_sync_s") or [None] * len(sampling["sizes"])
+        for bb, a, c, r in zip(sampling["sizes"], sampling["sync_s"], sampling["loader_s"], rs):
+            L.append(f"| {bb} | {_fmt_ms(a)} | {bb / a / 1e6:.2f} | {_fmt_ms(c)} | {bb / c / 1e6:.2f} | {_fmt_ms(r)} | "
+                     f"{'-' if r is None else format(bb / r / 1e6, '.2f')} |")
+        L += ["", "pipelined loader: its production with no consumer (DALI computing ahead); rays_sync: the same "
+                  "sampler in the calling thread, each run's copy out of DALI's buffers included.", ""]
+        L += _scaling_lines(sampling.get("scaling"))
+    return L
+
+
+def _scaling_lines(sc: Optional[dict]) -> List[str]:
+    """Per-core scaling of the samplers, as measured on this host (1 thread against all its cores)."""
+    if not sc or not sc.get("efficiency"):
+        return []
+    L = [f"Scaling with threads on this host, at {sc['rays']} rays per batch (ms per batch, the best of "
+         f"{sc.get('rounds', 1)} interleaved rounds; the cost model and the projection take the per-core cost as "
+         f"linear in the cores, measured here up to {sc['threads'][-1]}):", "",
+         "| threads | sync sampler ms | pipelined loader ms | rays_sync ms |", "|---|---|---|---|"]
+    for i, n in enumerate(sc["threads"]):
+        L.append(f"| {n} | {_fmt_ms(sc['sync_s'][i])} | {_fmt_ms(sc['loader_s'][i])} | {_fmt_ms(sc['rays_sync_s'][i])} |")
+    e = sc["efficiency"]
+    L += ["", f"1 -> {sc['threads'][-1]} threads: sync sampler {100 * e['sync']:.0f}% of linear, pipelined loader "
+              f"{100 * e['loader']:.0f}%, rays_sync {100 * e['rays_sync']:.0f}% (100%: {sc['threads'][-1]} times the "
+              f"cores, 1/{sc['threads'][-1]} of the time); above {sc['threads'][-1]} cores not measured.", ""]
     return L
 
 
@@ -251,7 +405,8 @@ def cost_model_section(model: cm.CostModel, validation: List[dict], meta: dict) 
          "wait    = s0 + ks * B / c                                     (sync_local)",
          "        = s0 + ks * G*B / c + gamma * (G-1) * B * ray_bytes    (sync_global: rank 0 samples, scatters)",
          "        = max(0, p0 + kp * B / c - (compute + sync))           (rays: overlapped with compute)",
-         "```", "", "c = the cores of the process that samples: per rank for sync_local and rays (on the emulated host, "
+         "```", "", "Per-core costs are linear in c: measured on this host from 1 thread to its cores (the sampler "
+         "section's scaling table), assumed above. c = the cores of the process that samples: per rank for sync_local and rays (on the emulated host, "
          "min(sampler threads, cores / ranks): the ranks share its cores); for sync_global rank 0's, up to the whole "
          "host's (min(sampler threads, cores)), since the other ranks wait for its scatter.", "",
          f"Fit set: {meta.get('fit_set', '-')}. The model has no torch_workers or SS routing term. Its per-ray "
