@@ -51,7 +51,7 @@ from .sources.registry import RAY_GRAPH_SOURCES
 from .tasks import Task, close_sources
 
 __all__ = ["save_checkpoint", "read_resume_state", "restore_tasks", "resumed_config", "run_stream", "load_checkpoint",
-           "replica_digest", "ELASTIC"]
+           "replica_digest", "ELASTIC", "elastic_launch", "agree_on_checkpoints"]
 
 ELASTIC = {("ddp", GLOBAL_STREAM), ("ddp", "sync_global-v1"), ("ss", "cells-v1")}
 """(method, stream) pairs a checkpoint of which resumes on another world size."""
@@ -262,11 +262,34 @@ def load_checkpoint(folder, rank: int = 0, world_size: Optional[int] = None) -> 
     return _load_v2(folder, DistEnv(int(rank), W, int(rank), torch.device("cpu")))
 
 
+def elastic_launch() -> bool:
+    """Whether torch's elastic agent (torchrun) started this process: it sets
+    ``TORCHELASTIC_RUN_ID`` on every worker of every group start."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def agree_on_checkpoints(ckpt_root: Path, env: DistEnv) -> bool:
+    """Whether the worker group resumes by itself: rank 0 looks for a committed checkpoint in
+    ``ckpt_root`` and every rank takes its answer (one collective, so all ranks decide alike).
+
+    Not the restart count: torch's agent restarts the group on a membership change (a node joined)
+    without counting it as a retry, and a replacement node's ranks see 0 where the survivors see
+    >= 1 (torch/distributed/elastic/agent/server/api.py). So under torchrun a launch in a run
+    folder with checkpoints continues it, a first launch included; rank 0 prints a note."""
+    found = env.rank == 0 and bool(checkpoint_candidates(ckpt_root))
+    agreed = bool(gather_codes(env, int(found))[0])
+    if agreed and env.rank == 0:
+        print(f"note: {ckpt_root} has checkpoints and torchrun started this worker group: it resumes from the latest "
+              f"(to start anew, use another name= or remove the run folder)", file=sys.stderr, flush=True)
+    return agreed
+
+
 def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None, cfg: Optional[Config] = None):
     """``(resume, state, folder)``: this rank's checkpoint state (read ``weights_only`` and checked
     before the expensive setup) when resuming, else ``(False, None, None)``. A worker group
-    restarted by torchrun (``--max-restarts``, ``--nnodes=MIN:MAX``) resumes from the last
-    checkpoint by itself, on however many ranks it restarted with (module doc).
+    started by torchrun in a run folder with a committed checkpoint (a restart after a failure,
+    ``--max-restarts``, or after a node joined or left, ``--nnodes=MIN:MAX``) resumes from it by
+    itself, on however many ranks it has, every rank alike (:func:`agree_on_checkpoints`).
 
     The folder is the newest committed checkpoint every rank can read
     (:func:`dali_nerf.checkpoint.resume_checkpoint`): a missing, truncated or corrupt file makes
@@ -278,10 +301,9 @@ def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None, cfg
     cameras or downscale changed). A checkpoint written before fingerprints were saved resumes
     without the scene check.
     """
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     ckpt_root = run_dir / "checkpoints"
-    if restarted and checkpoint_candidates(ckpt_root):
-        resume = True
+    if not resume and elastic_launch():
+        resume = agree_on_checkpoints(ckpt_root, env)
     if not resume:
         return False, None, None
     current = scene_fingerprint(scene) if scene is not None else None

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dali_nerf.checkpoint import MODEL_FILE, RUN_FILE, latest_checkpoint, load_file, save_rank_state
+from dali_nerf.checkpoint import MODEL_FILE, RUN_FILE, commit_checkpoint, latest_checkpoint, load_file, save_file, save_rank_state
 from dali_nerf.errors import DaliNerfError
 from dali_nerf.resume import load_checkpoint
 from dali_nerf.scenegen import make_scene
@@ -215,3 +215,54 @@ def test_ss_cells_move_to_other_ranks_on_resume(tmp_path):
     assert abs(whole["fused_psnr"] - moved["fused_psnr"]) < 0.05
     with pytest.raises(DaliNerfError, match="the run's 4 cells cannot be shared among 5 ranks"):
         load_checkpoint(b, 0, 5)
+
+
+ELASTIC_RANK = r"""
+import sys, datetime, torch, torch.distributed as dist
+from pathlib import Path
+from dali_nerf.resume import read_resume_state
+from dali_nerf.runtime import DistEnv
+rank, store, run = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+resume, st, folder = read_resume_state(run, DistEnv(rank, 2, rank, torch.device("cpu")), False)
+print(f"resumed {st['step']}" if resume else "fresh", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _elastic_group(tmp_path, run: Path, counts) -> list:
+    """Two gloo ranks started as torchrun starts them (TORCHELASTIC_RUN_ID set), rank r seeing
+    TORCHELASTIC_RESTART_COUNT=counts[r], each running read_resume_state without --resume."""
+    store = tmp_path / f"store{counts}"
+    procs = []
+    for r in (0, 1):
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_RUN_ID="t", TORCHELASTIC_RESTART_COUNT=str(counts[r]))
+        procs.append(subprocess.Popen([sys.executable, "-c", ELASTIC_RANK, str(r), str(store), str(run)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, o[0].strip(), o[1]) for p, o in zip(procs, outs)]
+
+
+def test_torchrun_ranks_with_different_restart_counts_all_resume(tmp_path):
+    """A group restarted because a node joined (the agent does not count it: restart count 0 on
+    every rank) or with a replacement node (0 there, 1 on the survivors) resumes on every rank
+    alike when the run folder has a committed checkpoint (rank 0 decides; no hang: a 30 s gloo
+    timeout and a 90 s limit), and starts fresh on every rank when it has none."""
+    run = tmp_path / "run"
+    assert [o[:2] for o in _elastic_group(tmp_path, run, (0, 1))] == [(0, "fresh")] * 2
+    ck = run / "checkpoints"
+    save_file(ck, 4, MODEL_FILE, {"tasks": {}})
+    save_file(ck, 4, RUN_FILE, {"format": 2, "step": 4, "world_size": 2, "method": "ddp", "cells": 0,
+                                "ranks": [{"rng": {}, "sources": {}}] * 2})
+    commit_checkpoint(ck, 4)
+    got = _elastic_group(tmp_path, run, (0, 1))
+    assert [o[:2] for o in got] == [(0, "resumed 4")] * 2, got
+    assert f"note: {ck} has checkpoints and torchrun started this worker group" in got[0][2]
+    assert "note" not in got[1][2]
