@@ -296,7 +296,8 @@ def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None, cfg
     all ranks fall back to the previous checkpoint, each rank warning (one line on stderr) about
     its own bad file. Refused (one line, nothing written): no checkpoint; none complete; a crafted
     file; a world size the checkpoint cannot resume on (per-rank streams, format 1, a global batch
-    W' does not divide, more ranks than SS cells); another method than ``cfg``'s; a training split
+    W' does not divide, more ranks than SS cells); another method, ``pipeline.seed`` or
+    ``pipeline.mode`` than ``cfg``'s (format 2; the stream's key); a training split
     ``scene`` whose fingerprint differs from the one saved (images added or removed, sizes,
     cameras or downscale changed). A checkpoint written before fingerprints were saved resumes
     without the scene check.
@@ -315,6 +316,11 @@ def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None, cfg
         if cfg is not None and st.get("method", cfg.method) != cfg.method:
             raise DaliNerfError(f"{folder}: written by a method {st['method']} run, this is a {cfg.method} run; resume it "
                                 f"with trainers/{'spatial' if st['method'] == 'ss' else 'ddp'}.py")
+        for key in ("seed", "mode") if cfg is not None else ():  # the stream's key: found before any rank decodes
+            saved, now = st.get(key), getattr(cfg.pipeline, key)
+            if saved is not None and saved != now:
+                raise DaliNerfError(f"{folder}: written with pipeline.{key}={saved}, this run has {now}; resume with "
+                                    f"pipeline.{key}={saved}")
         change = describe_change(st.get("scene"), current) if current is not None else None
         if change is not None:
             raise DaliNerfError(f"{scene.root}: changed since the checkpoint {folder} was written: {change}; resume with the "

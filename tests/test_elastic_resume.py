@@ -266,3 +266,21 @@ def test_torchrun_ranks_with_different_restart_counts_all_resume(tmp_path):
     assert [o[:2] for o in got] == [(0, "resumed 4")] * 2, got
     assert f"note: {ck} has checkpoints and torchrun started this worker group" in got[0][2]
     assert "note" not in got[1][2]
+
+
+def test_a_changed_seed_or_mode_is_refused_before_any_setup(scene_dir, tmp_path, capsys):
+    """A resume with another pipeline.seed or pipeline.mode than run.pt's is refused in the resume
+    check (exit 2, one line naming the folder, the key, both values and the fix), before any rank
+    builds its loader; nothing in the run folder changes."""
+    cfg = config(tmp_path, scene_dir)
+    assert ddp(cfg, "train.steps=4") == 0
+    run = tmp_path / "runs" / "run"
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    folder = latest_checkpoint(run / "checkpoints")
+    for arg, key, saved, now in (("pipeline.seed=1", "seed", 0, 1), ("pipeline.mode=epoch", "mode", "random", "epoch")):
+        capsys.readouterr()
+        assert ddp(cfg, "--resume", arg) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"error: {folder}: written with pipeline.{key}={saved}, this run has {now}; resume with "
+                       f"pipeline.{key}={saved}"), err
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
