@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
+import math
 import os
 import random
 import sys
@@ -51,7 +52,7 @@ from .sources.registry import RAY_GRAPH_SOURCES
 from .tasks import Task, close_sources
 
 __all__ = ["save_checkpoint", "read_resume_state", "restore_tasks", "resumed_config", "run_stream", "load_checkpoint",
-           "replica_digest", "ELASTIC", "elastic_launch", "agree_on_checkpoints"]
+           "replica_digest", "ELASTIC", "elastic_launch", "agree_on_checkpoints", "nearest_divisors"]
 
 ELASTIC = {("ddp", GLOBAL_STREAM), ("ddp", "sync_global-v1"), ("ss", "cells-v1")}
 """(method, stream) pairs a checkpoint of which resumes on another world size."""
@@ -174,8 +175,15 @@ def save_checkpoint(run_dir: Path, step: int, tasks: List[Task], env: DistEnv, c
     env.barrier()
 
 
-def _divisors(n: int, most: int = 8) -> str:
-    return ", ".join(str(d) for d in [d for d in range(1, min(n, 4096) + 1) if n % d == 0][:most])
+def nearest_divisors(n: int, world: int) -> List[int]:
+    """The divisors of ``n`` nearest ``world`` (one that divides ``n``: ``[world]``): the largest
+    below it and the smallest above it (if any), e.g. ``nearest_divisors(49152, 40) == [32, 48]``."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    divs = sorted(set(small + [n // d for d in small]))
+    if world in divs:
+        return [world]
+    return [d for d in (max((d for d in divs if d < world), default=None), min((d for d in divs if d > world),
+                                                                                 default=None)) if d is not None]
 
 
 def _check_elastic(run: dict, folder: Path, world: int) -> None:
@@ -193,7 +201,7 @@ def _check_elastic(run: dict, folder: Path, world: int) -> None:
     if G and G % world:
         raise DaliNerfError(f"{folder}: the run's global batch of {G} rays ({G // W} per rank x {W} ranks) does not "
                             f"divide among {world} ranks, and it is kept across world sizes; resume on a number of "
-                            f"ranks that divides {G} ({_divisors(G)}, ...)")
+                            f"ranks that divides {G}: {' or '.join(map(str, nearest_divisors(G, world)))}")
     C = int(run.get("cells") or 0)
     if method == "ss" and world > C:
         raise DaliNerfError(f"{folder}: the run's {C} cells cannot be shared among {world} ranks (a rank would train "
