@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
+import math
 import os
 import random
 import sys
@@ -51,7 +52,7 @@ from .sources.registry import RAY_GRAPH_SOURCES
 from .tasks import Task, close_sources
 
 __all__ = ["save_checkpoint", "read_resume_state", "restore_tasks", "resumed_config", "run_stream", "load_checkpoint",
-           "replica_digest", "ELASTIC"]
+           "replica_digest", "ELASTIC", "elastic_launch", "agree_on_checkpoints", "nearest_divisors"]
 
 ELASTIC = {("ddp", GLOBAL_STREAM), ("ddp", "sync_global-v1"), ("ss", "cells-v1")}
 """(method, stream) pairs a checkpoint of which resumes on another world size."""
@@ -174,8 +175,15 @@ def save_checkpoint(run_dir: Path, step: int, tasks: List[Task], env: DistEnv, c
     env.barrier()
 
 
-def _divisors(n: int, most: int = 8) -> str:
-    return ", ".join(str(d) for d in [d for d in range(1, min(n, 4096) + 1) if n % d == 0][:most])
+def nearest_divisors(n: int, world: int) -> List[int]:
+    """The divisors of ``n`` nearest ``world`` (one that divides ``n``: ``[world]``): the largest
+    below it and the smallest above it (if any), e.g. ``nearest_divisors(49152, 40) == [32, 48]``."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    divs = sorted(set(small + [n // d for d in small]))
+    if world in divs:
+        return [world]
+    return [d for d in (max((d for d in divs if d < world), default=None), min((d for d in divs if d > world),
+                                                                                 default=None)) if d is not None]
 
 
 def _check_elastic(run: dict, folder: Path, world: int) -> None:
@@ -193,7 +201,7 @@ def _check_elastic(run: dict, folder: Path, world: int) -> None:
     if G and G % world:
         raise DaliNerfError(f"{folder}: the run's global batch of {G} rays ({G // W} per rank x {W} ranks) does not "
                             f"divide among {world} ranks, and it is kept across world sizes; resume on a number of "
-                            f"ranks that divides {G} ({_divisors(G)}, ...)")
+                            f"ranks that divides {G}: {' or '.join(map(str, nearest_divisors(G, world)))}")
     C = int(run.get("cells") or 0)
     if method == "ss" and world > C:
         raise DaliNerfError(f"{folder}: the run's {C} cells cannot be shared among {world} ranks (a rank would train "
@@ -262,26 +270,49 @@ def load_checkpoint(folder, rank: int = 0, world_size: Optional[int] = None) -> 
     return _load_v2(folder, DistEnv(int(rank), W, int(rank), torch.device("cpu")))
 
 
+def elastic_launch() -> bool:
+    """Whether torch's elastic agent (torchrun) started this process: it sets
+    ``TORCHELASTIC_RUN_ID`` on every worker of every group start."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def agree_on_checkpoints(ckpt_root: Path, env: DistEnv) -> bool:
+    """Whether the worker group resumes by itself: rank 0 looks for a committed checkpoint in
+    ``ckpt_root`` and every rank takes its answer (one collective, so all ranks decide alike).
+
+    Not the restart count: torch's agent restarts the group on a membership change (a node joined)
+    without counting it as a retry, and a replacement node's ranks see 0 where the survivors see
+    >= 1 (torch/distributed/elastic/agent/server/api.py). So under torchrun a launch in a run
+    folder with checkpoints continues it, a first launch included; rank 0 prints a note."""
+    found = env.rank == 0 and bool(checkpoint_candidates(ckpt_root))
+    agreed = bool(gather_codes(env, int(found))[0])
+    if agreed and env.rank == 0:
+        print(f"note: {ckpt_root} has checkpoints and torchrun started this worker group: it resumes from the latest "
+              f"(to start anew, use another name= or remove the run folder)", file=sys.stderr, flush=True)
+    return agreed
+
+
 def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None, cfg: Optional[Config] = None):
     """``(resume, state, folder)``: this rank's checkpoint state (read ``weights_only`` and checked
     before the expensive setup) when resuming, else ``(False, None, None)``. A worker group
-    restarted by torchrun (``--max-restarts``, ``--nnodes=MIN:MAX``) resumes from the last
-    checkpoint by itself, on however many ranks it restarted with (module doc).
+    started by torchrun in a run folder with a committed checkpoint (a restart after a failure,
+    ``--max-restarts``, or after a node joined or left, ``--nnodes=MIN:MAX``) resumes from it by
+    itself, on however many ranks it has, every rank alike (:func:`agree_on_checkpoints`).
 
     The folder is the newest committed checkpoint every rank can read
     (:func:`dali_nerf.checkpoint.resume_checkpoint`): a missing, truncated or corrupt file makes
     all ranks fall back to the previous checkpoint, each rank warning (one line on stderr) about
     its own bad file. Refused (one line, nothing written): no checkpoint; none complete; a crafted
     file; a world size the checkpoint cannot resume on (per-rank streams, format 1, a global batch
-    W' does not divide, more ranks than SS cells); another method than ``cfg``'s; a training split
+    W' does not divide, more ranks than SS cells); another method, ``pipeline.seed`` or
+    ``pipeline.mode`` than ``cfg``'s (format 2; the stream's key); a training split
     ``scene`` whose fingerprint differs from the one saved (images added or removed, sizes,
     cameras or downscale changed). A checkpoint written before fingerprints were saved resumes
     without the scene check.
     """
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     ckpt_root = run_dir / "checkpoints"
-    if restarted and checkpoint_candidates(ckpt_root):
-        resume = True
+    if not resume and elastic_launch():
+        resume = agree_on_checkpoints(ckpt_root, env)
     if not resume:
         return False, None, None
     current = scene_fingerprint(scene) if scene is not None else None
@@ -293,6 +324,11 @@ def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None, cfg
         if cfg is not None and st.get("method", cfg.method) != cfg.method:
             raise DaliNerfError(f"{folder}: written by a method {st['method']} run, this is a {cfg.method} run; resume it "
                                 f"with trainers/{'spatial' if st['method'] == 'ss' else 'ddp'}.py")
+        for key in ("seed", "mode") if cfg is not None else ():  # the stream's key: found before any rank decodes
+            saved, now = st.get(key), getattr(cfg.pipeline, key)
+            if saved is not None and saved != now:
+                raise DaliNerfError(f"{folder}: written with pipeline.{key}={saved}, this run has {now}; resume with "
+                                    f"pipeline.{key}={saved}")
         change = describe_change(st.get("scene"), current) if current is not None else None
         if change is not None:
             raise DaliNerfError(f"{scene.root}: changed since the checkpoint {folder} was written: {change}; resume with the "

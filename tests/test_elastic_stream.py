@@ -24,6 +24,7 @@ from _tiny_scene import tiny_scene
 from dali_nerf.errors import ConfigError
 from dali_nerf.ops import reference as ref
 from dali_nerf.sources import RayLoader, SyncGlobalSampler
+from dali_nerf.sources.base import global_epoch_steps
 
 SEEDS = st.integers(0, 2 ** 63 - 1)
 KEYS = ("origins", "directions", "rgb", "indices", "positions")
@@ -108,19 +109,20 @@ def test_an_epoch_across_a_resume_from_W_to_W2_visits_every_pixel_once(case, see
     """Epoch mode: W ranks start at ``set_epoch(e)`` and stop at a drawn step inside the epoch;
     the state of one of them (any rank: the state is the global step) is loaded into every rank of
     W' loaders (rays_per_batch = G / W'), which run to the epoch's end. Over both parts, the rays
-    whose position lies in the epoch ([e P, (e + 1) P)) visit every pixel of the split exactly
-    once, and no position of any step is missing or repeated."""
+    whose position lies in the epoch ([e P, (e + 1) P), with the straddling step before the epoch's
+    first, which the previous epoch's loop took) visit every pixel of the split exactly once, and
+    no position of any step is missing or repeated."""
     sizes, W, W2, G = case
     with tempfile.TemporaryDirectory() as tmp:
         scene = _scene(Path(tmp), sizes)
         P = scene.num_pixels
-        first, last = epoch * P // G, -(-(epoch + 1) * P // G)  # the steps holding the epoch's positions
+        first, last = -(-epoch * P // G), -(-(epoch + 1) * P // G)  # the steps of the epoch's loop
         stop = first + round(cut * (last - first))
         rows, states = [], []
         for r in range(W):
             with _loader(scene, W, r, G, seed, "epoch", runs) as L:
                 L.set_epoch(epoch)
-                assert len(L) == math.ceil(P / G) and L.step == first
+                assert len(L) == last - first and L.step == first
                 for _ in range(stop - first):
                     rows.append(next(L))
                 states.append(L.state_dict())
@@ -132,9 +134,15 @@ def test_an_epoch_across_a_resume_from_W_to_W2_visits_every_pixel_once(case, see
                 assert L.step == stop
                 for _ in range(last - stop):
                     rows.append(next(L))
+        pos = torch.cat([b["positions"] for b in rows]).numpy()
+        assert np.array_equal(np.sort(pos), np.arange(first * G, last * G)), "a position missing or repeated"
+        if first * G > epoch * P:  # the epoch's first positions: the previous epoch's last step
+            for r in range(W):
+                with _loader(scene, W, r, G, seed, "epoch", runs) as L:
+                    L.set_step(first - 1)
+                    rows.append(next(L))
     pos = torch.cat([b["positions"] for b in rows]).numpy()
     idx = torch.cat([b["indices"] for b in rows]).numpy()
-    assert np.array_equal(np.sort(pos), np.arange(first * G, last * G)), "a position missing or repeated"
     inside = (pos >= epoch * P) & (pos < (epoch + 1) * P)
     assert_each_pixel_once(scene, [idx[inside]])
 
@@ -237,3 +245,39 @@ def test_sync_global_state_resumes_on_another_world_size_with_the_same_global_ba
         with SyncGlobalSampler(scene, rays_per_batch=10, seed=5, mode=mode) as c, pytest.raises(
                 ConfigError, match="saved global batch 12 .* this sampler has 10"):
             c.load_state_dict(three)
+
+
+def test_epoch_loops_partition_the_global_steps():
+    """``set_epoch(e)`` + ``len()`` steps (global_epoch_steps) over epochs 0..40: each step once,
+    in order; e.g. 20 images of 504x378 with G = 12288 (a boundary inside a step each epoch)."""
+    P, G = 20 * 504 * 378, 12288
+    steps = [s for e in range(40) for s in range(*(lambda f, n: (f, f + n))(*global_epoch_steps(e, P, G)))]
+    assert steps == list(range(len(steps))) and len(steps) == -(-40 * P // G)
+
+
+@settings(max_examples=12, deadline=None)
+@given(sizes=splits(max_images=5, max_side=7), W=st.integers(1, 4), k=st.integers(1, 9), seed=SEEDS,
+       epochs=st.integers(2, 4))
+def test_len_loops_over_epochs_visit_every_global_position_once(sizes, W, k, seed, epochs):
+    """The usual loop, ``set_epoch(e); for _ in range(len(L))``, over several epochs on W ranks
+    (G = k W, a step often straddling an epoch boundary): the ranks' positions together are every
+    global position from 0 exactly once; the same for sync_global on one rank."""
+    G = k * W
+    with tempfile.TemporaryDirectory() as tmp:
+        scene = _scene(Path(tmp), sizes)
+        pos = []
+        for r in range(W):
+            with _loader(scene, W, r, G, seed, "epoch") as L:
+                for e in range(epochs):
+                    L.set_epoch(e)
+                    pos += [next(L)["positions"] for _ in range(len(L))]
+        with SyncGlobalSampler(scene, rays_per_batch=G, seed=seed, mode="epoch") as S:
+            sync = []
+            for e in range(epochs):
+                S.set_epoch(e)
+                for _ in range(len(S)):
+                    p = S.position
+                    sync += range(p, p + len(next(S)["indices"]))
+    n = -(-epochs * scene.num_pixels // G) * G
+    assert np.array_equal(np.sort(torch.cat(pos).numpy()), np.arange(n)), "a global position missing or repeated"
+    assert sync == list(range(n)), "sync_global: a position missing or repeated"

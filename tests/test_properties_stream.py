@@ -145,21 +145,27 @@ def test_shard_baselines_epoch_visit_each_pixel_once(layout, batch, seed, epoch,
 @settings(max_examples=15)
 @given(layout=layouts(), batch=st.integers(1, 40), seed=SEEDS, epoch=st.integers(0, 3))
 def test_sync_global_epoch_rank_slices_visit_each_pixel_once(layout, batch, seed, epoch):
-    """sync_global: rank 0's global stream (key: seed, rank 0), global batch B * W; rank r's
-    batches are rows [r B, (r + 1) B); ``len()`` = ceil(P / (B W)). Over the epoch's first P
-    global positions the rank slices are disjoint and cover the split once."""
+    """sync_global: rank 0's global stream (key: seed, rank 0), global batch G = B * W; rank r's
+    batches are rows [r B, (r + 1) B); ``set_epoch(e)`` and ``len()`` = ceil((e+1)P/G) -
+    ceil(eP/G) steps, epochs 0..e in turn (a step straddling a boundary is the earlier epoch's).
+    Over epoch e's global positions [e P, (e + 1) P) the rank slices are disjoint and cover the
+    split once."""
     sizes, world = layout
+    G = batch * world
     with tempfile.TemporaryDirectory() as tmp:
         scene = _scene(Path(tmp), sizes)
         P = scene.num_pixels
         # the global batches, sampled as rank 0 samples them (world_size 1, B * W rays a step)
-        with SyncGlobalSampler(scene, rays_per_batch=batch * world, seed=seed, mode="epoch") as glob:
-            glob.set_epoch(epoch)
-            steps = len(glob)
-            batches = [next(glob)["indices"].numpy() for _ in range(steps)]
-    assert steps == -(-P // (batch * world))
-    # position of row i of global step k: k * B * W + i; keep the epoch's first P positions
+        starts, batches = [], []
+        with SyncGlobalSampler(scene, rays_per_batch=G, seed=seed, mode="epoch") as glob:
+            for e in range(epoch + 1):
+                glob.set_epoch(e)
+                for _ in range(len(glob)):
+                    starts.append(glob.position)
+                    batches.append(next(glob)["indices"].numpy())
+    assert starts == [k * G for k in range(-(-(epoch + 1) * P // G))]
+    # position of row i of global step k: k * G + i; keep the epoch's P positions
     parts = [np.concatenate([b[r * batch:(r + 1) * batch] for b in batches]) for r in range(world)]
-    pos = [np.concatenate([k * batch * world + np.arange(r * batch, (r + 1) * batch) for k in range(steps)])
-           for r in range(world)]
-    assert_each_pixel_once(scene, [p[q < P] for p, q in zip(parts, pos)])
+    pos = [np.concatenate([s + np.arange(r * batch, (r + 1) * batch) for s in starts]) for r in range(world)]
+    inside = [(q >= epoch * P) & (q < (epoch + 1) * P) for q in pos]
+    assert_each_pixel_once(scene, [p[m] for p, m in zip(parts, inside)])

@@ -28,7 +28,8 @@ from dali_nerf.scenes import describe_change, scene_fingerprint
 
 __all__ = ["BatchSource", "BatchStats", "BATCH_KEYS", "dali_to_torch", "check_common",
            "check_positive", "check_int", "check_run_size", "MAX_PREFETCH", "check_cache_device", "run_graph", "step_views", "RunAhead", "StarvationGuard",
-           "SamplerStarvedWarning", "demote_if_starved", "was_demoted", "scene_state", "check_scene_state"]
+           "SamplerStarvedWarning", "demote_if_starved", "was_demoted", "scene_state", "check_scene_state",
+           "global_epoch_steps"]
 
 BATCH_KEYS = ("origins", "directions", "rgb", "indices", "near", "far")
 """Keys a batch may carry (near/far only when the scene has bounds)."""
@@ -89,6 +90,15 @@ class BatchStats:
 
 MAX_PREFETCH = 1024
 """Largest ``prefetch`` (DALI's ``prefetch_queue_depth``) a source accepts."""
+
+
+def global_epoch_steps(epoch: int, pixels: int, global_batch: int) -> tuple:
+    """``(first, count)``: the global steps of ``epoch`` of a global stream of ``pixels`` (P) a
+    permutation and ``global_batch`` (G) positions a step: steps [ceil(eP/G), ceil((e+1)P/G)).
+    A step that straddles an epoch boundary belongs to the earlier epoch, so ``set_epoch(e)`` then
+    ``count`` steps, over e = 0, 1, ..., visit every position exactly once."""
+    first = -(-epoch * pixels // global_batch)
+    return first, -(-(epoch + 1) * pixels // global_batch) - first
 
 
 def check_int(name, v, lo: int, hi: int) -> None:

@@ -35,7 +35,9 @@ are the same on any world size. The counts sum to G over the ranks; a training l
 normalised by G (``sum / B`` per rank under DDP's gradient averaging), not by the rank's count.
 State = the global step: ``state_dict()`` of any rank at W ranks loads into every rank of a loader
 at W' ranks with the same G (``rays_per_batch = G / W'``) and their union continues exactly.
-``len()`` = ceil(P / G); ``set_epoch(e)`` moves to the step holding position e P. A shard over
+``set_epoch(e)`` moves to step ceil(e P / G) and ``len()`` is that epoch's steps, ceil((e+1) P / G) -
+ceil(e P / G): epoch loops partition the steps (a step that straddles an epoch boundary belongs to
+the earlier epoch's loop; sync_global likewise). A shard over
 ``max_bytes`` cannot be sampled this way (every step touches every image of the shard): refused.
 
 >>> loader = RayLoader(scene, rays_per_batch=4096, rank=0, world_size=1, seed=0, prefetch=2)
@@ -65,7 +67,7 @@ from dali_nerf.pipelines.decode import shard_range, shard_sizes
 from dali_nerf.pipelines.rays import GLOBAL_STREAM, INT64_MAX, SHARD_STREAM, ray_pipeline
 from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, RunAhead, check_cache_device, check_common,
                                     check_int, check_positive, check_run_size, check_scene_state, demote_if_starved,
-                                    run_graph, run_phase, scene_state, step_views)
+                                    global_epoch_steps, run_graph, run_phase, scene_state, step_views)
 from dali_nerf.sources.streaming import WindowStream, plan_window_images
 
 __all__ = ["RayLoader", "DEFAULT_OUTPUTS"]
@@ -229,11 +231,14 @@ class RayLoader(BatchSource):
     # ---- iteration ------------------------------------------------------------------------------
     def __len__(self) -> int:
         """Steps per epoch (epoch mode): ceil(max over ranks of shard pixels / B); global stream:
-        ceil(P / G), P the split's pixels (the same on every rank)."""
+        the steps of the current epoch e (``set_epoch``), ceil((e+1)P/G) - ceil(eP/G), P the
+        split's pixels (the same on every rank): ceil(P/G) or one less; a step that straddles an
+        epoch boundary belongs to the earlier epoch's loop, so ``set_epoch(e); for _ in
+        range(len(loader))`` over e = 0, 1, ... visits every global position exactly once."""
         if self.mode != "epoch":
             raise TypeError("RayLoader in random mode is an infinite stream and has no len(); use mode='epoch'")
         if self.stream == "global":
-            return math.ceil(self.split_pixels / self.global_batch)
+            return global_epoch_steps(self.epoch, self.split_pixels, self.global_batch)[1]
         return math.ceil(int(self._shard_pixels.max()) / self.rays_per_batch)
 
     @property
@@ -349,15 +354,15 @@ class RayLoader(BatchSource):
     # ---- epochs, state --------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Epoch mode: move to the start of permutation ``epoch`` (position epoch * P); with the
-        global stream to the step holding the epoch's first position (step floor(epoch P / G): its
-        first rays may be the previous epoch's last). Random mode: only recorded (the iid stream
-        has no epochs)."""
+        global stream to the first step that starts in the epoch, ceil(epoch P / G) (a step that
+        straddles the boundary was the previous epoch's last; ``len()`` counts the epoch's steps).
+        Random mode: only recorded (the iid stream has no epochs)."""
         if not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ConfigError(f"set_epoch({epoch!r}): epoch must be an integer >= 0")
         self.epoch = int(epoch)
         if self.mode == "epoch":
             if self.stream == "global":
-                self._seek(self.epoch * self.split_pixels // self.global_batch * self.global_batch)
+                self._seek(global_epoch_steps(self.epoch, self.split_pixels, self.global_batch)[0] * self.global_batch)
             else:
                 self._seek(self.epoch * self.num_pixels)
 

@@ -49,7 +49,7 @@ from dali_nerf.plan import SamplingPlan
 from dali_nerf.rays import rays_from_indices
 from dali_nerf.seeds import block_seed, perm_seed, routed_stream
 from dali_nerf.sources.base import (BatchSource, BatchStats, check_common, check_int, check_run_size,
-                                    check_scene_state, scene_state)
+                                    check_scene_state, global_epoch_steps, scene_state)
 
 __all__ = ["SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "PixelSampler", "RoutedSyncLocal",
            "RoutedSyncGlobal", "scatter_batches", "collective_device", "WorkerBatches", "WorkerLoader", "routed_rays"]
@@ -206,7 +206,11 @@ class _Source(BatchSource):
             raise ConfigError(f"set_epoch({epoch!r}): epoch must be an integer >= 0")
         self.epoch = int(epoch)
         if self.mode == "epoch":
-            self._seek(self.epoch * self._epoch_pixels())
+            self._seek(self._epoch_start())
+
+    def _epoch_start(self) -> int:
+        """Stream position of the current epoch's first step."""
+        return self.epoch * self._epoch_pixels()
 
     def _seek(self, position: int) -> None:
         self.position = int(position)
@@ -290,7 +294,12 @@ class SyncGlobalSampler(_Source):
         return self._P
 
     def _epoch_steps(self) -> int:
-        return math.ceil(self._P / (self.rays_per_batch * self.world_size))
+        """The current epoch's global steps (``global_epoch_steps``: they partition the stream)."""
+        return global_epoch_steps(self.epoch, self._P, self.rays_per_batch * self.world_size)[1]
+
+    def _epoch_start(self) -> int:
+        G = self.rays_per_batch * self.world_size
+        return global_epoch_steps(self.epoch, self._P, G)[0] * G
 
     def state_dict(self) -> dict:
         """The base state plus ``global_batch`` (B x W) and ``stream`` (``sync_global-v1``)."""
