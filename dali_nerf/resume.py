@@ -276,19 +276,48 @@ def elastic_launch() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def agree_on_checkpoints(ckpt_root: Path, env: DistEnv) -> bool:
-    """Whether the worker group resumes by itself: rank 0 looks for a committed checkpoint in
-    ``ckpt_root`` and every rank takes its answer (one collective, so all ranks decide alike).
+RUN_ID_FILE = "torchelastic_run_id"
+"""In the checkpoint folder: the ``TORCHELASTIC_RUN_ID`` of the torchrun job that writes there."""
 
-    Not the restart count: torch's agent restarts the group on a membership change (a node joined)
-    without counting it as a retry, and a replacement node's ranks see 0 where the survivors see
-    >= 1 (torch/distributed/elastic/agent/server/api.py). So under torchrun a launch in a run
-    folder with checkpoints continues it, a first launch included; rank 0 prints a note."""
-    found = env.rank == 0 and bool(checkpoint_candidates(ckpt_root))
-    agreed = bool(gather_codes(env, int(found))[0])
+
+def agree_on_checkpoints(ckpt_root: Path, env: DistEnv) -> bool:
+    """Whether the worker group resumes by itself: rank 0 decides, every rank takes its answer
+    (one collective, so all ranks decide alike).
+
+    It resumes when ``ckpt_root`` has a committed checkpoint written by this torchrun job: the
+    job's ``TORCHELASTIC_RUN_ID`` (torchrun's ``--rdzv-id``; a fresh uuid per ``--standalone``
+    launch) equals the one its first group recorded in :data:`RUN_ID_FILE`. That covers every
+    restart of the job — after a failure (``--max-restarts``) and after a node joined or left
+    (``--nnodes=MIN:MAX``) — which the restart count does not: torch's agent restarts the group on
+    a membership change without counting it as a retry, and a replacement node's ranks see 0 where
+    the survivors see >= 1 (torch/distributed/elastic/agent/server/api.py). Another job (a new
+    launch of the same config) starts anew, as without torchrun, with a note; ``--resume``
+    continues it instead. Rank 0 records the job's id (a write it cannot make is left to the
+    checkpoint's own one-line error)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    same = False
+    if env.rank == 0:
+        record = ckpt_root / RUN_ID_FILE
+        try:
+            recorded = record.read_text().strip() if record.is_file() else None
+        except OSError:
+            recorded = None
+        has = bool(checkpoint_candidates(ckpt_root))
+        same = has and recorded == run_id
+        if has and not same:
+            print(f"note: {ckpt_root} has checkpoints of another torchrun job (rdzv id {recorded or 'unrecorded'}, "
+                  f"this one {run_id}): this job starts anew; pass --resume to continue them",
+                  file=sys.stderr, flush=True)
+        if recorded != run_id:
+            try:
+                ckpt_root.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(record, run_id + "\n")
+            except (OSError, DaliNerfError):
+                pass
+    agreed = bool(gather_codes(env, int(same))[0])
     if agreed and env.rank == 0:
-        print(f"note: {ckpt_root} has checkpoints and torchrun started this worker group: it resumes from the latest "
-              f"(to start anew, use another name= or remove the run folder)", file=sys.stderr, flush=True)
+        print(f"note: {ckpt_root} has checkpoints of this torchrun job (rdzv id {run_id}), whose worker group "
+              f"restarted: it resumes from the latest", file=sys.stderr, flush=True)
     return agreed
 
 

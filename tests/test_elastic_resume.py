@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 
 from dali_nerf.checkpoint import MODEL_FILE, RUN_FILE, commit_checkpoint, latest_checkpoint, load_file, save_file, save_rank_state
 from dali_nerf.errors import DaliNerfError
-from dali_nerf.resume import load_checkpoint, nearest_divisors
+from dali_nerf.resume import RUN_ID_FILE, load_checkpoint, nearest_divisors
 from dali_nerf.scenegen import make_scene
 
 REPO = Path(__file__).resolve().parent.parent
@@ -246,13 +245,14 @@ dist.destroy_process_group()
 """
 
 
-def _elastic_group(tmp_path, run: Path, counts) -> list:
-    """Two gloo ranks started as torchrun starts them (TORCHELASTIC_RUN_ID set), rank r seeing
+def _elastic_group(tmp_path, run: Path, counts, run_id: str = "t") -> list:
+    """Two gloo ranks started as torchrun starts them (TORCHELASTIC_RUN_ID=run_id), rank r seeing
     TORCHELASTIC_RESTART_COUNT=counts[r], each running read_resume_state without --resume."""
-    store = tmp_path / f"store{counts}"
+    store = tmp_path / f"store{counts}{run_id}"
     procs = []
     for r in (0, 1):
-        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_RUN_ID="t", TORCHELASTIC_RESTART_COUNT=str(counts[r]))
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_RUN_ID=run_id,
+                   TORCHELASTIC_RESTART_COUNT=str(counts[r]))
         procs.append(subprocess.Popen([sys.executable, "-c", ELASTIC_RANK, str(r), str(store), str(run)],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     try:
@@ -265,21 +265,31 @@ def _elastic_group(tmp_path, run: Path, counts) -> list:
 
 
 def test_torchrun_ranks_with_different_restart_counts_all_resume(tmp_path):
-    """A group restarted because a node joined (the agent does not count it: restart count 0 on
-    every rank) or with a replacement node (0 there, 1 on the survivors) resumes on every rank
-    alike when the run folder has a committed checkpoint (rank 0 decides; no hang: a 30 s gloo
-    timeout and a 90 s limit), and starts fresh on every rank when it has none."""
+    """A job's group restarted because a node joined (the agent does not count it: restart count 0
+    on every rank) or with a replacement node (0 there, 1 on the survivors) resumes on every rank
+    alike when the run folder has a committed checkpoint of this job (its rdzv id recorded by its
+    first group; rank 0 decides; no hang: a 30 s gloo timeout and a 90 s limit); it starts fresh
+    when there is none; another job (a new launch, another rdzv id) starts anew on every rank with
+    a note, and its own restarts then resume."""
     run = tmp_path / "run"
-    assert [o[:2] for o in _elastic_group(tmp_path, run, (0, 1))] == [(0, "fresh")] * 2
     ck = run / "checkpoints"
+    assert [o[:2] for o in _elastic_group(tmp_path, run, (0, 0))] == [(0, "fresh")] * 2
+    assert (ck / RUN_ID_FILE).read_text() == "t\n"
     save_file(ck, 4, MODEL_FILE, {"tasks": {}})
     save_file(ck, 4, RUN_FILE, {"format": 2, "step": 4, "world_size": 2, "method": "ddp", "cells": 0,
                                 "ranks": [{"rng": {}, "sources": {}}] * 2})
     commit_checkpoint(ck, 4)
-    got = _elastic_group(tmp_path, run, (0, 1))
+    for counts in ((0, 0), (0, 1)):
+        got = _elastic_group(tmp_path, run, counts)
+        assert [o[:2] for o in got] == [(0, "resumed 4")] * 2, got
+        assert f"note: {ck} has checkpoints of this torchrun job (rdzv id t)" in got[0][2]
+        assert "note" not in got[1][2]
+    got = _elastic_group(tmp_path, run, (0, 0), run_id="u")
+    assert [o[:2] for o in got] == [(0, "fresh")] * 2, got
+    assert f"note: {ck} has checkpoints of another torchrun job (rdzv id t, this one u)" in got[0][2]
+    assert (ck / RUN_ID_FILE).read_text() == "u\n"
+    got = _elastic_group(tmp_path, run, (1, 0), run_id="u")
     assert [o[:2] for o in got] == [(0, "resumed 4")] * 2, got
-    assert f"note: {ck} has checkpoints and torchrun started this worker group" in got[0][2]
-    assert "note" not in got[1][2]
 
 
 def test_a_changed_seed_or_mode_is_refused_before_any_setup(scene_dir, tmp_path, capsys):
