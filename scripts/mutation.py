@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Mutation score of one module group, with mutmut 3.8 (``pip install mutmut==3.8.1``).
+
+    python scripts/mutation.py --list               # the groups, their modules and tests
+    python scripts/mutation.py stream               # mutate the group's modules, run its tests, print the score
+    python scripts/mutation.py stream --fresh       # from scratch (what docs/RELIABILITY.md records)
+    python scripts/mutation.py stream --retest      # retest the mutants not killed (after adding tests)
+    python scripts/mutation.py stream --score       # the last run's score, no run
+    python scripts/mutation.py stream --survivors   # the diff of every mutant not killed, no run
+
+Each group runs in its own folder ``.mutation/<group>/`` (git-ignored): links to the repository's
+``dali_nerf``, ``tests``, ... and a ``setup.cfg`` that is the repository's plus the group's
+``[mutmut]`` section, so the repository's setup.cfg carries no mutmut configuration and each
+group keeps its own results cache (``.mutation/<group>/mutants/``; a plain run retests only the
+functions whose source changed). Inside it run ``mutmut results`` / ``mutmut show <name>`` /
+``mutmut run <name>`` as usual. The groups are defined once, in :data:`GROUPS`.
+
+Tests: each group names the test files that exercise its modules in-process. Tests that start
+trainer subprocesses or torchrun are left out (their subprocesses import the package afresh and
+do not see the mutant under test, and they are slow). ``--max-children`` defaults to 1 (the
+shared 2-core machine). Set ``DALI_NERF_CACHE`` so that the operator plugin is built once.
+
+Score: (killed + timeout) / total per module; mutants no selected test reaches ("no tests") count
+as survivors, as do "suspicious" ones. The C++ operator is not mutated (mutmut mutates Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["GROUPS", "Group", "main"]
+
+REPO = Path(__file__).resolve().parents[1]
+WORK = REPO / ".mutation"
+# what each group folder links to (the package and what the tests read from the checkout)
+LINKED = ("dali_nerf", "tests", "pipelines", "trainers", "configs", "scripts", "benchmarks")
+ALSO_COPY = ("pipelines", "trainers", "configs", "scripts", "benchmarks")
+PYTEST_ARGS = ("-p", "no:randomly", "-q", "--hypothesis-seed=0")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One mutation run: the modules mutated (paths from the repository root) and the pytest
+    arguments selecting the tests that exercise them (files, node ids, ``--deselect``, ``-k``)."""
+
+    modules: tuple[str, ...]
+    tests: tuple[str, ...]
+    about: str = ""
+
+
+# tests/test_bad_inputs.py's cases that run the CLIs in subprocesses
+_BAD_INPUTS_SUBPROCESS = tuple(
+    a for t in ("test_disk_full_during_checkpoint", "test_validate_cli_one_line_exit_2",
+                "test_trainer_cli_corrupt_image_one_line_exit_2")
+    for a in ("--deselect", f"tests/test_bad_inputs.py::{t}"))
+
+GROUPS: dict[str, Group] = {
+    "stream": Group(
+        about="stream keys and seeds; the numpy reference of the op's global stream",
+        modules=("dali_nerf/seeds.py", "dali_nerf/ops/reference.py"),
+        tests=("tests/test_seeds.py", "tests/test_op_global.py", "tests/test_op.py",
+               "tests/test_properties_stream.py"),
+    ),
+    "partition": Group(
+        about="SS cells, ray routing, fusion weights",
+        modules=("dali_nerf/partition/cells.py", "dali_nerf/partition/routing.py",
+                 "dali_nerf/partition/blend.py"),
+        tests=("tests/test_partition.py", "tests/test_properties_routing.py", "tests/test_fused.py",
+               # the op's routing with a box against ray_cells (the rest of test_op.py tests the op)
+               "tests/test_op.py::test_routing_with_bounds_matches_partition_reference"),
+    ),
+    "scenes": Group(
+        about="scene parsers, the Scene record, scene fingerprints",
+        modules=tuple(f"dali_nerf/scenes/{m}.py" for m in
+                      ("blender", "nerfstudio", "llff", "mega_nerf", "_util", "fingerprint", "base")),
+        tests=("tests/test_scenes.py", "tests/test_properties_scenes.py", "tests/test_scene_fingerprint.py",
+               "tests/test_validate.py", "tests/test_lens_downscale.py", "tests/test_bounds.py",
+               "tests/test_bad_inputs.py",
+               "--deselect", "tests/test_properties_scenes.py::test_validate_cli_on_a_truncated_file_exits_2_with_one_line",
+               *_BAD_INPUTS_SUBPROCESS),
+    ),
+    "config": Group(
+        about="the run configuration: dataclasses, YAML, overrides, checks",
+        modules=("dali_nerf/config.py",),
+        tests=("tests/test_config.py", "tests/test_properties_config.py", "tests/test_bad_inputs.py",
+               "--deselect", "tests/test_config.py::test_cli_exit_code_two_no_traceback",
+               *_BAD_INPUTS_SUBPROCESS),
+    ),
+}
+
+CAUGHT = ("killed", "timeout")
+COLUMNS = ("killed", "timeout", "survived", "no tests", "suspicious", "segfault", "skipped", "not checked")
+
+
+def group_dir(name: str) -> Path:
+    return WORK / name
+
+
+def write_setup(name: str) -> Path:
+    """Create ``.mutation/<name>/`` (links + setup.cfg with the group's [mutmut] section)."""
+    g, d = GROUPS[name], group_dir(name)
+    d.mkdir(parents=True, exist_ok=True)
+    for entry in LINKED:
+        link = d / entry
+        if not link.is_symlink():
+            link.symlink_to(Path("..") / ".." / entry)
+    lines = ["", "[mutmut]", "source_paths = dali_nerf", "only_mutate ="]
+    lines += [f"    {m}" for m in g.modules]
+    lines += ["also_copy ="] + [f"    {p}" for p in ALSO_COPY]
+    lines += ["pytest_add_cli_args ="] + [f"    {a}" for a in PYTEST_ARGS]
+    lines += ["pytest_add_cli_args_test_selection ="] + [f"    {t}" for t in g.tests]
+    # a mutant is stopped (and counted as caught, "timeout") after (t + 10) * 3 s of wall time, t the
+    # clean run of its tests (mutmut's default (t + 1) * 15 s let each endless cycle-walk of the
+    # reference's Feistel permutation run for minutes; the constant keeps the fork's collection
+    # of the test files on a loaded machine from counting as a timeout)
+    lines += ["timeout_multiplier = 3", "timeout_constant = 10"]
+    # the repository's checks on non-Python files would only warn about docs and the like
+    lines += ["use_git_change_detection = false", ""]
+    text = (REPO / "setup.cfg").read_text() + "\n".join(lines)
+    cfg = d / "setup.cfg"
+    if not cfg.exists() or cfg.read_text() != text:
+        cfg.write_text(text)
+    return d
+
+
+def statuses(name: str) -> dict[str, dict[str, str]]:
+    """{module: {mutant name: status}} from the group's last run (mutmut's .meta files)."""
+    from mutmut.stats import status_by_exit_code
+
+    out = {}
+    for m in GROUPS[name].modules:
+        meta = group_dir(name) / "mutants" / (m + ".meta")
+        codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+        out[m] = {k: status_by_exit_code[v] for k, v in codes.items()}
+    return out
+
+
+def score_table(name: str) -> str:
+    """Markdown rows: module | killed / total | % | the counts of each status."""
+    rows = ["| module | caught / total | score | " + " | ".join(COLUMNS) + " |",
+            "|---" * (3 + len(COLUMNS)) + "|"]
+    tot = {c: 0 for c in COLUMNS}
+    for m, st in statuses(name).items():
+        counts = {c: sum(1 for s in st.values() if s == c) for c in COLUMNS}
+        for c in COLUMNS:
+            tot[c] += counts[c]
+        rows.append(_row(m, counts, len(st)))
+    rows.append(_row("**all**", tot, sum(tot.values())))
+    return "\n".join(rows)
+
+
+def _row(label: str, counts: dict, total: int) -> str:
+    caught = sum(counts[c] for c in CAUGHT)
+    pct = f"{100 * caught / total:.1f}%" if total else "-"
+    return f"| {label} | {caught} / {total} | {pct} | " + " | ".join(str(counts[c]) for c in COLUMNS) + " |"
+
+
+def not_killed(name: str) -> list[str]:
+    return [k for st in statuses(name).values() for k, s in st.items() if s not in CAUGHT]
+
+
+def mutmut(name: str, *args: str) -> int:
+    exe = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or "mutmut"
+    return subprocess.call([exe, *args], cwd=group_dir(name))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("group", nargs="?", choices=sorted(GROUPS))
+    ap.add_argument("--list", action="store_true", help="list the groups")
+    ap.add_argument("--fresh", action="store_true", help="drop the group's results first")
+    ap.add_argument("--retest", action="store_true", help="retest the mutants not killed")
+    ap.add_argument("--score", action="store_true", help="print the last run's score only")
+    ap.add_argument("--survivors", action="store_true", help="print each mutant not killed, with its diff")
+    ap.add_argument("--max-children", type=int, default=1)
+    a = ap.parse_args(argv)
+    if a.list or not a.group:
+        for n, g in GROUPS.items():
+            print(f"{n}: {g.about}\n  modules: {' '.join(g.modules)}\n  tests: {' '.join(g.tests)}")
+        return 0
+    write_setup(a.group)
+    if a.survivors:
+        for k in not_killed(a.group):
+            mutmut(a.group, "show", k)
+        return 0
+    if not a.score:
+        if a.fresh:
+            shutil.rmtree(group_dir(a.group) / "mutants", ignore_errors=True)
+        names = not_killed(a.group) if a.retest else []
+        if a.retest and not names:
+            print("nothing to retest")
+        else:
+            rc = mutmut(a.group, "run", "--max-children", str(a.max_children), *names)
+            if rc:
+                return rc
+    print(f"\nmutation score, group {a.group} ({', '.join(GROUPS[a.group].tests)}):\n")
+    print(score_table(a.group))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
