@@ -1,25 +1,32 @@
-"""Atomic, per-rank checkpoints.
+"""Atomic checkpoint files: one folder per step, a ``latest`` pointer.
 
-Layout under ``runs/<name>/checkpoints/``::
+Layout under ``runs/<name>/checkpoints/`` (format 2, :mod:`dali_nerf.resume` decides the content)::
 
-    step_000500/rank0.pt, rank1.pt, ...   one file per rank (model, optimizer, loader, RNG state)
-    latest                                 text: the name of the newest *complete* step folder
+    step_000500/run.pt        the run's state, once: step, world size, method, stream, global batch,
+                              seed, mode, the scene's fingerprint, every rank's RNG and loader state
+                model.pt      DDP: the model, once (field, optimizer, scheduler, occupancy: the
+                              replicas are identical)
+                cell3.pt ...  SS: one file per cell (its field, optimizer, occupancy, loader state)
+    latest                    text: the name of the newest *complete* step folder
 
-Each rank writes ``rankR.pt`` to a temporary file in the same folder, fsyncs it and renames it
-(``os.replace`` is atomic on POSIX; :mod:`dali_nerf.atomic`). After a barrier, rank 0 rewrites ``latest`` the same way. A
-kill at any point leaves the previous ``latest`` and its files intact: a reader only ever follows
-``latest``. Files are loaded with ``torch.load(weights_only=True)``: checkpoints hold tensors,
-numbers, strings, lists and dicts only, so a crafted pickle cannot run code; the zip's CRC-32 of
-every record is then verified (``torch.load`` does not check them: a flipped bit inside a tensor
-would load silently).
+Format 1 (written before format 2: one ``rank<R>.pt`` per rank holding everything of that rank)
+is still read (:func:`checkpoint_format`, :func:`load_rank_state`).
+
+Each file is written to a temporary file in the same folder, fsynced and renamed (``os.replace``
+is atomic on POSIX; :mod:`dali_nerf.atomic`). After a barrier, rank 0 rewrites ``latest`` the
+same way. A kill at any point leaves the previous ``latest`` and its files intact: a reader only
+ever follows ``latest``. Files are loaded with ``torch.load(weights_only=True)``: checkpoints hold
+tensors, numbers, strings, lists and dicts only, so a crafted pickle cannot run code; the zip's
+CRC-32 of every record is then verified (``torch.load`` does not check them: a flipped bit inside
+a tensor would load silently).
 
 Resuming (:func:`resume_checkpoint`): the newest checkpoint whose files *every* rank can read.
-A rank file that is missing, truncated, corrupt or not a training checkpoint
+A file that is missing, truncated, corrupt or not a training checkpoint
 (:class:`CheckpointUnreadable`) makes every rank fall back to the previous committed folder
 (``latest``'s, then the older ``step_*`` folders; ``commit_checkpoint`` keeps 2), each rank
 warning about its own bad file; with no complete checkpoint left it is one error naming the bad
-files. A crafted file, or a checkpoint that does not fit the run (another world size, another
-scene), is refused at once: those are not damage that an older step repairs.
+files. A crafted file, or a checkpoint that does not fit the run (a world size it cannot resume
+on, another scene), is refused at once: those are not damage that an older step repairs.
 """
 
 from __future__ import annotations
@@ -36,8 +43,19 @@ import torch
 from .atomic import atomic_write, atomic_write_bytes, atomic_write_json, atomic_write_text
 from .errors import DaliNerfError
 
-__all__ = ["save_rank_state", "commit_checkpoint", "latest_checkpoint", "load_rank_state", "atomic_write_bytes", "atomic_write_text",
-           "atomic_write_json", "CheckpointUnreadable", "checkpoint_candidates", "resume_checkpoint"]
+__all__ = ["save_rank_state", "save_file", "commit_checkpoint", "latest_checkpoint", "load_rank_state", "load_file",
+           "checkpoint_format", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "CheckpointUnreadable",
+           "checkpoint_candidates", "resume_checkpoint", "RUN_FILE", "MODEL_FILE", "cell_file"]
+
+RUN_FILE = "run.pt"
+"""Format 2: the run's state (written once, by rank 0)."""
+MODEL_FILE = "model.pt"
+"""Format 2, DDP: the model (written once, by rank 0)."""
+
+
+def cell_file(cell: int) -> str:
+    """Format 2, SS: the file of cell ``cell`` (written by the rank that trains it)."""
+    return f"cell{int(cell)}.pt"
 
 _STEP = re.compile(r"step_(\d+)$")
 
@@ -52,17 +70,27 @@ class CheckpointUnreadable(DaliNerfError):
         self.path, self.reason = Path(path), reason
 
 
-def save_rank_state(ckpt_root, step: int, rank: int, state: dict) -> Path:
-    """Write this rank's state for ``step`` atomically; returns the file. Call on every rank, then
-    :func:`commit_checkpoint` after a barrier."""
+def save_file(ckpt_root, step: int, name: str, state: dict) -> Path:
+    """Write ``state`` as file ``name`` of the folder of ``step`` atomically; returns the file.
+    Each rank writes its files, then :func:`commit_checkpoint` after a barrier."""
     folder = Path(ckpt_root) / f"step_{step:07d}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DaliNerfError(f"{folder}: cannot create checkpoint folder ({e.strerror}); choose a writable train.runs_dir") from None
-    path = folder / f"rank{rank}.pt"
+    path = folder / name
     atomic_write(path, lambda f: torch.save(state, f))
     return path
+
+
+def save_rank_state(ckpt_root, step: int, rank: int, state: dict) -> Path:
+    """Format 1: this rank's whole state as ``rank<R>.pt`` (:func:`save_file`)."""
+    return save_file(ckpt_root, step, f"rank{rank}.pt", state)
+
+
+def checkpoint_format(folder) -> int:
+    """1 when the step folder holds per-rank files (``rank<R>.pt``, written before format 2), else 2."""
+    return 1 if any(Path(folder).glob("rank*.pt")) and not (Path(folder) / RUN_FILE).exists() else 2
 
 
 def commit_checkpoint(ckpt_root, step: int, keep: int = 2) -> None:
@@ -148,20 +176,26 @@ def _first_line(e: Exception, limit: int = 120) -> str:
 
 
 def load_rank_state(folder, rank: int, map_location="cpu") -> dict:
-    """Load ``rankR.pt`` from a checkpoint folder with ``weights_only=True`` and verify the CRC-32
+    """Format 1: load ``rank<R>.pt`` of a checkpoint folder (:func:`load_file`)."""
+    return load_file(folder, f"rank{rank}.pt", map_location,
+                     missing="resume with the world size the run was saved with")
+
+
+def load_file(folder, name: str, map_location="cpu", missing: str = "restore it or resume from an older step") -> dict:
+    """Load file ``name`` of a checkpoint folder with ``weights_only=True`` and verify the CRC-32
     of every record of its zip.
 
     Raises:
-        CheckpointUnreadable: the folder or file is missing, or the file is truncated or corrupt
-            (one line naming it; an older checkpoint may be complete).
+        CheckpointUnreadable: the folder or file is missing (``missing``: what to do), or the file
+            is truncated or corrupt (one line naming it; an older checkpoint may be complete).
         DaliNerfError: the file references Python objects beyond plain data (possibly crafted).
     """
     folder = Path(folder)
-    path = folder / f"rank{rank}.pt"
+    path = folder / name
     if not folder.is_dir():
         raise CheckpointUnreadable(folder, "checkpoint folder missing", "restore it or resume from an older step")
     if not path.is_file():
-        raise CheckpointUnreadable(path, "checkpoint file missing", "resume with the world size the run was saved with")
+        raise CheckpointUnreadable(path, "checkpoint file missing", missing)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -184,12 +218,14 @@ def load_rank_state(folder, rank: int, map_location="cpu") -> dict:
 
 
 def resume_checkpoint(ckpt_root, rank: int, check: Optional[Callable[[dict, Path], None]] = None,
-                      gather: Optional[Callable[[int], List[int]]] = None):
-    """The checkpoint to resume from: the newest committed folder whose file every rank reads.
+                      gather: Optional[Callable[[int], List[int]]] = None,
+                      load: Optional[Callable[[Path], dict]] = None):
+    """The checkpoint to resume from: the newest committed folder whose files every rank reads.
 
     Every rank calls it (it is a collective when ``gather`` is). For each candidate of
-    :func:`checkpoint_candidates`, newest first, each rank loads its own file
-    (:func:`load_rank_state`) and runs ``check(state, folder)`` on it; ``gather(code)`` returns
+    :func:`checkpoint_candidates`, newest first, each rank loads what it needs, ``load(folder)``
+    (default: its own format-1 file, :func:`load_rank_state`; ``load`` may raise the same errors
+    as ``check``), and runs ``check(state, folder)`` on it; ``gather(code)`` returns
     the codes of all ranks (0: readable, 1: :class:`CheckpointUnreadable`, 2: any other
     :class:`DaliNerfError`), so all ranks take the same decision: every rank's file readable ->
     this folder; some unreadable -> the next older folder; any refusal -> every rank stops.
@@ -217,7 +253,7 @@ def resume_checkpoint(ckpt_root, rank: int, check: Optional[Callable[[dict, Path
     for folder in candidates:
         state, mine, refused = None, None, None
         try:
-            state = load_rank_state(folder, rank)
+            state = load(folder) if load is not None else load_rank_state(folder, rank)
             if check is not None:
                 check(state, folder)
         except CheckpointUnreadable as e:
@@ -236,6 +272,7 @@ def resume_checkpoint(ckpt_root, rank: int, check: Optional[Callable[[dict, Path
         if mine is not None:
             skipped.append(mine)
             bad_files.append(f"{mine.path}: {mine.reason}")
-        bad_files += [f"{folder / f'rank{r}.pt'}: unreadable on rank {r}" for r, c in enumerate(codes) if c and r != rank]
+        theirs = (lambda r: folder / f"rank{r}.pt") if load is None else (lambda r: folder)
+        bad_files += [f"{theirs(r)}: unreadable on rank {r}" for r, c in enumerate(codes) if c and r != rank]
     raise DaliNerfError(f"{root}: no complete checkpoint to resume from ({'; '.join(bad_files)}); restore the files "
                         f"from a copy, or run without --resume to start anew")

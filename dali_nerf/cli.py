@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="interleaved rounds; each source keeps its best (default 3)")
     bs.add_argument("--out", default=None, help="also write the table (markdown) here")
     bs.add_argument("--decode-images", type=int, default=100, help="800x800 images per decode measurement")
+    bs.add_argument("--stream", choices=("global", "shard"), default="global",
+                    help="RayLoader's stream (default global: the trainers' pipeline.stream; shard: the per-rank "
+                         "stream, what this benchmark measured before the global stream)")
     bt = bsub.add_parser("study", help="the characterization study: DDP vs SS x samplers x ranks")
     bt.add_argument("--config", default="configs/study.yaml")
     bt.add_argument("overrides", nargs="*")

@@ -30,7 +30,7 @@ from .pipelines.rays import INT32_MAX, INT64_MAX, MAX_CELLS
 
 __all__ = [
     "Config", "SceneConfig", "CacheConfig", "PipelineConfig", "ModelConfig", "TrainConfig",
-    "PartitionConfig", "BenchConfig", "load_config", "config_to_dict", "apply_overrides",
+    "PartitionConfig", "BenchConfig", "load_config", "config_to_dict", "apply_overrides", "STREAMS",
 ]
 
 
@@ -93,11 +93,21 @@ class PipelineConfig:
     """Batch source: rays (our DALI pipeline + operator) | sync_global | sync_local | torch_workers | ready
     (one batch again and again: the benchmarks' floor, for timing only)."""
     rays_per_batch: int = 4096
-    """Rays per rank per training step."""
+    """Rays per rank per training step: B. With ``stream: global`` the mean: the global batch is
+    G = B x world size, and each step's batch of a rank holds the rays of G whose image is in its
+    shard (counts vary around B). A run resumed on W' ranks keeps its G (B = G / W')."""
     mode: str = "random"
     """random (iid per step) | epoch (each pixel once per epoch across ranks)."""
+    stream: str = "global"
+    """rays source, DDP: global (one stream of global batches defined by the seed alone: the same
+    for every world size, every pixel of the split once per epoch across all ranks, and a run
+    resumes on another number of ranks) | shard (each rank's own stream over its image shard, the
+    stream before global existed; resumes on the same world size only). Ignored by the SS cells
+    (their per-cell streams do not depend on the world size) and the baselines (sync_global
+    samples a global batch on rank 0; sync_local and torch_workers per rank). A shard streamed
+    through windows (over cache.max_bytes) needs shard."""
     seed: int = 0
-    """Base seed; the stream is a function of (seed, rank, world size, step)."""
+    """Base seed; the stream is a function of (seed, step) (global) or (seed, rank, world size, step) (shard)."""
     prefetch: int = 2
     """Batches of rays sampled ahead of the consumer (0 = synchronous)."""
     rays_per_run: int = 0
@@ -118,6 +128,7 @@ class PipelineConfig:
     def validate(self, key: str):
         _choice(f"{key}.name", self.name, ("rays", "sync_global", "sync_local", "torch_workers", "ready"))
         _choice(f"{key}.mode", self.mode, ("random", "epoch"))
+        _choice(f"{key}.stream", self.stream, STREAMS)
         # the op's argument types bound what reaches it (pipelines/rays.py OP_ARGS)
         _in_range(f"{key}.rays_per_batch", self.rays_per_batch, 1, INT32_MAX)
         _in_range(f"{key}.rays_per_run", self.rays_per_run, 0, INT32_MAX)
@@ -426,6 +437,9 @@ class Config:
 # ---------------------------------------------------------------------------------------------
 # generic typed loading
 
+
+STREAMS = ("global", "shard")
+"""Valid ``pipeline.stream`` values."""
 
 MAX_THREADS = 1024
 """Largest pipeline.num_threads / prefetch / workers accepted (threads, queued runs, processes)."""

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .config import Config
+from .models.keyed import keyed_uniform
 from .models.ray_space import RaySpace, build_space
 from .scenes.bounds import scene_bounds
 
@@ -35,11 +36,15 @@ def learned_background_init(scene):
     return np.array(scene.background, np.float32) if scene.background_mode == "learned" else None
 
 
-def train_background(scene, raw_field, color: torch.Tensor, generator, rays: int, device) -> torch.Tensor:
+def train_background(scene, raw_field, color: torch.Tensor, generator, rays: int, device, keys=None) -> torch.Tensor:
     """The background a training batch is composited over (ARCHITECTURE.md, "Backgrounds the
     trainer supplies"): "color": ``color`` (3,); "random": a fresh uniform colour per ray (B, 3)
-    drawn from the step's ``generator``; "learned": the field's learned colour (3,), with grad."""
+    drawn from the step's ``generator``, or keyed by each ray's global position when ``keys``
+    (B,) (:func:`~dali_nerf.models.keyed.ray_keys`) are given; "learned": the field's learned
+    colour (3,), with grad."""
     mode = scene.background_mode
+    if mode == "random" and keys is not None:
+        return keyed_uniform(keys, 3)
     if mode == "random":
         return torch.rand((rays, 3), generator=generator, device=device)
     if mode == "learned":

@@ -18,7 +18,9 @@ Two doors:
 
 A spatial-segmentation rank trains several cells: its plan carries them (``cells``, ``num_cells``)
 and :meth:`SamplingPlan.stream` gives each cell's stream key, (cell, number of cells), so a cell's
-stream is the same whichever rank trains it; a data-parallel rank's stream is (rank, world size).
+stream is the same whichever rank trains it; a data-parallel rank's stream is (rank, world size),
+or, with ``ray_stream`` global (``pipeline.stream``), the split's global stream of G =
+``global_batch`` positions a step (B x world size), the seed's alone.
 
 >>> plan = plan_from_config(cfg, rank=0, world_size=2)
 >>> plan.threads, plan.rays_per_run, plan.priority, plan.stream()
@@ -33,6 +35,7 @@ from typing import Optional, Sequence, Tuple
 
 from .errors import ConfigError
 from .hostbudget import HostBudget, check_priority, host_budget, resolve_priority, run_size
+from .pipelines.rays import INT32_MAX
 
 __all__ = ["SamplingPlan", "plan_from_config", "resolve_device", "sampling_device"]
 
@@ -99,6 +102,12 @@ class SamplingPlan:
     """The host budget the threads and run size came from (None: both were given)."""
     rank_threads: int = 0
     """The rank's sampler threads (0: :attr:`threads`): the decode's, and the SS cells' share."""
+    ray_stream: str = "shard"
+    """The DDP ``rays`` source's stream: shard (the rank's own stream over its shard) | global (the
+    split's stream of global batches, :attr:`global_batch` positions a step; the rank's batch is
+    the part of each in its shard). SS cells and the baselines ignore it."""
+    global_batch: int = 0
+    """G: global positions per step of the global stream (B x world size; 0 with ``stream`` shard)."""
 
     @property
     def decode_threads(self) -> int:
@@ -109,6 +118,12 @@ class SamplingPlan:
     def steps_per_run(self) -> int:
         """K: steps of B rays per DALI run."""
         return self.rays_per_run // self.rays_per_batch
+
+    @property
+    def positions_per_run(self) -> int:
+        """Stream positions one DALI run walks: K x G with the global stream (the op's ``rays``;
+        the rank keeps about K x B of them), K x B otherwise."""
+        return self.steps_per_run * (self.global_batch if self.ray_stream == "global" else self.rays_per_batch)
 
     def stream(self, cell: Optional[int] = None) -> Tuple[int, int]:
         """(stream id, number of streams) of the op's key: (rank, world size) for data parallel,
@@ -124,10 +139,11 @@ class SamplingPlan:
                    mode: str = "random", prefetch: int = 2, device: str = "cpu", num_threads: Optional[int] = None,
                    rays_per_run: Optional[int] = None, thread_priority: str = "normal", workers: int = 2,
                    decode_batch: int = 8, max_bytes: Optional[int] = None, window_images: int = 0,
-                   rays_per_window: int = 0, cells: Sequence[int] = (), num_cells: int = 0) -> "SamplingPlan":
+                   rays_per_window: int = 0, cells: Sequence[int] = (), num_cells: int = 0,
+                   stream: str = "shard") -> "SamplingPlan":
         """The plan of a loader built from its arguments (RayLoader's drop-in API): threads and run
         size where given (> 0), else this host's budget (:func:`dali_nerf.hostbudget.host_budget`);
-        ``thread_priority`` normal | background."""
+        ``thread_priority`` normal | background; ``stream`` shard | global (G = B x world size)."""
         _positive("rays_per_batch", rays_per_batch)
         B = int(rays_per_batch)
         budget = None
@@ -139,12 +155,33 @@ class SamplingPlan:
         _positive("num_threads", threads)
         dev = resolve_device(device)
         prio = check_priority(thread_priority)  # a resolved value (a config's auto: plan_from_config)
-        K = max(1, math.ceil(int(run) / B))
+        G = _global_batch(stream, B, world_size)
+        K = _steps_per_run(run, B, G)
         return cls(rays_per_batch=B, rays_per_run=K * B, threads=int(threads), priority=prio, device=dev,
                    seed=int(seed), mode=mode, rank=int(rank), world_size=int(world_size), prefetch=int(prefetch),
                    workers=int(workers), decode_batch=int(decode_batch), max_bytes=max_bytes,
                    window_images=int(window_images), rays_per_window=int(rays_per_window), cells=tuple(cells),
-                   num_cells=int(num_cells), budget=budget)
+                   num_cells=int(num_cells), budget=budget, ray_stream=stream, global_batch=G)
+
+
+def _global_batch(stream: str, rays_per_batch: int, world_size: int) -> int:
+    """G of a ``stream``: B x W for global (checked within the op's int64 step_positions), 0 for shard."""
+    if stream not in ("shard", "global"):
+        raise ConfigError(f"stream={stream!r}: use global or shard")
+    if stream == "shard":
+        return 0
+    G = int(rays_per_batch) * int(world_size)
+    if G > INT32_MAX:
+        raise ConfigError(f"pipeline.rays_per_batch={rays_per_batch}: the global batch of {world_size} ranks, {G} rays, "
+                          f"is over the op's limit of {INT32_MAX} positions per run; lower rays_per_batch")
+    return G
+
+
+def _steps_per_run(run: int, rays_per_batch: int, global_batch: int) -> int:
+    """K = ceil(run / B), at least 1; with the global stream at most INT32_MAX // G (a run walks
+    K x G positions, the op's int32 ``rays``): K does not change the stream, only its runs."""
+    K = max(1, math.ceil(int(run) / int(rays_per_batch)))
+    return max(1, min(K, INT32_MAX // global_batch)) if global_batch else K
 
 
 def plan_from_config(cfg, rank: int = 0, world_size: int = 1, *, cells: Sequence[int] = (), num_cells: int = 0,
@@ -172,7 +209,9 @@ def plan_from_config(cfg, rank: int = 0, world_size: int = 1, *, cells: Sequence
     if cells:  # an SS rank's cells share its threads (each at least one), and their runs that many threads
         threads = max(1, rank_threads // len(cells))
         run = p.rays_per_run or run_size(B, threads)
-    K = max(1, math.ceil(int(run) / B))
+    stream = "shard" if cells else p.stream  # an SS cell's stream is already independent of the world size
+    G = _global_batch(stream, B, world_size)
+    K = _steps_per_run(run, B, G)
     return SamplingPlan(rays_per_batch=B, rays_per_run=K * B, threads=int(threads), rank_threads=rank_threads,
                         priority=resolve_priority(p.thread_priority, cfg.train.device),
                         device=resolve_device(device) if device else sampling_device(cfg.train.device),
@@ -181,4 +220,4 @@ def plan_from_config(cfg, rank: int = 0, world_size: int = 1, *, cells: Sequence
                         decode_batch=int(c.decode_batch), max_bytes=c.max_bytes,
                         window_images=int(getattr(c, "window_images", 0)),
                         rays_per_window=int(getattr(c, "rays_per_window", 0)), cells=tuple(int(x) for x in cells),
-                        num_cells=int(num_cells), budget=budget)
+                        num_cells=int(num_cells), budget=budget, ray_stream=stream, global_batch=G)

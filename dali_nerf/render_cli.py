@@ -19,7 +19,8 @@ import numpy as np
 import torch
 import yaml
 
-from .checkpoint import latest_checkpoint, load_rank_state
+from .checkpoint import (MODEL_FILE, RUN_FILE, cell_file, checkpoint_format, latest_checkpoint, load_file,
+                         load_rank_state)
 from .config import _build, Config
 from .errors import DaliNerfError
 from .models import build_field, build_occupancy, render_image
@@ -51,29 +52,40 @@ def _resolve(path: Path):
     return cfg, folder, run_dir
 
 
+def _task_states(folder: Path) -> dict:
+    """{task name: its state} of every task of a checkpoint folder, format 2 (``model.pt`` or one
+    file per cell, :mod:`dali_nerf.resume`) or 1 (one file per rank)."""
+    if checkpoint_format(folder) == 2:
+        run = load_file(folder, RUN_FILE)
+        if run.get("method") == "ss":
+            return {f"cell{c}": load_file(folder, cell_file(c))["task"] for c in range(int(run["cells"]))}
+        return dict(load_file(folder, MODEL_FILE)["tasks"])
+    st0 = load_rank_state(folder, 0)
+    tasks = dict(st0["tasks"])
+    for r in range(1, int(st0["world_size"])):
+        tasks.update(load_rank_state(folder, r)["tasks"])
+    return tasks
+
+
 def load_run_space(path, device="cpu"):
     """(cfg, field, occupancy, scene_train, space) of a run: DDP's model or SS's fused sub-models,
     and the :class:`RaySpace` they were trained in."""
     cfg, folder, run_dir = _resolve(Path(path))
     scene = scene_from_config(cfg)
-    st0 = load_rank_state(folder, 0)
-    first = next(iter(st0["tasks"].values()))
+    tasks = _task_states(folder)
+    first = next(iter(tasks.values()))
     space = RaySpace.from_state(first["space"]) if "space" in first else scene_space(cfg, scene)
     aabb = space.aabb
     if cfg.method == "ddp":
-        fst = st0["tasks"]["ddp"]["field"]
+        fst = tasks["ddp"]["field"]
         field = build_field(cfg.model, aabb, fst["background_logit"].sigmoid() if "background_logit" in fst else None)
         field.load_state_dict(fst)
         occ = build_occupancy(cfg.model, aabb)
         if occ is not None:
-            occ.load_state_dict(st0["tasks"]["ddp"]["occupancy"])
+            occ.load_state_dict(tasks["ddp"]["occupancy"])
         return cfg, field.to(device).eval(), occ.to(device) if occ is not None else None, scene, space
     partition = Partition.load(run_dir / "partition.json")
-    states = {}
-    for r in range(int(st0["world_size"])):
-        st = st0 if r == 0 else load_rank_state(folder, r)
-        for name, t in st["tasks"].items():
-            states[int(name[4:])] = t
+    states = {int(name[4:]): t for name, t in tasks.items()}
     field, occ = build_fused(cfg, partition, aabb, states, device)
     return cfg, field, occ, scene, space
 

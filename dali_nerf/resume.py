@@ -1,10 +1,33 @@
-"""A run's checkpoints: what each rank saves (its tasks' fields, optimisers, sources, RNG states),
-and the resume: the newest checkpoint every rank can read, checked against the run before the
-expensive setup, loaded into the tasks. The files themselves: :mod:`dali_nerf.checkpoint`."""
+"""A run's checkpoints: what is saved once per step (format 2) and how a run resumes — on the
+same number of ranks, or on another one when its streams allow it. The files themselves:
+:mod:`dali_nerf.checkpoint`.
+
+Format 2, one step folder (DDP replicas are identical, so the model is stored once):
+
+* ``run.pt`` (rank 0): ``format`` 2, ``step``, ``world_size`` (the ranks that wrote it),
+  ``method``, ``pipeline`` (the source's name), ``stream`` (the formula's version:
+  ``global-v2`` | ``shard-v1`` | the baseline's), ``global_batch`` G (0 when the stream has
+  none), ``seed``, ``mode``, ``scene`` (the training split's fingerprint), ``cells`` (SS: their
+  number), ``ranks``: per rank of the writer ``{"rng", "sources", "cells", "replica"}`` (its RNG
+  states; DDP: its loader's state and its replica's digest, :func:`replica_digest`; SS: its cells);
+* DDP ``model.pt`` (rank 0): ``{"tasks": {"ddp": field, optimizer, scheduler, occupancy, space}}``;
+* SS ``cell<C>.pt`` (the rank that trains cell C): that cell's task state with its loader state.
+
+Resume on W' ranks (:func:`read_resume_state`): W' = W: every rank takes its own RNG and loader
+state (exactly as before). W' != W (elastic; torchrun ``--nnodes=MIN:MAX`` restarts): allowed for
+the DDP global stream (each rank decodes its new shard once and continues the saved global step
+with G kept: rays per rank G / W', refused when W' does not divide G), ``sync_global`` (rank 0's
+global batch, G kept likewise) and the SS ``rays`` cells (cells reassigned by
+:func:`~dali_nerf.partition.assign_rank`; each cell's stream is its own); refused in one line for
+per-rank streams (``pipeline.stream=shard``, sync_local, torch_workers, the SS baselines). Format
+1 checkpoints (one ``rank<R>.pt`` per rank) resume on their world size only.
+"""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import hashlib
 import os
 import random
 import sys
@@ -13,17 +36,24 @@ from typing import List, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import yaml
 
-from .checkpoint import (CheckpointUnreadable, atomic_write_text, checkpoint_candidates, commit_checkpoint,
-                         resume_checkpoint, save_rank_state)
+from .checkpoint import (MODEL_FILE, RUN_FILE, CheckpointUnreadable, atomic_write_text, cell_file, checkpoint_candidates,
+                         checkpoint_format, commit_checkpoint, load_file, load_rank_state, resume_checkpoint, save_file)
 from .config import Config, config_to_dict
 from .errors import DaliNerfError
+from .partition import assign_rank
+from .pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
 from .runtime import DistEnv, gather_codes
 from .scenes import describe_change, scene_fingerprint
 from .tasks import Task, close_sources
 
-__all__ = ["save_checkpoint", "read_resume_state", "restore_tasks"]
+__all__ = ["save_checkpoint", "read_resume_state", "restore_tasks", "resumed_config", "run_stream", "load_checkpoint",
+           "replica_digest", "ELASTIC"]
+
+ELASTIC = {("ddp", GLOBAL_STREAM), ("ddp", "sync_global-v1"), ("ss", "cells-v1")}
+"""(method, stream) pairs a checkpoint of which resumes on another world size."""
 
 
 def _rng_state() -> dict:
@@ -43,14 +73,16 @@ def _set_rng_state(s: dict) -> None:
     random.setstate((st[0], tuple(st[1]), st[2]))
 
 
-def _task_state(task: Task) -> dict:
-    st = {
-        "field": task.raw_field.state_dict(),
-        "optimizer": task.optimizer.state_dict(),
-        # the scene's fingerprint is stored once per checkpoint ("scene", checked by read_resume_state)
-        "source": ({k: v for k, v in task.source.state_dict().items() if k != "scene"}
-                   if hasattr(task.source, "state_dict") else {}),
-    }
+def _source_state(task: Task) -> dict:
+    # the scene's fingerprint is stored once per checkpoint ("scene", checked by read_resume_state)
+    return ({k: v for k, v in task.source.state_dict().items() if k != "scene"}
+            if hasattr(task.source, "state_dict") else {})
+
+
+def _task_state(task: Task, source: bool) -> dict:
+    st = {"field": task.raw_field.state_dict(), "optimizer": task.optimizer.state_dict()}
+    if source:
+        st["source"] = _source_state(task)
     if task.space is not None:
         st["space"] = task.space.state()  # dali-nerf render rebuilds the same space from it
     if task.occupancy is not None:
@@ -71,30 +103,179 @@ def _load_task_state(task: Task, st: dict) -> None:
         task.scheduler.load_state_dict(st["scheduler"])
 
 
+def replica_digest(task: Task) -> str:
+    """SHA-256 of a task's field and optimizer tensors (bytes, in key order): equal on every DDP
+    rank (the checkpoint stores one replica; ``run.pt`` keeps each rank's digest)."""
+    h = hashlib.sha256()
+
+    def add(obj):
+        if isinstance(obj, torch.Tensor):
+            h.update(obj.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                h.update(str(k).encode())
+                add(obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                add(v)
+        else:
+            h.update(repr(obj).encode())
+
+    add(task.raw_field.state_dict())
+    add(task.optimizer.state_dict()["state"])
+    return h.hexdigest()
+
+
+def run_stream(cfg: Config) -> tuple:
+    """(stream version, G) of a run's training stream: what a checkpoint records and an elastic
+    resume keeps. DDP ``rays``: the global stream (G = B x W at the run's start) or the shard
+    stream; ``sync_global``: rank 0's global batch of B x W; SS ``rays``: the cells' own streams;
+    the rest: per-rank streams (G 0)."""
+    p = cfg.pipeline
+    if cfg.method == "ss":
+        return ("cells-v1" if p.name == "rays" else f"ss-{p.name}-v1"), 0
+    if p.name == "rays":
+        return (GLOBAL_STREAM, 1) if p.stream == "global" else (SHARD_STREAM, 0)
+    return (f"{p.name}-v1", 1 if p.name == "sync_global" else 0)
+
+
 def save_checkpoint(run_dir: Path, step: int, tasks: List[Task], env: DistEnv, cfg: Config, scene) -> None:
-    """Every rank writes its file, then rank 0 commits the step. ``scene``: the training split,
-    whose fingerprint (:func:`dali_nerf.scenes.scene_fingerprint`) the file carries as "scene"."""
-    state = {"step": step, "rank": env.rank, "world_size": env.world_size, "method": cfg.method,
-             "scene": scene_fingerprint(scene), "tasks": {t.name: _task_state(t) for t in tasks}, "rng": _rng_state()}
-    save_rank_state(run_dir / "checkpoints", step, env.rank, state)
+    """Format 2 (module doc): every rank's RNG and (DDP) loader state gathered into rank 0's
+    ``run.pt``; DDP's model once (rank 0, ``model.pt``); SS one file per cell, by its rank. Then
+    rank 0 commits the step. ``scene``: the training split (its fingerprint is stored)."""
+    ss = cfg.method == "ss"
+    mine = {"rng": _rng_state(), "sources": {} if ss else {t.name: _source_state(t) for t in tasks},
+            "cells": [t.cell for t in tasks] if ss else [],
+            "replica": "" if ss else replica_digest(tasks[0])}
+    ranks = [mine]
+    if env.distributed:
+        ranks = [None] * env.world_size
+        dist.all_gather_object(ranks, mine)
+    root = run_dir / "checkpoints"
+    for t in tasks if ss else ():
+        save_file(root, step, cell_file(t.cell), {"cell": t.cell, "task": _task_state(t, source=True)})
+    if env.rank == 0:
+        if len({r["replica"] for r in ranks}) > 1:  # DDP keeps them equal; the file holds rank 0's
+            print(f"warning: step {step}: the DDP replicas differ (digests {[r['replica'][:12] for r in ranks]}); "
+                  f"the checkpoint holds rank 0's", file=sys.stderr, flush=True)
+        stream, has_global = run_stream(cfg)
+        run = {"format": 2, "step": step, "world_size": env.world_size, "method": cfg.method,
+               "pipeline": cfg.pipeline.name, "stream": stream,
+               "global_batch": has_global * cfg.pipeline.rays_per_batch * env.world_size, "seed": cfg.pipeline.seed,
+               "mode": cfg.pipeline.mode, "scene": scene_fingerprint(scene), "ranks": ranks,
+               "cells": sum(len(r["cells"]) for r in ranks)}
+        if not ss:
+            save_file(root, step, MODEL_FILE, {"tasks": {t.name: _task_state(t, source=False) for t in tasks}})
+        save_file(root, step, RUN_FILE, run)  # last: a folder with run.pt has its other files
     env.barrier()
     if env.rank == 0:
-        commit_checkpoint(run_dir / "checkpoints", step)
+        commit_checkpoint(root, step)
     env.barrier()
 
 
-def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None):
+def _divisors(n: int, most: int = 8) -> str:
+    return ", ".join(str(d) for d in [d for d in range(1, min(n, 4096) + 1) if n % d == 0][:most])
+
+
+def _check_elastic(run: dict, folder: Path, world: int) -> None:
+    """Refuse (one line) a format-2 checkpoint that cannot resume on ``world`` ranks."""
+    W, stream, method = int(run["world_size"]), run.get("stream"), run.get("method")
+    if W == world:
+        return
+    if (method, stream) not in ELASTIC:
+        what = ("pipeline.stream=shard (each rank's own stream over its image shard)" if stream == SHARD_STREAM else
+                f"pipeline.name={run.get('pipeline')} (per-rank streams)")
+        raise DaliNerfError(f"{folder}: written by {W} ranks with {what}, which resumes on {W} ranks only, not {world}; "
+                            f"resume with {W} ranks (a run started with pipeline.stream=global resumes on another "
+                            f"number of ranks)")
+    G = int(run.get("global_batch") or 0)
+    if G and G % world:
+        raise DaliNerfError(f"{folder}: the run's global batch of {G} rays ({G // W} per rank x {W} ranks) does not "
+                            f"divide among {world} ranks, and it is kept across world sizes; resume on a number of "
+                            f"ranks that divides {G} ({_divisors(G)}, ...)")
+    C = int(run.get("cells") or 0)
+    if method == "ss" and world > C:
+        raise DaliNerfError(f"{folder}: the run's {C} cells cannot be shared among {world} ranks (a rank would train "
+                            f"none); resume on at most {C} ranks")
+
+
+def _load_v1(folder: Path, env: DistEnv) -> dict:
+    """This rank's format-1 file; a world size it cannot resume on is refused."""
+    try:
+        st = load_rank_state(folder, env.rank)
+    except CheckpointUnreadable:
+        if env.rank and not (folder / f"rank{env.rank}.pt").exists():  # a rank the run did not have?
+            try:
+                other = load_rank_state(folder, 0)
+            except CheckpointUnreadable:
+                other = None  # rank 0's own read reports it
+            if isinstance(other, dict) and other.get("world_size") not in (None, env.world_size):
+                _refuse_v1(folder, other["world_size"], env.world_size)
+        raise
+    path = folder / f"rank{env.rank}.pt"
+    missing = [k for k in ("step", "world_size", "tasks", "rng") if not isinstance(st, dict) or k not in st]
+    if missing:
+        raise CheckpointUnreadable(path, f"not a dali_nerf training checkpoint (no {', '.join(missing)})")
+    if st["world_size"] != env.world_size:
+        _refuse_v1(folder, st["world_size"], env.world_size)
+    return dict(st, format=1)
+
+
+def _refuse_v1(folder, saved: int, now: int):
+    raise DaliNerfError(f"{folder}: saved with world size {saved} in checkpoint format 1 (one file per rank), which "
+                        f"resumes on {saved} ranks only, not {now}; resume with the same number of ranks")
+
+
+def _load_v2(folder: Path, env: DistEnv) -> dict:
+    """What this rank needs of a format-2 folder: the run state, then the model (DDP) or the
+    files of the cells it trains on ``env.world_size`` ranks (SS), merged as one state."""
+    run = load_file(folder, RUN_FILE)
+    missing = [k for k in ("step", "world_size", "method", "ranks") if not isinstance(run, dict) or k not in run]
+    if missing:
+        raise CheckpointUnreadable(folder / RUN_FILE, f"not a dali_nerf training checkpoint (no {', '.join(missing)})")
+    _check_elastic(run, folder, env.world_size)
+    same = int(run["world_size"]) == env.world_size
+    mine = run["ranks"][env.rank] if same else run["ranks"][0]  # elastic: every rank continues rank 0's state
+    if run["method"] == "ss":
+        tasks = {}
+        for c in assign_rank(int(run["cells"]), env.world_size)[env.rank]:
+            cell = load_file(folder, cell_file(c))
+            tasks[f"cell{c}"] = cell["task"]
+    else:
+        model = load_file(folder, MODEL_FILE)
+        tasks = {name: dict(t, source=mine["sources"].get(name, {})) for name, t in model["tasks"].items()}
+    return dict(run, tasks=tasks, rng=mine["rng"] if same else None, format=2)
+
+
+def load_checkpoint(folder, rank: int = 0, world_size: Optional[int] = None) -> dict:
+    """The state rank ``rank`` of ``world_size`` ranks (default: as many as wrote it) resumes from
+    in checkpoint ``folder`` (format 2: the run state with ``tasks`` for that rank, its RNG and
+    loader states on the same world size; format 1: the rank's file), with the world-size rules
+    of a resume (a refusal is a DaliNerfError) but not the scene check: for tools and tests."""
+    folder = Path(folder)
+    if checkpoint_format(folder) == 1:
+        if world_size is None:
+            return dict(load_rank_state(folder, rank), format=1)
+        return _load_v1(folder, DistEnv(int(rank), int(world_size), int(rank), torch.device("cpu")))
+    W = int(world_size or load_file(folder, RUN_FILE)["world_size"])
+    return _load_v2(folder, DistEnv(int(rank), W, int(rank), torch.device("cpu")))
+
+
+def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None, cfg: Optional[Config] = None):
     """``(resume, state, folder)``: this rank's checkpoint state (read ``weights_only`` and checked
     before the expensive setup) when resuming, else ``(False, None, None)``. A worker group
-    restarted by torchrun ``--max-restarts`` resumes from the last checkpoint by itself.
+    restarted by torchrun (``--max-restarts``, ``--nnodes=MIN:MAX``) resumes from the last
+    checkpoint by itself, on however many ranks it restarted with (module doc).
 
     The folder is the newest committed checkpoint every rank can read
-    (:func:`dali_nerf.checkpoint.resume_checkpoint`): a missing, truncated or corrupt rank file
-    makes all ranks fall back to the previous checkpoint, each rank warning (one line on stderr)
-    about its own bad file. Refused (one line, nothing written): no checkpoint; none complete; a
-    crafted file; another world size; a training split ``scene`` whose fingerprint differs from
-    the one saved (images added or removed, sizes, cameras or downscale changed). A checkpoint
-    written before fingerprints were saved resumes without the scene check.
+    (:func:`dali_nerf.checkpoint.resume_checkpoint`): a missing, truncated or corrupt file makes
+    all ranks fall back to the previous checkpoint, each rank warning (one line on stderr) about
+    its own bad file. Refused (one line, nothing written): no checkpoint; none complete; a crafted
+    file; a world size the checkpoint cannot resume on (per-rank streams, format 1, a global batch
+    W' does not divide, more ranks than SS cells); another method than ``cfg``'s; a training split
+    ``scene`` whose fingerprint differs from the one saved (images added or removed, sizes,
+    cameras or downscale changed). A checkpoint written before fingerprints were saved resumes
+    without the scene check.
     """
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     ckpt_root = run_dir / "checkpoints"
@@ -104,41 +285,73 @@ def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None):
         return False, None, None
     current = scene_fingerprint(scene) if scene is not None else None
 
+    def load(folder: Path) -> dict:
+        return _load_v1(folder, env) if checkpoint_format(folder) == 1 else _load_v2(folder, env)
+
     def check(st, folder: Path):
-        path = folder / f"rank{env.rank}.pt"
-        missing = [k for k in ("step", "world_size", "tasks", "rng") if not isinstance(st, dict) or k not in st]
-        if missing:
-            raise CheckpointUnreadable(path, f"not a dali_nerf training checkpoint (no {', '.join(missing)})")
-        if st["world_size"] != env.world_size:
-            raise DaliNerfError(f"{folder}: saved with world size {st['world_size']}, now {env.world_size}; resume with the same number of ranks")
+        if cfg is not None and st.get("method", cfg.method) != cfg.method:
+            raise DaliNerfError(f"{folder}: written by a method {st['method']} run, this is a {cfg.method} run; resume it "
+                                f"with trainers/{'spatial' if st['method'] == 'ss' else 'ddp'}.py")
         change = describe_change(st.get("scene"), current) if current is not None else None
         if change is not None:
             raise DaliNerfError(f"{scene.root}: changed since the checkpoint {folder} was written: {change}; resume with the "
                                 f"scene the run was trained on, or start a new run (another name=, without --resume)")
 
-    folder, st, skipped = resume_checkpoint(ckpt_root, env.rank, check, lambda code: gather_codes(env, code))
+    folder, st, skipped = resume_checkpoint(ckpt_root, env.rank, check, lambda code: gather_codes(env, code), load=load)
     for bad in skipped:
         print(f"warning: {bad.path}: {bad.reason}; every rank resumes from the previous complete checkpoint {folder} "
               f"(step {st['step']})", file=sys.stderr, flush=True)
     return True, st, folder
 
 
+def resumed_config(cfg: Config, st: Optional[dict], env: DistEnv) -> Config:
+    """The config a resumed run continues with: the checkpoint's stream and global batch win over
+    the config's (a resume continues the run's stream). Format 1: the shard stream (the only one
+    then). Global stream / sync_global: ``rays_per_batch`` = G / W' (W' the ranks now; the check
+    refused a W' that does not divide G). Rank 0 prints one note per changed value."""
+    if st is None or cfg.method != st.get("method", cfg.method):
+        return cfg
+    p, notes = cfg.pipeline, []
+    if st.get("format", 1) == 1:
+        if cfg.method == "ddp" and p.name == "rays" and p.stream != "shard":
+            notes.append("a checkpoint of format 1 continues the shard stream: pipeline.stream=shard")
+            p = dataclasses.replace(p, stream="shard")
+    elif st.get("pipeline") == p.name:
+        if cfg.method == "ddp" and p.name == "rays":
+            kind = "global" if st.get("stream") == GLOBAL_STREAM else "shard"
+            if kind != p.stream:
+                notes.append(f"the run samples the {kind} stream: pipeline.stream={kind}")
+                p = dataclasses.replace(p, stream=kind)
+        G = int(st.get("global_batch") or 0)
+        if G and G // env.world_size != p.rays_per_batch:
+            notes.append(f"its global batch of {G} rays is kept on {env.world_size} ranks: pipeline.rays_per_batch="
+                         f"{G // env.world_size} (was {p.rays_per_batch})")
+            p = dataclasses.replace(p, rays_per_batch=G // env.world_size)
+    if env.rank == 0:
+        for n in notes:
+            print(f"note: resuming step {st['step']} (written by {st['world_size']} rank(s)): {n}", file=sys.stderr,
+                  flush=True)
+    return dataclasses.replace(cfg, pipeline=p) if p is not cfg.pipeline else cfg
+
+
 def restore_tasks(cfg: Config, tasks: List[Task], st: Optional[dict], folder, env: DistEnv) -> int:
-    """Load the checkpoint ``st`` (if any) into the tasks and the RNGs, then rank 0 writes the
-    resolved ``config.yaml``. Returns the step to continue after (0 for a new run). On any error
-    the tasks' sources are closed."""
+    """Load the checkpoint ``st`` (if any) into the tasks and (same world size) the RNGs, then rank
+    0 writes the resolved ``config.yaml``. Returns the step to continue after (0 for a new run).
+    On any error the tasks' sources are closed."""
     start_step = 0
     try:
         if st is not None:
             try:
                 for t in tasks:
                     _load_task_state(t, st["tasks"][t.name])
-                _set_rng_state(st["rng"])
+                if st.get("rng") is not None:
+                    _set_rng_state(st["rng"])
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 lines = [l.strip() for l in str(e).splitlines() if l.strip()]
                 what = next((l for l in lines if l.startswith(("size mismatch", "Missing key", "Unexpected key"))),
                             lines[0] if lines else "")[:200]
-                raise DaliNerfError(f"{folder / f'rank{env.rank}.pt'}: does not match this run's config ({type(e).__name__}: {what}); "
+                where = folder / f"rank{env.rank}.pt" if st.get("format", 1) == 1 else folder
+                raise DaliNerfError(f"{where}: does not match this run's config ({type(e).__name__}: {what}); "
                                     f"resume with the config the run was saved with") from None
             start_step = int(st["step"])
         if env.rank == 0:

@@ -11,6 +11,8 @@ purpose           function                                         used by
 process RNGs      :func:`process_seed` (seed, rank)                training: torch/numpy/random
 model init        :func:`init_seed` (seed[, cell])                 trainers: ``torch.manual_seed``
 render jitter     :func:`step_seed` (seed, rank, step, cell)       training: per-step generator
+per-ray draws     :func:`ray_key` (seed, purpose)                  training, global stream: jitter /
+                                                                   background keyed by position
 window order      :func:`window_order_keys` (seed, rank, cycle)    sources.streaming: window_plan
 window stream     :func:`window_key` (seed, rank, cycle, window)   sources.streaming: the op's seed
 baseline blocks   :func:`block_seed` (seed, stream, position)      sources.sync: random mode
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["mix64", "mix63", "process_seed", "init_seed", "step_seed", "window_order_keys", "window_key",
+__all__ = ["mix64", "mix63", "process_seed", "init_seed", "step_seed", "ray_key", "window_order_keys", "window_key",
            "block_seed", "perm_seed", "routed_stream", "op_stream_key", "op_global_key", "splitmix_finalise"]
 
 M64 = (1 << 64) - 1
@@ -92,6 +94,18 @@ def step_seed(seed: int, rank: int, step: int, cell: int = -1) -> int:
     """Seed of the per-step sampling-jitter generator: a pure function of (seed, rank, step, cell),
     so resumed runs and prefetching do not change training."""
     return (seed * 6364136223846793005 + (rank + 1) * 1442695040888963407 + step * 97 + (cell + 1) * 7919) % (2**63)
+
+
+RAY_PURPOSES = {"jitter": 1, "background": 2}
+"""The per-ray draws of a training step of the global stream."""
+
+
+def ray_key(seed: int, purpose: str) -> int:
+    """64-bit key of a per-ray draw (``jitter``: the stratified samples; ``background``: a random
+    background colour) of the global stream: the ray's draw is a hash of (this key, its global
+    position, j) (:func:`dali_nerf.models.keyed.ray_keys`), so it is the same on any rank of
+    any world size."""
+    return mix64(seed, 0x72617973, RAY_PURPOSES[purpose])  # 0x72617973: "rays"
 
 
 # ---- streaming windows ----------------------------------------------------------------------

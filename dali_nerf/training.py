@@ -50,13 +50,15 @@ from .errors import ConfigError
 from .evaluation import EvalViews, PeriodicEval, evaluate_field, mean_color_psnr, write_renders
 from .fieldsetup import train_background
 from .models import render_rays
+from .models.keyed import ray_keys
 from .models.ray_space import RaySpace
 from .phases import PHASES, PhaseTimer
 from .plan import plan_from_config
-from .resume import read_resume_state, restore_tasks, save_checkpoint
+from .resume import read_resume_state, restore_tasks, resumed_config, run_stream, save_checkpoint
 from .runlog import MetricsWriter, append_metrics_row, bar_stall, progress_bar, steady_stall
 from .runtime import (DistEnv, gpu_memory, load_scenes, prepare_run_dir, seed_everything, setup_distributed,
                       step_generator, to_device, torch_threads_kept)
+from .seeds import ray_key
 from .tasks import Method, Task, close_sources
 from .tblog import TBWriter, step_scalars
 
@@ -85,7 +87,8 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
         env = setup_distributed(cfg.train.device, cfg.train.torch_threads)
         prepare_run_dir(cfg.run_dir, env)
         scene, eval_scene = load_scenes(cfg, env)
-        resume, saved, folder = read_resume_state(cfg.run_dir, env, resume, scene)
+        resume, saved, folder = read_resume_state(cfg.run_dir, env, resume, scene, cfg)
+        cfg = resumed_config(cfg, saved, env)  # the checkpoint's stream and global batch (any world size)
         seed_everything(cfg.pipeline.seed, env.rank)
         tasks = method.build_tasks(cfg, scene, env)
         start_step = restore_tasks(cfg, tasks, saved, folder, env)
@@ -120,7 +123,14 @@ class LoopResult:
 
 def train_task_step(cfg: Config, env: DistEnv, task: Task, step: int, scene, bg, sync_timers, timer: "PhaseTimer"):
     """One optimisation step of one task, its phases recorded in ``timer`` (resolved by the
-    caller at the end of the step); returns (loss tensor, rays)."""
+    caller at the end of the step); returns (loss tensor, rays).
+
+    A batch of the global stream (it carries ``positions``) has this rank's part of the step's G
+    rays, any number of them, 0 included: the loss is ``sum of per-ray errors x W / G`` (DDP
+    averages the gradients over W: the step's gradient is that of G's mean error, whatever the
+    ranks' counts), each ray's jitter and random background are keyed by its global position
+    (:mod:`dali_nerf.models.keyed`), and the loss returned (logged) is the rank's own mean (NaN for
+    an empty batch). Other batches: the mean over the batch, jitter from the step's generator."""
     t0 = time.perf_counter()
     batch = next(task.batches())
     t1 = time.perf_counter()
@@ -129,13 +139,25 @@ def train_task_step(cfg: Config, env: DistEnv, task: Task, step: int, scene, bg,
     batch = to_device(batch, env.device)
     m2 = timer.mark()
     near, far = _near_far(batch, scene)
-    gen = step_generator(cfg.pipeline.seed, env.rank, step, task.cell, device=env.device)
+    # an SS cell's draws are keyed by its cell, not by the rank that trains it (any world size)
+    gen = step_generator(cfg.pipeline.seed, env.rank if task.cell < 0 else 0, step, task.cell, device=env.device)
     b = int(batch["origins"].shape[0])
-    bg_b = train_background(scene, task.raw_field, bg, gen, b, env.device)
+    positions = batch.get("positions")  # the global stream: per-ray draws keyed by the global ray
+    jitter = ray_keys(ray_key(cfg.pipeline.seed, "jitter"), positions) if positions is not None else None
+    bg_keys = (ray_keys(ray_key(cfg.pipeline.seed, "background"), positions)
+               if positions is not None and scene.background_mode == "random" else None)
+    bg_b = train_background(scene, task.raw_field, bg, gen, b, env.device, keys=bg_keys)
     kw = (task.space or _WORLD).render_args(batch["origins"], batch["directions"], near, far)  # world -> field space
     out = render_rays(task.field, kw.pop("origins"), kw.pop("directions"), kw.pop("near"), kw.pop("far"), bg_b,
-                      occupancy=task.occupancy, samples=cfg.model.samples_per_ray, generator=gen, train=True, **kw)
-    loss = torch.mean((out["rgb"] - batch["rgb"]) ** 2)
+                      occupancy=task.occupancy, samples=cfg.model.samples_per_ray, generator=gen, train=True,
+                      ray_keys=jitter, **kw)
+    if positions is None:
+        loss = torch.mean((out["rgb"] - batch["rgb"]) ** 2)
+        shown = loss.detach()
+    else:  # normalised by G, not by this rank's count: (W / G) x its sum; DDP's average makes it G's mean
+        sq = ((out["rgb"] - batch["rgb"]) ** 2).sum()
+        loss = sq / (3 * task.source.rays_per_batch)
+        shown = sq.detach() / (3 * b) if b else torch.tensor(float("nan"))  # the rank's own mean, logged
     m3 = timer.mark()
     sync_timer = sync_timers.get(task.name)
     s0 = sync_timer.seconds if sync_timer is not None else 0.0
@@ -154,7 +176,7 @@ def train_task_step(cfg: Config, env: DistEnv, task: Task, step: int, scene, bg,
     timer.span("backward", m3, m4, sync)
     timer.host("sync", sync)
     timer.span("optimizer", m4, m5)
-    return loss.detach(), int(batch["origins"].shape[0])
+    return shown, b
 
 
 class _TrainClock:
@@ -361,6 +383,8 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
         "name": cfg.name, "method": method.name, "world_size": env.world_size, "device": str(env.device),
         "steps": r.end_step, "steps_planned": cfg.train.steps, "steps_this_run": steps_run, "resumed_from": r.start_step,
         "rays_per_batch": cfg.pipeline.rays_per_batch, "pipeline": cfg.pipeline.name,
+        "stream": run_stream(cfg)[0],
+        "global_batch": run_stream(cfg)[1] * cfg.pipeline.rays_per_batch * env.world_size or None,
         "test_psnr": p, "test_ssim": s, "mean_color_psnr": mean_color_psnr(pairs), "eval_split": sc.eval_split, "eval_images": len(pairs),
         "eval_render_s": seconds,
         "final_train_loss": r.last.get("loss"),

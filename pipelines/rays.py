@@ -54,7 +54,7 @@ import numpy as np
 from dali_nerf._dali import ray_graph_api
 from dali_nerf.errors import ConfigError
 
-__all__ = ["ray_pipeline", "release_pipeline", "RAY_OUTPUTS", "GLOBAL_OUTPUTS", "pixel_feed", "OP_ARGS", "check_op_args",
+__all__ = ["ray_pipeline", "release_pipeline", "RAY_OUTPUTS", "GLOBAL_OUTPUTS", "GLOBAL_STREAM", "SHARD_STREAM", "pixel_feed", "OP_ARGS", "check_op_args",
            "INT32_MAX", "INT64_MAX", "MAX_CELLS", "RAY_BYTES"]
 
 INT32_MAX = 2**31 - 1
@@ -151,6 +151,14 @@ RAY_OUTPUTS = ("origins", "directions", "rgb", "indices", "near", "far", "consum
 
 GLOBAL_OUTPUTS = RAY_OUTPUTS + ("step_counts", "positions")
 """Output names of :func:`ray_pipeline` with ``global_pixels`` > 0, in order."""
+
+GLOBAL_STREAM = "global-v2"
+"""The version of the global stream's formula (the op with ``global_pixels``;
+dali_nerf/ops/reference.py): loader states and checkpoints carry it, and a state of another
+version is refused. Change it with the formula."""
+
+SHARD_STREAM = "shard-v1"
+"""The version of the per-cache streams (a DDP rank's own stream over its shard)."""
 
 
 def pixel_feed(pixels, gpu: bool):

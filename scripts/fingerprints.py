@@ -5,8 +5,8 @@
     python scripts/fingerprints.py --check FILE    # compare with a record: exit 1 naming what differs
 
 * ``streams``: SHA-256 of the batches the sources hand out, on small generated scenes:
-  RayLoader (seed 0, ranks 0 and 1 of 2, random and epoch mode; a streaming case; a resume from
-  ``state_dict`` into a new loader), SpatialRayLoader for each cell of configs/ss_city.yaml's
+  RayLoader (seed 0, ranks 0 and 1 of 2, random and epoch mode, the shard and the global stream;
+  a streaming case; a resume from ``state_dict`` into a new loader), SpatialRayLoader for each cell of configs/ss_city.yaml's
   partition, and every baseline (DDP and SS). The operator's outputs are hashed whole (they are
   bit-exact on every x86-64 CPU: no FMA contraction, AVX2 equal to the scalar code); the torch
   baselines by their ``indices`` and ``rgb`` (which pixels, and their colours: the stream), since
@@ -95,6 +95,10 @@ def streams(dirs: dict) -> dict:
         for rank in (0, 1):
             with RayLoader(scene, rank=rank, world_size=2, mode=mode, **kw) as ld:
                 out[f"rayloader/{mode}/rank{rank}of2"] = _hash(_take(ld, 8))
+    for mode in ("random", "epoch"):  # the split's global stream (the trainers' default): each rank's part
+        for rank in (0, 1):
+            with RayLoader(scene, rank=rank, world_size=2, mode=mode, stream="global", **kw) as ld:
+                out[f"rayloader/global/{mode}/rank{rank}of2"] = _hash(_take(ld, 8))
     px = int((scene.width * scene.height).max()) * 3
     with RayLoader(scene, rank=0, world_size=1, mode="random", max_bytes=3 * px, **kw) as ld:
         out["rayloader/streaming/random"] = _hash(_take(ld, 8))

@@ -11,14 +11,14 @@ VENV=${DALI_NERF_NS_VENV:-$HOME/.cache/dali_nerf/nsvenv}
 C=constraints/nerfstudio.txt
 [ -x "$VENV/bin/python" ] || { mkdir -p "$(dirname "$VENV")" && python3 -m venv "$VENV"; }
 PY="$VENV/bin/python"
-# the core's install_requires except its torch pin (the extra runs on torch 2.14.1; see $C)
+# the core's install_requires except torch (the extra runs on torch 2.14.1; see $C)
 mapfile -t CORE < <(python3 - <<'PY'
 import configparser
 c = configparser.ConfigParser()
 c.read("setup.cfg")
 for line in c["options"]["install_requires"].splitlines():
     line = line.split("#")[0].strip()
-    if line and not line.replace(" ", "").startswith("torch=="):
+    if line and not line.replace(" ", "").startswith(("torch==", "torch>=")):
         print(line)
 PY
 )

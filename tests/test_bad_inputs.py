@@ -286,13 +286,13 @@ def test_resume_with_a_checkpoint_that_does_not_fit(scenes, tmp_path, capsys):
     ck = tmp_path / "runs" / "run" / "checkpoints"
     files = {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()}
     msg = trainer_error(capsys, cfg, "--resume", "train.steps=4", "model.resolution=12")
-    needles(msg, "step_0000002/rank0.pt", "does not match this run's config", "size mismatch", "saved with")
+    needles(msg, "step_0000002", "does not match this run's config", "size mismatch", "saved with")
     assert {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()} == files
-    torch.save({"weights": torch.ones(3)}, ck / "step_0000002" / "rank0.pt")  # someone else's file
-    needles(trainer_error(capsys, cfg, "--resume", "train.steps=4"), "rank0.pt", "not a dali_nerf training checkpoint",
-            "no step, world_size, tasks, rng")
-    (ck / "step_0000002" / "rank0.pt").write_bytes(b"PK\x03\x04 truncated zip")
-    needles(trainer_error(capsys, cfg, "--resume", "train.steps=4"), "rank0.pt", "not a readable dali_nerf checkpoint")
+    torch.save({"weights": torch.ones(3)}, ck / "step_0000002" / "run.pt")  # someone else's file
+    needles(trainer_error(capsys, cfg, "--resume", "train.steps=4"), "run.pt", "not a dali_nerf training checkpoint",
+            "no step, world_size, method, ranks")
+    (ck / "step_0000002" / "run.pt").write_bytes(b"PK\x03\x04 truncated zip")
+    needles(trainer_error(capsys, cfg, "--resume", "train.steps=4"), "run.pt", "not a readable dali_nerf checkpoint")
 
 
 # ------------------------------------------------------------------------------- poses, intrinsics, bounds
@@ -513,7 +513,7 @@ def test_resume_after_the_scene_changed(scenes, tmp_path, capsys):
     for p, b in originals.items():
         p.write_bytes(b)
     # a checkpoint written before fingerprints were saved: nothing to compare, it resumes
-    ck = run / "checkpoints" / "step_0000002" / "rank0.pt"
+    ck = run / "checkpoints" / "step_0000002" / "run.pt"
     st = torch.load(ck, weights_only=True)
     del st["scene"]
     torch.save(st, ck)

@@ -113,9 +113,13 @@ def test_ddp_emulated_two_ranks(tmp_path, scene, pipeline):
         assert x["forward_s"] >= 0.5e-3 * 0.9  # 4 ms per 4096 rays -> 0.5 ms for 512
         assert x["sync_s"] > 0 and x["wait_s"] + x["h2d_s"] + x["forward_s"] + x["sync_s"] <= x["step_s"] + 1e-6
     L, nb = DeviceLinks(), 512 * (RAY_FLOATS * 4 + 24)
-    # h2d is the device time asked: the batch's copy, or sync_global's copy of the global batch + scatter
-    h2d = L.h2d_s(2 * nb) + L.scatter_s(nb, 2) if pipeline == "sync_global" else L.h2d_s(512 * 68)
-    assert all(x["h2d_s"] == pytest.approx(h2d) for x in src), (src[0]["h2d_s"], h2d)
+    # h2d is the device time asked: the batch's copy, or sync_global's copy of the global batch +
+    # scatter; rays: the global stream (the config's default), this rank's part of G = 1024 rays
+    # with their positions (68 + 8 bytes a ray)
+    h2d = [L.h2d_s(2 * nb) + L.scatter_s(nb, 2) if pipeline == "sync_global" else L.h2d_s(x["rays"] * 76) for x in src]
+    assert all(x["h2d_s"] == pytest.approx(h) for x, h in zip(src, h2d)), (src[0], h2d[0])
+    if pipeline == "rays":
+        assert len({x["rays"] for x in src}) > 1 and all(abs(x["rays"] - 512) < 200 for x in src)
     json.loads(r.stdout.strip().splitlines()[-1])  # the one-line summary on stdout
 
 

@@ -26,6 +26,7 @@ import torch
 
 from dali_nerf.checkpoint import commit_checkpoint, latest_checkpoint, load_rank_state, save_rank_state
 from dali_nerf.errors import DaliNerfError, SceneError
+from dali_nerf.resume import load_checkpoint
 from dali_nerf.scenegen import make_scene
 from dali_nerf.scenes import load_scene
 
@@ -129,7 +130,7 @@ def _torchrun(cfg: Path, *extra) -> list:
 def _final_state(run: Path) -> dict:
     folder = latest_checkpoint(run / "checkpoints")
     assert folder is not None and folder.name == "step_0000012"
-    return {r: load_rank_state(folder, r) for r in (0, 1)}
+    return {r: load_checkpoint(folder, r) for r in (0, 1)}
 
 
 @pytest.mark.slow
@@ -186,7 +187,8 @@ def test_rank_sigkill_restarts_from_checkpoint_and_matches_uninterrupted(scene_d
         # steps this process served (a statistic), which restarts with the process
         gs, ws = (dict(x[rank]["tasks"]["ddp"]["source"]) for x in (got, want))
         gs.pop("steps", None), ws.pop("steps", None)
-        assert gs == ws and gs["position"] == 12 * 256, (gs, ws)
+        # the global stream (the trainers' default): position 12 global batches of 2 x 256 rays
+        assert gs == ws and gs["position"] == 12 * 2 * 256 and gs["step"] == 12, (gs, ws)
         go, wo = got[rank]["tasks"]["ddp"]["optimizer"]["state"], want[rank]["tasks"]["ddp"]["optimizer"]["state"]
         for k in wo:
             for kk in wo[k]:
@@ -501,7 +503,7 @@ def test_damaged_newest_checkpoint_falls_back_then_none_left(scene_dir, tmp_path
     run = tmp_path / "runs" / "run"
     ck = run / "checkpoints"
     first = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
-    newest = ck / "step_0000008" / "rank0.pt"
+    newest = ck / "step_0000008" / "model.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     capsys.readouterr()
     assert ddp_main(["--config", str(cfg), "--resume", "train.steps=8"]) == 0
@@ -512,11 +514,11 @@ def test_damaged_newest_checkpoint_falls_back_then_none_left(scene_dir, tmp_path
     assert json.loads((run / "summary.json").read_text())["resumed_from"] == 4
     again = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
     assert again == first  # steps 5..8 retrained from step 4 exactly as the first time
-    assert load_rank_state(ck / "step_0000008", 0)["step"] == 8  # rewritten whole
+    assert load_checkpoint(ck / "step_0000008", 0)["step"] == 8  # rewritten whole
 
     _flip_a_data_byte(newest)
     torch.load(newest, weights_only=True)  # torch alone does not notice
-    (ck / "step_0000004" / "rank0.pt").write_bytes(b"")
+    (ck / "step_0000004" / "model.pt").write_bytes(b"")
     files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     capsys.readouterr()
     assert ddp_main(["--config", str(cfg), "--resume", "train.steps=12"]) == 2
@@ -524,7 +526,7 @@ def test_damaged_newest_checkpoint_falls_back_then_none_left(scene_dir, tmp_path
     lines = [l for l in err.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
     for w in (str(ck), "no complete checkpoint to resume from", f"{newest}: corrupt checkpoint (checksum mismatch",
-              f"{ck / 'step_0000004' / 'rank0.pt'}: not a readable dali_nerf checkpoint", "without --resume"):
+              f"{ck / 'step_0000004' / 'model.pt'}: not a readable dali_nerf checkpoint", "without --resume"):
         assert w in lines[0], (w, lines[0])
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from dali_nerf.checkpoint import latest_checkpoint, load_rank_state
+from dali_nerf.checkpoint import latest_checkpoint
+from dali_nerf.resume import load_checkpoint
 from dali_nerf.interrupt import EXIT_INTERRUPTED, descendants
 from dali_nerf.scenegen import make_scene
 
@@ -186,7 +187,7 @@ def test_ctrl_c_stops_the_trainer_promptly_leaving_nothing(scene_dir, tmp_path, 
     if state == "checkpointing":
         folder = latest_checkpoint(run / "checkpoints")
         assert folder is not None
-        st = load_rank_state(folder, 0)  # the pointer names a complete, loadable checkpoint
+        st = load_checkpoint(folder, 0)  # the pointer names a complete, loadable checkpoint
         assert st["step"] >= 1 and "tasks" in st
         assert not list((run / "checkpoints").rglob(".*.tmp-*")), "a temporary checkpoint file was left"
 

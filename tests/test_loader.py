@@ -363,11 +363,14 @@ def test_source_from_config_is_the_registry_door(tmp_path):
     try:
         assert isinstance(src, dali_nerf.RayLoader) and (src.rank, src.world_size, src.rays_per_batch) == (1, 2, 64)
         scene = dali_nerf.load_scene(scene_dir, split="train")
+        # the config's pipeline.stream defaults to global (the trainers'), the drop-in RayLoader's to shard
+        assert src.stream == "global" and src.global_batch == 128
         with dali_nerf.RayLoader(scene, rays_per_batch=64, rank=1, world_size=2, num_threads=1,
-                                 rays_per_run=256) as hand:
+                                 rays_per_run=256, stream="global") as hand:
             for _ in range(5):
                 a, b = next(src), next(hand)
                 assert torch.equal(a["indices"], b["indices"]) and torch.equal(a["origins"], b["origins"])
+                assert torch.equal(a["positions"], b["positions"])
     finally:
         src.close()
     city = make_scene("city", tmp_path / "city", width=32, height=24, n_train=6, n_val=1)

@@ -112,6 +112,25 @@ def test_resume_is_exact(setup, k):
         assert _same(_take(L, 9), whole[k:])
 
 
+@pytest.mark.parametrize("k", [3, 6, 7])  # offsets 192, 384, 448 of runs of 8 x 64 rays; the new runs hold 2 x 64
+def test_a_state_loads_into_another_run_size(setup, k):
+    """An SS rank's cells share its threads, so a cell's run size follows the cells per rank: a
+    state saved with runs of 8 steps loads into a loader with runs of 2 (a resume on another
+    world size) and continues the cell's stream exactly, also when the saved offset lies past the
+    new loader's first run (one run of ``offset`` rays finds the stream position after it)."""
+    scene, part, cache = setup
+    with SpatialRayLoader(scene, part, 2, rays_per_batch=B, rays_per_run=8 * B, cache=cache) as L:
+        whole = _take(L, k + 6)
+    with SpatialRayLoader(scene, part, 2, rays_per_batch=B, rays_per_run=8 * B, cache=cache) as L:
+        _take(L, k)
+        state = L.state_dict()
+    assert state["offset"] == k * B and state["rays_per_run"] == 8 * B
+    for run in (2 * B, 12 * B):
+        with SpatialRayLoader(scene, part, 2, rays_per_batch=B, rays_per_run=run, cache=cache) as L:
+            L.load_state_dict(state)
+            assert _same(_take(L, 6), whole[k:]), run
+
+
 def test_op_start_minus_one_continues_the_previous_run(setup):
     """Fed ``start = -1``, the op starts where its previous run ended: the runs of an async
     pipeline fed (s0, -1, -1, ...) are those of explicit starts s0, s0 + c0, s0 + c0 + c1, ..."""

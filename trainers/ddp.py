@@ -1,7 +1,9 @@
 """Distributed data parallel NeRF trainer.
 
 Every rank holds the whole model, samples rays from its shard of the images (RayLoader, or the
-baseline named by ``pipeline.name``) and all-reduces gradients (DistributedDataParallel).
+baseline named by ``pipeline.name``) and all-reduces gradients (DistributedDataParallel). With
+``pipeline.stream: global`` (the default) a rank's batch is its shard's part of the step's global
+batch, so a run resumes on another number of ranks (docs/MULTINODE.md, "Elastic runs").
 
     torchrun --nproc_per_node=2 trainers/ddp.py --config configs/ddp_objects.yaml [key=value ...]
     python trainers/ddp.py --config configs/ddp_objects.yaml          # world size 1, no torchrun

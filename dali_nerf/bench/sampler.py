@@ -2,7 +2,10 @@
 
 One run measures, at each batch size (``--batches``, default 4096 and 65536 rays per step):
 
-* ``rays``: RayLoader (our DALI pipeline + C++ operator, prefetch 2, 262144 rays per run);
+* ``rays``: RayLoader (our DALI pipeline + C++ operator, prefetch 2, 262144 rays per run) on
+  ``--stream`` (default ``global``, the trainers' default ``pipeline.stream``: one rank, so every
+  position of the split's global stream is kept; ``shard``: the rank's own stream, what this
+  benchmark measured before the global stream existed);
 * SS (scenes with near/far): SpatialRayLoader routed to cell 0 of a 2x2 grid, as a share of
   ``rays`` (the spatial-segmentation loader's cost of routing);
 * ``sync_local``: SyncLocalSampler (sampling in the training thread);
@@ -219,6 +222,7 @@ def main(args) -> int:
     n_dec = int(getattr(args, "decode_images", 100))
     if n_dec <= 0:
         raise ConfigError(f"--decode-images {n_dec}: must be > 0")
+    stream = getattr(args, "stream", "global")
     scene = load_scene(args.scene, split="train") if args.scene else default_scene()
     cache = decode_cache(scene, 0, 1)
     print(f"scene: {scene}  ({cache.num_pixels / 1e6:.1f} M pixels cached, {rounds} rounds of {seconds:g} s "
@@ -239,7 +243,8 @@ def main(args) -> int:
         r = {k: 0.0 for k in ("rays", "torch_gather", "sync_local", "torch_workers", "sync_global")}
         best_ss, acc = 0.0, None
         # the benchmark's own budget, the same for every source (see above)
-        plan = SamplingPlan.for_loader(B, num_threads=threads, rays_per_run=max(262144, B), prefetch=2, workers=threads)
+        plan = SamplingPlan.for_loader(B, num_threads=threads, rays_per_run=max(262144, B), prefetch=2, workers=threads,
+                                       stream=stream)
         cell0 = SamplingPlan.for_loader(B, num_threads=threads, rays_per_run=max(262144, B), prefetch=2,
                                         cells=(0,), num_cells=part.num_cells) if part is not None else None
         for _ in range(rounds):
@@ -277,7 +282,8 @@ def main(args) -> int:
     lines += ["", f"Decode (decode_cache: DALI CPU decoder, 2 threads, {n_dec} images of 800x800 into the ImageCache, "
               f"pipeline build included, best of 2): JPEG {jpg:.0f} images/s, PNG RGBA {png:.0f} images/s.", "",
               f"Scene: {scene.num_images} images, {cache.num_pixels / 1e6:.1f} M pixels; {os.cpu_count()} CPU cores; "
-              f"each source: the best of {rounds} interleaved rounds of {seconds:g} s; (Nx) = RayLoader's rate / that "
+              f"each source: the best of {rounds} interleaved rounds of {seconds:g} s; RayLoader's stream: {stream}; "
+              f"(Nx) = RayLoader's rate / that "
               f"source's; RayLoader and the SS loader: {threads} DALI threads, torch_workers: {threads} worker processes, torch_gather and sync_local: best of 1 and the default torch threads ({threads}); sync_global = rank 0's "
               f"global batch (2 ranks, gloo)."]
     table = "\n".join(lines)

@@ -32,14 +32,16 @@ colours but take their rays from nerfstudio's ``RayGenerator`` for the sampled i
 
 **Ranks.** Under nerfstudio's launcher (``--machine.num-devices``) each rank's RayLoader decodes and
 samples only its shard of the images (rank = ``torch.distributed.get_rank()``), the ``seed`` of the
-config and the rank key the stream.
+config and the rank key the stream (``stream: global``: the seed alone, global batches of
+``train_num_rays_per_batch`` x ranks rays, see :class:`DaliDataManagerConfig`).
 
 **Unchanged from nerfstudio**: the eval dataset, ``next_eval``, ``next_eval_image`` and the eval
 dataloaders (inherited). **Not supported** (a one-line ConfigError at set-up): masks, patch
 sampling (``patch_size > 1``), ``train_num_images_to_sample_from``, ``camera_res_scale_factor !=
 1`` (use the dataparser's ``downscale_factor``), RGBA images without an ``alpha_color``. A resumed
-``ns-train`` run restarts the ray stream at its beginning (nerfstudio does not checkpoint
-datamanager state).
+``ns-train`` run restarts the ray stream at its beginning with ``stream: shard`` (nerfstudio does
+not checkpoint datamanager state); with ``stream: global`` it continues at nerfstudio's step, on
+any number of ranks.
 
 **LPIPS.** nerfacto's model builds torchmetrics' LPIPS at set-up, which downloads AlexNet weights
 from the internet (and fails offline). ``dali-nerfacto`` uses :class:`DaliNerfactoModel`, whose
@@ -186,6 +188,14 @@ class DaliDataManagerConfig(VanillaDataManagerConfig):
     budget (65536 per sampler thread, at most 262144)."""
     sampler_device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the decoded images live and rays are sampled: auto = the datamanager's device."""
+    stream: Literal["shard", "global"] = "shard"
+    """shard: each rank's own stream over its image shard, train_num_rays_per_batch rays a step.
+    global: the split's stream of global batches (train_num_rays_per_batch x ranks rays a step,
+    the same on any number of ranks, every pixel once per epoch across ranks); a rank's batch is
+    the part in its shard (its size varies around train_num_rays_per_batch), and the first batch
+    is nerfstudio's step's (a resumed ns-train continues the stream on any number of ranks).
+    nerfstudio's losses average over the rank's batch, so under DDP the ranks' rays are weighted
+    by 1 / their count rather than 1 / G: shard is the default."""
 
 
 class DaliDataManager(VanillaDataManager):
@@ -231,7 +241,8 @@ class DaliDataManager(VanillaDataManager):
         with ctx:
             plan = SamplingPlan.for_loader(c.train_num_rays_per_batch, rank=self.rank, world_size=int(self.world_size),
                                            seed=c.seed, prefetch=c.prefetch, device=sdev,
-                                           num_threads=c.num_threads or None, rays_per_run=c.rays_per_run or None)
+                                           num_threads=c.num_threads or None, rays_per_run=c.rays_per_run or None,
+                                           stream=c.stream)
             self._loader = make_source("rays", self.train_scene, plan,
                                        output_map=("origins", "directions", "rgb", "indices"))
         self._iter = iter(self._loader)
@@ -241,6 +252,8 @@ class DaliDataManager(VanillaDataManager):
         self.train_count += 1
         if self._iter is None:
             self._start()
+            if self.config.stream == "global":  # the stream's state is the global step: nerfstudio's
+                self._loader.set_step(int(step))
         b = next(self._iter)
         dev = self.train_intrinsics.device
         idx = b["indices"].to(dev, non_blocking=True)

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from ..rays import image_rays
+from .keyed import keyed_uniform
 from .space import lin_disp_samples
 
 __all__ = ["render_rays", "render_image", "ray_aabb"]
@@ -59,7 +60,7 @@ def _as_col(v, b: int, like: torch.Tensor, default: float) -> torch.Tensor:
 
 
 def _ray_samples(origins, directions, near, far, aabb, occupancy, samples: int, generator, train: bool, warp,
-                 spacing: str, split: float):
+                 spacing: str, split: float, ray_keys=None):
     """The sample points of :func:`render_rays`: ``(t (B, S), delta (B, S), pos (B, S, 3), hit (B,), S)``:
     each ray's [near, far] clipped to ``aabb``, S stratified (jittered in training) depths, linear
     or lin_disp, and their positions (warped by ``warp``)."""
@@ -80,7 +81,9 @@ def _ray_samples(origins, directions, near, far, aabb, occupancy, samples: int, 
     s = int(samples)
     if occupancy is not None and not getattr(occupancy, "ready", True):
         s = max(8, s // WARMUP_DIVISOR)  # everything occupied yet: coarse marching until the first update
-    if train and generator is not None:
+    if train and ray_keys is not None:  # keyed by each ray's global position: the same on any rank
+        u = keyed_uniform(ray_keys, s, dt)
+    elif train and generator is not None:
         u = torch.rand((b, s), generator=generator, device=dev, dtype=dt)
     elif train:
         u = torch.rand((b, s), device=dev, dtype=dt)
@@ -108,7 +111,7 @@ def render_rays(field, origins: torch.Tensor, directions: torch.Tensor, near, fa
                 occupancy=None, samples: int = 192, generator: Optional[torch.Generator] = None,
                 train: bool = True, aabb: Optional[torch.Tensor] = None,
                 viewdirs: Optional[torch.Tensor] = None, warp: Optional[Callable] = None,
-                spacing: str = "linear", split: float = 1.0) -> dict:
+                spacing: str = "linear", split: float = 1.0, ray_keys: Optional[torch.Tensor] = None) -> dict:
     """Composite ``field`` along rays over ``background``.
 
     Args:
@@ -122,6 +125,9 @@ def render_rays(field, origins: torch.Tensor, directions: torch.Tensor, near, fa
         samples: S stratified samples per ray inside [max(near, t_enter), min(far, t_exit)]
             (S / 4 while ``occupancy`` is given but not yet ``ready``: all cells occupied).
         generator: jitter source in training (the caller seeds it from (seed, step, rank)).
+        ray_keys: (B,) int64 per-ray keys (:func:`~dali_nerf.models.keyed.ray_keys` of the rays'
+            global stream positions); in training they replace ``generator``: sample j of ray i is
+            jittered by ``keyed_uniform(ray_keys, S)[i, j]``, the same whichever rank renders it.
         train: jitter samples (else midpoints).
         aabb: (2, 3) clip box; default the occupancy grid's, else the field's ``aabb`` buffer
             (with ``warp``: only an explicit ``aabb`` clips, the field's box being in warped space).
@@ -147,7 +153,7 @@ def render_rays(field, origins: torch.Tensor, directions: torch.Tensor, near, fa
     if aabb is None and warp is None:
         aabb = getattr(raw, "aabb", None)
     t, delta, pos, hit, s = _ray_samples(origins, directions, near, far, aabb, occupancy, samples, generator, train,
-                                         warp, spacing, split)
+                                         warp, spacing, split, ray_keys)
     mask = hit[:, None].expand(b, s)
     if occupancy is not None:
         mask = mask & occupancy.occupied(pos)

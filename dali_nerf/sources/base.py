@@ -23,7 +23,7 @@ from dali_nerf._dali import torch_feed
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import dali_threads, local_world_size, to_background
 from dali_nerf.imagecache import available_memory
-from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, RAY_BYTES, RAY_OUTPUTS
+from dali_nerf.pipelines.rays import GLOBAL_OUTPUTS, INT32_MAX, INT64_MAX, RAY_BYTES, RAY_OUTPUTS
 from dali_nerf.scenes import describe_change, scene_fingerprint
 
 __all__ = ["BatchSource", "BatchStats", "BATCH_KEYS", "dali_to_torch", "check_common",
@@ -178,9 +178,11 @@ def dali_to_torch(tl, device: str, copy: bool = False) -> torch.Tensor:
 
 def run_graph(pipe, device: str, keys: Sequence[str], copy: bool):
     """Run a ray graph (:func:`~dali_nerf.pipelines.rays.ray_pipeline`) once: ``(consumed,
-    {key: tensor (R, ...)})`` for ``keys`` (a subset of ``RAY_OUTPUTS[:-1]``), ``consumed`` the
-    stream positions the run used. ``copy``: see :func:`dali_to_torch`."""
-    out = dict(zip(RAY_OUTPUTS, pipe.run()))
+    {key: tensor (R, ...)})`` for ``keys`` (a subset of ``RAY_OUTPUTS[:-1]``; a global-stream
+    graph also ``step_counts`` (K,) and ``positions`` (R,)), ``consumed`` the stream positions the
+    run used. ``copy``: see :func:`dali_to_torch`."""
+    outs = pipe.run()
+    out = dict(zip(GLOBAL_OUTPUTS if len(outs) == len(GLOBAL_OUTPUTS) else RAY_OUTPUTS, outs))
     consumed = out["consumed"].as_cpu() if device == "cuda" else out["consumed"]
     consumed = int(np.asarray(consumed[0]).reshape(-1)[0])
     return consumed, {k: dali_to_torch(out[k], device, copy) for k in keys}

@@ -24,6 +24,20 @@ stream depends only on (seed, rank, world_size, W, rays_per_window, position): `
 and resuming decodes the window holding the saved position synchronously. ``close()`` cancels an
 in-flight decode and joins the thread.
 
+Global stream (``stream="global"``; the trainers' default, ``pipeline.stream``): step ``k`` is the
+split's global positions ``[k G, (k + 1) G)``, G = B x world_size, mapped to pixels by the
+operator's global stream (seed and mode alone: the same global batches on any number of ranks,
+every pixel of the split exactly once per epoch of P positions, P the split's pixels). Each rank
+decodes its image shard as before and its batch for step k holds the rays of those positions
+whose pixel is in its shard, in position order (``step_counts`` of the op cut each run into its K
+steps), with ``positions`` (n,) their global positions: per-ray keys (jitter, backgrounds) that
+are the same on any world size. The counts sum to G over the ranks; a training loss should be
+normalised by G (``sum / B`` per rank under DDP's gradient averaging), not by the rank's count.
+State = the global step: ``state_dict()`` of any rank at W ranks loads into every rank of a loader
+at W' ranks with the same G (``rays_per_batch = G / W'``) and their union continues exactly.
+``len()`` = ceil(P / G); ``set_epoch(e)`` moves to the step holding position e P. A shard over
+``max_bytes`` cannot be sampled this way (every step touches every image of the shard): refused.
+
 >>> loader = RayLoader(scene, rays_per_batch=4096, rank=0, world_size=1, seed=0, prefetch=2)
 >>> batch = next(loader)
 >>> batch["origins"].shape, batch["indices"].dtype
@@ -34,6 +48,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from time import perf_counter
@@ -47,13 +62,28 @@ from dali_nerf.hostbudget import dali_threads
 from dali_nerf.imagecache import shard_cache
 from dali_nerf.plan import SamplingPlan
 from dali_nerf.pipelines.decode import shard_range, shard_sizes
-from dali_nerf.pipelines.rays import INT64_MAX, ray_pipeline
+from dali_nerf.pipelines.rays import GLOBAL_STREAM, INT64_MAX, SHARD_STREAM, ray_pipeline
 from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, RunAhead, check_cache_device, check_common,
                                     check_int, check_positive, check_run_size, check_scene_state, demote_if_starved,
                                     run_graph, run_phase, scene_state, step_views)
 from dali_nerf.sources.streaming import WindowStream, plan_window_images
 
-__all__ = ["RayLoader"]
+__all__ = ["RayLoader", "DEFAULT_OUTPUTS"]
+
+DEFAULT_OUTPUTS = ("origins", "directions", "rgb", "indices", "near", "far")
+"""RayLoader's batch keys by default (with ``stream="global"`` also ``positions``)."""
+
+
+def _produce(pipe, keys, K: int, B: int, device: str, copy: bool, split: bool):
+    """One run of the ray graph: (consumed, {key: (R, ...)}, K step tuples of views in ``keys``
+    order, the steps' ray counts or None). Shard stream: K steps of B rays; global stream
+    (``split``): the steps' counts from the op's ``step_counts`` (they vary; 0 is possible)."""
+    if not split:
+        consumed, run = run_graph(pipe, device, keys, copy)
+        return consumed, run, step_views(run, K, B), None
+    consumed, run = run_graph(pipe, device, tuple(keys) + ("step_counts",), copy)
+    counts = run.pop("step_counts").tolist()  # K ints (CUDA: one small copy to the host per run)
+    return consumed, run, list(zip(*(v.split(counts) for v in run.values()))), counts
 
 
 class RayLoader(BatchSource):
@@ -89,11 +119,17 @@ class RayLoader(BatchSource):
             cores are all busy starves it) warns once (:class:`~.base.SamplerStarvedWarning`) and
             is rebuilt at normal priority at the next run, at the same stream position
             (``starvation_guard = False`` on the class or instance keeps it in background).
+        stream: "shard" (default: the rank's own stream over its shard; every batch has B rays) |
+            "global" (the split's stream: global batches of G = B x world_size positions defined
+            by the seed alone, the same for every world size; each rank's batch is the part of
+            the step's G rays whose image is in its shard, a number of rays that varies around B
+            and may be 0; batches also carry ``positions``; see the module doc).
         plan: a resolved :class:`~dali_nerf.plan.SamplingPlan` (the registry's door, from a config):
             it replaces every argument above but ``scene``, ``cache`` and ``output_map``.
     Yields:
         dict: origins (B, 3) f32, directions (B, 3) f32 unit, rgb (B, 3) f32, indices (B, 3) i64,
-        near/far (B, 1) f32 when the scene has bounds.
+        near/far (B, 1) f32 when the scene has bounds; global stream: (n, ...) with n this rank's
+        rays of the step, and positions (n,) i64, each ray's global stream position (increasing).
     """
 
     starvation_guard = True
@@ -102,9 +138,10 @@ class RayLoader(BatchSource):
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
                  prefetch: int = 2, mode: str = "random", device: str = "cpu", num_threads: Optional[int] = None,
                  rays_per_run: Optional[int] = None, cache=None,
-                 output_map: Sequence[str] = ("origins", "directions", "rgb", "indices", "near", "far"),
+                 output_map: Sequence[str] = DEFAULT_OUTPUTS,
                  max_bytes: Optional[int] = None, decode_batch: int = 8, window_images: int = 0,
-                 rays_per_window: int = 0, thread_priority: str = "normal", *, plan: Optional[SamplingPlan] = None):
+                 rays_per_window: int = 0, thread_priority: str = "normal", stream: str = "shard", *,
+                 plan: Optional[SamplingPlan] = None):
         if plan is None:  # the drop-in API: its arguments make the plan
             check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode)
             for name, v in (("window_images", window_images), ("rays_per_window", rays_per_window),
@@ -117,12 +154,17 @@ class RayLoader(BatchSource):
                                            prefetch=prefetch, device=device, num_threads=num_threads,
                                            rays_per_run=rays_per_run, thread_priority=thread_priority,
                                            decode_batch=decode_batch, max_bytes=max_bytes, window_images=window_images,
-                                           rays_per_window=rays_per_window)
+                                           rays_per_window=rays_per_window, stream=stream)
         else:
             check_common(scene, plan.rays_per_batch, plan.rank, plan.world_size, plan.seed, plan.prefetch, plan.mode)
+        is_global = plan.ray_stream == "global"
+        if is_global and "positions" not in output_map and output_map == DEFAULT_OUTPUTS:
+            output_map = DEFAULT_OUTPUTS + ("positions",)  # a global batch names its rays' global positions
+        valid = BATCH_KEYS + (("positions",) if is_global else ())
         for k in output_map:
-            if k not in BATCH_KEYS:
-                raise ConfigError(f"output_map: unknown key {k!r}; valid: {', '.join(BATCH_KEYS)}")
+            if k not in valid:
+                raise ConfigError(f"output_map: unknown key {k!r}; valid: {', '.join(valid)}"
+                                  + ("; positions needs stream='global'" if k == "positions" else ""))
         self.plan = plan
         self.scene = scene
         self.rays_per_batch, self.rank, self.world_size, self.seed = (plan.rays_per_batch, plan.rank, plan.world_size,
@@ -130,15 +172,26 @@ class RayLoader(BatchSource):
         self.prefetch, self.mode, self.device = plan.prefetch, plan.mode, plan.device
         self.thread_priority, self.num_threads = plan.priority, plan.threads
         self.steps_per_run, self.rays_per_run = plan.steps_per_run, plan.rays_per_run
-        check_run_size(self.steps_per_run, self.rays_per_batch, self.prefetch + 2, self.device)
+        self.stream, self.global_batch = plan.ray_stream, plan.global_batch
+        self.positions_per_run = plan.positions_per_run
         self.output_map = tuple(k for k in output_map if scene.has_bounds or k not in ("near", "far"))
         self._shard_pixels = shard_sizes(scene, self.world_size)
+        self.split_pixels = int(self._shard_pixels.sum())
+        # the rays a run holds: K x B, or this shard's share of K x G positions (global)
+        held = (self.rays_per_batch if not is_global else
+                -(-self.global_batch * int(self._shard_pixels[self.rank]) // self.split_pixels))
+        check_run_size(self.steps_per_run, held, self.prefetch + 2, self.device)
         self.decode_batch = plan.decode_batch
         self._device_id = torch.cuda.current_device() if self.device == "cuda" else None
         need = int(self._shard_pixels[self.rank]) * 3
         self._stream: Optional[WindowStream] = None
         self.window_images = 0
         self.rays_per_window = 0
+        if cache is None and plan.max_bytes is not None and need > plan.max_bytes and is_global:
+            raise ConfigError(f"cache.max_bytes={plan.max_bytes}: rank {self.rank}'s shard needs {need} bytes decoded, "
+                              f"and the global stream (pipeline.stream=global) samples every image of the shard at "
+                              f"every step, so it cannot stream it through windows; run more ranks, raise "
+                              f"cache.max_bytes, or set pipeline.stream=shard (RayLoader stream='shard')")
         if cache is None and plan.max_bytes is not None and need > plan.max_bytes:
             lo, hi = shard_range(scene.num_images, self.rank, self.world_size)
             px = (scene.width[lo:hi] * scene.height[lo:hi]).astype(np.int64)
@@ -164,6 +217,7 @@ class RayLoader(BatchSource):
         self._phase = 0  # the step of each run at which self._ahead may produce the next (run_phase)
         self._run = None  # dict of torch tensors (K*B, ...) of the current run
         self._steps = None  # K tuples of (B, ...) views of self._run, in output_map order
+        self._counts = None  # global stream: the K steps' ray counts of self._run
         self._run_start = 0  # stream position of self._run's first ray
         self._closed = False
 
@@ -174,27 +228,38 @@ class RayLoader(BatchSource):
 
     # ---- iteration ------------------------------------------------------------------------------
     def __len__(self) -> int:
-        """Steps per epoch (epoch mode): ceil(max over ranks of shard pixels / B)."""
+        """Steps per epoch (epoch mode): ceil(max over ranks of shard pixels / B); global stream:
+        ceil(P / G), P the split's pixels (the same on every rank)."""
         if self.mode != "epoch":
             raise TypeError("RayLoader in random mode is an infinite stream and has no len(); use mode='epoch'")
+        if self.stream == "global":
+            return math.ceil(self.split_pixels / self.global_batch)
         return math.ceil(int(self._shard_pixels.max()) / self.rays_per_batch)
+
+    @property
+    def _stride(self) -> int:
+        """Stream positions one step takes: G (global stream) or B."""
+        return self.global_batch if self.stream == "global" else self.rays_per_batch
 
     def _build(self):
         device_id = torch.cuda.current_device() if self.device == "cuda" else None
         before = dali_threads() if self.thread_priority == "background" else None
-        self._pipe = ray_pipeline(self.cache, self.rays_per_run, self.mode, self.seed, self.rank, self.world_size,
-                                  first_start=self.position, device=self.device, num_threads=self.num_threads,
-                                  prefetch=self.prefetch, device_id=device_id)
+        if self.stream == "global":  # the split's stream: the seed's alone; this cache is the shard [lo, ...)
+            lo = int(self._shard_pixels[:self.rank].sum())
+            self._pipe = ray_pipeline(self.cache, self.positions_per_run, self.mode, self.seed, 0, 1,
+                                      first_start=self.position, device=self.device, num_threads=self.num_threads,
+                                      prefetch=self.prefetch, device_id=device_id, global_pixels=self.split_pixels,
+                                      shard_begin=lo, step_positions=self.global_batch)
+        else:
+            self._pipe = ray_pipeline(self.cache, self.rays_per_run, self.mode, self.seed, self.rank, self.world_size,
+                                      first_start=self.position, device=self.device, num_threads=self.num_threads,
+                                      prefetch=self.prefetch, device_id=device_id)
         self._next_run_start = self.position
         if self.prefetch > 0 and self.device == "cpu":
             # runs handed over by a background thread (RunAhead); CUDA keeps the hand-over on the
             # training thread, where the outputs are copied on torch's current stream
-            keys, K, B = self.output_map, self.steps_per_run, self.rays_per_batch
-
-            def produce(pipe):
-                consumed, run = run_graph(pipe, "cpu", keys, copy=False)
-                return consumed, run, step_views(run, K, B)
-
+            produce = functools.partial(_produce, keys=self.output_map, K=self.steps_per_run, B=self.rays_per_batch,
+                                        device="cpu", copy=False, split=self.stream == "global")
             # released at this rank's step of each run (run_phase), so co-located ranks in
             # lockstep do not all hand over and schedule their next runs on the same step
             self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-rays-r{self.rank}", background=before,
@@ -205,17 +270,18 @@ class RayLoader(BatchSource):
         if self._pipe is None:
             self._build()
         if self._ahead is not None:
-            consumed, run, steps = self._ahead.get()
+            consumed, run, steps, counts = self._ahead.get()
         else:
-            consumed, run = run_graph(self._pipe, self.device, self.output_map, copy=self.prefetch == 0)
-            steps = step_views(run, self.steps_per_run, self.rays_per_batch)
+            consumed, run, steps, counts = _produce(self._pipe, self.output_map, self.steps_per_run, self.rays_per_batch,
+                                                    self.device, self.prefetch == 0, self.stream == "global")
         self._stats.runs += 1
-        if consumed != self.rays_per_run:
-            raise RuntimeError(f"ray_sampler consumed {consumed} positions for {self.rays_per_run} rays")
+        if consumed != self.positions_per_run:
+            raise RuntimeError(f"ray_sampler consumed {consumed} positions for {self.positions_per_run}")
         self._run = run
         self._steps = steps  # __next__ hands out dict(zip(keys, steps[i]))
+        self._counts = counts
         self._run_start = self._next_run_start
-        self._next_run_start += self.rays_per_run
+        self._next_run_start += self.positions_per_run
 
     def __next__(self) -> dict:
         if self._closed:
@@ -226,9 +292,9 @@ class RayLoader(BatchSource):
         t = perf_counter()
         if st.t0 is None:
             st.t0 = t
-        B = self.rays_per_batch
+        S = self._stride
         off = self.position - self._run_start
-        if self._run is None or off < 0 or off + B > self.rays_per_run:
+        if self._run is None or off < 0 or off + S > self.positions_per_run:
             if self._run is not None and self._pipe is not None and self.position != self._next_run_start:
                 self._drop_pipeline()
             if self._ahead is not None and self._run is not None:
@@ -237,20 +303,22 @@ class RayLoader(BatchSource):
             self._run = self._steps = None
             self._fetch_run()
             off = self.position - self._run_start
-        k, r = divmod(off, B)
+        k, r = divmod(off, S)
         if r == 0:  # the usual case: a precomputed step (a fresh dict, so callers may mutate it)
             batch = dict(zip(self.output_map, self._steps[k]))
             if k == self._phase and self._ahead is not None:
                 self._ahead.release()
-        else:  # a seek landed inside the run off the step grid
-            batch = {k: v[off:off + B] for k, v in self._run.items()}
-        self.position += B
+            n = S if self._counts is None else self._counts[k]
+        else:  # a seek landed inside the run off the step grid (the shard stream only)
+            batch = {key: v[off:off + S] for key, v in self._run.items()}
+            n = S
+        self.position += S
         waited = perf_counter() - t  # BatchStats.stop, inlined (this is the per-step hot path)
         st.wait_s += waited
         if st.steps == 0:
             st.warmup_s = waited
         st.steps += 1
-        st.rays += B
+        st.rays += n
         return batch
 
     def _next_streaming(self) -> dict:
@@ -280,13 +348,31 @@ class RayLoader(BatchSource):
 
     # ---- epochs, state --------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Epoch mode: move to the start of permutation ``epoch`` (position epoch * P). Random
-        mode: only recorded (the iid stream has no epochs)."""
+        """Epoch mode: move to the start of permutation ``epoch`` (position epoch * P); with the
+        global stream to the step holding the epoch's first position (step floor(epoch P / G): its
+        first rays may be the previous epoch's last). Random mode: only recorded (the iid stream
+        has no epochs)."""
         if not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ConfigError(f"set_epoch({epoch!r}): epoch must be an integer >= 0")
         self.epoch = int(epoch)
         if self.mode == "epoch":
-            self._seek(self.epoch * self.num_pixels)
+            if self.stream == "global":
+                self._seek(self.epoch * self.split_pixels // self.global_batch * self.global_batch)
+            else:
+                self._seek(self.epoch * self.num_pixels)
+
+    @property
+    def step(self) -> int:
+        """Global stream: the global step of the next batch (its first position / G)."""
+        return self.position // self._stride
+
+    def set_step(self, step: int) -> None:
+        """Global stream: move to global step ``step`` (positions [step G, (step + 1) G)), whatever
+        the world size the stream ran on before: the next batch is this rank's part of that step."""
+        if self.stream != "global":
+            raise ConfigError("set_step: the shard stream has no global steps; use load_state_dict, or stream='global'")
+        check_int("set_step: step", step, 0, (INT64_MAX - self.positions_per_run) // self.global_batch)
+        self._seek(int(step) * self.global_batch)
 
     def _seek(self, position: int) -> None:
         if self._stream is not None:
@@ -299,7 +385,7 @@ class RayLoader(BatchSource):
             if self._pipe is not None and self.position != self._next_run_start:
                 # keep the current run if the position falls inside it, else rebuild lazily
                 off = self.position - self._run_start
-                if self._run is None or off < 0 or off + self.rays_per_batch > self.rays_per_run:
+                if self._run is None or off < 0 or off + self._stride > self.positions_per_run:
                     self._drop_pipeline()
 
     def _drop_pipeline(self):
@@ -312,12 +398,19 @@ class RayLoader(BatchSource):
         del pipe
 
     def state_dict(self) -> dict:
-        """{"position", "epoch", "steps", "mode", "seed", "rank", "world_size", "rays_per_batch", "num_pixels",
-        "scene"} (+ "window_images", "rays_per_window" when streaming); "scene" is the split's
-        fingerprint (:func:`dali_nerf.scenes.scene_fingerprint`)."""
+        """{"stream", "position", "epoch", "steps", "mode", "seed", "rank", "world_size", "rays_per_batch",
+        "scene"} and: shard stream "num_pixels" (the rank's; + "window_images", "rays_per_window"
+        when streaming); global stream "step" (position / G), "global_batch" (G) and
+        "split_pixels" (P). "scene" is the split's fingerprint
+        (:func:`dali_nerf.scenes.scene_fingerprint`); "stream" the stream's formula version."""
         state = {"position": self.position, "epoch": self.epoch, "steps": self._stats.steps, "mode": self.mode,
                  "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
-                 "rays_per_batch": self.rays_per_batch, "num_pixels": self.num_pixels, **scene_state(self.scene)}
+                 "rays_per_batch": self.rays_per_batch, **scene_state(self.scene)}
+        if self.stream == "global":  # rank-free: any world size continues it
+            state.update(stream=GLOBAL_STREAM, step=self.step, global_batch=self.global_batch,
+                         split_pixels=self.split_pixels)
+            return state
+        state.update(stream=SHARD_STREAM, num_pixels=self.num_pixels)
         if self._stream is not None:  # the window layout is part of the stream's definition
             state.update(window_images=self.window_images, rays_per_window=self.rays_per_window)
         return state
@@ -325,13 +418,27 @@ class RayLoader(BatchSource):
     def load_state_dict(self, state: dict) -> None:
         """Resume exactly: the next batch is the one the saved loader would have returned. A state
         saved from another scene (its fingerprint differs: other images, sizes, cameras) or with
-        other stream settings is refused with one line naming what differs."""
+        other stream settings is refused with one line naming what differs. A global-stream state
+        loads into a loader of any rank and world size with the same global batch: the union of
+        the ranks' streams continues exactly (each rank takes its part of the saved next step)."""
         check_scene_state(state, self.scene, "RayLoader")
-        for k in ("mode", "seed", "rank", "world_size", "num_pixels", "window_images", "rays_per_window"):
+        mine = GLOBAL_STREAM if self.stream == "global" else SHARD_STREAM
+        saved = state.get("stream", SHARD_STREAM)  # states before versions were shard streams
+        if saved != mine:
+            raise ConfigError(f"load_state_dict: saved stream {saved!r} but this loader samples {mine!r}; resume with "
+                              f"the stream the state was saved from (pipeline.stream / RayLoader stream=)")
+        keys = (("mode", "seed", "global_batch", "split_pixels") if self.stream == "global" else
+                ("mode", "seed", "rank", "world_size", "num_pixels", "window_images", "rays_per_window"))
+        for k in keys:
             if state.get(k, 0 if k in ("window_images", "rays_per_window") else getattr(self, k)) != getattr(self, k):
-                raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this loader has {getattr(self, k)!r}; "
-                                  f"resume with the same settings")
-        check_int("load_state_dict: position", state.get("position"), 0, INT64_MAX - self.rays_per_run)
+                hint = (f"; the global batch G = rays_per_batch x world size is kept across world sizes: use "
+                        f"rays_per_batch = {state[k]} / world_size" if k == "global_batch" else "")
+                raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this loader has {getattr(self, k)!r}"
+                                  f"{hint or '; resume with the same settings'}")
+        check_int("load_state_dict: position", state.get("position"), 0, INT64_MAX - self.positions_per_run)
+        if state["position"] % self._stride and self.stream == "global":
+            raise ConfigError(f"load_state_dict: position={state['position']} is not a multiple of the global batch "
+                              f"{self.global_batch}; the state is damaged")
         self.epoch = int(state.get("epoch", 0))
         self._seek(int(state["position"]))
 

@@ -176,16 +176,36 @@ class SpatialRayLoader(BatchSource):
                 **scene_state(self.scene)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue the cell's stream exactly. ``rays_per_run`` may differ from the saved loader's
+        (an SS rank's cells share its threads, so the run size follows the cells per rank: a run
+        resumed on another world size): the accepted stream does not depend on it; when the saved
+        offset lies past this loader's first run, the stream position after it is found by one
+        run of ``offset`` rays from the saved run's start."""
         check_scene_state(state, self.scene, "SpatialRayLoader")
-        for k in ("cell", "seed", "mode", "rays_per_batch", "rays_per_run"):
+        for k in ("cell", "seed", "mode", "rays_per_batch"):
             if k in state and state[k] != getattr(self, k):
                 raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this loader has {getattr(self, k)!r}")
-        check_int("load_state_dict: run_start", state.get("run_start"), 0, INT64_MAX - self.rays_per_run)
-        check_int("load_state_dict: offset", state.get("offset"), 0, self.rays_per_run)
+        saved_run = state.get("rays_per_run", self.rays_per_run)
+        check_int("load_state_dict: run_start", state.get("run_start"), 0, INT64_MAX - max(self.rays_per_run, saved_run))
+        check_int("load_state_dict: offset", state.get("offset"), 0, max(self.rays_per_run, saved_run))
         self._drop_pipeline()
         self._run = None
         self.run_start, self.offset = int(state["run_start"]), int(state["offset"])
+        if self.offset + self.rays_per_batch > self.rays_per_run and self.offset > 0:
+            self.run_start, self.offset = self._advance(self.run_start, self.offset), 0
         self._next_run_start = self.run_start
+
+    def _advance(self, start: int, rays: int) -> int:
+        """The stream position after ``rays`` accepted rays from position ``start`` (one run)."""
+        device_id = torch.cuda.current_device() if self.device == "cuda" else None
+        pipe = ray_pipeline(self.cache, int(rays), self.mode, self.seed, self.stream_id, self.num_streams,
+                            first_start=int(start), prefetch=0, device=self.device, num_threads=self.num_threads,
+                            device_id=device_id, partition=self.partition, cell=self.cell)
+        try:
+            consumed, _ = run_graph(pipe, self.device, (), copy=False)
+        finally:
+            release_pipeline(pipe)
+        return int(start) + consumed
 
     def stats(self) -> dict:
         d = self._stats.as_dict()

@@ -292,6 +292,21 @@ class SyncGlobalSampler(_Source):
     def _epoch_steps(self) -> int:
         return math.ceil(self._P / (self.rays_per_batch * self.world_size))
 
+    def state_dict(self) -> dict:
+        """The base state plus ``global_batch`` (B x W) and ``stream`` (``sync_global-v1``)."""
+        return dict(super().state_dict(), global_batch=self.rays_per_batch * self.world_size, stream="sync_global-v1")
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue rank 0's global stream; the world size may differ from the saved sampler's
+        when the global batch B x W is the same (step k is positions [k G, (k + 1) G) of rank 0's
+        stream whatever W: W only cuts each global batch into rank slices)."""
+        G = self.rays_per_batch * self.world_size
+        saved = state.get("global_batch", state.get("rays_per_batch", self.rays_per_batch) * state.get("world_size", 1))
+        if saved != G:
+            raise ConfigError(f"load_state_dict: saved global batch {saved} (rays_per_batch x world_size) but this sampler "
+                              f"has {G}; use rays_per_batch = {saved} / world_size")
+        super().load_state_dict({k: v for k, v in state.items() if k not in ("rank", "world_size", "rays_per_batch")})
+
     def __next__(self) -> dict:
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
