@@ -27,6 +27,7 @@ as survivors, as do "suspicious" ones. The C++ operator is not mutated (mutmut m
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import shutil
 import subprocess
@@ -47,11 +48,16 @@ PYTEST_ARGS = ("-p", "no:randomly", "-q", "--hypothesis-seed=0")
 @dataclass(frozen=True)
 class Group:
     """One mutation run: the modules mutated (paths from the repository root) and the pytest
-    arguments selecting the tests that exercise them (files, node ids, ``--deselect``, ``-k``)."""
+    arguments selecting the tests that exercise them (files, node ids, ``--deselect``, ``-k``).
+    ``names``: when given, only the mutants whose mutmut name matches one of these fnmatch
+    patterns are run and scored (the functions of a module that the group is about, e.g.
+    ``*ǁstate_dict__mutmut_*`` for every class's ``state_dict``); the others stay "not checked"
+    and are left out of the score."""
 
     modules: tuple[str, ...]
     tests: tuple[str, ...]
     about: str = ""
+    names: tuple[str, ...] = ()
 
 
 # tests/test_bad_inputs.py's cases that run the CLIs in subprocesses
@@ -59,6 +65,8 @@ _BAD_INPUTS_SUBPROCESS = tuple(
     a for t in ("test_disk_full_during_checkpoint", "test_validate_cli_one_line_exit_2",
                 "test_trainer_cli_corrupt_image_one_line_exit_2")
     for a in ("--deselect", f"tests/test_bad_inputs.py::{t}"))
+
+_SEP = "\u01c1"  # mutmut's separator of class and method in a mutant's name (xǁClassǁmethod)
 
 GROUPS: dict[str, Group] = {
     "stream": Group(
@@ -91,6 +99,26 @@ GROUPS: dict[str, Group] = {
         tests=("tests/test_config.py", "tests/test_properties_config.py", "tests/test_bad_inputs.py",
                "--deselect", "tests/test_config.py::test_cli_exit_code_two_no_traceback",
                *_BAD_INPUTS_SUBPROCESS),
+    ),
+    "state": Group(
+        about="the sources' state handling (state_dict / load_state_dict, seeks), the elastic resume rules, "
+              "the keyed per-ray draws",
+        modules=("dali_nerf/sources/rays.py", "dali_nerf/sources/spatial.py", "dali_nerf/sources/sync.py",
+                 "dali_nerf/sources/base.py", "dali_nerf/resume.py", "dali_nerf/models/keyed.py"),
+        names=(f"*{_SEP}state_dict__mutmut_*", f"*{_SEP}load_state_dict__mutmut_*",
+               f"dali_nerf.sources.*{_SEP}_seek__mutmut_*", f"dali_nerf.sources.rays.*{_SEP}set_step__mutmut_*",
+               f"dali_nerf.sources.spatial.*{_SEP}_advance__mutmut_*",
+               "dali_nerf.sources.base.x_scene_state__mutmut_*", "dali_nerf.sources.base.x_check_scene_state__mutmut_*",
+               "dali_nerf.resume.x__check_elastic__mutmut_*", "dali_nerf.resume.x_run_stream__mutmut_*",
+               "dali_nerf.models.keyed.*"),
+        tests=("tests/test_keyed.py", "tests/test_elastic_stream.py", "tests/test_resume_rules.py",
+               "tests/test_loader.py::test_resume_exactly", "tests/test_loader.py::test_seek_off_the_step_grid_and_mutated_batches",
+               "tests/test_loader.py::test_epoch_mode_permutations_and_set_epoch",
+               "tests/test_spatial_loader.py::test_resume_is_exact",
+               "tests/test_spatial_loader.py::test_a_state_loads_into_another_run_size",
+               "tests/test_streaming.py::test_resume_exactly_across_window_boundary",
+               "tests/test_scene_fingerprint.py::test_every_source_refuses_a_state_from_another_scene",
+               "tests/test_scene_fingerprint.py::test_rayloader_refuses_another_scene_of_the_same_pixel_count"),
     ),
 }
 
@@ -133,12 +161,17 @@ def statuses(name: str) -> dict[str, dict[str, str]]:
     """{module: {mutant name: status}} from the group's last run (mutmut's .meta files)."""
     from mutmut.stats import status_by_exit_code
 
-    out = {}
-    for m in GROUPS[name].modules:
+    g, out = GROUPS[name], {}
+    for m in g.modules:
         meta = group_dir(name) / "mutants" / (m + ".meta")
         codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
-        out[m] = {k: status_by_exit_code[v] for k, v in codes.items()}
+        out[m] = {k: status_by_exit_code[v] for k, v in codes.items() if selected(g, k)}
     return out
+
+
+def selected(g: Group, mutant: str) -> bool:
+    """Whether the group runs and scores ``mutant`` (all of its modules' mutants unless ``names``)."""
+    return not g.names or any(fnmatch.fnmatchcase(mutant, p) for p in g.names)
 
 
 def score_table(name: str) -> str:
@@ -182,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.list or not a.group:
         for n, g in GROUPS.items():
-            print(f"{n}: {g.about}\n  modules: {' '.join(g.modules)}\n  tests: {' '.join(g.tests)}")
+            print(f"{n}: {g.about}\n  modules: {' '.join(g.modules)}\n  tests: {' '.join(g.tests)}"
+                  + (f"\n  mutants: {' '.join(g.names)}" if g.names else ""))
         return 0
     write_setup(a.group)
     if a.survivors:
@@ -192,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.score:
         if a.fresh:
             shutil.rmtree(group_dir(a.group) / "mutants", ignore_errors=True)
-        names = not_killed(a.group) if a.retest else []
+        names = not_killed(a.group) if a.retest else list(GROUPS[a.group].names)
         if a.retest and not names:
             print("nothing to retest")
         else:
