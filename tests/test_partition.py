@@ -1,5 +1,6 @@
 """Spatial-segmentation partitions: construction, exact routing vs brute force, weights, I/O."""
 
+import dataclasses
 import json
 import math
 
@@ -120,6 +121,34 @@ def test_save_load_round_trip(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         Partition.load(tmp_path / "missing.json")
 
+
+
+def test_save_load_keeps_bounds_axes_and_no_grid(tmp_path):
+    """A k-means partition (no grid) with a routing box and its own plane axes comes back equal,
+    float32, from its file; the file names its format and version; a file of another format or
+    not a JSON object is refused in one line naming the file."""
+    scene = lawnmower_scene()
+    km = Partition.from_config(PartitionConfig(kind="kmeans", cells=3), scene)
+    axes = np.array([[0.6, 0.0, 0.8], [0.8, 0.0, -0.6]], np.float32)  # not plane_axes(up)
+    part = dataclasses.replace(km, axes=axes, bounds=np.array([[-2.5, -1, -1.5], [2.5, 1.0, 1.5]]))
+    assert part.grid is None and not np.array_equal(part.axes, plane_axes(part.up))
+    f = tmp_path / "kmeans.json"
+    part.save(f)
+    d = json.loads(f.read_text())
+    assert d["format"] == "dali_nerf.partition" and d["version"] == 1 and d["grid"] is None
+    back = Partition.load(f)
+    assert back == part and back.bounds is not None and back.bounds.dtype == np.float32
+    np.testing.assert_array_equal(back.bounds, [[-2.5, -1, -1.5], [2.5, 1.0, 1.5]])
+    np.testing.assert_array_equal(back.axes, axes)
+    assert Partition.load(f).cells_for_rank(1, 2) == assign_rank(3, 2)[1] == [1]
+    f.write_text(json.dumps(dict(d, format="other")))
+    with pytest.raises(ConfigError, match=r"kmeans.json: not a valid partition file \(not a dali_nerf.partition file\)"):
+        Partition.load(f)
+    f.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"kmeans.json: not a valid partition file; write it with Partition.save"):
+        Partition.load(f)
+    with pytest.raises(ConfigError, match=r"world size: must be >= 1, got 0"):
+        assign_rank(3, 0)
 
 def test_assign_rank():
     assert assign_rank(4, 4) == [[0], [1], [2], [3]]
