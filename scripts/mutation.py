@@ -4,7 +4,8 @@
     python scripts/mutation.py --list               # the groups, their modules and tests
     python scripts/mutation.py stream               # mutate the group's modules, run its tests, print the score
     python scripts/mutation.py stream --fresh       # from scratch (what docs/RELIABILITY.md records)
-    python scripts/mutation.py stream --retest      # retest the mutants not killed (after adding tests)
+    python scripts/mutation.py stream --retest      # retest the mutants not caught (after adding tests)
+    python scripts/mutation.py stream --retest --retest-timeouts   # and the timeouts
     python scripts/mutation.py stream --score       # the last run's score, no run
     python scripts/mutation.py stream --survivors   # the diff of every mutant not killed, no run
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -194,13 +196,21 @@ def _row(label: str, counts: dict, total: int) -> str:
     return f"| {label} | {caught} / {total} | {pct} | " + " | ".join(str(counts[c]) for c in COLUMNS) + " |"
 
 
-def not_killed(name: str) -> list[str]:
-    return [k for st in statuses(name).values() for k, s in st.items() if s not in CAUGHT]
+def not_killed(name: str, timeouts: bool = False) -> list[str]:
+    """The mutants not caught (with ``timeouts``: not killed, i.e. the timeouts too)."""
+    caught = ("killed",) if timeouts else CAUGHT
+    return [k for st in statuses(name).values() for k, s in st.items() if s not in caught]
+
+
+# mutmut forks each mutant's test run from a process that imported the tests (torch, numpy): a
+# thread pool started there (OpenMP's, BLAS's) deadlocks in the forked child, which then hangs
+# until its time limit and is counted "timeout" (caught) though its tests pass. One thread each:
+SINGLE_THREAD = {v: "1" for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
 
 
 def mutmut(name: str, *args: str) -> int:
     exe = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or "mutmut"
-    return subprocess.call([exe, *args], cwd=group_dir(name))
+    return subprocess.call([exe, *args], cwd=group_dir(name), env={**os.environ, **SINGLE_THREAD})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("group", nargs="?", choices=sorted(GROUPS))
     ap.add_argument("--list", action="store_true", help="list the groups")
     ap.add_argument("--fresh", action="store_true", help="drop the group's results first")
-    ap.add_argument("--retest", action="store_true", help="retest the mutants not killed")
+    ap.add_argument("--retest", action="store_true", help="retest the mutants not caught (survived, no tests, ...)")
+    ap.add_argument("--retest-timeouts", action="store_true", help="with --retest: the timeouts too")
     ap.add_argument("--score", action="store_true", help="print the last run's score only")
     ap.add_argument("--survivors", action="store_true", help="print each mutant not killed, with its diff")
     ap.add_argument("--max-children", type=int, default=1)
@@ -226,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.score:
         if a.fresh:
             shutil.rmtree(group_dir(a.group) / "mutants", ignore_errors=True)
-        names = not_killed(a.group) if a.retest else list(GROUPS[a.group].names)
+        names = not_killed(a.group, a.retest_timeouts) if a.retest else list(GROUPS[a.group].names)
         if a.retest and not names:
             print("nothing to retest")
         else:
