@@ -14,8 +14,9 @@ from dali_nerf.errors import ConfigError, SceneError
 from dali_nerf.models.fused import point_weights
 from dali_nerf.partition import (
     Partition, assign_rank, cell_fraction, export_mega_nerf, import_mega_nerf, load_masks,
-    plane_axes, ray_cells, ray_cells_dense,
+    plane_axes, ray_cells, ray_cells_dense, scene_ray_bounds,
 )
+from dali_nerf.partition.routing import scene_rays
 from dali_nerf.rays import image_rays
 from dali_nerf.scenes.base import Scene
 
@@ -302,6 +303,78 @@ def test_cell_fraction():
     f1 = cell_fraction(Partition(part.centroids, 1.0, 2, part.up), scene, samples=4000)
     assert np.all(f1 <= f + 1e-12)
 
+
+
+def _all_pixels_fraction(part, scene):
+    """(C,) exact fraction of the scene's rays in each cell: every pixel once."""
+    cams = np.concatenate([np.full(int(w * h), i) for i, (w, h) in enumerate(zip(scene.width, scene.height))])
+    local = np.concatenate([np.arange(int(w * h)) for w, h in zip(scene.width, scene.height)])
+    rows, cols = local // scene.width[cams], local % scene.width[cams]
+    o, d = scene_rays(scene, cams, rows, cols)
+    near, far = scene_ray_bounds(scene, cams, o, d)
+    return ray_cells(part, o, d, near, far).mean(0)
+
+
+@pytest.mark.parametrize("bounds", ["per_image", "aabb"])
+def test_cell_fraction_estimates_the_fraction_of_every_pixel(bounds):
+    """cell_fraction's uniform pixel sample matches the exact fraction over every pixel within
+    sampling error, over every image (2 cameras, each over its own cell) and with per-image
+    bounds or an aabb; the default seed is 0 (the same sample every call)."""
+    scene = lawnmower_scene(nx=2, nz=1, w=12, h=8)
+    # tilted rays (a 3-D k-means partition) so that each ray's segment decides its cells
+    c2w = scene.c2w.copy()
+    c2w[:, :3, :3] = c2w[:, :3, :3] @ np.array([[1, 0, 0], [0, 0.8, -0.6], [0, 0.6, 0.8]])
+    scene = dataclasses.replace(scene, c2w=c2w)
+    if bounds == "aabb":
+        scene = dataclasses.replace(scene, near=None, far=None, aabb=np.array([[-3, -0.5, -2], [3, 1.5, 2]]))
+    part = Partition(np.array([[-2, 0.5, 0.0], [2, 0.5, 0.0], [0, 0.5, 1.5]]), 1.1, 3, [0, 1, 0], "kmeans")
+    exact = _all_pixels_fraction(part, scene)
+    assert exact.max() > 0.3 and exact.min() < 0.7  # each cell holds some rays, not all
+    f = cell_fraction(part, scene, samples=20000)
+    np.testing.assert_allclose(f, exact, atol=0.025)
+    np.testing.assert_array_equal(f, cell_fraction(part, scene, 20000, seed=0))
+    assert not np.array_equal(f, cell_fraction(part, scene, 20000, seed=1))
+
+
+def test_scene_ray_bounds_are_the_segment_in_the_aabb():
+    """Without per-image bounds a ray's [near, far] is its segment inside the aabb (from the
+    origin when it starts inside; 0, 0 when it misses, also for a ray parallel to a face outside
+    the box), checked against points sampled along the ray; with bounds they are the image's;
+    with neither the scene is refused in one line."""
+    rng = np.random.default_rng(np.random.randint(2**31))
+    scene = lawnmower_scene(nx=2, nz=2)
+    box = np.array([[-1.0, -0.5, -2.0], [1.5, 1.0, 0.5]])
+    no_bounds = dataclasses.replace(scene, near=None, far=None, aabb=box)
+    n = 400
+    o = rng.uniform(-3, 3, (n, 3))
+    d = rng.normal(size=(n, 3))
+    d[np.arange(40), rng.integers(0, 3, 40)] = 0.0  # some rays parallel to a face
+    d /= np.linalg.norm(d, axis=1, keepdims=True)
+    o[:10] = [0.0, 0.0, 0.0]  # inside the box
+    o[10:20], d[10:20] = [0.0, 2.0, 0.0], [1.0, 0.0, 0.0]  # parallel to the top face, above it
+    aim = rng.uniform(box[0], box[1], (100, 3)) - o[200:300]  # aimed into the box
+    d[200:300] = aim / np.linalg.norm(aim, axis=1, keepdims=True)
+    cams = rng.integers(0, scene.num_images, n)
+    near, far = scene_ray_bounds(no_bounds, cams, o, d)
+    assert near.dtype == far.dtype == np.float64 and near.shape == far.shape == (n,)
+    t = np.linspace(0.0, 12.0, 6001)  # the box lies within 12 of every origin
+    pts = o[:, None, :] + t[None, :, None] * d[:, None, :]
+    inside = np.all((pts >= box[0].astype(np.float32)) & (pts <= box[1].astype(np.float32)), -1)
+    hit = inside.any(1)
+    assert hit[:10].all() and not hit[10:20].any() and hit[200:300].all() and (~hit).sum() > 50
+    assert np.all(far[~hit] - near[~hit] <= t[1])  # missed (0, 0), or grazing between two samples
+    np.testing.assert_array_equal(near[10:20], 0.0)
+    np.testing.assert_array_equal(far[10:20], 0.0)
+    np.testing.assert_array_equal(near[:10], 0.0)
+    first = t[np.argmax(inside, 1)]
+    last = t[t.size - 1 - np.argmax(inside[:, ::-1], 1)]
+    assert np.all(np.abs(near - first)[hit] <= t[1] + 1e-9) and np.all(far[hit] >= last[hit] - 1e-9)
+    assert np.all(far[hit] - last[hit] <= t[1] + 1e-9)
+    bn, bf = scene_ray_bounds(scene, cams, o, d)
+    assert bn.dtype == np.float64
+    np.testing.assert_array_equal(bn, scene.near[cams]) and np.testing.assert_array_equal(bf, scene.far[cams])
+    with pytest.raises(SceneError, match=r"^/nowhere: the scene has no near/far bounds and no aabb; .*[^\n]$"):
+        scene_ray_bounds(dataclasses.replace(scene, near=None, far=None), cams, o, d)
 
 @pytest.mark.parametrize("up", ["y", "-x"])
 def test_mega_nerf_export_import(tmp_path, up):
