@@ -145,3 +145,37 @@ def test_bench_values_at_the_edges_are_accepted(tmp_path):
     f.write_text("bench: 5\n")
     with pytest.raises(ConfigError, match=r"c.yaml: bench: expected a mapping of BenchConfig fields, got int$"):
         load_config(f, check_paths=False)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.steps=0"], "train.steps: must be > 0, got 0"),
+    (["name=a/b"], "name: must be a plain folder name, got 'a/b'"),
+    (["name=.hidden"], "name: must be a plain folder name, got '.hidden'"),
+    (["model.occupancy_threshold=1.0"], "model.occupancy_threshold: must be in (0, 1), got 1.0"),
+    (["model.contract_inner=0"], "model.contract_inner: must be > 0, got 0.0"),
+    (["scene.background=[1.5,0,0]"], "scene.background: must be one of auto, white, black, random, learned or 3 "
+                                     "numbers in [0, 1], got [1.5, 0, 0]"),
+    (["partition.kind=kmeans", "partition.cells=65"], "partition.cells: 65 cells; the op routes among at most 64"),
+    (["partition.grid=[8,9]"], "partition.grid: grid 8x9 = 72 cells; the op routes among at most 64"),
+])
+def test_values_at_the_edge_of_a_check_are_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides, check_paths=False)
+    assert str(e.value) == f"<defaults>: {message}"
+
+
+@pytest.mark.parametrize("override,key,value", [
+    ("scene.path=data/a=b", "scene.path", "data/a=b"),  # only the first '=' splits an override
+    ("model.space=ndc", "model.space", "ndc"),
+    ("model.occupancy_threshold=0.99", "model.occupancy_threshold", 0.99),
+    ("pipeline.name=sync_global", "pipeline.name", "sync_global"),
+    ("pipeline.name=ready", "pipeline.name", "ready"),
+    ("scene.background=white", "scene.background", "white"),
+    ("scene.background=learned", "scene.background", "learned"),
+    ("scene.background=[1,0,0.5]", "scene.background", [1, 0, 0.5]),
+    ("train.device=cuda", "train.device", "cuda"),
+    ("partition.grid=[8,8]", "partition.grid", [8, 8]),
+])
+def test_every_valid_choice_is_accepted(override, key, value):
+    section, leaf = key.split(".")
+    assert getattr(getattr(load_config(None, [override], check_paths=False), section), leaf) == value
