@@ -201,6 +201,31 @@ def test_exact_vs_dense_3d_and_kmeans():
     assert np.all(point_condition(part, o[b] + t[b, j][:, None] * d[b], j))
 
 
+
+def test_exact_vs_dense_with_a_routing_box_scalar_bounds_and_margin_one():
+    """Both routings clip rays to the partition's box the same way (the clipped segment's cells, a
+    subset of the whole segment's; a ray that misses the box keeps its segment); a scalar near / far stands for
+    every ray's; with margin 1 every ray that meets the box is in at least one cell (the nearest
+    centroid's: ratio 1 <= margin); shapes are checked naming the argument."""
+    part = dataclasses.replace(Partition.from_config(PartitionConfig(kind="kmeans", cells=4, dims=3), lawnmower_scene()),
+                               bounds=np.array([[-1.5, -0.5, -1.0], [1.5, 1.5, 1.0]]))
+    o, d, near, far = random_rays(4000, seed=2)
+    exact = ray_cells(part, o, d, 0.1, 5.0)
+    np.testing.assert_array_equal(exact, ray_cells(part, o, d, np.full(len(o), 0.1), np.full((len(o), 1), 5.0)))
+    dense = ray_cells_dense(part, o, d, 0.1, 5.0, samples=400)
+    assert not (dense & ~exact).any() and (exact == dense).all(1).mean() >= 0.995
+    unbounded = ray_cells(dataclasses.replace(part, bounds=None), o, d, 0.1, 5.0)
+    assert (unbounded & ~exact).any() and not (exact & ~unbounded).any()
+    one = dataclasses.replace(part, margin=1.0, bounds=None)
+    assert ray_cells_dense(one, o, d, near, far, samples=50).any(1).all()
+    for fn in (ray_cells, ray_cells_dense):
+        with pytest.raises(ValueError, match=r"^origins must have shape \(B, 3\), got \(4000, 2\)$"):
+            fn(part, o[:, :2], d, near, far)
+        with pytest.raises(ValueError, match=r"^near must have shape \(B,\) or \(B, 1\), got \(3\,\)$"):
+            fn(part, o, d, near[:3], far)
+        with pytest.raises(ValueError, match=r"^far must have shape \(B,\) or \(B, 1\), got \(3\,\)$"):
+            fn(part, o, d, near, far[:3])
+
 def test_grazing_ray_dense_misses():
     # 3 cells in the plane perpendicular to up = z; cell 2's region has a corner at (0, y_b)
     m = 1.15
