@@ -120,6 +120,7 @@ GROUPS: dict[str, Group] = {
                "dali_nerf.resume.x__check_elastic__mutmut_*", "dali_nerf.resume.x_run_stream__mutmut_*",
                "dali_nerf.models.keyed.*"),
         tests=("tests/test_keyed.py", "tests/test_elastic_stream.py", "tests/test_resume_rules.py",
+               "tests/test_source_state.py",
                "tests/test_loader.py::test_resume_exactly", "tests/test_loader.py::test_seek_off_the_step_grid_and_mutated_batches",
                "tests/test_loader.py::test_epoch_mode_permutations_and_set_epoch",
                "tests/test_spatial_loader.py::test_resume_is_exact",
