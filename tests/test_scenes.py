@@ -595,3 +595,55 @@ def test_corrupt_values_are_one_line_errors_naming_the_file(tmp_path):
     fails(mn, md, "'W'")
     torch.save({k: v for k, v in good_md.items() if k not in ("near", "far")}, md)
     fails(mn, md, "no 'near'/'far'", "000000.pt has near")
+
+
+def test_every_parser_error_starts_with_the_file_it_is_about(tmp_path):
+    """A user fixes the file the message names first: for the Blender, nerfstudio and Mega-NeRF
+    parsers each refusal starts with that file's path (the JSON, coordinates.pt, a metadata file)."""
+    from dali_nerf.scenes._util import load_json
+
+    def refused(root, split="train", fmt=None) -> str:
+        with pytest.raises(SceneError) as e:
+            load_scene(root, split, **({"format": fmt} if fmt else {}))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    bl = tmp_path / "bl"
+    make_blender(bl)
+    tj = bl / "transforms_train.json"
+    good = tj.read_text()
+    for edit, rest in ((lambda m: m.pop("frames"), "missing key 'frames'"),
+                       (lambda m: m.update(near=5.0, far=3.0), "frame '(scene)' has invalid bounds near=5 far=3"),
+                       (lambda m: m.update(near=0.0, far=3.0), None)):  # near 0 is a valid bound
+        tj.write_text(good)
+        _edit_json(tj, edit)
+        if rest is None:
+            assert load_scene(bl, "train").near[0] == 0.0
+        else:
+            msg = refused(bl)
+            assert msg.startswith(f"{tj}: ") and rest in msg, msg
+    ns = tmp_path / "ns"
+    make_nerfstudio(ns)
+    tj = ns / "transforms.json"
+    good = tj.read_text()
+
+    def no_fl_y(m):
+        m.pop("fl_y")
+        m["camera_angle_y"] = "wide"
+    for edit, key in ((lambda m: m.update(h="tall"), "key 'h'"), (lambda m: m.update(cy="mid"), "key 'cy'"),
+                      (no_fl_y, "key 'camera_angle_y'"), (lambda m: m.update(aabb=[[1, 1, 1], [0, 0, 0]]), "key 'aabb'"),
+                      (lambda m: m.update(train_filenames="images", test_filenames=[]), "train_filenames must be a list")):
+        tj.write_text(good)
+        _edit_json(tj, edit)
+        msg = refused(ns)
+        assert msg.startswith(f"{tj}: ") and key in msg, msg
+    mn, mn2 = tmp_path / "mn", tmp_path / "mn2"
+    mn.mkdir()
+    mn2.mkdir()
+    make_mega_nerf(mn, coords_extra={"origin_drb": torch.tensor([1.0, 2.0])})
+    assert refused(mn, fmt="mega_nerf").startswith(f"{mn / 'coordinates.pt'}: ")
+    make_mega_nerf(mn2, meta_extra={"c2w": torch.zeros(4, 4)})
+    msg = refused(mn2, fmt="mega_nerf")
+    assert msg.startswith(f"{mn2 / 'train' / 'metadata'}") and "c2w" in msg, msg
+    with pytest.raises(SceneError, match=rf"^{tmp_path / 'absent.json'}: file not found$"):
+        load_json(tmp_path / "absent.json")
