@@ -103,3 +103,16 @@ def test_rayloader_state_without_an_epoch_loads_at_epoch_zero(city):
         assert R.epoch == 0 and R.position == state["position"]
         b = next(R)
         assert set(b) >= {"origins", "directions", "rgb"} and b["rgb"].shape[0] == B and torch.isfinite(b["rgb"]).all()
+
+
+def test_rayloader_shard_state_is_refused_on_another_rank(city):
+    """A shard-stream state is its rank's stream: rank 1 of 2 refuses rank 0's (naming the rank),
+    and the state says which rank wrote it."""
+    scene, _ = city
+    kw = {"rays_per_batch": B, "rays_per_run": 2 * B, "num_threads": 1, "stream": "shard", "world_size": 2}
+    with RayLoader(scene, rank=0, cache=decode_cache(scene, 0, 2), **kw) as L:
+        next(L)
+        state = L.state_dict()
+    assert state["rank"] == 0 and state["world_size"] == 2 and state["stream"].startswith("shard")
+    with RayLoader(scene, rank=1, cache=decode_cache(scene, 1, 2), **kw) as other:
+        assert _refused(other, state, "rank=0").endswith("but this loader has 1; resume with the same settings")
