@@ -9,6 +9,7 @@ of the parsed camera through the projected pixel passes through the point mapped
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -647,3 +648,31 @@ def test_every_parser_error_starts_with_the_file_it_is_about(tmp_path):
     assert msg.startswith(f"{mn2 / 'train' / 'metadata'}") and "c2w" in msg, msg
     with pytest.raises(SceneError, match=rf"^{tmp_path / 'absent.json'}: file not found$"):
         load_json(tmp_path / "absent.json")
+
+
+def test_scene_record_is_frozen_and_normalises_its_arrays(tmp_path):
+    """A parsed Scene's arrays are read-only (the record and its cached fingerprint cannot drift);
+    the optional lens arrays given as lists become typed arrays of the checked shape; the mean up
+    of cameras whose ups cancel is +y; nerfstudio's camera_angle_y gives fy = h / 2 / tan(angle / 2)."""
+    from dali_nerf.scenes._util import mean_up
+
+    make_nerfstudio(tmp_path)
+    s = load_scene(tmp_path, "train")
+    for name in ("c2w", "intrinsics", "width", "height"):
+        with pytest.raises(ValueError, match="read-only"):
+            getattr(s, name)[0] = 0
+    n = s.num_images
+    lens = dataclasses.replace(s, file_wh=[[24, 18]] * n, distortion=[[0.1, 0, 0, 0, 0, 0, 0, 0]] * n,
+                               fisheye=[False] * n, file_intrinsics=[[20.0, 21.0, 11.3, 9.4]] * n)
+    assert lens.fisheye.dtype == bool and lens.fisheye.shape == (n,) and not lens.fisheye.flags.writeable
+    assert lens.file_intrinsics.dtype == np.float64 and lens.file_intrinsics.shape == (n, 4)
+    assert lens.file_wh.dtype == np.int64
+    with pytest.raises(ValueError, match=rf"^Scene.file_wh must have shape \(N, 2\), got \({n}, 3\)$"):
+        dataclasses.replace(lens, file_wh=[[24, 18, 1]] * n)
+    c2w = np.zeros((2, 3, 4))
+    c2w[0, :, 1], c2w[1, :, 1] = [0, 0, 1], [0, 0, -1]
+    np.testing.assert_array_equal(mean_up(c2w), [0.0, 1.0, 0.0])
+    tj = tmp_path / "transforms.json"
+    _edit_json(tj, lambda m: (m.pop("fl_y"), m.update(camera_angle_y=0.8)))
+    k = load_scene(tmp_path, "train").intrinsics
+    np.testing.assert_allclose(k[k[:, 0] == NS_K[0], 1], 0.5 * 18 / np.tan(0.4), rtol=1e-6)
