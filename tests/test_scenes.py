@@ -676,3 +676,29 @@ def test_scene_record_is_frozen_and_normalises_its_arrays(tmp_path):
     _edit_json(tj, lambda m: (m.pop("fl_y"), m.update(camera_angle_y=0.8)))
     k = load_scene(tmp_path, "train").intrinsics
     np.testing.assert_allclose(k[k[:, 0] == NS_K[0], 1], 0.5 * 18 / np.tan(0.4), rtol=1e-6)
+
+
+def test_llff_non_integer_image_size_names_the_row_and_scene_repr(tmp_path):
+    """An LLFF row whose H or W is not an integer is refused naming that row's image (the first
+    such row, also when a later focal is not an integer: f need not be); a Scene's repr lists up
+    to three image sizes; the mean up of cameras sharing +z is +z."""
+    from dali_nerf.scenes._util import mean_up
+
+    make_llff(tmp_path, n=6)
+    pb = np.load(tmp_path / "poses_bounds.npy")
+    pb[:, 14] = 20.25  # every focal: not an image size
+    pb[4, 4] = 18.5  # H of row 4
+    np.save(tmp_path / "poses_bounds.npy", pb)
+    with pytest.raises(SceneError, match=r"poses_bounds.npy: row 4 \(IMG_0004.JPG.png\) has image size H=18.5 W=24; "
+                                         r"must be integers$"):
+        load_scene(tmp_path, "train")
+    make_nerfstudio(tmp_path / "ns")
+    r = repr(load_scene(tmp_path / "ns", "train"))
+    assert "24x18, 26x20" in r and " ..." not in r, r
+    s = load_scene(tmp_path / "ns", "train")
+    w, h = s.width.copy(), s.height.copy()
+    w[:4], h[:4] = [8, 9, 10, 11], [6, 7, 8, 9]
+    assert "8x6, 9x7, 10x8 ..." in repr(dataclasses.replace(s, width=w, height=h))
+    c2w = np.zeros((3, 3, 4))
+    c2w[:, :, 1] = [[0, 0, 1], [0, 0.1, 1], [0, -0.1, 1]]
+    np.testing.assert_allclose(mean_up(c2w), [0.0, 0.0, 1.0])
