@@ -449,3 +449,19 @@ def test_partition_package_keeps_its_public_names():
                  "load_masks", "plane_axes", "clip_to_bounds"):
         assert name in dali_nerf.partition.__all__ and hasattr(dali_nerf.partition, name), name
     assert dali_nerf.partition.point_weights is point_weights
+
+
+def test_grid_partition_routes_within_the_scene_aabb_and_equality_sees_every_field():
+    """A grid partition of a scene with an aabb takes the box as its routing bounds; partitions
+    that differ in one field only are not equal; one cell is a valid partition."""
+    scene = dataclasses.replace(lawnmower_scene(), aabb=np.array([[-2.5, 0.0, -1.5], [2.5, 2.0, 1.5]]))
+    part = Partition.from_config(PartitionConfig(grid=[2, 2]), scene)
+    np.testing.assert_array_equal(part.bounds, scene.aabb)
+    assert Partition.from_config(PartitionConfig(grid=[2, 2]), lawnmower_scene()).bounds is None
+    for other in (dataclasses.replace(part, margin=1.3), dataclasses.replace(part, dims=3),
+                  dataclasses.replace(part, bounds=None), dataclasses.replace(part, grid=(4, 1)),
+                  dataclasses.replace(part, centroids=part.centroids + 0.5)):
+        assert other != part and part != other
+    assert dataclasses.replace(part) == part
+    one = Partition(np.zeros((1, 3)), 1.0, 2, [0, 1, 0])
+    assert one.num_cells == 1 and one.cells_for_rank(0, 1) == [0]
