@@ -71,6 +71,7 @@ def test_describe_change_names_what_changed(city):
     assert describe_change(fp, scene_fingerprint(dataclasses.replace(scene, width=w, height=h))) == \
         f"image sizes changed ({names[3]} 24x16 -> 12x8)"
     assert describe_change(fp, scene_fingerprint(dataclasses.replace(scene, downscale=2))) == "downscale 1 -> 2"
+    assert describe_change(fp, scene_fingerprint(dataclasses.replace(scene, split="val"))) == "split 'train' -> 'val'"
     assert describe_change(None, fp) is None  # nothing saved: nothing to compare
     assert describe_change(dict(fp, version=0), fp) is None  # another definition: not compared
 
