@@ -96,3 +96,86 @@ def test_numbers_too_large_are_one_line_errors(tmp_path):
     assert "a value cannot be read" in msg and "4300 digits" in msg
     msg = err(tmp_path, "{}\n", ["train.steps=" + "9" * 5000])
     assert "train.steps: expected an integer, got str" in msg
+
+
+@pytest.mark.parametrize("override,message", [
+    ("bench.steps=0", "bench.steps: must be > 0, got 0"),
+    ("bench.warmup=-1", "bench.warmup: must be >= 0, got -1"),
+    ("bench.scene_kind=forest", "bench.scene_kind: must be one of objects, city, got 'forest'"),
+    ("bench.scene_images=0", "bench.scene_images: must be > 0, got 0"),
+    ("bench.sampling_sizes=[1024,0]", "bench.sampling_sizes[1]: must be > 0, got 0"),
+    ("bench.allreduce_latency_s=-1", "bench.allreduce_latency_s: must be >= 0, got -1.0"),
+    ("bench.gpu_step_ms=-1", "bench.gpu_step_ms: must be >= 0, got -1.0"),
+    ("bench.gpu_cpu_ratio=0", "bench.gpu_cpu_ratio: must be > 0, got 0.0"),
+    ("bench.cores_per_gpu=0", "bench.cores_per_gpu: must be > 0, got 0.0"),
+    ("bench.sampler_seconds=-1", "bench.sampler_seconds: must be >= 0, got -1.0"),
+    ("bench.ranks=[0]", "bench.ranks: must be a list of integers >= 1 ([] = no CPU rows), got [0]"),
+    ("bench.methods=[ddp,mp]", "bench.methods: must be one of ddp, ss, got 'mp'"),
+    ("bench.samplers=[ready]", "bench.samplers: must be one of rays, sync_global, sync_local, torch_workers, got 'ready'"),
+    ("bench.emulated_samplers=[ready]", "bench.emulated_samplers: must be one of rays, sync_global, sync_local, "
+                                        "torch_workers, got 'ready'"),
+    ("bench.trials=0", "bench.trials: must be > 0, got 0"),
+    ("bench.emulated_steps=0", "bench.emulated_steps: must be > 0, got 0"),
+    ("bench.emulated_warmup=-1", "bench.emulated_warmup: must be >= 0, got -1"),
+    ("bench.emulated_grad_bytes=-1", "bench.emulated_grad_bytes: must be >= 0, got -1"),
+    ("bench.emulated_ranks_ss=[1,0]", "bench.emulated_ranks_ss[1]: must be > 0, got 0"),
+    ("bench.fit_ranks=[0]", "bench.fit_ranks[0]: must be > 0, got 0"),
+    ("bench.emulated_step_ms=[1.0,0]", "bench.emulated_step_ms[1]: must be > 0 ms, got 0.0"),
+    ("bench.check_step_ms=0", "bench.check_step_ms: must be > 0 ms, got 0.0"),
+])
+def test_bench_values_out_of_range_are_one_line_naming_the_key(override, message):
+    """Every check of the bench section names its key (and the list index) and the value in one
+    line (the CLI prints it and exits 2)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override], check_paths=False)
+    assert str(e.value) == f"<defaults>: {message}"
+
+
+def test_bench_values_at_the_edges_are_accepted(tmp_path):
+    """What the checks let through: the city scene, every sampler, ratios and cores below 1, an
+    empty ranks list; a section given a non-mapping is refused naming its type."""
+    cfg = load_config(None, ["bench.scene_kind=city", "bench.samplers=[rays,sync_global,sync_local,torch_workers]",
+                             "bench.emulated_samplers=[torch_workers]", "bench.gpu_cpu_ratio=0.5",
+                             "bench.cores_per_gpu=0.5", "bench.ranks=[]", "bench.warmup=0", "bench.gpu_step_ms=0"],
+                      check_paths=False)
+    b = cfg.bench
+    assert (b.scene_kind, b.gpu_cpu_ratio, b.cores_per_gpu, b.ranks) == ("city", 0.5, 0.5, [])
+    assert b.samplers[-1] == b.emulated_samplers[0] == "torch_workers"
+    f = tmp_path / "c.yaml"
+    f.write_text("bench: 5\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: bench: expected a mapping of BenchConfig fields, got int$"):
+        load_config(f, check_paths=False)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.steps=0"], "train.steps: must be > 0, got 0"),
+    (["name=a/b"], "name: must be a plain folder name, got 'a/b'"),
+    (["name=.hidden"], "name: must be a plain folder name, got '.hidden'"),
+    (["model.occupancy_threshold=1.0"], "model.occupancy_threshold: must be in (0, 1), got 1.0"),
+    (["model.contract_inner=0"], "model.contract_inner: must be > 0, got 0.0"),
+    (["scene.background=[1.5,0,0]"], "scene.background: must be one of auto, white, black, random, learned or 3 "
+                                     "numbers in [0, 1], got [1.5, 0, 0]"),
+    (["partition.kind=kmeans", "partition.cells=65"], "partition.cells: 65 cells; the op routes among at most 64"),
+    (["partition.grid=[8,9]"], "partition.grid: grid 8x9 = 72 cells; the op routes among at most 64"),
+])
+def test_values_at_the_edge_of_a_check_are_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides, check_paths=False)
+    assert str(e.value) == f"<defaults>: {message}"
+
+
+@pytest.mark.parametrize("override,key,value", [
+    ("scene.path=data/a=b", "scene.path", "data/a=b"),  # only the first '=' splits an override
+    ("model.space=ndc", "model.space", "ndc"),
+    ("model.occupancy_threshold=0.99", "model.occupancy_threshold", 0.99),
+    ("pipeline.name=sync_global", "pipeline.name", "sync_global"),
+    ("pipeline.name=ready", "pipeline.name", "ready"),
+    ("scene.background=white", "scene.background", "white"),
+    ("scene.background=learned", "scene.background", "learned"),
+    ("scene.background=[1,0,0.5]", "scene.background", [1, 0, 0.5]),
+    ("train.device=cuda", "train.device", "cuda"),
+    ("partition.grid=[8,8]", "partition.grid", [8, 8]),
+])
+def test_every_valid_choice_is_accepted(override, key, value):
+    section, leaf = key.split(".")
+    assert getattr(getattr(load_config(None, [override], check_paths=False), section), leaf) == value

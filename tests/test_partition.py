@@ -1,5 +1,6 @@
 """Spatial-segmentation partitions: construction, exact routing vs brute force, weights, I/O."""
 
+import dataclasses
 import json
 import math
 
@@ -13,8 +14,9 @@ from dali_nerf.errors import ConfigError, SceneError
 from dali_nerf.models.fused import point_weights
 from dali_nerf.partition import (
     Partition, assign_rank, cell_fraction, export_mega_nerf, import_mega_nerf, load_masks,
-    plane_axes, ray_cells, ray_cells_dense,
+    plane_axes, ray_cells, ray_cells_dense, scene_ray_bounds,
 )
+from dali_nerf.partition.routing import scene_rays
 from dali_nerf.rays import image_rays
 from dali_nerf.scenes.base import Scene
 
@@ -121,6 +123,34 @@ def test_save_load_round_trip(tmp_path):
         Partition.load(tmp_path / "missing.json")
 
 
+
+def test_save_load_keeps_bounds_axes_and_no_grid(tmp_path):
+    """A k-means partition (no grid) with a routing box and its own plane axes comes back equal,
+    float32, from its file; the file names its format and version; a file of another format or
+    not a JSON object is refused in one line naming the file."""
+    scene = lawnmower_scene()
+    km = Partition.from_config(PartitionConfig(kind="kmeans", cells=3), scene)
+    axes = np.array([[0.6, 0.0, 0.8], [0.8, 0.0, -0.6]], np.float32)  # not plane_axes(up)
+    part = dataclasses.replace(km, axes=axes, bounds=np.array([[-2.5, -1, -1.5], [2.5, 1.0, 1.5]]))
+    assert part.grid is None and not np.array_equal(part.axes, plane_axes(part.up))
+    f = tmp_path / "kmeans.json"
+    part.save(f)
+    d = json.loads(f.read_text())
+    assert d["format"] == "dali_nerf.partition" and d["version"] == 1 and d["grid"] is None
+    back = Partition.load(f)
+    assert back == part and back.bounds is not None and back.bounds.dtype == np.float32
+    np.testing.assert_array_equal(back.bounds, [[-2.5, -1, -1.5], [2.5, 1.0, 1.5]])
+    np.testing.assert_array_equal(back.axes, axes)
+    assert Partition.load(f).cells_for_rank(1, 2) == assign_rank(3, 2)[1] == [1]
+    f.write_text(json.dumps(dict(d, format="other")))
+    with pytest.raises(ConfigError, match=r"kmeans.json: not a valid partition file \(not a dali_nerf.partition file\)"):
+        Partition.load(f)
+    f.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"kmeans.json: not a valid partition file; write it with Partition.save"):
+        Partition.load(f)
+    with pytest.raises(ConfigError, match=r"world size: must be >= 1, got 0"):
+        assign_rank(3, 0)
+
 def test_assign_rank():
     assert assign_rank(4, 4) == [[0], [1], [2], [3]]
     assert assign_rank(5, 2) == [[0, 2, 4], [1, 3]]
@@ -170,6 +200,31 @@ def test_exact_vs_dense_3d_and_kmeans():
     b, j = np.nonzero(exact)
     assert np.all(point_condition(part, o[b] + t[b, j][:, None] * d[b], j))
 
+
+
+def test_exact_vs_dense_with_a_routing_box_scalar_bounds_and_margin_one():
+    """Both routings clip rays to the partition's box the same way (the clipped segment's cells, a
+    subset of the whole segment's; a ray that misses the box keeps its segment); a scalar near / far stands for
+    every ray's; with margin 1 every ray that meets the box is in at least one cell (the nearest
+    centroid's: ratio 1 <= margin); shapes are checked naming the argument."""
+    part = dataclasses.replace(Partition.from_config(PartitionConfig(kind="kmeans", cells=4, dims=3), lawnmower_scene()),
+                               bounds=np.array([[-1.5, -0.5, -1.0], [1.5, 1.5, 1.0]]))
+    o, d, near, far = random_rays(4000, seed=2)
+    exact = ray_cells(part, o, d, 0.1, 5.0)
+    np.testing.assert_array_equal(exact, ray_cells(part, o, d, np.full(len(o), 0.1), np.full((len(o), 1), 5.0)))
+    dense = ray_cells_dense(part, o, d, 0.1, 5.0, samples=400)
+    assert not (dense & ~exact).any() and (exact == dense).all(1).mean() >= 0.995
+    unbounded = ray_cells(dataclasses.replace(part, bounds=None), o, d, 0.1, 5.0)
+    assert (unbounded & ~exact).any() and not (exact & ~unbounded).any()
+    one = dataclasses.replace(part, margin=1.0, bounds=None)
+    assert ray_cells_dense(one, o, d, near, far, samples=50).any(1).all()
+    for fn in (ray_cells, ray_cells_dense):
+        with pytest.raises(ValueError, match=r"^origins must have shape \(B, 3\), got \(4000, 2\)$"):
+            fn(part, o[:, :2], d, near, far)
+        with pytest.raises(ValueError, match=r"^near must have shape \(B,\) or \(B, 1\), got \(3\,\)$"):
+            fn(part, o, d, near[:3], far)
+        with pytest.raises(ValueError, match=r"^far must have shape \(B,\) or \(B, 1\), got \(3\,\)$"):
+            fn(part, o, d, near, far[:3])
 
 def test_grazing_ray_dense_misses():
     # 3 cells in the plane perpendicular to up = z; cell 2's region has a corner at (0, y_b)
@@ -274,6 +329,78 @@ def test_cell_fraction():
     assert np.all(f1 <= f + 1e-12)
 
 
+
+def _all_pixels_fraction(part, scene):
+    """(C,) exact fraction of the scene's rays in each cell: every pixel once."""
+    cams = np.concatenate([np.full(int(w * h), i) for i, (w, h) in enumerate(zip(scene.width, scene.height))])
+    local = np.concatenate([np.arange(int(w * h)) for w, h in zip(scene.width, scene.height)])
+    rows, cols = local // scene.width[cams], local % scene.width[cams]
+    o, d = scene_rays(scene, cams, rows, cols)
+    near, far = scene_ray_bounds(scene, cams, o, d)
+    return ray_cells(part, o, d, near, far).mean(0)
+
+
+@pytest.mark.parametrize("bounds", ["per_image", "aabb"])
+def test_cell_fraction_estimates_the_fraction_of_every_pixel(bounds):
+    """cell_fraction's uniform pixel sample matches the exact fraction over every pixel within
+    sampling error, over every image (2 cameras, each over its own cell) and with per-image
+    bounds or an aabb; the default seed is 0 (the same sample every call)."""
+    scene = lawnmower_scene(nx=2, nz=1, w=12, h=8)
+    # tilted rays (a 3-D k-means partition) so that each ray's segment decides its cells
+    c2w = scene.c2w.copy()
+    c2w[:, :3, :3] = c2w[:, :3, :3] @ np.array([[1, 0, 0], [0, 0.8, -0.6], [0, 0.6, 0.8]])
+    scene = dataclasses.replace(scene, c2w=c2w)
+    if bounds == "aabb":
+        scene = dataclasses.replace(scene, near=None, far=None, aabb=np.array([[-3, -0.5, -2], [3, 1.5, 2]]))
+    part = Partition(np.array([[-2, 0.5, 0.0], [2, 0.5, 0.0], [0, 0.5, 1.5]]), 1.1, 3, [0, 1, 0], "kmeans")
+    exact = _all_pixels_fraction(part, scene)
+    assert exact.max() > 0.3 and exact.min() < 0.7  # each cell holds some rays, not all
+    f = cell_fraction(part, scene, samples=20000)
+    np.testing.assert_allclose(f, exact, atol=0.025)
+    np.testing.assert_array_equal(f, cell_fraction(part, scene, 20000, seed=0))
+    assert not np.array_equal(f, cell_fraction(part, scene, 20000, seed=1))
+
+
+def test_scene_ray_bounds_are_the_segment_in_the_aabb():
+    """Without per-image bounds a ray's [near, far] is its segment inside the aabb (from the
+    origin when it starts inside; 0, 0 when it misses, also for a ray parallel to a face outside
+    the box), checked against points sampled along the ray; with bounds they are the image's;
+    with neither the scene is refused in one line."""
+    rng = np.random.default_rng(np.random.randint(2**31))
+    scene = lawnmower_scene(nx=2, nz=2)
+    box = np.array([[-1.0, -0.5, -2.0], [1.5, 1.0, 0.5]])
+    no_bounds = dataclasses.replace(scene, near=None, far=None, aabb=box)
+    n = 400
+    o = rng.uniform(-3, 3, (n, 3))
+    d = rng.normal(size=(n, 3))
+    d[np.arange(40), rng.integers(0, 3, 40)] = 0.0  # some rays parallel to a face
+    d /= np.linalg.norm(d, axis=1, keepdims=True)
+    o[:10] = [0.0, 0.0, 0.0]  # inside the box
+    o[10:20], d[10:20] = [0.0, 2.0, 0.0], [1.0, 0.0, 0.0]  # parallel to the top face, above it
+    aim = rng.uniform(box[0], box[1], (100, 3)) - o[200:300]  # aimed into the box
+    d[200:300] = aim / np.linalg.norm(aim, axis=1, keepdims=True)
+    cams = rng.integers(0, scene.num_images, n)
+    near, far = scene_ray_bounds(no_bounds, cams, o, d)
+    assert near.dtype == far.dtype == np.float64 and near.shape == far.shape == (n,)
+    t = np.linspace(0.0, 12.0, 6001)  # the box lies within 12 of every origin
+    pts = o[:, None, :] + t[None, :, None] * d[:, None, :]
+    inside = np.all((pts >= box[0].astype(np.float32)) & (pts <= box[1].astype(np.float32)), -1)
+    hit = inside.any(1)
+    assert hit[:10].all() and not hit[10:20].any() and hit[200:300].all() and (~hit).sum() > 50
+    assert np.all(far[~hit] - near[~hit] <= t[1])  # missed (0, 0), or grazing between two samples
+    np.testing.assert_array_equal(near[10:20], 0.0)
+    np.testing.assert_array_equal(far[10:20], 0.0)
+    np.testing.assert_array_equal(near[:10], 0.0)
+    first = t[np.argmax(inside, 1)]
+    last = t[t.size - 1 - np.argmax(inside[:, ::-1], 1)]
+    assert np.all(np.abs(near - first)[hit] <= t[1] + 1e-9) and np.all(far[hit] >= last[hit] - 1e-9)
+    assert np.all(far[hit] - last[hit] <= t[1] + 1e-9)
+    bn, bf = scene_ray_bounds(scene, cams, o, d)
+    assert bn.dtype == np.float64
+    np.testing.assert_array_equal(bn, scene.near[cams]) and np.testing.assert_array_equal(bf, scene.far[cams])
+    with pytest.raises(SceneError, match=r"^/nowhere: the scene has no near/far bounds and no aabb; .*[^\n]$"):
+        scene_ray_bounds(dataclasses.replace(scene, near=None, far=None), cams, o, d)
+
 @pytest.mark.parametrize("up", ["y", "-x"])
 def test_mega_nerf_export_import(tmp_path, up):
     scene = lawnmower_scene(nx=3, nz=2, up=up, w=20, h=10)
@@ -322,3 +449,19 @@ def test_partition_package_keeps_its_public_names():
                  "load_masks", "plane_axes", "clip_to_bounds"):
         assert name in dali_nerf.partition.__all__ and hasattr(dali_nerf.partition, name), name
     assert dali_nerf.partition.point_weights is point_weights
+
+
+def test_grid_partition_routes_within_the_scene_aabb_and_equality_sees_every_field():
+    """A grid partition of a scene with an aabb takes the box as its routing bounds; partitions
+    that differ in one field only are not equal; one cell is a valid partition."""
+    scene = dataclasses.replace(lawnmower_scene(), aabb=np.array([[-2.5, 0.0, -1.5], [2.5, 2.0, 1.5]]))
+    part = Partition.from_config(PartitionConfig(grid=[2, 2]), scene)
+    np.testing.assert_array_equal(part.bounds, scene.aabb)
+    assert Partition.from_config(PartitionConfig(grid=[2, 2]), lawnmower_scene()).bounds is None
+    for other in (dataclasses.replace(part, margin=1.3), dataclasses.replace(part, dims=3),
+                  dataclasses.replace(part, bounds=None), dataclasses.replace(part, grid=(4, 1)),
+                  dataclasses.replace(part, centroids=part.centroids + 0.5)):
+        assert other != part and part != other
+    assert dataclasses.replace(part) == part
+    one = Partition(np.zeros((1, 3)), 1.0, 2, [0, 1, 0])
+    assert one.num_cells == 1 and one.cells_for_rank(0, 1) == [0]

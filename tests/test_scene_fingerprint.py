@@ -71,6 +71,7 @@ def test_describe_change_names_what_changed(city):
     assert describe_change(fp, scene_fingerprint(dataclasses.replace(scene, width=w, height=h))) == \
         f"image sizes changed ({names[3]} 24x16 -> 12x8)"
     assert describe_change(fp, scene_fingerprint(dataclasses.replace(scene, downscale=2))) == "downscale 1 -> 2"
+    assert describe_change(fp, scene_fingerprint(dataclasses.replace(scene, split="val"))) == "split 'train' -> 'val'"
     assert describe_change(None, fp) is None  # nothing saved: nothing to compare
     assert describe_change(dict(fp, version=0), fp) is None  # another definition: not compared
 
@@ -111,7 +112,8 @@ def test_every_source_refuses_a_state_from_another_scene(city, ss):
             with pytest.raises(ConfigError) as e:
                 src.load_state_dict(state)
             msg = str(e.value)
-            assert "\n" not in msg and "load_state_dict" in msg and scene.root in msg, (name, msg)
+            assert "\n" not in msg and msg.startswith(f"{type(src).__name__}.load_state_dict: ") and scene.root in msg, \
+                (name, msg)
             assert f"camera poses changed (1 image: {scene_fingerprint(scene)['names'][1]})" in msg, (name, msg)
             src.load_state_dict({k: v for k, v in state.items() if k != "scene"})  # an old state: no check possible
             src.close()

@@ -9,6 +9,7 @@ of the parsed camera through the projected pixel passes through the point mapped
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -595,3 +596,109 @@ def test_corrupt_values_are_one_line_errors_naming_the_file(tmp_path):
     fails(mn, md, "'W'")
     torch.save({k: v for k, v in good_md.items() if k not in ("near", "far")}, md)
     fails(mn, md, "no 'near'/'far'", "000000.pt has near")
+
+
+def test_every_parser_error_starts_with_the_file_it_is_about(tmp_path):
+    """A user fixes the file the message names first: for the Blender, nerfstudio and Mega-NeRF
+    parsers each refusal starts with that file's path (the JSON, coordinates.pt, a metadata file)."""
+    from dali_nerf.scenes._util import load_json
+
+    def refused(root, split="train", fmt=None) -> str:
+        with pytest.raises(SceneError) as e:
+            load_scene(root, split, **({"format": fmt} if fmt else {}))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    bl = tmp_path / "bl"
+    make_blender(bl)
+    tj = bl / "transforms_train.json"
+    good = tj.read_text()
+    for edit, rest in ((lambda m: m.pop("frames"), "missing key 'frames'"),
+                       (lambda m: m.update(near=5.0, far=3.0), "frame '(scene)' has invalid bounds near=5 far=3"),
+                       (lambda m: m.update(near=0.0, far=3.0), None)):  # near 0 is a valid bound
+        tj.write_text(good)
+        _edit_json(tj, edit)
+        if rest is None:
+            assert load_scene(bl, "train").near[0] == 0.0
+        else:
+            msg = refused(bl)
+            assert msg.startswith(f"{tj}: ") and rest in msg, msg
+    ns = tmp_path / "ns"
+    make_nerfstudio(ns)
+    tj = ns / "transforms.json"
+    good = tj.read_text()
+
+    def no_fl_y(m):
+        m.pop("fl_y")
+        m["camera_angle_y"] = "wide"
+    for edit, key in ((lambda m: m.update(h="tall"), "key 'h'"), (lambda m: m.update(cy="mid"), "key 'cy'"),
+                      (no_fl_y, "key 'camera_angle_y'"), (lambda m: m.update(aabb=[[1, 1, 1], [0, 0, 0]]), "key 'aabb'"),
+                      (lambda m: m.update(train_filenames="images", test_filenames=[]), "train_filenames must be a list")):
+        tj.write_text(good)
+        _edit_json(tj, edit)
+        msg = refused(ns)
+        assert msg.startswith(f"{tj}: ") and key in msg, msg
+    mn, mn2 = tmp_path / "mn", tmp_path / "mn2"
+    mn.mkdir()
+    mn2.mkdir()
+    make_mega_nerf(mn, coords_extra={"origin_drb": torch.tensor([1.0, 2.0])})
+    assert refused(mn, fmt="mega_nerf").startswith(f"{mn / 'coordinates.pt'}: ")
+    make_mega_nerf(mn2, meta_extra={"c2w": torch.zeros(4, 4)})
+    msg = refused(mn2, fmt="mega_nerf")
+    assert msg.startswith(f"{mn2 / 'train' / 'metadata'}") and "c2w" in msg, msg
+    with pytest.raises(SceneError, match=rf"^{tmp_path / 'absent.json'}: file not found$"):
+        load_json(tmp_path / "absent.json")
+
+
+def test_scene_record_is_frozen_and_normalises_its_arrays(tmp_path):
+    """A parsed Scene's arrays are read-only (the record and its cached fingerprint cannot drift);
+    the optional lens arrays given as lists become typed arrays of the checked shape; the mean up
+    of cameras whose ups cancel is +y; nerfstudio's camera_angle_y gives fy = h / 2 / tan(angle / 2)."""
+    from dali_nerf.scenes._util import mean_up
+
+    make_nerfstudio(tmp_path)
+    s = load_scene(tmp_path, "train")
+    for name in ("c2w", "intrinsics", "width", "height"):
+        with pytest.raises(ValueError, match="read-only"):
+            getattr(s, name)[0] = 0
+    n = s.num_images
+    lens = dataclasses.replace(s, file_wh=[[24, 18]] * n, distortion=[[0.1, 0, 0, 0, 0, 0, 0, 0]] * n,
+                               fisheye=[False] * n, file_intrinsics=[[20.0, 21.0, 11.3, 9.4]] * n)
+    assert lens.fisheye.dtype == bool and lens.fisheye.shape == (n,) and not lens.fisheye.flags.writeable
+    assert lens.file_intrinsics.dtype == np.float64 and lens.file_intrinsics.shape == (n, 4)
+    assert lens.file_wh.dtype == np.int64
+    with pytest.raises(ValueError, match=rf"^Scene.file_wh must have shape \(N, 2\), got \({n}, 3\)$"):
+        dataclasses.replace(lens, file_wh=[[24, 18, 1]] * n)
+    c2w = np.zeros((2, 3, 4))
+    c2w[0, :, 1], c2w[1, :, 1] = [0, 0, 1], [0, 0, -1]
+    np.testing.assert_array_equal(mean_up(c2w), [0.0, 1.0, 0.0])
+    tj = tmp_path / "transforms.json"
+    _edit_json(tj, lambda m: (m.pop("fl_y"), m.update(camera_angle_y=0.8)))
+    k = load_scene(tmp_path, "train").intrinsics
+    np.testing.assert_allclose(k[k[:, 0] == NS_K[0], 1], 0.5 * 18 / np.tan(0.4), rtol=1e-6)
+
+
+def test_llff_non_integer_image_size_names_the_row_and_scene_repr(tmp_path):
+    """An LLFF row whose H or W is not an integer is refused naming that row's image (the first
+    such row, also when a later focal is not an integer: f need not be); a Scene's repr lists up
+    to three image sizes; the mean up of cameras sharing +z is +z."""
+    from dali_nerf.scenes._util import mean_up
+
+    make_llff(tmp_path, n=6)
+    pb = np.load(tmp_path / "poses_bounds.npy")
+    pb[:, 14] = 20.25  # every focal: not an image size
+    pb[4, 4] = 18.5  # H of row 4
+    np.save(tmp_path / "poses_bounds.npy", pb)
+    with pytest.raises(SceneError, match=r"poses_bounds.npy: row 4 \(IMG_0004.JPG.png\) has image size H=18.5 W=24; "
+                                         r"must be integers$"):
+        load_scene(tmp_path, "train")
+    make_nerfstudio(tmp_path / "ns")
+    r = repr(load_scene(tmp_path / "ns", "train"))
+    assert "24x18, 26x20" in r and " ..." not in r, r
+    s = load_scene(tmp_path / "ns", "train")
+    w, h = s.width.copy(), s.height.copy()
+    w[:4], h[:4] = [8, 9, 10, 11], [6, 7, 8, 9]
+    assert "8x6, 9x7, 10x8 ..." in repr(dataclasses.replace(s, width=w, height=h))
+    c2w = np.zeros((3, 3, 4))
+    c2w[:, :, 1] = [[0, 0, 1], [0, 0.1, 1], [0, -0.1, 1]]
+    np.testing.assert_allclose(mean_up(c2w), [0.0, 0.0, 1.0])

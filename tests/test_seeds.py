@@ -49,12 +49,24 @@ def test_training_seeds_match_the_old_formulas(seed, rank, step, cell):
     assert torch.initial_seed() == (seed * 1000003 + rank) % (2**31)
 
 
+def test_init_seed_wraps_at_two_to_the_64():
+    """A cell's init seed at and past 2**64 (a seed above ~1.8e16) is reduced mod 2**64, which
+    ``torch.manual_seed`` accepts; just below it, and for the DDP replica, it is unchanged."""
+    seed, cell = divmod(2**64, 1009)  # seed * 1009 + cell == 2**64 exactly
+    assert seeds.init_seed(seed, cell) == 0
+    assert seeds.init_seed(seed, cell - 1) == 2**64 - 1
+    assert seeds.init_seed(seed, cell + 7) == 7
+    big = 3 * 2**64 + 12345
+    assert seeds.init_seed(big, 0) == (big * 1009) % 2**64
+    torch.manual_seed(seeds.init_seed(seed, cell + 7))  # accepted (it raised for values >= 2**64)
+
+
 def test_routed_streams():
     assert seeds.routed_stream(cell=3) == 3 and seeds.routed_stream(slot=2) == 10_002
     assert seeds.routed_stream(workers_cell=1) == 20_001  # SS torch_workers (was 20_000 + cell inline)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^routed_stream: give exactly one of cell, slot, workers_cell$"):
         seeds.routed_stream()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^routed_stream: give exactly one of cell, slot, workers_cell$"):
         seeds.routed_stream(cell=1, slot=1)
 
 

@@ -1,0 +1,105 @@
+"""The elastic resume rules of dali_nerf.resume in-process: which (method, stream) a checkpoint
+records for a config (:func:`run_stream`) and which world sizes a format-2 checkpoint resumes on
+(``_check_elastic``). The trainers' resumes on other world sizes run in tests/test_elastic_resume.py
+(subprocesses); these cases pin the rules themselves, one line per refusal."""
+
+from pathlib import Path
+
+import pytest
+
+from dali_nerf.config import load_config
+from dali_nerf.errors import DaliNerfError
+from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
+from dali_nerf.resume import ELASTIC, _check_elastic, run_stream
+from dali_nerf.sources.registry import SOURCES, SS_SOURCES
+
+FOLDER = Path("/runs/r/checkpoints/step_00000010")
+
+
+def _cfg(method, name, stream="global"):
+    return load_config(None, [f"method={method}", f"pipeline.name={name}", f"pipeline.stream={stream}"],
+                       check_paths=False)
+
+
+@pytest.mark.parametrize("method,name,stream,want", [
+    ("ddp", "rays", "global", (GLOBAL_STREAM, 1)),
+    ("ddp", "rays", "shard", (SHARD_STREAM, 0)),
+    ("ddp", "sync_global", "global", ("sync_global-v1", 1)),
+    ("ddp", "sync_local", "global", ("sync_local-v1", 0)),
+    ("ddp", "torch_workers", "shard", ("torch_workers-v1", 0)),
+    ("ss", "rays", "shard", ("cells-v1", 0)),  # SS cells ignore pipeline.stream
+    ("ss", "sync_global", "global", ("ss-sync_global-v1", 0)),
+])
+def test_run_stream_names_the_stream_a_checkpoint_records(method, name, stream, want):
+    assert run_stream(_cfg(method, name, stream)) == want
+
+
+def test_the_elastic_streams_are_exactly_those_of_ddp_global_sync_global_and_ss_cells():
+    """Every config's (method, stream) is elastic iff it is one of the three that continue on
+    another world size; the others are per-rank streams."""
+    elastic = set()
+    for method, names in (("ddp", SOURCES), ("ss", SS_SOURCES)):
+        for name in names:
+            for stream in ("global", "shard"):
+                s, _ = run_stream(_cfg(method, name, stream))
+                if (method, s) in ELASTIC:
+                    elastic.add((method, name, stream))
+    assert elastic == {("ddp", "rays", "global"), ("ddp", "sync_global", "global"), ("ddp", "sync_global", "shard"),
+                       ("ss", "rays", "global"), ("ss", "rays", "shard")}
+
+
+def _run(method, stream, W, G=0, cells=0, pipeline="rays"):
+    return {"world_size": W, "stream": stream, "method": method, "global_batch": G, "cells": cells,
+            "pipeline": pipeline}
+
+
+def _refusal(run, world) -> str:
+    with pytest.raises(DaliNerfError) as e:
+        _check_elastic(run, FOLDER, world)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{FOLDER}: "), msg
+    return msg
+
+
+@pytest.mark.parametrize("stream,pipeline", [(SHARD_STREAM, "rays"), ("sync_local-v1", "sync_local"),
+                                             ("torch_workers-v1", "torch_workers")])
+def test_per_rank_streams_resume_on_their_world_size_only(stream, pipeline):
+    run = _run("ddp", stream, 2, pipeline=pipeline)
+    _check_elastic(run, FOLDER, 2)  # the same world size: any stream resumes
+    for world in (1, 3, 4):
+        msg = _refusal(run, world)
+        assert f"written by 2 ranks with " in msg and f"resumes on 2 ranks only, not {world}" in msg, msg
+        what = "pipeline.stream=shard" if stream == SHARD_STREAM else f"pipeline.name={pipeline} (per-rank streams)"
+        assert what in msg, msg
+    # an SS baseline's per-rank streams likewise; an unknown method too
+    _refusal(_run("ss", "ss-sync_local-v1", 2, cells=4, pipeline="sync_local"), 1)
+    _refusal(_run("nerfacto", GLOBAL_STREAM, 2, G=8), 1)
+
+
+@pytest.mark.parametrize("stream", [GLOBAL_STREAM, "sync_global-v1"])
+def test_global_batch_streams_resume_on_any_world_size_dividing_G(stream):
+    run = _run("ddp", stream, 2, G=12)
+    for world in (1, 2, 3, 4, 6, 12):
+        _check_elastic(run, FOLDER, world)
+    for world in (5, 7, 8, 24):
+        msg = _refusal(run, world)
+        assert (f"global batch of 12 rays (6 per rank x 2 ranks) does not divide among {world} ranks" in msg
+                and "(1, 2, 3, 4, 6, 12, ...)" in msg), msg
+    # a world size stored as a string, a missing or zero G (nothing to divide) resume anywhere
+    _check_elastic(dict(run, world_size="2", global_batch=0), FOLDER, 5)
+    _check_elastic({k: v for k, v in run.items() if k != "global_batch"}, FOLDER, 5)
+    # the divisors listed are the first 8
+    assert "(1, 2, 3, 4, 5, 6, 7, 8, ...)" in _refusal(_run("ddp", stream, 1, G=5040), 11)
+
+
+def test_ss_cells_resume_on_at_most_their_number_of_ranks():
+    run = _run("ss", "cells-v1", 1, cells=4)
+    for world in (1, 2, 3, 4):
+        _check_elastic(run, FOLDER, world)
+    for world in (5, 8):
+        msg = _refusal(run, world)
+        assert "the run's 4 cells cannot be shared among" in msg and f"among {world} ranks" in msg, msg
+        assert "resume on at most 4 ranks" in msg, msg
+    assert "cells cannot be shared" in _refusal({k: v for k, v in run.items() if k != "cells"}, 2)
+    # a DDP run records no cells: its world size is not bounded by them
+    _check_elastic(_run("ddp", GLOBAL_STREAM, 1, G=8, cells=0), FOLDER, 8)
