@@ -362,7 +362,7 @@ DERIVED_RUN_KEYS = ("method", "sampler", "ranks", "device", "emulated_step_ms", 
                     "runq_share", "step_over_floor")
 DERIVED_PAIR_KEYS = ("speedup", "speedup_ci", "ideal_speedup", "ideal_basis", "ideal_speedup_wait", "stall_data",
                      "sampler_gain", "overlap_gain", "cores_per_gpu", "pipelined_over_floor", "hidden_stall",
-                     "gains_vs_speedup", "stall_rays_sync")
+                     "stall_rays_sync")
 
 
 def _check_recomputed(raw):
@@ -508,6 +508,11 @@ def test_study_smoke_emulated(tmp_path, monkeypatch, capsys):
     assert lf is None or lf["headline"]["cores_per_gpu"] >= 1  # timing on a shared machine may flag every pair
     assert isinstance(raw["emulation"]["launches"][0]["demoted"], list)
     assert raw["meta"]["format"] == study.REPORT_FORMAT and raw["meta"]["cores"] == n
+    # the ray stream measured, pinned in the config, recorded in the meta, the header and every segment
+    assert yaml.safe_load((REPO / "configs" / "study.yaml").read_text())["pipeline"]["stream"] == "global"
+    assert raw["meta"]["stream"] == "global" and "- ray stream of rays and rays_sync (pipeline.stream): global" in text
+    for run in raw["derived"]["trial_runs"]:
+        assert yaml.safe_load((Path(run["dir"]) / "config.yaml").read_text())["pipeline"]["stream"] == "global"
     sc = raw["sampling"]["scaling"]
     assert sc["threads"] == ([1, n] if n > 1 else [1]) and len(sc["loader_s"]) == len(sc["threads"])
     assert len(raw["sampling"]["rays_sync_s"]) == 2
