@@ -219,7 +219,7 @@ def _hand_written_inputs(tmp_path):
     proj = cm.project(model, a)
     meta = {"machine": "cpu-2core-test", "machine_desc": "test", "command": "dali-nerf bench study --config X",
             "commit": "abc123-dirty", "date": "now", "wall_s": 1.0, "steps": 5, "warmup": 3, "workload": "w",
-            "regime": "tiny", "trials": 1, "rays": 1024}
+            "regime": "tiny", "trials": 1, "rays": 1024, "stream": "global"}
     return d, model, val, proj, a, meta
 
 
@@ -228,6 +228,7 @@ def test_report_from_hand_written_runs(tmp_path):
     out = study.write_report(tmp_path / "out", d, model, val, proj, a, meta)
     text = out.read_text()
     assert "dali-nerf bench study --config X" in text and "abc123-dirty" in text and "NOT a clean commit" in text
+    assert "- ray stream of rays and rays_sync (pipeline.stream): global (" in text  # the stream measured
     for png in ("phases.png", "speedup.png", "model_check.png", "projection.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000
         assert (tmp_path / "out" / png).read_bytes()[:4] == b"\x89PNG"
