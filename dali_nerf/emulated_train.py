@@ -35,7 +35,7 @@ import torch.distributed as dist
 from dali_nerf.atomic import atomic_write_text
 from dali_nerf.config import Config
 from dali_nerf.emulation import (EMULATED_LABEL, KEEPS_UP_STEP, DeviceLinks, EmulatedDevice, LockstepBarrier,
-                                 PhaseTimer, emulated_step, model_grad_bytes, shared_block)
+                                 PhaseTimer, emulated_step, keeps_up, model_grad_bytes, shared_block)
 from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import usable_cores
 from dali_nerf.partition import Partition, assign_rank
@@ -264,7 +264,7 @@ def _train_emulated_shared(cfg: Config, method, env, scene, links, dev, barrier,
         "sampler_priority": prio,
         "ranks_starved_to_normal": [e["rank"] for e in everyone if e["demoted"]],
         "host_cores": cores, "host_busy": util, "host_busy_floor": util_floor,
-        "host_keeps_up": (bool(max(stalls) <= 0.02 and (floor_s is None or step_s / floor_s <= KEEPS_UP_STEP))),
+        "host_keeps_up": keeps_up(max(stalls), step_s / floor_s if floor_s else None),
     }
     atomic_write_text(cfg.run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary

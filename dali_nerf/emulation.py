@@ -49,16 +49,41 @@ from dali_nerf.sources.shm_scatter import RAY_FLOATS
 
 __all__ = ["DeviceLinks", "EmulatedDevice", "LockstepBarrier", "PhaseTimer", "emulated_step",
            "shared_block", "model_grad_bytes",
-           "batch_nbytes", "PHASES", "RAY_FLOATS", "EMULATED_LABEL", "KEEPS_UP_STEP"]
+           "batch_nbytes", "PHASES", "RAY_FLOATS", "EMULATED_LABEL", "KEEPS_UP_STEP", "KEEPS_UP_STALL",
+           "keeps_up", "keeps_up_reason"]
 
 # RAY_FLOATS: float32 columns of a packed ray (dali_nerf.sources.shm_scatter)
 
 EMULATED_LABEL = "device compute emulated by a timed wait; host work real"
 
 KEEPS_UP_STEP = 1.15
-"""A source keeps up with its emulated devices when its step is within this factor of the floor's
-(the same step with a ready batch) and its stall is at most 2%: the trainers' emulated mode's
-``host_keeps_up`` and the study's verdict and flags use this one threshold."""
+"""A source keeps up with its emulated devices when its step is at most this factor of the floor's
+(the same step with a ready batch) and its stall at most :data:`KEEPS_UP_STALL` (:func:`keeps_up`)."""
+KEEPS_UP_STALL = 0.02
+"""The most a source that keeps up may wait for batches, as a share of its step (:func:`keeps_up`)."""
+
+
+def keeps_up(stall: float, over_floor: Optional[float] = None) -> bool:
+    """The one definition of a source keeping up with its devices: ``stall`` (data wait / step) at
+    most :data:`KEEPS_UP_STALL` and ``over_floor`` (step / the floor's step; None: no floor ran, the
+    stall alone) at most :data:`KEEPS_UP_STEP`. The trainers' emulated mode's ``host_keeps_up``,
+    the study's verdict per row, its pairs' flags and the plots' bands all use it.
+
+    >>> keeps_up(0.01, 1.10), keeps_up(0.03, 1.05), keeps_up(0.0, 1.16), keeps_up(0.0)
+    (True, False, False, True)
+    """
+    return stall <= KEEPS_UP_STALL and (over_floor is None or over_floor <= KEEPS_UP_STEP)
+
+
+def keeps_up_reason(stall: float, over_floor: Optional[float] = None) -> List[str]:
+    """Which of :func:`keeps_up`'s rules ``stall`` and ``over_floor`` break, one phrase each ([] when
+    none): ``["stall 3.0% > 2%", "step 1.20x the floor > 1.15x"]``."""
+    why = []
+    if stall > KEEPS_UP_STALL:
+        why.append(f"stall {100 * stall:.1f}% > {100 * KEEPS_UP_STALL:g}%")
+    if over_floor is not None and over_floor > KEEPS_UP_STEP:
+        why.append(f"step {over_floor:.2f}x the floor > {KEEPS_UP_STEP:g}x")
+    return why
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dali_nerf.emulation import RAY_FLOATS, DeviceLinks, LockstepBarrier
+from dali_nerf.emulation import RAY_FLOATS, DeviceLinks, LockstepBarrier, keeps_up
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,6 +104,8 @@ def test_ddp_emulated_two_ranks(tmp_path, scene, pipeline):
     assert s["world_size"] == 2 and s["pipeline"] == pipeline and s["grad_bytes"] > 0
     assert s["floor_step_s"] > 0.5e-3 and s["step_over_floor"] == pytest.approx(s["step_s"] / s["floor_step_s"])
     assert len(s["stall_fraction_ranks"]) == 2 and 0 < s["barrier_s"] < 0.05
+    # the study's one rule, on the slowest rank's stall
+    assert s["host_keeps_up"] is keeps_up(max(s["stall_fraction_ranks"]), s["step_over_floor"])
     # rays_sync: nothing samples ahead (its DALI threads at normal priority, never "starved to normal")
     assert s["sampler_priority"] == ("normal" if pipeline == "rays_sync" else "background")
     assert isinstance(s["ranks_starved_to_normal"], list)

@@ -270,7 +270,8 @@ def test_derive_trials_pairs_and_flags(tmp_path):
     exp = [0.01 / 0.005, 0.01 / 0.0055, 0.01 / 0.006]
     glob = sp["sync_global"]
     assert glob["speedup_trials"] == pytest.approx(exp)
-    m, ci = study.mean_ci(exp)
+    m, ci = study.gmean_ci(exp)  # a ratio: geometric mean, interval of the logs
+    assert m == pytest.approx(np.prod(exp) ** (1 / 3)) and ci[0] < m < ci[1]
     assert glob["speedup"] == pytest.approx(m) and glob["speedup_ci"] == pytest.approx(ci)
     assert glob["ideal_basis"] == "floor" and glob["ideal_speedup"] == pytest.approx(2.0)
     assert glob["stall_data"] == pytest.approx(0.5) and glob["ideal_speedup_wait"] == pytest.approx(2.0)

@@ -219,7 +219,7 @@ def _hand_written_inputs(tmp_path):
     proj = cm.project(model, a)
     meta = {"machine": "cpu-2core-test", "machine_desc": "test", "command": "dali-nerf bench study --config X",
             "commit": "abc123-dirty", "date": "now", "wall_s": 1.0, "steps": 5, "warmup": 3, "workload": "w",
-            "regime": "tiny", "trials": 1, "rays": 1024}
+            "regime": "tiny", "trials": 1, "rays": 1024, "stream": "global"}
     return d, model, val, proj, a, meta
 
 
@@ -228,6 +228,7 @@ def test_report_from_hand_written_runs(tmp_path):
     out = study.write_report(tmp_path / "out", d, model, val, proj, a, meta)
     text = out.read_text()
     assert "dali-nerf bench study --config X" in text and "abc123-dirty" in text and "NOT a clean commit" in text
+    assert "- ray stream of rays and rays_sync (pipeline.stream): global (" in text  # the stream measured
     for png in ("phases.png", "speedup.png", "model_check.png", "projection.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000
         assert (tmp_path / "out" / png).read_bytes()[:4] == b"\x89PNG"
@@ -362,7 +363,7 @@ DERIVED_RUN_KEYS = ("method", "sampler", "ranks", "device", "emulated_step_ms", 
                     "runq_share", "step_over_floor")
 DERIVED_PAIR_KEYS = ("speedup", "speedup_ci", "ideal_speedup", "ideal_basis", "ideal_speedup_wait", "stall_data",
                      "sampler_gain", "overlap_gain", "cores_per_gpu", "pipelined_over_floor", "hidden_stall",
-                     "gains_vs_speedup", "stall_rays_sync")
+                     "stall_rays_sync")
 
 
 def _check_recomputed(raw):
@@ -508,6 +509,11 @@ def test_study_smoke_emulated(tmp_path, monkeypatch, capsys):
     assert lf is None or lf["headline"]["cores_per_gpu"] >= 1  # timing on a shared machine may flag every pair
     assert isinstance(raw["emulation"]["launches"][0]["demoted"], list)
     assert raw["meta"]["format"] == study.REPORT_FORMAT and raw["meta"]["cores"] == n
+    # the ray stream measured, pinned in the config, recorded in the meta, the header and every segment
+    assert yaml.safe_load((REPO / "configs" / "study.yaml").read_text())["pipeline"]["stream"] == "global"
+    assert raw["meta"]["stream"] == "global" and "- ray stream of rays and rays_sync (pipeline.stream): global" in text
+    for run in raw["derived"]["trial_runs"]:
+        assert yaml.safe_load((Path(run["dir"]) / "config.yaml").read_text())["pipeline"]["stream"] == "global"
     sc = raw["sampling"]["scaling"]
     assert sc["threads"] == ([1, n] if n > 1 else [1]) and len(sc["loader_s"]) == len(sc["threads"])
     assert len(raw["sampling"]["rays_sync_s"]) == 2

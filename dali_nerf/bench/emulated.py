@@ -290,7 +290,7 @@ def _rank_main(rank: int, W: int, cfg, method: str, segments: List[Segment], out
                 recs.append(timer.record(k, seg.rays))
             meta = {"config": {"name": seg.name, "method": method,
                                "pipeline": {"name": seg.sampler, "rays_per_batch": seg.rays, "num_threads": budget.threads,
-                                            "rays_per_run": budget.rays_per_run,
+                                            "rays_per_run": budget.rays_per_run, "stream": cfg.pipeline.stream,
                                             "prefetch": 0 if seg.sampler == SYNC_CONTROL else cfg.pipeline.prefetch},
                                "train": {"device": "emulated", "emulated_step_ms": seg.step_ms,
                                          "torch_threads": budget.threads},

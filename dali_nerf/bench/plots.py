@@ -11,12 +11,14 @@ backend is selected and no global figure state is touched).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 from matplotlib.figure import Figure
 
-__all__ = ["plot_phases", "plot_speedups", "plot_scaling", "plot_model_check", "plot_projection", "PHASE_COLORS",
-           "SAMPLER_COLORS"]
+from ..emulation import KEEPS_UP_STALL, KEEPS_UP_STEP
+
+__all__ = ["plot_phases", "plot_speedups", "plot_scaling", "scaling_rows", "plot_model_check", "plot_projection",
+           "PHASE_COLORS", "SAMPLER_COLORS"]
 
 SAMPLER_COLORS = {"sync_global": "#d62728", "sync_local": "#ff7f0e", "torch_workers": "#9467bd",
                   "rays_sync": "#17becf", "rays": "#2ca02c"}
@@ -56,7 +58,8 @@ def plot_phases(runs: Sequence[dict], path: Path) -> Path:
 def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
     """Measured speedup (mean, 95% interval) against its ideal 1/(1 - data stall of the baseline) (its
     step over the floor's; 1/(1 - wait stall) where no floor ran), one point per
-    pair; the y = x line and the band [0.9, 1.15] x ideal inside which the stall explains the speedup."""
+    pair; the y = x line and the flags' band [1/KEEPS_UP_STEP, KEEPS_UP_STEP] x ideal
+    (:data:`dali_nerf.emulation.KEEPS_UP_STEP`) inside which the stall explains the speedup."""
     fig = Figure(figsize=(6.4, 5.2))
     ax = fig.subplots()
     colors = SAMPLER_COLORS
@@ -72,8 +75,9 @@ def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
     vals = [x["ideal_speedup"] for x in speedups] + [x["speedup"] for x in speedups] + [1.0]
     top = max(v for v in vals if v == v and v != float("inf")) * 1.15
     ax.plot([0.9, top], [0.9, top], color="black", lw=0.8, label="speedup = ideal")
-    ax.fill_between([0.9, top], [0.9 * 0.9, 0.9 * top], [1.15 * 0.9, 1.15 * top], color="gray", alpha=0.15,
-                    label="[0.9, 1.15] x ideal")
+    lo, hi = 1.0 / KEEPS_UP_STEP, KEEPS_UP_STEP
+    ax.fill_between([0.9, top], [lo * 0.9, lo * top], [hi * 0.9, hi * top], color="gray", alpha=0.15,
+                    label=f"[1/{hi:g}, {hi:g}] x ideal")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("ideal speedup 1 / (1 - data stall of the baseline) = baseline step / floor step")
@@ -84,23 +88,33 @@ def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
+def scaling_rows(configs: Sequence[dict]) -> Tuple[int, List[dict], List[dict]]:
+    """(rays per rank, rows, left out) of :func:`plot_scaling`: the emulated rows at the study's
+    batch size (the most common), floors aside; those that recorded no core count are left out
+    (their cores per GPU is unknown, so no regime: not plotted per rank, which would put them in
+    the starved region)."""
+    rays = max({c["rays_per_rank"] for c in configs}, key=lambda b: sum(c["rays_per_rank"] == b for c in configs))
+    rows = [c for c in configs if c["rays_per_rank"] == rays and c["sampler"] != "ready"]
+    return rays, [c for c in rows if c.get("cores_per_gpu")], [c for c in rows if not c.get("cores_per_gpu")]
+
+
 def plot_scaling(configs: Sequence[dict], path: Path) -> Path:
     """Emulated rows: stall (left) and step / floor (right) against cores per GPU (the cores a
     launch ran on over its ranks; below 1, shaded: the starved host), one row of panels per method,
-    one colour per sampler, one line style per device step time (the study's batch size only)."""
-    rays = max({c["rays_per_rank"] for c in configs}, key=lambda b: sum(c["rays_per_rank"] == b for c in configs))
-    rows = [c for c in configs if c["rays_per_rank"] == rays and c["sampler"] != "ready"]
-    methods = sorted({c["method"] for c in rows})
+    one colour per sampler, one line style per device step time (the study's batch size only); the
+    keeps-up thresholds (:func:`dali_nerf.emulation.keeps_up`) dashed. Rows without a recorded core
+    count are left out, and the title says how many (:func:`scaling_rows`)."""
+    rays, rows, left_out = scaling_rows(configs)
+    methods = sorted({c["method"] for c in rows}) or ["(none)"]
     fig = Figure(figsize=(11, 3.8 * len(methods)))
     axes = fig.subplots(len(methods), 2, squeeze=False)
     steps = sorted({c["emulated_step_ms"] for c in rows})
     styles = ["-", "--", ":", "-."]
-    x_of = lambda c: c.get("cores_per_gpu") or 1.0 / c["ranks"]  # noqa: E731 (rows that kept no cores: per rank)
     for mi, m in enumerate(methods):
         a1, a2 = axes[mi]
         for s, col in SAMPLER_COLORS.items():
             for si, ms in enumerate(steps):
-                pts = sorted(((x_of(c), c) for c in rows
+                pts = sorted(((c["cores_per_gpu"], c) for c in rows
                               if c["method"] == m and c["sampler"] == s and c["emulated_step_ms"] == ms),
                              key=lambda p: (p[0], p[1]["ranks"]))
                 if not pts:
@@ -110,8 +124,9 @@ def plot_scaling(configs: Sequence[dict], path: Path) -> Path:
                         label=f"{s} {ms:g} ms")
                 a2.plot(xs, [p[1].get("step_over_floor") or float("nan") for p in pts], color=col, ls=styles[si % 4],
                         marker=".", label=f"{s} {ms:g} ms")
-        a2.axhline(1.15, color="gray", lw=0.6, ls="--")
-        lo = min([x_of(c) for c in rows] + [1.0])
+        a1.axhline(100 * KEEPS_UP_STALL, color="gray", lw=0.6, ls="--")
+        a2.axhline(KEEPS_UP_STEP, color="gray", lw=0.6, ls="--")
+        lo = min([c["cores_per_gpu"] for c in rows] + [1.0])
         for a in (a1, a2):
             a.set_xscale("log", base=2)
             a.set_xlabel("cores per GPU (shaded: < 1, the starved host)")
@@ -121,8 +136,10 @@ def plot_scaling(configs: Sequence[dict], path: Path) -> Path:
         a1.set_ylabel(f"{m.upper()}: stall (% of step)")
         a2.set_ylabel(f"{m.upper()}: step / emulation floor")
         a2.set_yscale("log")
-        a1.legend(fontsize=5, ncol=2)
-    fig.suptitle(f"Emulated GPUs, {rays} rays per rank: device compute emulated by a timed wait; host work real",
+        if rows:
+            a1.legend(fontsize=5, ncol=2)
+    note = (f"; {len(left_out)} row(s) without a recorded core count left out" if left_out else "")
+    fig.suptitle(f"Emulated GPUs, {rays} rays per rank: device compute emulated by a timed wait; host work real{note}",
                  fontsize=9)
     return _save(fig, path)
 

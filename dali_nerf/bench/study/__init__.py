@@ -52,9 +52,9 @@ from ...emulation import model_grad_bytes
 from ...errors import DaliNerfError
 from ...scenegen import make_scene
 from .. import costmodel as cm
-from .derive import (BAND, BASELINES, GAINS_TOLERANCE, KEEPS_UP_STEP, PAPER, PHASE_KEYS, comparable, derive,
-                     derive_summary, keeps_up, keeps_up_reason, like_for_like, main_grid, mean_ci, read_run,
-                     starved)
+from .derive import (BAND, BASELINES, KEEPS_UP_STALL, KEEPS_UP_STEP, PAPER, PHASE_KEYS, comparable, derive,
+                     derive_summary, gmean_ci, keeps_up, keeps_up_reason, like_for_like, main_grid, mean_ci,
+                     read_run, starved)
 from .model import fit_and_check, observations, sampling_profile
 from .provenance import git_commit, host_cores, machine_desc, machine_slug
 from .provenance import machine_desc as _machine_desc  # main's name for it
@@ -67,7 +67,7 @@ __all__ = ["main", "derive", "read_run", "machine_slug", "machine_desc", "git_co
            "cpu_plan", "measure_sampling", "sampler_table", "sampling_profile", "write_report", "report_from_derived",
            "sampler_table_of", "observations", "mean_ci", "derive_summary", "fit_and_check", "keeps_up",
            "keeps_up_reason", "PHASE_KEYS", "BASELINES", "BAND", "STEP_MS_SOURCE", "REPORT_FORMAT", "host_cores",
-           "comparable", "main_grid", "like_for_like", "starved", "GAINS_TOLERANCE", "KEEPS_UP_STEP", "PAPER"]
+           "comparable", "main_grid", "like_for_like", "starved", "KEEPS_UP_STALL", "KEEPS_UP_STEP", "PAPER", "gmean_ci"]
 
 
 STEP_MS_SOURCE = ("a stated assumption, not a measurement (no GPU was measured by this project): a range meant to "
@@ -164,7 +164,7 @@ def main(args) -> int:
                      + (device_step["model_desc"] + " (whose device step was measured)" if device_step else
                         " ".join(f"{k}={v}" for k, v in config_to_dict(cfg.model).items()))
                      + f", {grad_bytes / 1e6:.2f} MB of gradients"),
-        "regime": b.regime, "failed": failed,
+        "regime": b.regime, "failed": failed, "stream": cfg.pipeline.stream,
     }
     out = Path(b.out) / machine
     report = write_report(out, derived, model, validation, projection, assumptions, meta, sampling,

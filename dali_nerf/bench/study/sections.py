@@ -13,7 +13,7 @@ import numpy as np
 from ...emulation import EMULATED_LABEL
 from .. import costmodel as cm
 from .. import emulated as em
-from .derive import BAND, GAINS_TOLERANCE, PAPER, PHASE_KEYS, keeps_up, keeps_up_reason, starved
+from .derive import BAND, KEEPS_UP_STALL, PAPER, PHASE_KEYS, keeps_up, keeps_up_reason, starved
 
 __all__ = ["header", "result", "headline_sentence", "cpu_rows", "emulated_rows", "speedup_table", "sampler_section",
            "cost_model_section", "projection_section", "SAMPLER_SECTION",
@@ -79,12 +79,15 @@ def header(meta: dict, emu: List[dict]) -> List[str]:
                                                   f"prefetched while other segments ran" if emu else "")
          + "; the DALI sources (rays, rays_sync) from a run boundary over whole runs (the warm-up and the timed "
            "steps rounded up to whole runs of K steps: a synchronous run's cost falls on one step in K); values are "
-           "means per step and rank, [lo, hi] the 95% t-interval over trials; stall = data wait / step time (the "
+           "means per step and rank, [lo, hi] the 95% t-interval over trials (ratios of steps: speedups, gains, "
+           "ideals: geometric means, the interval on their logs); stall = data wait / step time (the "
            "ISPASS study's measure), hidden stall = 1 - floor step / step - stall (time lost outside next())",
          f"- budgets (equal for every sampler): {meta.get('budgets', '-')}",
          f"- cores: the study host's usable cores (its CPU affinity): {meta.get('cores', '-')}; emulated launches "
          f"on every usable core and pinned to {meta.get('emulated_cores', '-')} (bench.emulated_cores; 0 = every "
          f"usable core; a pinned launch only at >= 1 core per GPU), each rank's host budget read from its affinity",
+         f"- ray stream of rays and rays_sync (pipeline.stream): {meta.get('stream') or 'not recorded'} (global: one "
+         "stream of global batches, each rank its slice; shard: each rank's own stream over its image shard)",
          "- control: rays_sync is rays (the same DALI graph, operator, threads, run size and stream) at prefetch 0: "
          "synchronous in the training thread, each run's outputs copied out of DALI's buffers", ""]
     if meta.get("failed"):
@@ -208,7 +211,7 @@ def _starved_lines(s: dict, emu: List[dict]) -> List[str]:
               ""]
     bad = [c for c in emu if keeps_up(c) is False]
     if bad:
-        L += ["The pipelined CPU sampler does not keep up (step > " f"{BAND[1]:g}x the floor or stall > 2%) at: "
+        L += ["The pipelined CPU sampler does not keep up (step > " f"{BAND[1]:g}x the floor or stall > {100 * KEEPS_UP_STALL:g}%) at: "
               + "; ".join(f"{c['method'].upper()} {_gpus(c['ranks'])} at {_cpg(c)}, {c['emulated_step_ms']:g} ms, "
                           f"{c['rays_per_rank']} rays ({keeps_up_reason(c)})" for c in bad) + ".", ""]
     return L
@@ -319,21 +322,24 @@ def _emulated_table(emu: List[dict], per_core: Optional[float]) -> List[str]:
 def speedup_table(sps: List[dict]) -> List[str]:
     """How speedup, its two gains and its ideal are defined, and one row per pair with its flags and cause."""
     L = ["## Speedup of pipelined sampling", "", "![speedup](speedup.png)", "",
-         "speedup = baseline step / step of the pipelined run next to it, per trial, then mean and 95% interval. "
+         "speedup = baseline step / step of the pipelined run next to it, per trial, then the geometric mean and "
+         "its 95% interval (the t-interval of the logs). "
          "It splits through the same-sampler control rays_sync (run in the same trials): sampler gain = baseline "
          "step / rays_sync step (a faster sampler, both synchronous), overlap gain = rays_sync step / the pipelined "
-         "step (the same sampler, overlapped with the step); per trial their product is the speedup, and the means' "
-         f"product is flagged when it is more than {100 * GAINS_TOLERANCE:g}% off the mean speedup. The rays_sync "
-         "row's own speedup is its overlap gain.", "",
+         "step (the same sampler, overlapped with the step); per trial their product is the speedup, and so is the "
+         "product of their geometric means over trials (the drift between the rays_sync run and the baseline's, "
+         "which need not be adjacent, is in the sampler gain's interval). The rays_sync row's own speedup is its "
+         "overlap gain.", "",
          "ideal = 1 / (1 - data stall of the baseline), per trial, where the data stall is the share of the "
          "baseline's step that the floor (the same step with a ready batch: no data cost, run in the same trial) does "
          "not have: ideal = baseline step / floor step. It counts the stall wherever it shows up: the wait in next(), "
          "and, on shared cores, what the baseline's sampling adds to the other phases (a DDP all-reduce waiting for "
          "a rank still sampling, copies and compute woken late while the cores sample). speedup / ideal is then about "
          "the floor's step over the pipelined run's: 1 when pipelining removes all of the data stall. A pair is "
-         f"flagged when the pipelined step is more than {BAND[1]:g}x its floor's (the threshold under which a row "
-         f"\"keeps up\") or less than 1/{BAND[1]:g} of it, when its speedup interval lies above the ideal's, when the "
-         "baseline waits more than its step exceeds the floor's, or when the gains disagree; the cause column "
+         f"flagged when its pipelined row does not keep up (waits more than {100 * KEEPS_UP_STALL:g}% of its step, or "
+         f"its step is more than {BAND[1]:g}x its floor's: the rule of the \"keeps up\" column) or its step is less "
+         f"than 1/{BAND[1]:g} of the floor's, when its speedup interval lies above the ideal's, or when the "
+         "baseline waits more than its step exceeds the floor's; the cause column "
          "decomposes the pipelined step against the floor's, phase by phase.", "",
          "ideal (wait) = 1 / (1 - wait / step): the ideal from the per-rank wait alone, for comparison (it misses "
          "the stall outside next()); ideal (lockstep) adds the sync above the floor's. cores/GPU below 1: the "
