@@ -1,7 +1,6 @@
 """The study's numbers from its runs' metrics files: per run, per configuration (mean and 95%
 t-interval over trials) and per (baseline, pipelined) pair (speedup, its ideal from the data stall:
-ratios of steps, so geometric means and intervals over trials,
-the speedup split into a sampler gain and an overlap gain through the same-sampler control
+ratios of steps, so geometric means and intervals over trials, the speedup split into a sampler gain and an overlap gain through the same-sampler control
 ``rays_sync``, the pipelined step's hidden stall, flags with a cause).
 
 A configuration is (device, method, ranks, cores, device step, rays per rank, sampler): ``cores``
