@@ -702,3 +702,14 @@ def test_llff_non_integer_image_size_names_the_row_and_scene_repr(tmp_path):
     c2w = np.zeros((3, 3, 4))
     c2w[:, :, 1] = [[0, 0, 1], [0, 0.1, 1], [0, -0.1, 1]]
     np.testing.assert_allclose(mean_up(c2w), [0.0, 0.0, 1.0])
+
+
+def test_nerfstudio_malformed_frame_of_another_split(tmp_path):
+    """A frame of the test split whose transform_matrix is a number (found by the corruption property
+    test): the train split still loads, its up voted by its own cameras (it was an IndexError from the
+    all-frames vote), and loading the test split is one line naming the file and the key."""
+    make_nerfstudio(tmp_path, frame_extra={10: {"transform_matrix": 5.0}})  # frame 10: the one test frame
+    tr = load_scene(tmp_path, "train")
+    assert len(tr.image_paths) == 11 and np.isfinite(tr.up).all() and np.linalg.norm(tr.up) > 0
+    with pytest.raises(SceneError, match=r"^\S*transforms.json: .*transform_matrix[^\n]*$"):
+        load_scene(tmp_path, "test")

@@ -242,7 +242,7 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
         try:
             with np.errstate(over="ignore", invalid="ignore"):
                 up = mean_up(np.stack([np.asarray(f["transform_matrix"], np.float64)[:3] for f in frames]))
-        except (KeyError, TypeError, ValueError, OverflowError):
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError):
             up = None
         if up is None or not np.isfinite(up).all():  # another split's frame is malformed: this split's cameras vote
             up = mean_up(c2w)
