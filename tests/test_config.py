@@ -111,9 +111,10 @@ def test_numbers_too_large_are_one_line_errors(tmp_path):
     ("bench.sampler_seconds=-1", "bench.sampler_seconds: must be >= 0, got -1.0"),
     ("bench.ranks=[0]", "bench.ranks: must be a list of integers >= 1 ([] = no CPU rows), got [0]"),
     ("bench.methods=[ddp,mp]", "bench.methods: must be one of ddp, ss, got 'mp'"),
-    ("bench.samplers=[ready]", "bench.samplers: must be one of rays, sync_global, sync_local, torch_workers, got 'ready'"),
-    ("bench.emulated_samplers=[ready]", "bench.emulated_samplers: must be one of rays, sync_global, sync_local, "
-                                        "torch_workers, got 'ready'"),
+    ("bench.samplers=[ready]", "bench.samplers: must be one of sync_global, sync_local, torch_workers, rays_sync, "
+                               "rays, got 'ready'"),
+    ("bench.emulated_samplers=[ready]", "bench.emulated_samplers: must be one of sync_global, sync_local, "
+                                        "torch_workers, rays_sync, rays, got 'ready'"),
     ("bench.trials=0", "bench.trials: must be > 0, got 0"),
     ("bench.emulated_steps=0", "bench.emulated_steps: must be > 0, got 0"),
     ("bench.emulated_warmup=-1", "bench.emulated_warmup: must be >= 0, got -1"),
