@@ -35,9 +35,11 @@ from typing import Optional, Sequence, Tuple
 
 from .errors import ConfigError
 from .hostbudget import HostBudget, check_priority, host_budget, resolve_priority, run_size
+from .pipelines.decode import shard_range
 from .pipelines.rays import INT32_MAX
 
-__all__ = ["SamplingPlan", "plan_from_config", "resolve_device", "sampling_device"]
+__all__ = ["SamplingPlan", "plan_from_config", "resolve_device", "sampling_device", "rays_per_rank_spread",
+           "uneven_rays_note"]
 
 
 def _positive(name: str, v) -> None:
@@ -221,3 +223,37 @@ def plan_from_config(cfg, rank: int = 0, world_size: int = 1, *, cells: Sequence
                         window_images=int(getattr(c, "window_images", 0)),
                         rays_per_window=int(getattr(c, "rays_per_window", 0)), cells=tuple(int(x) for x in cells),
                         num_cells=int(num_cells), budget=budget, ray_stream=stream, global_batch=G)
+
+
+def rays_per_rank_spread(pixels_per_image: Sequence[int], world_size: int) -> float:
+    """Under the global stream a rank samples G x (its shard's pixels / P) rays a step on average
+    (DALI's shard rule gives some ranks one image more): the largest rank's share over the mean,
+    1.0 when every shard holds as many pixels.
+
+    >>> round(rays_per_rank_spread([160000] * 100, 48), 2)  # 100 equal images on 48 ranks
+    1.44
+    """
+    px = [int(p) for p in pixels_per_image]
+    W = int(world_size)
+    if W <= 1 or not px:
+        return 1.0
+    shares = [sum(px[slice(*shard_range(len(px), r, W))]) for r in range(W)]
+    return max(shares) * W / sum(shares)
+
+
+UNEVEN_RAYS = 1.1
+"""The spread of rays per rank above which rank 0 says so at start (:func:`uneven_rays_note`)."""
+
+
+def uneven_rays_note(plan: SamplingPlan, pixels_per_image: Sequence[int]) -> Optional[str]:
+    """One line for rank 0's stderr when the global stream's rays per rank are uneven by more than
+    :data:`UNEVEN_RAYS` (its step time and GPU memory follow the largest rank), else None."""
+    if plan.ray_stream != "global" or plan.world_size <= 1:
+        return None
+    spread = rays_per_rank_spread(pixels_per_image, plan.world_size)
+    if spread <= UNEVEN_RAYS:
+        return None
+    return (f"note: with the global stream each rank samples the rays of its image shard: {len(pixels_per_image)} "
+            f"images over {plan.world_size} ranks give the largest rank {spread:.2f}x the mean of "
+            f"{plan.rays_per_batch} rays a step (step time and GPU memory follow it); a number of ranks that "
+            f"divides the number of images evens it out")

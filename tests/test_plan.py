@@ -55,3 +55,28 @@ def test_the_loader_arguments_make_the_same_plan():
         SamplingPlan.for_loader(64, thread_priority="auto")  # a resolved value: auto belongs to configs
     with pytest.raises(ConfigError, match="rays_per_batch"):
         SamplingPlan.for_loader(0)
+
+
+def test_rays_per_rank_spread_and_the_uneven_note():
+    """The global stream's rays per rank follow the shards' pixels: the largest rank's share over
+    the mean (DALI's shard rule), and rank 0's one-line note above 1.1x, only for the global stream
+    on more than one rank."""
+    from dali_nerf.plan import rays_per_rank_spread, uneven_rays_note
+
+    eq = [160000] * 100
+    assert [round(rays_per_rank_spread(eq, W), 2) for W in (1, 2, 4, 16, 24, 32, 48, 64)] == \
+        [1.0, 1.0, 1.0, 1.12, 1.2, 1.28, 1.44, 1.28]
+    assert rays_per_rank_spread([1, 1, 1, 97], 2) == pytest.approx(98 * 2 / 100)  # shards [1, 1] and [1, 97]
+    assert rays_per_rank_spread([5, 5, 5], 3) == 1.0 and rays_per_rank_spread([], 4) == 1.0
+
+    def plan(W, stream="global"):
+        cfg = load_config(None, [f"pipeline.stream={stream}", "pipeline.rays_per_batch=1024"], check_paths=False)
+        return plan_from_config(cfg, 0, W)
+
+    note = uneven_rays_note(plan(48), eq)
+    assert note == ("note: with the global stream each rank samples the rays of its image shard: 100 images over 48 "
+                    "ranks give the largest rank 1.44x the mean of 1024 rays a step (step time and GPU memory follow "
+                    "it); a number of ranks that divides the number of images evens it out")
+    assert uneven_rays_note(plan(48, "shard"), eq) is None  # every rank samples exactly B
+    assert uneven_rays_note(plan(4), eq) is None and uneven_rays_note(plan(1), [1, 99]) is None
+    assert uneven_rays_note(plan(16), eq) is not None  # 1.12 > 1.1
