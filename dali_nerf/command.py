@@ -10,7 +10,7 @@ import contextlib
 import os
 import sys
 
-from .errors import DaliNerfError
+from .errors import DaliNerfError, stderr_line
 from .interrupt import interrupt_guard
 
 __all__ = ["run_cli"]
@@ -45,10 +45,10 @@ def run_cli(fn, *args, **kwargs) -> int:
             rc = fn(*args, **kwargs)
         return int(rc or 0)
     except DaliNerfError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        stderr_line(f"error: {e}")
         return e.exit_code
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
+        stderr_line("interrupted")
         return 130
     except BrokenPipeError:
         return 0

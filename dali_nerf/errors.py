@@ -8,7 +8,9 @@ traceback (see :func:`dali_nerf.command.run_cli`).
 
 from __future__ import annotations
 
-__all__ = ["DaliNerfError", "ConfigError", "SceneError", "PluginBuildError", "DataError"]
+import sys
+
+__all__ = ["DaliNerfError", "ConfigError", "SceneError", "PluginBuildError", "DataError", "stderr_line"]
 
 
 class DaliNerfError(Exception):
@@ -34,3 +36,13 @@ class DataError(SceneError):
 
 class PluginBuildError(DaliNerfError):
     """The C++ operator plugin could not be built or loaded."""
+
+
+def stderr_line(line: str) -> None:
+    """Write ``line`` and its newline to stderr in one write, then flush.
+
+    The ranks of a torchrun job share their launcher's stderr pipe; ``print`` writes the text and
+    the newline apart, so under ``python -u`` (unbuffered) two ranks' lines can interleave as
+    ``interruptedinterrupted``. One write of a short line to a pipe is atomic (PIPE_BUF)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

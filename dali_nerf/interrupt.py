@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from .errors import stderr_line
+
 __all__ = ["interrupt_guard", "quiet_startup", "exit_process", "ignore_interrupts", "interrupts_deferred", "interrupted", "descendants", "kill_descendants",
            "EXIT_INTERRUPTED", "DEFAULT_GRACE_S", "ECHO_S"]
 
@@ -104,9 +106,9 @@ def _force_exit(why: str, stacks: bool = True) -> None:
     try:
         if stacks:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            print(f"error: {why}; the stacks above show where it was (exit {EXIT_INTERRUPTED})", file=sys.stderr, flush=True)
+            stderr_line(f"error: {why}; the stacks above show where it was (exit {EXIT_INTERRUPTED})")
         else:
-            print(f"error: {why}", file=sys.stderr, flush=True)
+            stderr_line(f"error: {why}")
     except Exception:
         pass
     kill_descendants()
@@ -134,7 +136,7 @@ def _on_sigint(signum, frame):
 
 
 def _startup_sigint(signum, frame):
-    print("interrupted", file=sys.stderr, flush=True)
+    stderr_line("interrupted")
     _flush()
     os._exit(EXIT_INTERRUPTED)
 

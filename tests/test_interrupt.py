@@ -359,3 +359,25 @@ def test_interrupts_deferred_holds_sigint_to_the_end_of_the_block():
             pass
     finally:
         signal.signal(signal.SIGINT, prev)
+
+
+def test_stderr_lines_are_one_write_each(monkeypatch):
+    """Ranks share their launcher's stderr pipe: the `interrupted` and `error:` lines go out in one
+    write with their newline (print writes them apart; under python -u two ranks' lines interleaved
+    as 'interruptedinterrupted' in a full-suite run)."""
+    from dali_nerf.errors import stderr_line
+
+    class Recorder:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, s):
+            self.writes.append(s)
+
+        def flush(self):
+            self.writes.append(None)
+
+    rec = Recorder()
+    monkeypatch.setattr(sys, "stderr", rec)
+    stderr_line("interrupted")
+    assert rec.writes == ["interrupted\n", None]
