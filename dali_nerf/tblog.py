@@ -25,6 +25,8 @@ checkpoint, as ``metrics.jsonl`` drops its lines.
 from __future__ import annotations
 
 import importlib.util
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Mapping, Optional
@@ -159,10 +161,23 @@ class TBWriter:
         if self._w is not None:
             self._w.flush()
 
-    def close(self) -> None:
-        if self._w is not None:
-            self._w.close()
-            self._w = None
+    def close(self, timeout: float = 5.0) -> bool:
+        """Close the event file within ``timeout`` seconds; False when its writer thread did not
+        finish by then (it is left behind as a daemon: the events flushed before are on disk).
+
+        TensorBoard's close joins its writer thread with no deadline, and after a Ctrl-C that join
+        hung past the interrupt's grace period (once, in a random-order suite run under load)."""
+        w, self._w = self._w, None
+        if w is None:
+            return True
+        t = threading.Thread(target=w.close, name="dali_nerf-tensorboard-close", daemon=True)
+        t.start()
+        t.join(timeout)
+        if t.is_alive():
+            print(f"warning: {self.log_dir}: TensorBoard's writer did not close within {timeout:g} s; events "
+                  f"after its last flush may be missing", file=sys.stderr, flush=True)
+            return False
+        return True
 
     def __enter__(self):
         return self

@@ -131,3 +131,31 @@ def test_trainer_run_writes_tensorboard_events(tmp_path):
     # the steady stall is defined from the run's second step on: the first step's wait is the warm-up
     assert [e.step for e in acc.Scalars("loader/stall_fraction")] == list(range(2, 7))
     assert acc.Tags()["images"], "no eval image in the event file"
+
+
+def test_close_is_bounded_when_the_writer_thread_hangs(tmp_path, capsys):
+    """TensorBoard's close joins its writer thread with no deadline; TBWriter.close gives up after
+    its timeout with one warning line (a Ctrl-C's shutdown must stay bounded)."""
+    import threading
+
+    tb = TBWriter(tmp_path, mode="always")
+    tb.scalars(1, {"train/loss": 1.0})
+    release = threading.Event()
+    real = tb._w
+
+    class Stuck:
+        def close(self):
+            release.wait(30)
+            real.close()
+
+    tb._w = Stuck()
+    t0 = time.monotonic()
+    try:
+        assert tb.close(timeout=0.3) is False
+        took = time.monotonic() - t0
+        assert took < 2.0, took
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("warning: ") and "did not close within 0.3 s" in err and "\n" not in err
+        assert tb.close() is True  # already closed: nothing to do
+    finally:
+        release.set()
