@@ -102,18 +102,20 @@ class PipelineConfig:
     torch_workers | ready (one batch again and again: the benchmarks' floor, for timing only)."""
     rays_per_batch: int = 4096
     """Rays per rank per training step: B. With ``stream: global`` the mean: the global batch is
-    G = B x world size, and each step's batch of a rank holds the rays of G whose image is in its
-    shard (counts vary around B). A run resumed on W' ranks keeps its G (B = G / W')."""
+    G = B x world size (or global_batch), and each step's batch of a rank holds the rays of G whose
+    image is in its shard (counts vary around B). A run resumed on W' ranks keeps its G (B = G / W')."""
+    global_batch: int = 0
+    """G whatever the number of ranks W (DDP's global stream, sync_global): B = G / W, W must divide
+    G; for torchrun --nnodes=MIN:MAX (docs/MULTINODE.md). 0: G = rays_per_batch x W at the start."""
     mode: str = "random"
     """random (iid per step) | epoch (each pixel once per epoch across ranks)."""
     stream: str = "global"
     """rays source, DDP: global (one stream of global batches defined by the seed alone: the same
-    for every world size, every pixel of the split once per epoch across all ranks, and a run
-    resumes on another number of ranks) | shard (each rank's own stream over its image shard, the
-    stream before global existed; resumes on the same world size only). Ignored by the SS cells
-    (their per-cell streams do not depend on the world size) and the baselines (sync_global
-    samples a global batch on rank 0; sync_local and torch_workers per rank). A shard streamed
-    through windows (over cache.max_bytes) needs shard."""
+    for every world size, every pixel of the split once per epoch across all ranks, resumes on
+    another number of ranks) | shard (each rank's own stream over its image shard; resumes on the
+    same world size only). Ignored by the SS cells (their streams do not depend on the world size)
+    and the baselines (sync_global: a global batch on rank 0; sync_local, torch_workers: per rank).
+    A shard streamed through windows (over cache.max_bytes) needs shard."""
     seed: int = 0
     """Base seed; the stream is a function of (seed, step) (global) or (seed, rank, world size, step) (shard)."""
     prefetch: int = 2
@@ -129,9 +131,8 @@ class PipelineConfig:
     """Worker processes for the torch_workers baseline."""
     thread_priority: str = "auto"
     """Priority of the threads (and torch_workers processes) that sample ahead: normal | background
-    (Linux SCHED_IDLE: they take only cores nothing else wants, so a waking training thread never
-    waits for them) | auto = background when train.device is cuda or emulated, normal on the CPU
-    (dali_nerf/hostbudget.py)."""
+    (Linux SCHED_IDLE: only cores nothing else wants, so a waking training thread never waits for
+    them) | auto = background when train.device is cuda or emulated, normal on the CPU (hostbudget.py)."""
 
     def validate(self, key: str):
         _choice(f"{key}.name", self.name, SOURCE_NAMES)
@@ -139,6 +140,7 @@ class PipelineConfig:
         _choice(f"{key}.stream", self.stream, STREAMS)
         # the op's argument types bound what reaches it (pipelines/rays.py OP_ARGS)
         _in_range(f"{key}.rays_per_batch", self.rays_per_batch, 1, INT32_MAX)
+        _in_range(f"{key}.global_batch", self.global_batch, 0, INT32_MAX)
         _in_range(f"{key}.rays_per_run", self.rays_per_run, 0, INT32_MAX)
         if self.rays_per_run and math.ceil(self.rays_per_run / self.rays_per_batch) * self.rays_per_batch > INT32_MAX:
             raise ConfigError(f"{key}.rays_per_run: {self.rays_per_run} rounded up to a multiple of rays_per_batch="
@@ -384,10 +386,8 @@ class BenchConfig:
             _positive(f"{key}.sampling_sizes[{i}]", b)
         _nonneg(f"{key}.allreduce_latency_s", self.allreduce_latency_s)
         _nonneg(f"{key}.gpu_step_ms", self.gpu_step_ms)
-        if not self.gpu_cpu_ratio > 0:
-            raise ConfigError(f"{key}.gpu_cpu_ratio: must be > 0, got {self.gpu_cpu_ratio}")
-        if not self.cores_per_gpu > 0:
-            raise ConfigError(f"{key}.cores_per_gpu: must be > 0, got {self.cores_per_gpu}")
+        _positive(f"{key}.gpu_cpu_ratio", self.gpu_cpu_ratio)
+        _positive(f"{key}.cores_per_gpu", self.cores_per_gpu)
         _nonneg(f"{key}.sampler_seconds", self.sampler_seconds)
         if self.ranks and min(self.ranks) < 1:
             raise ConfigError(f"{key}.ranks: must be a list of integers >= 1 ([] = no CPU rows), got {self.ranks}")
@@ -464,7 +464,7 @@ def _in_range(key, v, lo, hi):
 
 
 def _positive(key, v):
-    if v <= 0:
+    if not v > 0:  # NaN too
         raise ConfigError(f"{key}: must be > 0, got {v}")
 
 

@@ -40,6 +40,7 @@ from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import usable_cores
 from dali_nerf.partition import Partition, assign_rank
 from dali_nerf.plan import plan_from_config
+from dali_nerf.resume import global_batch_config
 from dali_nerf.runtime import load_scenes, prepare_run_dir, setup_distributed, torch_threads_kept
 from dali_nerf.sources import build_source, floor_source
 from dali_nerf.sources.base import was_demoted
@@ -139,6 +140,8 @@ def _train_emulated(cfg: Config, method, resume: bool) -> dict:
                           f"cores); got WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}: use one node")
     env = setup_distributed("cpu", t.torch_threads)
     W, rank = env.world_size, env.rank
+    cfg = global_batch_config(cfg, W)
+    p = cfg.pipeline
     prepare_run_dir(cfg.run_dir, env)
     scene, _ = load_scenes(cfg, env)
     if p.name == "sync_global" and not scene.has_bounds:

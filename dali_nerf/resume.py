@@ -43,7 +43,7 @@ import yaml
 from .checkpoint import (MODEL_FILE, RUN_FILE, CheckpointUnreadable, atomic_write_text, cell_file, checkpoint_candidates,
                          checkpoint_format, commit_checkpoint, load_file, load_rank_state, resume_checkpoint, save_file)
 from .config import Config, config_to_dict
-from .errors import DaliNerfError
+from .errors import ConfigError, DaliNerfError
 from .partition import assign_rank
 from .pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
 from .runtime import DistEnv, gather_codes
@@ -52,7 +52,8 @@ from .sources.registry import RAY_GRAPH_SOURCES
 from .tasks import Task, close_sources
 
 __all__ = ["save_checkpoint", "read_resume_state", "restore_tasks", "resumed_config", "run_stream", "load_checkpoint",
-           "replica_digest", "ELASTIC", "elastic_launch", "agree_on_checkpoints", "nearest_divisors"]
+           "replica_digest", "ELASTIC", "elastic_launch", "agree_on_checkpoints", "nearest_divisors",
+           "global_batch_config"]
 
 ELASTIC = {("ddp", GLOBAL_STREAM), ("ddp", "sync_global-v1"), ("ss", "cells-v1")}
 """(method, stream) pairs a checkpoint of which resumes on another world size."""
@@ -370,11 +371,33 @@ def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None, cfg
     return True, st, folder
 
 
+def global_batch_config(cfg: Config, world_size: int) -> Config:
+    """The config of a run starting on ``world_size`` ranks: ``pipeline.global_batch`` G > 0 sets
+    ``rays_per_batch`` = G / W. Refused in one line when the run has no global batch (SS, the
+    shard stream, the per-rank baselines) or W does not divide G (naming the rank counts that do)."""
+    p = cfg.pipeline
+    G = int(p.global_batch)
+    if not G:
+        return cfg
+    if not run_stream(cfg)[1]:
+        raise ConfigError(f"pipeline.global_batch={G}: this run has no global batch (method {cfg.method}, "
+                          f"pipeline.name={p.name}, pipeline.stream={p.stream}); set it with method ddp and "
+                          f"pipeline.stream=global (or pipeline.name=sync_global), or leave it 0")
+    if G % world_size:
+        raise ConfigError(f"pipeline.global_batch={G} does not divide among {world_size} ranks; run on a number "
+                          f"of ranks that divides it ({' or '.join(map(str, nearest_divisors(G, world_size)))}) "
+                          f"or change it")
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(p, rays_per_batch=G // world_size))
+
+
 def resumed_config(cfg: Config, st: Optional[dict], env: DistEnv) -> Config:
-    """The config a resumed run continues with: the checkpoint's stream and global batch win over
-    the config's (a resume continues the run's stream). Format 1: the shard stream (the only one
-    then). Global stream / sync_global: ``rays_per_batch`` = G / W' (W' the ranks now; the check
-    refused a W' that does not divide G). Rank 0 prints one note per changed value."""
+    """The config a run trains with: a new run's :func:`global_batch_config`; a resumed run's
+    checkpoint stream and global batch win over the config's (a resume continues the run's
+    stream). Format 1: the shard stream (the only one then). Global stream / sync_global:
+    ``rays_per_batch`` = G / W' (W' the ranks now; the check refused a W' that does not divide G).
+    Rank 0 prints one note per changed value."""
+    if st is None or cfg.method != st.get("method", cfg.method) or not int(st.get("global_batch") or 0):
+        cfg = global_batch_config(cfg, env.world_size)
     if st is None or cfg.method != st.get("method", cfg.method):
         return cfg
     p, notes = cfg.pipeline, []
@@ -389,9 +412,13 @@ def resumed_config(cfg: Config, st: Optional[dict], env: DistEnv) -> Config:
                 notes.append(f"the run samples the {kind} stream: pipeline.stream={kind}")
                 p = dataclasses.replace(p, stream=kind)
         G = int(st.get("global_batch") or 0)
+        if G and p.global_batch not in (0, G):
+            notes.append(f"its global batch of {G} rays is kept: pipeline.global_batch={G} (was {p.global_batch})")
+            p = dataclasses.replace(p, global_batch=G)
         if G and G // env.world_size != p.rays_per_batch:
-            notes.append(f"its global batch of {G} rays is kept on {env.world_size} ranks: pipeline.rays_per_batch="
-                         f"{G // env.world_size} (was {p.rays_per_batch})")
+            if p.global_batch != G:  # a config that names G resolves rays_per_batch from it: nothing to say
+                notes.append(f"its global batch of {G} rays is kept on {env.world_size} ranks: "
+                             f"pipeline.rays_per_batch={G // env.world_size} (was {p.rays_per_batch})")
             p = dataclasses.replace(p, rays_per_batch=G // env.world_size)
     if env.rank == 0:
         for n in notes:

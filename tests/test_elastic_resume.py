@@ -148,7 +148,8 @@ def _torchrun(nproc: int, scene, runs, name, *extra, check=True):
 
 @pytest.mark.slow  # 5 torchrun launches of 2-5 CPU ranks: ~2-3 min on 2 busy cores
 def test_four_ranks_resumed_on_two_then_three_match_the_uninterrupted_run(scene_dir, tmp_path):
-    """G = 1536 rays a step: 4 ranks (384 each) to step 20, resumed on 2 ranks (768) to step 40,
+    """G = 1536 rays a step: 4 ranks (384 each, from pipeline.global_batch; the uninterrupted run
+    from pipeline.rays_per_batch) to step 20, resumed on 2 ranks (768) to step 40,
     then on 3 (512) to step 60, against 4 ranks uninterrupted: the final test PSNR within 1e-4 dB
     (measured: see docs/RELIABILITY.md), the final model's tensors allclose (rtol 1e-4, atol 1e-6),
     run.pt's loader position 60 x G, every step's metrics present once and each step's ranks' ray
@@ -156,7 +157,7 @@ def test_four_ranks_resumed_on_two_then_three_match_the_uninterrupted_run(scene_
     divide G: refused in one line, nothing written."""
     runs = tmp_path / "runs"
     _torchrun(4, scene_dir, runs, "whole", "pipeline.rays_per_batch=384")
-    _torchrun(4, scene_dir, runs, "moved", "pipeline.rays_per_batch=384", "train.stop_after=20")
+    _torchrun(4, scene_dir, runs, "moved", "pipeline.global_batch=1536", "train.stop_after=20")  # 384 a rank
     r2 = _torchrun(2, scene_dir, runs, "moved", "pipeline.rays_per_batch=384", "train.stop_after=40", "--resume")
     assert "its global batch of 1536 rays is kept on 2 ranks: pipeline.rays_per_batch=768 (was 384)" in r2.stderr
     r3 = _torchrun(3, scene_dir, runs, "moved", "pipeline.rays_per_batch=384", "--resume")

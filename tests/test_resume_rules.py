@@ -105,3 +105,58 @@ def test_ss_cells_resume_on_at_most_their_number_of_ranks():
     assert "cells cannot be shared" in _refusal({k: v for k, v in run.items() if k != "cells"}, 2)
     # a DDP run records no cells: its world size is not bounded by them
     _check_elastic(_run("ddp", GLOBAL_STREAM, 1, G=8, cells=0), FOLDER, 8)
+
+
+def _env(world):
+    import torch
+
+    from dali_nerf.runtime import DistEnv
+    return DistEnv(rank=0, world_size=world, local_rank=0, device=torch.device("cpu"))
+
+
+def test_global_batch_sets_the_rays_per_rank_of_a_new_run_or_is_refused_in_one_line():
+    """pipeline.global_batch G: a new run on W ranks trains G / W rays per rank; a W that does not
+    divide G, or a run without a global batch, is refused naming the key and the fix."""
+    from dali_nerf.config import ConfigError
+    from dali_nerf.resume import global_batch_config, resumed_config
+
+    cfg = load_config(None, ["pipeline.global_batch=1536"], check_paths=False)
+    for world, b in ((1, 1536), (2, 768), (3, 512), (4, 384), (12, 128)):
+        got = resumed_config(cfg, None, _env(world))
+        assert (got.pipeline.rays_per_batch, got.pipeline.global_batch) == (b, 1536)
+    unset = load_config(None, ["pipeline.rays_per_batch=100"], check_paths=False)
+    assert global_batch_config(unset, 7) is unset  # 0: rays_per_batch as given, G = B x W
+    with pytest.raises(ConfigError) as e:
+        global_batch_config(cfg, 5)
+    assert str(e.value) == ("pipeline.global_batch=1536 does not divide among 5 ranks; run on a number of ranks that "
+                            "divides it (4 or 6) or change it")
+    for overrides, what in ((["method=ss"], "method ss"), (["pipeline.stream=shard"], "pipeline.stream=shard"),
+                            (["pipeline.name=sync_local"], "pipeline.name=sync_local")):
+        bad = load_config(None, ["pipeline.global_batch=1536", *overrides], check_paths=False)
+        with pytest.raises(ConfigError) as e:
+            global_batch_config(bad, 2)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("pipeline.global_batch=1536: this run has no global batch") \
+            and what in msg and msg.endswith("or leave it 0"), msg
+    sync = load_config(None, ["pipeline.global_batch=1536", "pipeline.name=sync_global"], check_paths=False)
+    assert global_batch_config(sync, 3).pipeline.rays_per_batch == 512
+
+
+def test_a_resumed_run_keeps_its_checkpoints_global_batch_over_the_configs(capsys):
+    """The checkpoint's G wins: a config naming the same G resumes without a note; another G or
+    none is noted once (rank 0), and a W that divides the checkpoint's G but not the config's is
+    not refused (the config's G is not used)."""
+    from dali_nerf.resume import resumed_config
+
+    st = {"format": 2, "method": "ddp", "pipeline": "rays", "stream": GLOBAL_STREAM, "global_batch": 1536,
+          "step": 20, "world_size": 4}
+    same = resumed_config(load_config(None, ["pipeline.global_batch=1536"], check_paths=False), st, _env(3))
+    assert (same.pipeline.rays_per_batch, same.pipeline.global_batch) == (512, 1536)
+    assert capsys.readouterr().err == ""
+    other = resumed_config(load_config(None, ["pipeline.global_batch=1000"], check_paths=False), st, _env(3))
+    assert (other.pipeline.rays_per_batch, other.pipeline.global_batch) == (512, 1536)
+    assert capsys.readouterr().err == ("note: resuming step 20 (written by 4 rank(s)): its global batch of 1536 rays "
+                                       "is kept: pipeline.global_batch=1536 (was 1000)\n")
+    none = resumed_config(load_config(None, [], check_paths=False), st, _env(2))
+    assert (none.pipeline.rays_per_batch, none.pipeline.global_batch) == (768, 0)
+    assert "is kept on 2 ranks: pipeline.rays_per_batch=768 (was 4096)" in capsys.readouterr().err
