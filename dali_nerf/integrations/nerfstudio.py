@@ -41,7 +41,7 @@ sampling (``patch_size > 1``), ``train_num_images_to_sample_from``, ``camera_res
 1`` (use the dataparser's ``downscale_factor``), RGBA images without an ``alpha_color``. A resumed
 ``ns-train`` run restarts the ray stream at its beginning with ``stream: shard`` (nerfstudio does
 not checkpoint datamanager state); with ``stream: global`` it continues at nerfstudio's step, on
-any number of ranks.
+any number of ranks when ``global_batch`` fixes G (else G = rays x ranks changes with them).
 
 **LPIPS.** nerfacto's model builds torchmetrics' LPIPS at set-up, which downloads AlexNet weights
 from the internet (and fails offline). ``dali-nerfacto`` uses :class:`DaliNerfactoModel`, whose
@@ -82,6 +82,7 @@ from nerfstudio.utils.rich_utils import CONSOLE
 
 from dali_nerf import RayLoader, Scene
 from dali_nerf.plan import SamplingPlan
+from dali_nerf.resume import nearest_divisors
 from dali_nerf.sources import make_source
 from dali_nerf.errors import ConfigError
 from dali_nerf.imageio import read_header
@@ -196,6 +197,11 @@ class DaliDataManagerConfig(VanillaDataManagerConfig):
     is nerfstudio's step's (a resumed ns-train continues the stream on any number of ranks).
     nerfstudio's losses average over the rank's batch, so under DDP the ranks' rays are weighted
     by 1 / their count rather than 1 / G: shard is the default."""
+    global_batch: int = 0
+    """stream: global only: G, rays of all ranks a step, whatever the number of devices (each rank
+    train_num_rays_per_batch = G / ranks, which must divide it). nerfstudio's checkpoint does not
+    store G: set it to restart ns-train on another device count with the same stream. 0 = G is
+    train_num_rays_per_batch x ranks."""
 
 
 class DaliDataManager(VanillaDataManager):
@@ -224,10 +230,28 @@ class DaliDataManager(VanillaDataManager):
                              persistent=False)
         self.pinhole = _pinhole_ok(cams)
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(self.local_rank)
+        self._rays_per_batch()  # a global_batch that cannot be: refused at set-up
         self._loader: Optional[RayLoader] = None
         self._iter = None
         CONSOLE.print(f"DaliDataManager: rank {self.rank}/{self.world_size}, {self.train_scene.num_images} train images; "
                       f"rays {'from the dali_nerf operator' if self.pinhole else 'from nerfstudio RayGenerator (non-pinhole cameras)'}")
+
+    def _rays_per_batch(self) -> int:
+        """train_num_rays_per_batch, or G / ranks with ``global_batch`` G (one-line refusals)."""
+        c, W = self.config, int(self.world_size)
+        G = int(c.global_batch)
+        if not G:
+            return int(c.train_num_rays_per_batch)
+        key = f"pipeline.datamanager.global-batch={G}"
+        if c.stream != "global":
+            raise ConfigError(f"{key}: fixes the global stream's batch; add --pipeline.datamanager.stream global "
+                              f"or leave it 0")
+        if G < 0:
+            raise ConfigError(f"{key}: must be >= 0")
+        if G % W:
+            raise ConfigError(f"{key}: does not divide among {W} devices; use a device count that divides it "
+                              f"({' or '.join(map(str, nearest_divisors(G, W)))}) or change it")
+        return G // W
 
     def _sampler_device(self) -> str:
         dev = torch.device(self.device)
@@ -239,7 +263,7 @@ class DaliDataManager(VanillaDataManager):
         sdev = self._sampler_device()
         ctx = torch.cuda.device(torch.device(self.device)) if sdev == "cuda" else contextlib.nullcontext()
         with ctx:
-            plan = SamplingPlan.for_loader(c.train_num_rays_per_batch, rank=self.rank, world_size=int(self.world_size),
+            plan = SamplingPlan.for_loader(self._rays_per_batch(), rank=self.rank, world_size=int(self.world_size),
                                            seed=c.seed, prefetch=c.prefetch, device=sdev,
                                            num_threads=c.num_threads or None, rays_per_run=c.rays_per_run or None,
                                            stream=c.stream)
@@ -268,7 +292,7 @@ class DaliDataManager(VanillaDataManager):
         return bundle, batch
 
     def get_train_rays_per_batch(self) -> int:
-        return self.config.train_num_rays_per_batch
+        return self._rays_per_batch()
 
     def loader_stats(self) -> dict:
         """The RayLoader's ``stats()`` (steps, wait_s, stall_fraction, rays_per_s, ...); {} before the first step."""

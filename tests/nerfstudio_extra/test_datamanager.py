@@ -125,3 +125,35 @@ def test_rgba_without_alpha_colour_is_refused(blender_scene):
     cfg = DaliDataManagerConfig(dataparser=BlenderDataParserConfig(data=Path(blender_scene), alpha_color=None))
     with pytest.raises(ConfigError, match=r"RGBA image and the dataparser has no alpha_color"):
         cfg.setup(device="cpu", test_mode="val")
+
+
+def test_global_batch_gives_the_same_global_batches_on_any_device_count(blender_scene):
+    """stream global with global_batch G: one device and two devices (G / 2 each) started at the
+    same step (a restart at nerfstudio's step) sample the same global batch (the union of the
+    ranks' rays); a device count that does not divide G is refused in one line, as is global_batch
+    with stream shard."""
+    def dm(world, rank, **kw):
+        return DaliDataManagerConfig(dataparser=_parser("blender", blender_scene), stream="global", **kw) \
+            .setup(device="cpu", test_mode="val", world_size=world, local_rank=rank)
+
+    def batch(world, rank, step):
+        d = dm(world, rank, global_batch=2048)
+        try:
+            return d.get_train_rays_per_batch(), d.next_train(step)[1]["indices"]
+        finally:
+            d.close()
+
+    for step in (0, 1, 7):
+        b1, want = batch(1, 0, step)
+        (b2, got0), (_, got1) = batch(2, 0, step), batch(2, 1, step)
+        assert (b1, b2) == (2048, 1024) and len(want) == len(got0) + len(got1) == 2048 and len(got0) and len(got1)
+        key = lambda t: sorted(map(tuple, t.tolist()))
+        assert key(torch.cat([got0, got1])) == key(want), step
+    assert key(batch(1, 0, 1)[1]) != key(batch(1, 0, 0)[1])  # the step chooses the batch
+    with pytest.raises(ConfigError, match=r"^pipeline.datamanager.global-batch=2048: does not divide among 3 "
+                                          r"devices; use a device count that divides it \(2 or 4\) or change it$"):
+        dm(3, 0, global_batch=2048)
+    with pytest.raises(ConfigError, match=r"global-batch=2048: fixes the global stream's batch; add "
+                                          r"--pipeline.datamanager.stream global"):
+        DaliDataManagerConfig(dataparser=_parser("blender", blender_scene), global_batch=2048) \
+            .setup(device="cpu", test_mode="val")
