@@ -166,3 +166,30 @@ def test_ss_sync_global_scatters_device_tensors_under_nccl(setup, monkeypatch):
     meta = torch.device("meta")
     assert [s[0] for s in seen] == [meta, meta] and all(p == [meta, meta] for _, p in seen)
     assert all(v.device == meta for v in b.values())
+
+
+def test_ss_sync_global_state_continues_its_slot_and_refuses_another(setup):
+    """RoutedSyncGlobal's state (every rank's position of one cell slot) continues the same slot
+    exactly and is refused, in one line, by another slot or another number of ranks."""
+    from dali_nerf.errors import ConfigError
+    from dali_nerf.sources.sync import RoutedSyncGlobal
+
+    scene, part, cache = setup
+
+    def src(slot):
+        return RoutedSyncGlobal(scene, part, [[0, 1]], rank=0, slot=slot, rays_per_batch=16, seed=2, cache=cache)
+
+    a = src(0)
+    next(a)
+    st = a.state_dict()
+    want = next(a)
+    b = src(0)
+    b.load_state_dict(st)
+    got = next(b)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(ConfigError) as e:
+        src(1).load_state_dict(st)
+    assert str(e.value) == ("RoutedSyncGlobal.load_state_dict: the state is cell slot 0's on 1 rank(s), this sampler "
+                            "slot 1's on 1; load each slot's state into the same slot of a run of as many ranks")
+    with pytest.raises(ConfigError, match=r"slot 0's on 2 rank\(s\), this sampler slot 0's on 1"):
+        src(0).load_state_dict(dict(st, position=st["position"] * 2))

@@ -556,4 +556,9 @@ class RoutedSyncGlobal(BatchSource):
 
     def load_state_dict(self, s):
         check_scene_state(s, self.scene, "RoutedSyncGlobal")
+        slot, ranks = int(s.get("slot", self.slot)), len(s["position"])
+        if (slot, ranks) != (self.slot, self.world_size):  # each rank's cell of the slot has its position
+            raise ConfigError(f"RoutedSyncGlobal.load_state_dict: the state is cell slot {slot}'s on {ranks} rank(s), "
+                              f"this sampler slot {self.slot}'s on {self.world_size}; load each slot's state into "
+                              f"the same slot of a run of as many ranks")
         self.position = [int(p) for p in s["position"]]
