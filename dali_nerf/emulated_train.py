@@ -40,11 +40,10 @@ from dali_nerf.errors import ConfigError
 from dali_nerf.hostbudget import usable_cores
 from dali_nerf.partition import Partition, assign_rank
 from dali_nerf.plan import plan_from_config
-from dali_nerf.resume import global_batch_config
 from dali_nerf.runtime import load_scenes, prepare_run_dir, setup_distributed, torch_threads_kept
 from dali_nerf.sources import build_source, floor_source
 from dali_nerf.sources.base import was_demoted
-from dali_nerf.sources.registry import RAY_GRAPH_SOURCES
+from dali_nerf.sources.registry import RAY_GRAPH_SOURCES, global_batch_config
 from dali_nerf.sources.shm_scatter import ShmLink, ShmScatter
 
 __all__ = ["train_emulated", "warmup_steps", "whole_runs", "KEEPS_UP_STEP"]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .errors import ConfigError
 from .hostbudget import HostBudget, check_priority, host_budget, resolve_priority, run_size
@@ -39,7 +39,7 @@ from .pipelines.decode import shard_range
 from .pipelines.rays import INT32_MAX
 
 __all__ = ["SamplingPlan", "plan_from_config", "resolve_device", "sampling_device", "rays_per_rank_spread",
-           "uneven_rays_note"]
+           "uneven_rays_note", "nearest_divisors"]
 
 
 def _positive(name: str, v) -> None:
@@ -257,3 +257,14 @@ def uneven_rays_note(plan: SamplingPlan, pixels_per_image: Sequence[int]) -> Opt
             f"images over {plan.world_size} ranks give the largest rank {spread:.2f}x the mean of "
             f"{plan.rays_per_batch} rays a step (step time and GPU memory follow it); a number of ranks that "
             f"divides the number of images evens it out")
+
+
+def nearest_divisors(n: int, world: int) -> List[int]:
+    """The divisors of ``n`` nearest ``world`` (one that divides ``n``: ``[world]``): the largest
+    below it and the smallest above it (if any), e.g. ``nearest_divisors(49152, 40) == [32, 48]``."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    divs = sorted(set(small + [n // d for d in small]))
+    if world in divs:
+        return [world]
+    return [d for d in (max((d for d in divs if d < world), default=None), min((d for d in divs if d > world),
+                                                                                 default=None)) if d is not None]

@@ -28,7 +28,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
-import math
 import os
 import random
 import sys
@@ -43,17 +42,17 @@ import yaml
 from .checkpoint import (MODEL_FILE, RUN_FILE, CheckpointUnreadable, atomic_write_text, cell_file, checkpoint_candidates,
                          checkpoint_format, commit_checkpoint, load_file, load_rank_state, resume_checkpoint, save_file)
 from .config import Config, config_to_dict
-from .errors import ConfigError, DaliNerfError
+from .errors import DaliNerfError
 from .partition import assign_rank
+from .plan import nearest_divisors
 from .pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
 from .runtime import DistEnv, gather_codes
 from .scenes import describe_change, scene_fingerprint
-from .sources.registry import RAY_GRAPH_SOURCES
+from .sources.registry import RAY_GRAPH_SOURCES, global_batch_config, run_stream
 from .tasks import Task, close_sources
 
 __all__ = ["save_checkpoint", "read_resume_state", "restore_tasks", "resumed_config", "run_stream", "load_checkpoint",
-           "replica_digest", "ELASTIC", "elastic_launch", "agree_on_checkpoints", "nearest_divisors",
-           "global_batch_config"]
+           "replica_digest", "ELASTIC", "elastic_launch", "agree_on_checkpoints"]
 
 ELASTIC = {("ddp", GLOBAL_STREAM), ("ddp", "sync_global-v1"), ("ss", "cells-v1")}
 """(method, stream) pairs a checkpoint of which resumes on another world size."""
@@ -129,19 +128,6 @@ def replica_digest(task: Task) -> str:
     return h.hexdigest()
 
 
-def run_stream(cfg: Config) -> tuple:
-    """(stream version, G) of a run's training stream: what a checkpoint records and an elastic
-    resume keeps. DDP ``rays`` (and ``rays_sync``, the same sampler): the global stream (G = B x W
-    at the run's start) or the shard stream; ``sync_global``: rank 0's global batch of B x W; SS
-    ``rays`` / ``rays_sync``: the cells' own streams; the rest: per-rank streams (G 0)."""
-    p = cfg.pipeline
-    if cfg.method == "ss":
-        return ("cells-v1" if p.name in RAY_GRAPH_SOURCES else f"ss-{p.name}-v1"), 0
-    if p.name in RAY_GRAPH_SOURCES:
-        return (GLOBAL_STREAM, 1) if p.stream == "global" else (SHARD_STREAM, 0)
-    return (f"{p.name}-v1", 1 if p.name == "sync_global" else 0)
-
-
 def save_checkpoint(run_dir: Path, step: int, tasks: List[Task], env: DistEnv, cfg: Config, scene) -> None:
     """Format 2 (module doc): every rank's RNG and (DDP) loader state gathered into rank 0's
     ``run.pt``; DDP's model once (rank 0, ``model.pt``); SS one file per cell, by its rank. Then
@@ -174,17 +160,6 @@ def save_checkpoint(run_dir: Path, step: int, tasks: List[Task], env: DistEnv, c
     if env.rank == 0:
         commit_checkpoint(root, step)
     env.barrier()
-
-
-def nearest_divisors(n: int, world: int) -> List[int]:
-    """The divisors of ``n`` nearest ``world`` (one that divides ``n``: ``[world]``): the largest
-    below it and the smallest above it (if any), e.g. ``nearest_divisors(49152, 40) == [32, 48]``."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    divs = sorted(set(small + [n // d for d in small]))
-    if world in divs:
-        return [world]
-    return [d for d in (max((d for d in divs if d < world), default=None), min((d for d in divs if d > world),
-                                                                                 default=None)) if d is not None]
 
 
 def _check_elastic(run: dict, folder: Path, world: int) -> None:
@@ -371,35 +346,14 @@ def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None, cfg
     return True, st, folder
 
 
-def global_batch_config(cfg: Config, world_size: int) -> Config:
-    """The config of a run starting on ``world_size`` ranks: ``pipeline.global_batch`` G > 0 sets
-    ``rays_per_batch`` = G / W. Refused in one line when the run has no global batch (SS, the
-    shard stream, the per-rank baselines) or W does not divide G (naming the rank counts that do)."""
-    p = cfg.pipeline
-    G = int(p.global_batch)
-    if not G:
-        return cfg
-    if not run_stream(cfg)[1]:
-        raise ConfigError(f"pipeline.global_batch={G}: this run has no global batch (method {cfg.method}, "
-                          f"pipeline.name={p.name}, pipeline.stream={p.stream}); set it with method ddp and "
-                          f"pipeline.stream=global (or pipeline.name=sync_global), or leave it 0")
-    if G % world_size:
-        raise ConfigError(f"pipeline.global_batch={G} does not divide among {world_size} ranks; run on a number "
-                          f"of ranks that divides it ({' or '.join(map(str, nearest_divisors(G, world_size)))}) "
-                          f"or change it")
-    return dataclasses.replace(cfg, pipeline=dataclasses.replace(p, rays_per_batch=G // world_size))
-
-
 def resumed_config(cfg: Config, st: Optional[dict], env: DistEnv) -> Config:
     """The config a run trains with: a new run's :func:`global_batch_config`; a resumed run's
     checkpoint stream and global batch win over the config's (a resume continues the run's
     stream). Format 1: the shard stream (the only one then). Global stream / sync_global:
     ``rays_per_batch`` = G / W' (W' the ranks now; the check refused a W' that does not divide G).
     Rank 0 prints one note per changed value."""
-    if st is None or cfg.method != st.get("method", cfg.method) or not int(st.get("global_batch") or 0):
-        cfg = global_batch_config(cfg, env.world_size)
     if st is None or cfg.method != st.get("method", cfg.method):
-        return cfg
+        return global_batch_config(cfg, env.world_size)
     p, notes = cfg.pipeline, []
     if st.get("format", 1) == 1:
         if cfg.method == "ddp" and p.name in RAY_GRAPH_SOURCES and p.stream != "shard":
@@ -413,18 +367,22 @@ def resumed_config(cfg: Config, st: Optional[dict], env: DistEnv) -> Config:
                 p = dataclasses.replace(p, stream=kind)
         G = int(st.get("global_batch") or 0)
         if G and p.global_batch not in (0, G):
-            notes.append(f"its global batch of {G} rays is kept: pipeline.global_batch={G} (was {p.global_batch})")
+            notes.append(f"its global batch of {G} rays is kept: pipeline.global_batch={G} (was {p.global_batch}), "
+                         f"pipeline.rays_per_batch={G // env.world_size} on {env.world_size} ranks")
             p = dataclasses.replace(p, global_batch=G)
         if G and G // env.world_size != p.rays_per_batch:
             if p.global_batch != G:  # a config that names G resolves rays_per_batch from it: nothing to say
                 notes.append(f"its global batch of {G} rays is kept on {env.world_size} ranks: "
                              f"pipeline.rays_per_batch={G // env.world_size} (was {p.rays_per_batch})")
             p = dataclasses.replace(p, rays_per_batch=G // env.world_size)
+    out = dataclasses.replace(cfg, pipeline=p) if p is not cfg.pipeline else cfg
+    if not int(st.get("global_batch") or 0):  # the checkpoint's stream has no G: the config's, if it names one
+        out = global_batch_config(out, env.world_size)
     if env.rank == 0:
         for n in notes:
             print(f"note: resuming step {st['step']} (written by {st['world_size']} rank(s)): {n}", file=sys.stderr,
                   flush=True)
-    return dataclasses.replace(cfg, pipeline=p) if p is not cfg.pipeline else cfg
+    return out
 
 
 def restore_tasks(cfg: Config, tasks: List[Task], st: Optional[dict], folder, env: DistEnv) -> int:

@@ -54,11 +54,12 @@ from .models.keyed import ray_keys
 from .models.ray_space import RaySpace
 from .phases import PHASES, PhaseTimer, runq_seconds
 from .plan import plan_from_config
-from .resume import read_resume_state, restore_tasks, resumed_config, run_stream, save_checkpoint
+from .resume import read_resume_state, restore_tasks, resumed_config, save_checkpoint
 from .runlog import MetricsWriter, append_metrics_row, bar_stall, progress_bar, steady_stall
 from .runtime import (DistEnv, gpu_memory, load_scenes, prepare_run_dir, seed_everything, setup_distributed,
                       step_generator, to_device, torch_threads_kept)
 from .seeds import ray_key
+from .sources.registry import run_stream
 from .tasks import Method, Task, close_sources
 from .tblog import TBWriter, step_scalars
 

@@ -10,7 +10,8 @@ import pytest
 from dali_nerf.config import load_config
 from dali_nerf.errors import DaliNerfError
 from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
-from dali_nerf.resume import ELASTIC, _check_elastic, run_stream
+from dali_nerf.resume import ELASTIC, _check_elastic
+from dali_nerf.sources.registry import run_stream
 from dali_nerf.sources.registry import SOURCES, SS_SOURCES
 
 FOLDER = Path("/runs/r/checkpoints/step_00000010")
@@ -118,7 +119,8 @@ def test_global_batch_sets_the_rays_per_rank_of_a_new_run_or_is_refused_in_one_l
     """pipeline.global_batch G: a new run on W ranks trains G / W rays per rank; a W that does not
     divide G, or a run without a global batch, is refused naming the key and the fix."""
     from dali_nerf.config import ConfigError
-    from dali_nerf.resume import global_batch_config, resumed_config
+    from dali_nerf.resume import resumed_config
+    from dali_nerf.sources.registry import global_batch_config
 
     cfg = load_config(None, ["pipeline.global_batch=1536"], check_paths=False)
     for world, b in ((1, 1536), (2, 768), (3, 512), (4, 384), (12, 128)):
@@ -156,7 +158,40 @@ def test_a_resumed_run_keeps_its_checkpoints_global_batch_over_the_configs(capsy
     other = resumed_config(load_config(None, ["pipeline.global_batch=1000"], check_paths=False), st, _env(3))
     assert (other.pipeline.rays_per_batch, other.pipeline.global_batch) == (512, 1536)
     assert capsys.readouterr().err == ("note: resuming step 20 (written by 4 rank(s)): its global batch of 1536 rays "
-                                       "is kept: pipeline.global_batch=1536 (was 1000)\n")
+                                       "is kept: pipeline.global_batch=1536 (was 1000), pipeline.rays_per_batch=512 on 3 ranks\n")
     none = resumed_config(load_config(None, [], check_paths=False), st, _env(2))
     assert (none.pipeline.rays_per_batch, none.pipeline.global_batch) == (768, 0)
     assert "is kept on 2 ranks: pipeline.rays_per_batch=768 (was 4096)" in capsys.readouterr().err
+
+
+def test_a_checkpoint_without_a_global_batch_refuses_the_configs(capsys):
+    """A shard-stream checkpoint resumed with pipeline.global_batch set (and the default stream
+    global): the run continues the shard stream, which has no global batch, so the key is refused
+    in one line rather than changing rays_per_batch silently."""
+    from dali_nerf.config import ConfigError
+    from dali_nerf.resume import resumed_config
+
+    st = {"format": 2, "method": "ddp", "pipeline": "rays", "stream": SHARD_STREAM, "global_batch": 0,
+          "step": 20, "world_size": 2}
+    with pytest.raises(ConfigError, match=r"^pipeline.global_batch=1536: this run has no global batch \(method ddp, "
+                                          r"pipeline.name=rays, pipeline.stream=shard\)"):
+        resumed_config(load_config(None, ["pipeline.global_batch=1536"], check_paths=False), st, _env(2))
+    kept = resumed_config(load_config(None, ["pipeline.rays_per_batch=100"], check_paths=False), st, _env(2))
+    assert (kept.pipeline.stream, kept.pipeline.rays_per_batch) == ("shard", 100)
+
+
+def test_sources_built_from_a_config_take_the_global_batch(tmp_path):
+    """build_source (the trainers', the emulated mode's and source_from_config's door) resolves
+    pipeline.global_batch: a RayLoader of rank 1 of 3 samples the global batch G, B = G / 3 a rank."""
+    from dali_nerf.scenegen import make_scene
+    from dali_nerf.sources.registry import build_source
+    from dali_nerf.scenes import scene_from_config
+
+    root = make_scene("objects", tmp_path / "s", width=16, n_train=3, n_val=1, seed=0)
+    cfg = load_config(None, [f"scene.path={root}", "pipeline.global_batch=96", "pipeline.prefetch=0"])
+    src = build_source(cfg, scene_from_config(cfg), 1, 3)
+    try:
+        assert (src.global_batch, src.rays_per_batch) == (96, 32)
+        assert len(next(src)["rgb"]) > 0
+    finally:
+        src.close()

@@ -33,7 +33,7 @@ colours but take their rays from nerfstudio's ``RayGenerator`` for the sampled i
 **Ranks.** Under nerfstudio's launcher (``--machine.num-devices``) each rank's RayLoader decodes and
 samples only its shard of the images (rank = ``torch.distributed.get_rank()``), the ``seed`` of the
 config and the rank key the stream (``stream: global``: the seed alone, global batches of
-``train_num_rays_per_batch`` x ranks rays, see :class:`DaliDataManagerConfig`).
+``global_batch`` rays, or ``train_num_rays_per_batch`` x ranks, see :class:`DaliDataManagerConfig`).
 
 **Unchanged from nerfstudio**: the eval dataset, ``next_eval``, ``next_eval_image`` and the eval
 dataloaders (inherited). **Not supported** (a one-line ConfigError at set-up): masks, patch
@@ -81,8 +81,7 @@ from nerfstudio.plugins.types import MethodSpecification
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from dali_nerf import RayLoader, Scene
-from dali_nerf.plan import SamplingPlan
-from dali_nerf.resume import nearest_divisors
+from dali_nerf.plan import SamplingPlan, nearest_divisors
 from dali_nerf.sources import make_source
 from dali_nerf.errors import ConfigError
 from dali_nerf.imageio import read_header
@@ -191,17 +190,18 @@ class DaliDataManagerConfig(VanillaDataManagerConfig):
     """Where the decoded images live and rays are sampled: auto = the datamanager's device."""
     stream: Literal["shard", "global"] = "shard"
     """shard: each rank's own stream over its image shard, train_num_rays_per_batch rays a step.
-    global: the split's stream of global batches (train_num_rays_per_batch x ranks rays a step,
-    the same on any number of ranks, every pixel once per epoch across ranks); a rank's batch is
-    the part in its shard (its size varies around train_num_rays_per_batch), and the first batch
-    is nerfstudio's step's (a resumed ns-train continues the stream on any number of ranks).
+    global: the split's stream of global batches (G = global_batch, or train_num_rays_per_batch x
+    ranks, rays a step: the same batches on any number of ranks for the same G, every pixel once
+    per epoch across ranks); a rank's batch is the part in its shard (its size varies around
+    G / ranks), and the first batch is nerfstudio's step's (a resumed ns-train continues the
+    stream, on any number of ranks when global_batch keeps G).
     nerfstudio's losses average over the rank's batch, so under DDP the ranks' rays are weighted
     by 1 / their count rather than 1 / G: shard is the default."""
     global_batch: int = 0
     """stream: global only: G, rays of all ranks a step, whatever the number of devices (each rank
-    train_num_rays_per_batch = G / ranks, which must divide it). nerfstudio's checkpoint does not
-    store G: set it to restart ns-train on another device count with the same stream. 0 = G is
-    train_num_rays_per_batch x ranks."""
+    samples G / ranks rays a step on average, in place of train_num_rays_per_batch; the ranks must
+    divide G). nerfstudio's checkpoint does not store G: set it to restart ns-train on another
+    device count with the same stream. 0 = G is train_num_rays_per_batch x ranks."""
 
 
 class DaliDataManager(VanillaDataManager):
@@ -243,11 +243,11 @@ class DaliDataManager(VanillaDataManager):
         if not G:
             return int(c.train_num_rays_per_batch)
         key = f"pipeline.datamanager.global-batch={G}"
+        if G < 0:
+            raise ConfigError(f"{key}: must be >= 0")
         if c.stream != "global":
             raise ConfigError(f"{key}: fixes the global stream's batch; add --pipeline.datamanager.stream global "
                               f"or leave it 0")
-        if G < 0:
-            raise ConfigError(f"{key}: must be >= 0")
         if G % W:
             raise ConfigError(f"{key}: does not divide among {W} devices; use a device count that divides it "
                               f"({' or '.join(map(str, nearest_divisors(G, W)))}) or change it")

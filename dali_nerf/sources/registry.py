@@ -47,7 +47,8 @@ from typing import Optional, Sequence
 
 from dali_nerf.errors import ConfigError
 from dali_nerf.imagecache import CacheStore
-from dali_nerf.plan import SamplingPlan, plan_from_config
+from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
+from dali_nerf.plan import SamplingPlan, nearest_divisors, plan_from_config
 from dali_nerf.sources.rays import RayLoader
 from dali_nerf.sources.ready import ReadySource
 from dali_nerf.sources.routed_workers import RoutedTorchWorkers
@@ -56,8 +57,8 @@ from dali_nerf.sources.spatial import SpatialRayLoader
 from dali_nerf.sources.sync import (RoutedSyncGlobal, RoutedSyncLocal, SyncGlobalSampler, SyncLocalSampler,
                                     TorchWorkersSampler)
 
-__all__ = ["build_source", "make_source", "source_from_config", "floor_source", "SOURCES", "SS_SOURCES",
-           "RAY_GRAPH_SOURCES"]
+__all__ = ["build_source", "make_source", "source_from_config", "floor_source", "run_stream", "global_batch_config",
+           "SOURCES", "SS_SOURCES", "RAY_GRAPH_SOURCES"]
 
 SOURCES = ("rays", "rays_sync", "sync_global", "sync_local", "torch_workers", "ready")
 """Valid ``pipeline.name`` values (data parallel)."""
@@ -67,6 +68,38 @@ SS_SOURCES = ("rays", "rays_sync", "sync_local", "sync_global", "torch_workers",
 
 RAY_GRAPH_SOURCES = ("rays", "rays_sync")
 """The sources that run our DALI ray graph (pipelined and synchronous): the same stream, epoch mode too."""
+
+
+def run_stream(cfg) -> tuple:
+    """(stream version, G) of a run's training stream: what a checkpoint records and an elastic
+    resume keeps. DDP ``rays`` (and ``rays_sync``, the same sampler): the global stream (G = B x W
+    at the run's start) or the shard stream; ``sync_global``: rank 0's global batch of B x W; SS
+    ``rays`` / ``rays_sync``: the cells' own streams; the rest: per-rank streams (G 0)."""
+    p = cfg.pipeline
+    if cfg.method == "ss":
+        return ("cells-v1" if p.name in RAY_GRAPH_SOURCES else f"ss-{p.name}-v1"), 0
+    if p.name in RAY_GRAPH_SOURCES:
+        return (GLOBAL_STREAM, 1) if p.stream == "global" else (SHARD_STREAM, 0)
+    return (f"{p.name}-v1", 1 if p.name == "sync_global" else 0)
+
+
+def global_batch_config(cfg, world_size: int):
+    """The config of a run starting on ``world_size`` ranks: ``pipeline.global_batch`` G > 0 sets
+    ``rays_per_batch`` = G / W. Refused in one line when the run has no global batch (SS, the
+    shard stream, the per-rank baselines) or W does not divide G (naming the rank counts that do)."""
+    p = cfg.pipeline
+    G = int(p.global_batch)
+    if not G:
+        return cfg
+    if not run_stream(cfg)[1]:
+        raise ConfigError(f"pipeline.global_batch={G}: this run has no global batch (method {cfg.method}, "
+                          f"pipeline.name={p.name}, pipeline.stream={p.stream}); set it with method ddp and "
+                          f"pipeline.stream=global (or pipeline.name=sync_global), or leave it 0")
+    if G % world_size:
+        raise ConfigError(f"pipeline.global_batch={G} does not divide among {world_size} ranks; run on a number "
+                          f"of ranks that divides it ({' or '.join(map(str, nearest_divisors(G, world_size)))}) "
+                          f"or change it")
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(p, rays_per_batch=G // world_size))
 
 
 def source_from_config(config, rank: int = 0, world_size: int = 1, overrides: Sequence[str] = (), *, scene=None):
@@ -115,9 +148,11 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
         DDP: one source. SS: a list of sources, one per cell of ``cells[rank]`` in that order
         (slot i samples cell ``cells[rank][i]``).
     Raises:
-        ConfigError: an unknown ``pipeline.name``, or one the method does not offer.
+        ConfigError: an unknown ``pipeline.name``, or one the method does not offer; a
+            ``pipeline.global_batch`` the run cannot have (:func:`global_batch_config`).
     """
     name = cfg.pipeline.name
+    cfg = global_batch_config(cfg, world_size)  # pipeline.global_batch: rays_per_batch = G / W
     if cells is None:
         if name not in SOURCES:
             raise ConfigError(f"pipeline.name: must be one of {', '.join(SOURCES)}, got {name!r}")
