@@ -713,3 +713,32 @@ def test_nerfstudio_malformed_frame_of_another_split(tmp_path):
     assert len(tr.image_paths) == 11 and np.isfinite(tr.up).all() and np.linalg.norm(tr.up) > 0
     with pytest.raises(SceneError, match=r"^\S*transforms.json: .*transform_matrix[^\n]*$"):
         load_scene(tmp_path, "test")
+
+
+def test_only_the_images_with_lens_distortion_are_undistorted(tmp_path):
+    """Scene.distorted is per image: a capture where one camera has distortion coefficients (or is
+    fisheye) undistorts that image alone, not every image of the split."""
+    make_llff(tmp_path, n=4)
+    s = load_scene(tmp_path, "train")
+    n = s.num_images
+    dist = np.zeros((n, 8))
+    dist[1, 0] = -0.05  # k1 of the second image only
+    fish = np.zeros(n, bool)
+    fish[n - 1] = True
+    lensed = dataclasses.replace(s, distortion=dist, fisheye=fish, file_intrinsics=np.asarray(s.intrinsics, np.float64),
+                                 file_wh=np.stack([s.width, s.height], axis=1))
+    want = np.zeros(n, bool)
+    want[[1, n - 1]] = True
+    assert lensed.distorted.tolist() == want.tolist()
+    assert not s.distorted.any()
+
+
+def test_llff_keeps_the_background_it_is_given(tmp_path):
+    """The LLFF parser, like every format's, returns the background it is given (load_scene
+    passes white and sets the resolved one after parsing; a direct parse keeps its own)."""
+    from dali_nerf.scenes import llff
+
+    make_llff(tmp_path, n=4)
+    for bg in ((0.0, 0.0, 0.0), (0.2, 0.5, 0.9)):
+        np.testing.assert_allclose(llff.parse(tmp_path, "train", background=bg).background, bg)
+    np.testing.assert_allclose(load_scene(tmp_path, "train", background=[0.2, 0.5, 0.9]).background, [0.2, 0.5, 0.9])
