@@ -1,8 +1,9 @@
 """Suite-wide rules: every test passes in any order and alone.
 
-* The order is random (pytest-randomly, in the ``test`` extra): the header prints
-  ``Using --randomly-seed=N``; rerun one order with ``pytest --randomly-seed=N``
-  (or ``-p no:randomly`` for file order). pytest-randomly also seeds ``random``, numpy and
+* The order is random (pytest-randomly, in the ``test`` extra): the first line and the summary
+  print ``random order: --randomly-seed=N`` (also under ``-q``, which hides pytest-randomly's own
+  header line); rerun one order with ``pytest -p randomly --randomly-seed=N`` (or
+  ``-p no:randomly`` for file order). pytest-randomly also seeds ``random``, numpy and
   hypothesis from N before each test, so a test's randomness comes from that printed seed unless
   the test states its own.
 * Process-global state a test leaves changed fails that test, naming what changed (and is put
@@ -86,6 +87,26 @@ def _restore(before: dict) -> list:
         changed.append(f"torch threads ({before['torch_threads']} -> {torch.get_num_threads()})")
         torch.set_num_threads(before["torch_threads"])
     return changed
+
+
+def _seed_line(config):
+    """``random order: --randomly-seed=N (...)``, or None when pytest-randomly is off."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if not isinstance(seed, int) or not config.pluginmanager.has_plugin("randomly"):
+        return None
+    return f"random order: --randomly-seed={seed} (repeat it: bash scripts/test.sh -p randomly --randomly-seed={seed})"
+
+
+def pytest_sessionstart(session):
+    line, tr = _seed_line(session.config), session.config.pluginmanager.get_plugin("terminalreporter")
+    if line and tr is not None:
+        tr.write_line(line)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    line = _seed_line(config)
+    if line:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)

@@ -259,3 +259,15 @@ def test_importing_the_sources_loads_no_model_training_or_study():
             "'dali_nerf.training', 'dali_nerf.bench', 'dali_nerf.emulat'))]; assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_random_orders_seed_is_printed_first_and_last_also_under_q():
+    """scripts/test.sh runs ``pytest -q``, which hides pytest-randomly's header: the conftest prints
+    the seed on the first line and in the summary, so a failed run names the order to repeat."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "randomly", "--randomly-seed=4242", "tests/test_seeds.py"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300).stdout.splitlines()
+    want = "random order: --randomly-seed=4242 (repeat it: bash scripts/test.sh -p randomly --randomly-seed=4242)"
+    assert out[0] == want and want in out[-3:], out[:2] + out[-3:]
+    off = subprocess.run(cmd[:3] + ["-p", "no:randomly", "tests/test_seeds.py"], capture_output=True, text=True,
+                         cwd=REPO, timeout=300).stdout
+    assert "random order" not in off and "passed" in off, off[-500:]
