@@ -541,3 +541,22 @@ def test_refit_script_reproduces_the_committed_report(capsys):
     want = re.search(r"check set: mean absolute step-time error ([\d.]+)%, max ([\d.]+)%", (d / "report.md").read_text())
     assert want, "the report has a check set"
     assert f"check set: mean absolute step-time error {want[1]}%, max {want[2]}%" in out
+
+
+def test_the_study_refuses_a_global_batch_in_one_line(capsys, monkeypatch):
+    """The study sets rays per rank itself; pipeline.global_batch would be ignored silently, so the
+    command refuses it: exit 2, one line naming the file and the key, nothing run."""
+    from dali_nerf.cli import main as cli_main
+
+    import dali_nerf.bench.study as study
+
+    def ran(*a, **k):
+        raise AssertionError("the study started")
+
+    for name in ("make_scene", "run_grid", "measure_sampling", "run_emulated"):
+        monkeypatch.setattr(study, name, ran)
+    monkeypatch.chdir(REPO)
+    code = cli_main(["bench", "study", "--config", "configs/study.yaml", "pipeline.global_batch=1536"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["error: configs/study.yaml: pipeline.global_batch=1536: the study sets the rays per "
+                                 "rank of every row itself (pipeline.rays_per_batch, bench.check_rays); leave it 0"], err

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from ...config import config_to_dict, load_config
 from ...emulation import model_grad_bytes
-from ...errors import DaliNerfError
+from ...errors import ConfigError, DaliNerfError
 from ...scenegen import make_scene
 from .. import costmodel as cm
 from .derive import (BAND, BASELINES, KEEPS_UP_STALL, KEEPS_UP_STEP, PAPER, PHASE_KEYS, comparable, derive,
@@ -82,6 +82,9 @@ def main(args) -> int:
     config_path = args.config
     overrides = list(getattr(args, "overrides", []) or [])
     cfg = load_config(config_path, overrides, check_paths=False)
+    if cfg.pipeline.global_batch:  # the study's rows are per-rank batches of its own sizes
+        raise ConfigError(f"{config_path}: pipeline.global_batch={cfg.pipeline.global_batch}: the study sets the rays "
+                          f"per rank of every row itself (pipeline.rays_per_batch, bench.check_rays); leave it 0")
     step_ms_source, device_step = STEP_MS_SOURCE, None
     if cfg.bench.device_step_file:  # the device step measured on a GPU (dali-nerf bench loop), not assumed
         from ..loop import read_device_step
