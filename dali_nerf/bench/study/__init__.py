@@ -77,14 +77,21 @@ STEP_MS_SOURCE = ("a stated assumption, not a measurement (no GPU was measured b
                   "bench.device_step_file")
 
 
+def _study_config(config_path, overrides):
+    """The loaded config; ``pipeline.global_batch`` refused (the study's rows are per-rank batches
+    of its own sizes: the key would be ignored)."""
+    cfg = load_config(config_path, overrides, check_paths=False)
+    if cfg.pipeline.global_batch:
+        raise ConfigError(f"{config_path}: pipeline.global_batch={cfg.pipeline.global_batch}: the study sets the rays "
+                          f"per rank of every row itself (pipeline.rays_per_batch, bench.check_rays); leave it 0")
+    return cfg
+
+
 def main(args) -> int:
     """``dali-nerf bench study --config FILE [key=value ...]``."""
     config_path = args.config
     overrides = list(getattr(args, "overrides", []) or [])
-    cfg = load_config(config_path, overrides, check_paths=False)
-    if cfg.pipeline.global_batch:  # the study's rows are per-rank batches of its own sizes
-        raise ConfigError(f"{config_path}: pipeline.global_batch={cfg.pipeline.global_batch}: the study sets the rays "
-                          f"per rank of every row itself (pipeline.rays_per_batch, bench.check_rays); leave it 0")
+    cfg = _study_config(config_path, overrides)
     step_ms_source, device_step = STEP_MS_SOURCE, None
     if cfg.bench.device_step_file:  # the device step measured on a GPU (dali-nerf bench loop), not assumed
         from ..loop import read_device_step
