@@ -39,7 +39,7 @@ from .pipelines.decode import shard_range
 from .pipelines.rays import INT32_MAX
 
 __all__ = ["SamplingPlan", "plan_from_config", "resolve_device", "sampling_device", "rays_per_rank_spread",
-           "uneven_rays_note", "nearest_divisors"]
+           "uneven_rays_note", "nearest_divisors", "global_batch_share"]
 
 
 def _positive(name: str, v) -> None:
@@ -257,6 +257,15 @@ def uneven_rays_note(plan: SamplingPlan, pixels_per_image: Sequence[int]) -> Opt
             f"images over {plan.world_size} ranks give the largest rank {spread:.2f}x the mean of "
             f"{plan.rays_per_batch} rays a step (step time and GPU memory follow it); a number of ranks that "
             f"divides the number of images evens it out")
+
+
+def global_batch_share(G: int, world: int, key: str, unit: str = "ranks") -> int:
+    """G / ``world``: each of ``world`` ranks' mean batch of a global batch G fixed by the setting
+    ``key``; a ``world`` that does not divide G is refused in one line naming the nearest that do."""
+    if G % world:
+        raise ConfigError(f"{key} does not divide among {world} {unit}; use a number of {unit} that divides it "
+                          f"({' or '.join(map(str, nearest_divisors(G, world)))}) or change it")
+    return G // world
 
 
 def nearest_divisors(n: int, world: int) -> List[int]:

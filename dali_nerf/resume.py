@@ -51,7 +51,7 @@ from .scenes import describe_change, scene_fingerprint
 from .sources.registry import RAY_GRAPH_SOURCES, global_batch_config, run_stream
 from .tasks import Task, close_sources
 
-__all__ = ["save_checkpoint", "read_resume_state", "restore_tasks", "resumed_config", "run_stream", "load_checkpoint",
+__all__ = ["save_checkpoint", "read_resume_state", "restore_tasks", "resumed_config", "load_checkpoint",
            "replica_digest", "ELASTIC", "elastic_launch", "agree_on_checkpoints"]
 
 ELASTIC = {("ddp", GLOBAL_STREAM), ("ddp", "sync_global-v1"), ("ss", "cells-v1")}

@@ -25,7 +25,6 @@ checkpoint, as ``metrics.jsonl`` drops its lines.
 from __future__ import annotations
 
 import importlib.util
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Mapping, Optional
 import numpy as np
 import torch
 
-from .errors import ConfigError, DaliNerfError
+from .errors import ConfigError, DaliNerfError, stderr_line
 
 __all__ = ["TBWriter", "MODES", "tensorboard_available", "resolve_mode", "step_scalars", "PHASE_KEYS"]
 
@@ -174,8 +173,8 @@ class TBWriter:
         t.start()
         t.join(timeout)
         if t.is_alive():
-            print(f"warning: {self.log_dir}: TensorBoard's writer did not close within {timeout:g} s; events "
-                  f"after its last flush may be missing", file=sys.stderr, flush=True)
+            stderr_line(f"warning: {self.log_dir}: TensorBoard's writer did not close within {timeout:g} s; events "
+                        f"after its last flush may be missing")
             return False
         return True
 

@@ -130,7 +130,7 @@ def test_global_batch_sets_the_rays_per_rank_of_a_new_run_or_is_refused_in_one_l
     assert global_batch_config(unset, 7) is unset  # 0: rays_per_batch as given, G = B x W
     with pytest.raises(ConfigError) as e:
         global_batch_config(cfg, 5)
-    assert str(e.value) == ("pipeline.global_batch=1536 does not divide among 5 ranks; run on a number of ranks that "
+    assert str(e.value) == ("pipeline.global_batch=1536 does not divide among 5 ranks; use a number of ranks that "
                             "divides it (4 or 6) or change it")
     for overrides, what in ((["method=ss"], "method ss"), (["pipeline.stream=shard"], "pipeline.stream=shard"),
                             (["pipeline.name=sync_local"], "pipeline.name=sync_local")):

@@ -153,7 +153,7 @@ def test_close_is_bounded_when_the_writer_thread_hangs(tmp_path, capsys):
     try:
         assert tb.close(timeout=0.3) is False
         took = time.monotonic() - t0
-        assert took < 2.0, took
+        assert took < 10.0, took  # far below the 30 s the stuck close would take: the bound, not a speed
         err = capsys.readouterr().err.strip()
         assert err.startswith("warning: ") and "did not close within 0.3 s" in err and "\n" not in err
         assert tb.close() is True  # already closed: nothing to do

@@ -17,14 +17,14 @@ from dali_nerf.interrupt import exit_process, quiet_startup
 if __name__ == "__main__":
     quiet_startup()  # Ctrl-C while torch and DALI load: one line, exit 130
 
-import sys  # noqa: E402
-
 import torch  # noqa: E402
 
+from dali_nerf.errors import stderr_line
 from dali_nerf.plan import uneven_rays_note
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
 from dali_nerf.seeds import init_seed
 from dali_nerf.sources import build_source
+from dali_nerf.sources.registry import RAY_GRAPH_SOURCES
 from dali_nerf.fieldsetup import learned_background_init, scene_space
 from dali_nerf.runtime import DistEnv, wrap_ddp
 from dali_nerf.tasks import Method, Task
@@ -42,10 +42,10 @@ class DDPMethod(Method):
     def build_tasks(self, cfg, scene, env: DistEnv):
         source = build_source(cfg, scene, env.rank, env.world_size)
         # the DALI ray sources keep their shard's part of each global batch (the baselines split it evenly)
-        plan = getattr(source, "plan", None) if cfg.pipeline.name in ("rays", "rays_sync") else None
+        plan = getattr(source, "plan", None) if cfg.pipeline.name in RAY_GRAPH_SOURCES else None
         note = uneven_rays_note(plan, scene.width * scene.height) if env.rank == 0 and plan else None
         if note:
-            print(note, file=sys.stderr, flush=True)
+            stderr_line(note)
         self.space = scene_space(cfg, scene)  # world / ndc / contract; the field's box is in it
         aabb = self.space.aabb
         torch.manual_seed(init_seed(cfg.pipeline.seed))  # identical initial replicas (DDP also broadcasts)

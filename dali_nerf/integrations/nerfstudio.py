@@ -81,7 +81,7 @@ from nerfstudio.plugins.types import MethodSpecification
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from dali_nerf import RayLoader, Scene
-from dali_nerf.plan import SamplingPlan, nearest_divisors
+from dali_nerf.plan import SamplingPlan, global_batch_share
 from dali_nerf.sources import make_source
 from dali_nerf.errors import ConfigError
 from dali_nerf.imageio import read_header
@@ -248,10 +248,7 @@ class DaliDataManager(VanillaDataManager):
         if c.stream != "global":
             raise ConfigError(f"{key}: fixes the global stream's batch; add --pipeline.datamanager.stream global "
                               f"or leave it 0")
-        if G % W:
-            raise ConfigError(f"{key}: does not divide among {W} devices; use a device count that divides it "
-                              f"({' or '.join(map(str, nearest_divisors(G, W)))}) or change it")
-        return G // W
+        return global_batch_share(G, W, key, "devices")
 
     def _sampler_device(self) -> str:
         dev = torch.device(self.device)

@@ -48,7 +48,7 @@ from typing import Optional, Sequence
 from dali_nerf.errors import ConfigError
 from dali_nerf.imagecache import CacheStore
 from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
-from dali_nerf.plan import SamplingPlan, nearest_divisors, plan_from_config
+from dali_nerf.plan import SamplingPlan, global_batch_share, plan_from_config
 from dali_nerf.sources.rays import RayLoader
 from dali_nerf.sources.ready import ReadySource
 from dali_nerf.sources.routed_workers import RoutedTorchWorkers
@@ -95,11 +95,8 @@ def global_batch_config(cfg, world_size: int):
         raise ConfigError(f"pipeline.global_batch={G}: this run has no global batch (method {cfg.method}, "
                           f"pipeline.name={p.name}, pipeline.stream={p.stream}); set it with method ddp and "
                           f"pipeline.stream=global (or pipeline.name=sync_global), or leave it 0")
-    if G % world_size:
-        raise ConfigError(f"pipeline.global_batch={G} does not divide among {world_size} ranks; run on a number "
-                          f"of ranks that divides it ({' or '.join(map(str, nearest_divisors(G, world_size)))}) "
-                          f"or change it")
-    return dataclasses.replace(cfg, pipeline=dataclasses.replace(p, rays_per_batch=G // world_size))
+    B = global_batch_share(G, world_size, f"pipeline.global_batch={G}")
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(p, rays_per_batch=B))
 
 
 def source_from_config(config, rank: int = 0, world_size: int = 1, overrides: Sequence[str] = (), *, scene=None):

@@ -150,8 +150,8 @@ def test_global_batch_gives_the_same_global_batches_on_any_device_count(blender_
         key = lambda t: sorted(map(tuple, t.tolist()))
         assert key(torch.cat([got0, got1])) == key(want), step
     assert key(batch(1, 0, 1)[1]) != key(batch(1, 0, 0)[1])  # the step chooses the batch
-    with pytest.raises(ConfigError, match=r"^pipeline.datamanager.global-batch=2048: does not divide among 3 "
-                                          r"devices; use a device count that divides it \(2 or 4\) or change it$"):
+    with pytest.raises(ConfigError, match=r"^pipeline.datamanager.global-batch=2048 does not divide among 3 "
+                                          r"devices; use a number of devices that divides it \(2 or 4\) or change it$"):
         dm(3, 0, global_batch=2048)
     with pytest.raises(ConfigError, match=r"global-batch=2048: fixes the global stream's batch; add "
                                           r"--pipeline.datamanager.stream global"):
