@@ -197,14 +197,18 @@ def test_epoch_covers_every_pixel_once_across_a_world_size_change(data, sizes, s
     assert np.array_equal(ids, ref.pixels(seed, "epoch", n, pos))
 
 
-@pytest.mark.parametrize("uniform", [False, True])
-def test_long_runs_match_reference_with_and_without_avx2(uniform):
+@pytest.mark.parametrize("sizes", [[(24, 16)] * 6, [(7, 7)] * 6,
+                                   [(24, 16), (7, 5), (31, 9), (1, 1), (16, 16), (13, 22)]],
+                         ids=["uniform", "uniform-7x7", "mixed"])
+def test_long_runs_match_reference_with_and_without_avx2(sizes):
     """Runs of 21 steps of 1001 positions (several epochs of the split, several chunks of the
     thread pool whose boundaries cut steps, several 1024-ray walk batches per chunk, every walk:
     AVX2 and scalar per-position walks on large shards, jumps on small ones) give the reference's
     positions, pixels and step counts, and ``simd=True`` gives the bits of ``simd=False``; images of
-    one size (the writer's division path) or of many sizes."""
-    sizes = [(24, 16)] * 6 if uniform else [(24, 16), (7, 5), (31, 9), (1, 1), (16, 16), (13, 22)]
+    one size (the writer's division path; 7 x 7: 1 / 49 rounds so that k 49 / 49 truncates to k - 1
+    for k = 1 to 4, the case the image estimates' fix-ups exist for) or of many sizes. On a CPU
+    with AVX-512 (F, DQ, VL), ``simd=True`` runs level 2 (the images, the random hash, the epoch
+    bijections) eight positions at a time."""
     cache = split_cache(3, sizes)
     n, P = sizes_of(cache), len(cache[0])
     G, K, start = 1001, 21, 1001 * 3
