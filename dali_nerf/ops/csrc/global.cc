@@ -96,11 +96,35 @@ DN_AVX512 inline void pack(std::vector<uint64_t> &dst, int o, __mmask8 keep, __m
   _mm512_storeu_si512(dst.data() + o, _mm512_maskz_compress_epi64(keep, v));
 }
 
+/// EpochPerm::feistel of 8 lanes, each with its own widths (lb packs (hb << 32) | lb, lb = bits / 2)
+/// and round keys.
+DN_AVX512 inline __m512i feistel8(__m512i x, __m512i lb, const __m512i *rk) {
+  const __m512i one = _mm512_set1_epi64(1);
+  __m512i l = _mm512_and_si512(lb, _mm512_set1_epi64(0xFFFFFFFF)), h = _mm512_srli_epi64(lb, 32);
+  for (int r = 0; r < kFeistelRoundsCpu; r++) {
+    __m512i lmask = _mm512_sub_epi64(_mm512_sllv_epi64(one, l), one);
+    __m512i hmask = _mm512_sub_epi64(_mm512_sllv_epi64(one, h), one);
+    __m512i lo = _mm512_and_si512(x, lmask), hi = _mm512_srlv_epi64(x, l);
+    __m512i f = mix64x8(_mm512_xor_si512(lo, rk[r]));
+    x = _mm512_or_si512(_mm512_sllv_epi64(lo, h), _mm512_and_si512(_mm512_xor_si512(hi, f), hmask));
+    __m512i t = l; l = h; h = t;  // the old low part is now the high part
+  }
+  return x;
+}
+
+/// Appends the lanes `again` of a walk (x after this evaluation) to `out` at o; returns the new o.
+DN_AVX512 inline int pack_walks(Walks &out, int o, __mmask8 again, __m512i x, __m512i n, __m512i lb, __m512i off,
+                                __m512i idx, const __m512i *rk) {
+  pack(out.x, o, again, x); pack(out.n, o, again, n); pack(out.lb, o, again, lb);
+  pack(out.off, o, again, off); pack(out.idx, o, again, idx);
+  for (int r = 0; r < kFeistelRoundsCpu; r++) pack(out.rk[r], o, again, rk[r]);
+  return o + __builtin_popcount(again);
+}
+
 /// One pass over the L walks of `in`: one Feistel evaluation each (EpochPerm::feistel lane by
 /// lane); a walk that lands inside its image writes pix[idx] = off + x, the others go to `out`.
 /// Returns how many went to `out`.
 DN_AVX512 int feistel_pass(const Walks &in, int L, Walks &out, uint64_t *pix) {
-  const __m512i one = _mm512_set1_epi64(1);
   int o = 0;
   for (int i = 0; i < L; i += 8) {
     const __mmask8 live = L - i >= 8 ? 0xFF : static_cast<__mmask8>((1u << (L - i)) - 1);
@@ -111,24 +135,82 @@ DN_AVX512 int feistel_pass(const Walks &in, int L, Walks &out, uint64_t *pix) {
     __m512i idx = _mm512_maskz_loadu_epi64(live, in.idx.data() + i);
     __m512i rk[kFeistelRoundsCpu];
     for (int r = 0; r < kFeistelRoundsCpu; r++) rk[r] = _mm512_maskz_loadu_epi64(live, in.rk[r].data() + i);
-    // lb packs the widths of EpochPerm::feistel's parts: (hb << 32) | lb, lb = bits / 2
-    __m512i l = _mm512_and_si512(lb, _mm512_set1_epi64(0xFFFFFFFF)), h = _mm512_srli_epi64(lb, 32);
-    for (int r = 0; r < kFeistelRoundsCpu; r++) {
-      __m512i lmask = _mm512_sub_epi64(_mm512_sllv_epi64(one, l), one);
-      __m512i hmask = _mm512_sub_epi64(_mm512_sllv_epi64(one, h), one);
-      __m512i lo = _mm512_and_si512(x, lmask), hi = _mm512_srlv_epi64(x, l);
-      __m512i f = mix64x8(_mm512_xor_si512(lo, rk[r]));
-      x = _mm512_or_si512(_mm512_sllv_epi64(lo, h), _mm512_and_si512(_mm512_xor_si512(hi, f), hmask));
-      __m512i t = l; l = h; h = t;
-    }
+    x = feistel8(x, lb, rk);
     const __mmask8 done = _mm512_mask_cmplt_epu64_mask(live, x, n), again = live & ~done;
     _mm512_mask_i64scatter_epi64(pix, done, idx, _mm512_add_epi64(off, x), 8);
-    if (again) {
-      pack(out.x, o, again, x); pack(out.n, o, again, n); pack(out.lb, o, again, lb);
-      pack(out.off, o, again, off); pack(out.idx, o, again, idx);
-      for (int r = 0; r < kFeistelRoundsCpu; r++) pack(out.rk[r], o, again, rk[r]);
-      o += __builtin_popcount(again);
+    if (again) o = pack_walks(out, o, again, x, n, lb, off, idx, rk);
+  }
+  return o;
+}
+
+/// Per image of the cache: its bijection's widths (packed as feistel8 takes them) and round keys
+/// for the epoch `epoch` (~0: none yet), one array per field (for gathers).
+struct PermTable {
+  std::vector<uint64_t> epoch, lb, rk[kFeistelRoundsCpu];
+  explicit PermTable(size_t n) : epoch(n, ~uint64_t(0)), lb(n) {
+    for (auto &r : rk) r.resize(n);
+  }
+  void build(size_t img, uint64_t e, const Cache &c, const detail::GlobalStream &gs) {
+    const Image &im = c.imgs[img];
+    detail::EpochPerm p;
+    p.init(detail::image_key(gs.key, gs.lo + im.off), e, im.W * im.H);
+    const int lb_ = p.bits / 2;
+    lb[img] = (static_cast<uint64_t>(p.bits - lb_) << 32) | static_cast<uint64_t>(lb_);
+    for (int r = 0; r < kFeistelRoundsCpu; r++) rk[r][img] = p.rk[r];
+    epoch[img] = e;
+  }
+};
+
+/// The offsets (in the cache) of the images holding cache slots ql, for equal-size images
+/// (ql < 2^52: a cache in memory). The estimate trunc(ql * fl(1 / WH)) is at most ql / WH (1 + 2^-52),
+/// below the next integer, and at least the true quotient minus one (1 / 49 rounds down: 49 k / 49
+/// truncates to k - 1), fixed up here. img: the image's index.
+DN_AVX512 inline __m512i image_offsets(__m512i ql, __m512d iWH, __m512i vWH, __m512i &img) {
+  img = _mm512_cvttpd_epu64(_mm512_mul_pd(_mm512_cvtepu64_pd(ql), iWH));
+  __m512i off = _mm512_mullo_epi64(img, vWH);
+  const __mmask8 under = _mm512_cmpge_epu64_mask(_mm512_sub_epi64(ql, off), vWH);
+  img = _mm512_mask_add_epi64(img, under, img, _mm512_set1_epi64(1));
+  return _mm512_mask_add_epi64(off, under, off, vWH);
+}
+
+/// Epoch-mode level 2 of a cache of equal-size images, 8 kept positions at a time: the images,
+/// positions[i] = base + js[i], and the first Feistel evaluation of every ray (the rays that land
+/// write their pixel; the others go to `out` for feistel_pass). Returns how many went to `out`.
+DN_AVX512 int epoch_level2_uniform(const Cache &c, const detail::GlobalStream &gs, uint64_t base, uint64_t e,
+                                   const uint32_t *js, const uint64_t *qs, int w, uint64_t *pix, int64_t *positions,
+                                   PermTable &tab, Walks &out) {
+  const __m512d iWH = _mm512_set1_pd(c.invWH);
+  const __m512i vWH = _mm512_set1_epi64(static_cast<int64_t>(c.WH)), lo = _mm512_set1_epi64(static_cast<int64_t>(gs.lo));
+  const __m512i vbase = _mm512_set1_epi64(static_cast<int64_t>(base)), ve = _mm512_set1_epi64(static_cast<int64_t>(e));
+  const __m512i lane = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  int o = 0;
+  for (int i = 0; i < w; i += 8) {
+    const __mmask8 live = w - i >= 8 ? 0xFF : static_cast<__mmask8>((1u << (w - i)) - 1);
+    _mm512_mask_storeu_epi64(positions + i, live,
+                             _mm512_add_epi64(vbase, _mm512_cvtepu32_epi64(_mm256_maskz_loadu_epi32(live, js + i))));
+    __m512i img, ql = _mm512_sub_epi64(_mm512_maskz_loadu_epi64(live, qs + i), lo);
+    const __m512i off = image_offsets(ql, iWH, vWH, img);
+    __mmask8 stale = _mm512_mask_cmpneq_epu64_mask(
+        live, _mm512_mask_i64gather_epi64(ve, live, img, reinterpret_cast<const long long *>(tab.epoch.data()), 8), ve);
+    if (stale) {  // the first ray of this image in this epoch: its bijection (scalar, once per image)
+      alignas(64) uint64_t im[8];
+      _mm512_store_si512(im, img);
+      for (; stale; stale &= stale - 1) {
+        const size_t k = im[__builtin_ctz(stale)];
+        if (tab.epoch[k] != e) tab.build(k, e, c, gs);
+      }
     }
+    const __m512i lb = _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), live, img,
+                                                   reinterpret_cast<const long long *>(tab.lb.data()), 8);
+    __m512i rk[kFeistelRoundsCpu];
+    for (int r = 0; r < kFeistelRoundsCpu; r++)
+      rk[r] = _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), live, img,
+                                          reinterpret_cast<const long long *>(tab.rk[r].data()), 8);
+    const __m512i x = feistel8(_mm512_sub_epi64(ql, off), lb, rk);
+    const __mmask8 done = _mm512_mask_cmplt_epu64_mask(live, x, vWH), again = live & ~done;
+    _mm512_mask_storeu_epi64(pix + i, done, _mm512_add_epi64(off, x));
+    if (again)
+      o = pack_walks(out, o, again, x, vWH, lb, off, _mm512_add_epi64(lane, _mm512_set1_epi64(i)), rk);
   }
   return o;
 }
@@ -148,13 +230,8 @@ DN_AVX512 void random_level2_uniform(const Cache &c, const detail::GlobalStream 
     __m512i g1 = _mm512_add_epi64(vbase, _mm512_cvtepu32_epi64(_mm256_maskz_loadu_epi32(live, js + i)));
     _mm512_mask_storeu_epi64(positions + i, live, _mm512_sub_epi64(g1, one));
     __m512i ql = _mm512_sub_epi64(_mm512_maskz_loadu_epi64(live, qs + i), lo);
-    // the image's offset: floor(ql / WH) WH. The estimate trunc(ql * fl(1 / WH)) is at most
-    // ql / WH (1 + 2^-52), below the next integer for ql < 2^52 (a cache in memory), and at least
-    // the true quotient minus one (1 / 49 rounds down: 49 k / 49 truncates to k - 1), fixed up here
-    __m512i img = _mm512_cvttpd_epu64(_mm512_mul_pd(_mm512_cvtepu64_pd(ql), iWH));
-    __m512i off = _mm512_mullo_epi64(img, vWH);
-    const __mmask8 under = _mm512_cmpge_epu64_mask(_mm512_sub_epi64(ql, off), vWH);
-    off = _mm512_mask_add_epi64(off, under, off, vWH);
+    __m512i img;
+    const __m512i off = image_offsets(ql, iWH, vWH, img);
     __m512i h = mix64x8(_mm512_add_epi64(key, _mm512_mullo_epi64(g1, golden)));
     _mm512_mask_storeu_epi64(pix + i, live, _mm512_add_epi64(off, mulhi32x8(h, vWH)));
   }
@@ -177,8 +254,12 @@ int64_t run_global_chunk(const Cache &c, const Outputs &out, int64_t *positions,
   const detail::EpochPerm *which[kCap + 4];
   std::vector<ImagePerm> perms(gs.mode == kEpoch ? c.imgs.size() : 0);
   const bool avx2 = simd && kHasAvx2, avx512 = simd && kHasAvx512;
-  // AVX-512 level 2: random mode where every image has the same n < 2^32 pixels, epoch mode always
-  const bool rand512 = avx512 && gs.mode == kRandom && c.uniform && c.WH < (uint64_t(1) << 32);
+  // AVX-512 level 2: where every image has the same n < 2^32 pixels (random: the hash; epoch: the
+  // first evaluation of each bijection), and the epoch bijections' further evaluations always
+  const bool uni512 = avx512 && c.uniform && c.WH < (uint64_t(1) << 32);
+  const bool rand512 = uni512 && gs.mode == kRandom;
+  std::unique_ptr<PermTable> tab;
+  if (uni512 && gs.mode == kEpoch) tab = std::make_unique<PermTable>(c.imgs.size());
   std::unique_ptr<Walks> w1, w2;
   if (avx512 && gs.mode == kEpoch) {
     w1 = std::make_unique<Walks>(kCap + 8);
@@ -210,8 +291,12 @@ int64_t run_global_chunk(const Cache &c, const Outputs &out, int64_t *positions,
       int64_t *posw = positions + slot + kept;
       // level 2: the slot's image, then the pixel inside it (random: a keyed hash; epoch: the
       // image's bijection, walked for several rays at a time by feistel_pass or epoch_pixels)
-      if (gs.mode == kRandom && rand512) {
+      if (rand512) {
         random_level2_uniform(c, gs, base, js, qs, w, pix, posw);
+      } else if (tab) {
+        Walks *x = walks2, *y = walks;
+        for (int L = epoch_level2_uniform(c, gs, base, e, js, qs, w, pix, posw, *tab, *x); L > 0; std::swap(x, y))
+          L = feistel_pass(*x, L, *y, pix);
       } else {
         for (int i = 0; i < w; i++) {
           uint64_t ql = qs[i] - gs.lo, pos = base + js[i];
