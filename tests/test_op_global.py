@@ -227,6 +227,53 @@ def test_long_runs_match_reference_with_and_without_avx2(sizes):
                 assert np.array_equal(f["step_counts"], ref.step_counts(11, mode, P, lo, hi, start, G, K))
 
 
+NO_AVX512_CHILD = r"""
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import test_op_global as t
+t.load_plugin(cuda=False)
+out = {{}}
+for name, sizes in {cases!r}:
+    cache = t.split_cache(3, sizes)
+    for W in (1, 3):
+        for mode in ("random", "epoch"):
+            for r, (lo, sub, o) in enumerate(t.world_run(cache, W, 3003, 9, 1001, 11, mode)):
+                for k in t.NAMES:
+                    out[f"{{name}}/{{W}}/{{mode}}/{{r}}/{{k}}"] = o[k]
+np.savez({path!r}, **out)
+"""
+
+
+def test_avx512_switch_gives_the_same_bits(tmp_path):
+    """``DALI_NERF_NO_AVX512=1`` (read when the plugin loads: a fresh process) turns the global
+    stream's AVX-512 level 2 off; the AVX2 and scalar code it falls back to gives the same outputs,
+    bit for bit, as this process (AVX-512 where the CPU has F, DQ and VL), for images of one size
+    and of many, both modes, 1 and 3 ranks."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    cases = [("uniform", [(24, 16)] * 6), ("mixed", [(24, 16), (7, 5), (31, 9), (1, 1), (16, 16), (13, 22)])]
+    path = tmp_path / "no_avx512.npz"
+    code = NO_AVX512_CHILD.format(tests=str(Path(__file__).parent), cases=cases, path=str(path))
+    env = {**os.environ, "DALI_NERF_NO_AVX512": "1"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    child = np.load(path)
+    compared = 0
+    for name, sizes in cases:
+        cache = split_cache(3, sizes)
+        for W in (1, 3):
+            for mode in ("random", "epoch"):
+                for r, (_, _, o) in enumerate(world_run(cache, W, 3003, 9, 1001, 11, mode)):
+                    assert len(o["positions"]) > 0
+                    for k in NAMES:
+                        assert child[f"{name}/{W}/{mode}/{r}/{k}"].tobytes() == o[k].tobytes(), (name, W, mode, r, k)
+                        compared += 1
+    assert compared == 2 * 2 * 4 * len(NAMES)
+
+
 def test_runs_continue_in_ray_pipeline():
     """pipelines/rays.py with ``global_pixels``: run j of ``ray_pipeline(first_start=s0)`` walks
     [s0 + j R, s0 + (j + 1) R) (prefetched or synchronous), 9 outputs; and without it the

@@ -2,6 +2,7 @@
 #include "global.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -62,8 +63,14 @@ void epoch_pixels(uint64_t *pix, const uint64_t *offs, const detail::EpochPerm *
 // pass evaluates one Feistel network per ray still walking, 8 lanes at a time, writes the rays
 // that landed and packs the others (vpcompressq) for the next pass (about 1.6 evaluations a ray).
 
+// DALI_NERF_NO_AVX512 (set, not "0") turns these paths off at load (the AVX2 and scalar code give
+// the same bits): for checks, and for CPUs that lower their clock under AVX-512.
+bool avx512_wanted() {
+  const char *v = std::getenv("DALI_NERF_NO_AVX512");
+  return v == nullptr || v[0] == '\0' || (v[0] == '0' && v[1] == '\0');
+}
 const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                         __builtin_cpu_supports("avx512vl");
+                        __builtin_cpu_supports("avx512vl") && avx512_wanted();
 
 #define DN_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl")))
 

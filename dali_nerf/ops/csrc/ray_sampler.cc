@@ -302,8 +302,9 @@ positions (R,) int64 (the global position of each ray).)")
     .AddOptionalArg("up", "World up vector; with dims == 2 routing ignores this axis.",
                     std::vector<float>{0.f, 1.f, 0.f})
     .AddOptionalArg("dims", "Routing distances: 2 (perpendicular to `up`) or 3.", 2)
-    .AddOptionalArg("simd", "CPU: use the AVX2 code paths (8 rays at a time in the ray writer, "
-                    "batched routing decisions) where the CPU has AVX2. They give bit for bit the "
+    .AddOptionalArg("simd", "CPU: use the SIMD code paths where the CPU has them (AVX2: 8 rays at a "
+                    "time in the ray writer, batched routing decisions, the global stream's walks; "
+                    "AVX-512 F/DQ/VL: the global stream's level 2, 8 positions at a time). They give bit for bit the "
                     "results of the scalar code; false forces the scalar code (for checks and "
                     "debugging). Ignored by the GPU backend.", true)
     .AddOptionalArg("route_tile", "CPU routing: side (a power of two, <= 256) of the pixel tiles that "
