@@ -150,6 +150,54 @@ DN_AVX512 int feistel_pass(const Walks &in, int L, Walks &out, uint64_t *pix) {
   return o;
 }
 
+// ---------------------------------------------------------------- AVX2 random level 2
+// Without AVX-512: random_level2_uniform 4 positions at a time, its 64-bit multiplies by constants
+// from three vpmuludq each, the image estimate in doubles as the writer's locate4 (ids < 2^52).
+
+#define DN_AVX2 __attribute__((target("avx2")))
+
+/// Low 64 bits of a * C, lane by lane (clo, chi: the low and high 32 bits of C in every lane).
+DN_AVX2 inline __m256i mul_const4(__m256i a, __m256i clo, __m256i chi) {
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), clo), _mm256_mul_epu32(a, chi));
+  return _mm256_add_epi64(_mm256_mul_epu32(a, clo), _mm256_slli_epi64(cross, 32));
+}
+
+DN_AVX2 inline __m256i set_lo4(uint64_t c) { return _mm256_set1_epi64x(static_cast<int64_t>(c & 0xFFFFFFFFull)); }
+DN_AVX2 inline __m256i set_hi4(uint64_t c) { return _mm256_set1_epi64x(static_cast<int64_t>(c >> 32)); }
+
+/// random_level2_uniform with AVX2 for w rounded down to 4; returns how many it did.
+DN_AVX2 int random_level2_uniform_avx2(const Cache &c, const detail::GlobalStream &gs, uint64_t base,
+                                        const uint32_t *js, const uint64_t *qs, int w, uint64_t *pix,
+                                        int64_t *positions) {
+  const __m256i m1lo = set_lo4(0xBF58476D1CE4E5B9ull), m1hi = set_hi4(0xBF58476D1CE4E5B9ull);
+  const __m256i m2lo = set_lo4(0x94D049BB133111EBull), m2hi = set_hi4(0x94D049BB133111EBull);
+  const __m256i glo = set_lo4(detail::kGolden), ghi = set_hi4(detail::kGolden);
+  const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(gs.key)), lo = _mm256_set1_epi64x(static_cast<int64_t>(gs.lo));
+  const __m256i vbase = _mm256_set1_epi64x(static_cast<int64_t>(base)), one = _mm256_set1_epi64x(1);
+  const __m256i vWH = _mm256_set1_epi64x(static_cast<int64_t>(c.WH)), WHm1 = _mm256_set1_epi64x(static_cast<int64_t>(c.WH) - 1);
+  const __m256d two52 = _mm256_set1_pd(4503599627370496.0), iWH = _mm256_set1_pd(c.invWH);
+  int i = 0;
+  for (; i + 4 <= w; i += 4) {
+    const __m256i pos = _mm256_add_epi64(vbase, _mm256_cvtepu32_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i *>(js + i))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(positions + i), pos);
+    const __m256i ql = _mm256_sub_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + i)), lo);
+    // the image: floor(ql * fl(1 / WH)), exact integers in doubles (ql < 2^52), then the fix-up
+    // of random_level2_uniform's image_offsets (the estimate is never above the quotient)
+    const __m256d qd = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(ql, _mm256_castpd_si256(two52))), two52);
+    const __m256d img = _mm256_add_pd(_mm256_floor_pd(_mm256_mul_pd(qd, iWH)), two52);
+    __m256i off = _mm256_mul_epu32(_mm256_xor_si256(_mm256_castpd_si256(img), _mm256_castpd_si256(two52)), vWH);
+    off = _mm256_add_epi64(off, _mm256_and_si256(_mm256_cmpgt_epi64(_mm256_sub_epi64(ql, off), WHm1), vWH));
+    __m256i z = _mm256_add_epi64(key, mul_const4(_mm256_add_epi64(pos, one), glo, ghi));
+    z = mul_const4(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), m1lo, m1hi);
+    z = mul_const4(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), m2lo, m2hi);
+    z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+    // mulhi64(z, WH) for WH < 2^32, as mulhi32x8
+    const __m256i a = _mm256_mul_epu32(_mm256_srli_epi64(z, 32), vWH), b = _mm256_srli_epi64(_mm256_mul_epu32(z, vWH), 32);
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(pix + i), _mm256_add_epi64(off, _mm256_srli_epi64(_mm256_add_epi64(a, b), 32)));
+  }
+  return i;
+}
+
 /// Per image of the cache: its bijection's widths (packed as feistel8 takes them) and round keys
 /// for the epoch `epoch` (~0: none yet), one array per field (for gathers).
 struct PermTable {
@@ -300,6 +348,12 @@ int64_t run_global_chunk(const Cache &c, const Outputs &out, int64_t *positions,
       // image's bijection, walked for several rays at a time by feistel_pass or epoch_pixels)
       if (rand512) {
         random_level2_uniform(c, gs, base, js, qs, w, pix, posw);
+      } else if (gs.mode == kRandom && c.uniform && c.WH < (uint64_t(1) << 32)) {  // equal-size images
+        for (int i = avx2 ? random_level2_uniform_avx2(c, gs, base, js, qs, w, pix, posw) : 0; i < w; i++) {
+          const uint64_t ql = qs[i] - gs.lo, pos = base + js[i];
+          pix[i] = fast_div(ql, c.WH, c.invWH) * c.WH + detail::random_pixel(gs.key, pos, c.WH);
+          posw[i] = static_cast<int64_t>(pos);
+        }
       } else if (tab) {
         Walks *x = walks2, *y = walks;
         for (int L = epoch_level2_uniform(c, gs, base, e, js, qs, w, pix, posw, *tab, *x); L > 0; std::swap(x, y))
