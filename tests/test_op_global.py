@@ -236,11 +236,11 @@ t.load_plugin(cuda=False)
 out = {{}}
 for name, sizes in {cases!r}:
     cache = t.split_cache(3, sizes)
-    for W in (1, 3):
+    for W, start in {runs!r}:
         for mode in ("random", "epoch"):
-            for r, (lo, sub, o) in enumerate(t.world_run(cache, W, 3003, 9, 1001, 11, mode)):
+            for r, (lo, sub, o) in enumerate(t.world_run(cache, W, start, 9, 1001, 11, mode)):
                 for k in t.NAMES:
-                    out[f"{{name}}/{{W}}/{{mode}}/{{r}}/{{k}}"] = o[k]
+                    out[f"{{name}}/{{W}}/{{start}}/{{mode}}/{{r}}/{{k}}"] = o[k]
 np.savez({path!r}, **out)
 """
 
@@ -249,7 +249,8 @@ def test_avx512_switch_gives_the_same_bits(tmp_path):
     """``DALI_NERF_NO_AVX512=1`` (read when the plugin loads: a fresh process) turns the global
     stream's AVX-512 level 2 off; the AVX2 and scalar code it falls back to gives the same outputs,
     bit for bit, as this process (AVX-512 where the CPU has F, DQ and VL), for images of one size
-    (7 x 7: the image estimate's fix-up, see above) and of many, both modes, 1 and 3 ranks."""
+    (7 x 7: the image estimate's fix-up, see above) and of many, both modes, 1 and 3 ranks, from
+    the start and past global position 2^40."""
     import os
     import subprocess
     import sys
@@ -257,7 +258,9 @@ def test_avx512_switch_gives_the_same_bits(tmp_path):
     cases = [("uniform", [(24, 16)] * 6), ("uniform-7x7", [(7, 7)] * 6),
              ("mixed", [(24, 16), (7, 5), (31, 9), (1, 1), (16, 16), (13, 22)])]
     path = tmp_path / "no_avx512.npz"
-    code = NO_AVX512_CHILD.format(tests=str(Path(__file__).parent), cases=cases, path=str(path))
+    # a start past 2^40: positions whose high 32 bits are set (the 64-bit multiplies' cross terms)
+    runs = [(1, 3003), (3, 3003), (3, 1001 * (2**40 // 1001))]
+    code = NO_AVX512_CHILD.format(tests=str(Path(__file__).parent), cases=cases, runs=runs, path=str(path))
     env = {**os.environ, "DALI_NERF_NO_AVX512": "1"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -265,14 +268,15 @@ def test_avx512_switch_gives_the_same_bits(tmp_path):
     compared = 0
     for name, sizes in cases:
         cache = split_cache(3, sizes)
-        for W in (1, 3):
+        for W, start in runs:
             for mode in ("random", "epoch"):
-                for r, (_, _, o) in enumerate(world_run(cache, W, 3003, 9, 1001, 11, mode)):
+                for r, (_, _, o) in enumerate(world_run(cache, W, start, 9, 1001, 11, mode)):
                     assert len(o["positions"]) > 0
                     for k in NAMES:
-                        assert child[f"{name}/{W}/{mode}/{r}/{k}"].tobytes() == o[k].tobytes(), (name, W, mode, r, k)
+                        key = f"{name}/{W}/{start}/{mode}/{r}/{k}"
+                        assert child[key].tobytes() == o[k].tobytes(), key
                         compared += 1
-    assert compared == len(cases) * 2 * 4 * len(NAMES)
+    assert compared == len(cases) * 2 * (1 + 3 + 3) * len(NAMES)
 
 
 def test_runs_continue_in_ray_pipeline():

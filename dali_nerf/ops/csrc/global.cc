@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include <immintrin.h>
@@ -57,14 +58,14 @@ void epoch_pixels(uint64_t *pix, const uint64_t *offs, const detail::EpochPerm *
 
 
 // ---------------------------------------------------------------- AVX-512 level 2
-// Where the CPU has AVX-512 F + DQ (64-bit lane multiplies, `vpmullq`) and `simd`: level 2 eight
+// Where the CPU has AVX-512 F + DQ + VL (64-bit lane multiplies, `vpmullq`) and `simd`: level 2 eight
 // positions at a time, the same integer operations lane by lane, so the same pixels (tested against
 // the scalar code and the numpy reference). The epoch bijection's cycle-walk runs in passes: each
 // pass evaluates one Feistel network per ray still walking, 8 lanes at a time, writes the rays
 // that landed and packs the others (vpcompressq) for the next pass (about 1.6 evaluations a ray).
 
-// DALI_NERF_NO_AVX512 (set, not "0") turns these paths off at load (the AVX2 and scalar code give
-// the same bits): for checks, and for CPUs that lower their clock under AVX-512.
+// DALI_NERF_NO_AVX512 set to anything but "" or "0" turns these paths off at load (the AVX2 and
+// scalar code give the same bits): for checks, and for CPUs that lower their clock under AVX-512.
 bool avx512_wanted() {
   const char *v = std::getenv("DALI_NERF_NO_AVX512");
   return v == nullptr || v[0] == '\0' || (v[0] == '0' && v[1] == '\0');
@@ -90,7 +91,7 @@ DN_AVX512 inline __m512i mulhi32x8(__m512i h, __m512i n) {
   return _mm512_srli_epi64(_mm512_add_epi64(a, b), 32);
 }
 
-/// Rays still walking their image's bijection, one array per field (kCap + 8 entries each).
+/// Rays still walking their image's bijection, one array per field (kBatch + 8 entries each).
 struct Walks {
   std::vector<uint64_t> x, n, lb, off, idx, rk[kFeistelRoundsCpu];
   explicit Walks(size_t cap) : x(cap), n(cap), lb(cap), off(cap), idx(cap) {
@@ -150,54 +151,6 @@ DN_AVX512 int feistel_pass(const Walks &in, int L, Walks &out, uint64_t *pix) {
   return o;
 }
 
-// ---------------------------------------------------------------- AVX2 random level 2
-// Without AVX-512: random_level2_uniform 4 positions at a time, its 64-bit multiplies by constants
-// from three vpmuludq each, the image estimate in doubles as the writer's locate4 (ids < 2^52).
-
-#define DN_AVX2 __attribute__((target("avx2")))
-
-/// Low 64 bits of a * C, lane by lane (clo, chi: the low and high 32 bits of C in every lane).
-DN_AVX2 inline __m256i mul_const4(__m256i a, __m256i clo, __m256i chi) {
-  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), clo), _mm256_mul_epu32(a, chi));
-  return _mm256_add_epi64(_mm256_mul_epu32(a, clo), _mm256_slli_epi64(cross, 32));
-}
-
-DN_AVX2 inline __m256i set_lo4(uint64_t c) { return _mm256_set1_epi64x(static_cast<int64_t>(c & 0xFFFFFFFFull)); }
-DN_AVX2 inline __m256i set_hi4(uint64_t c) { return _mm256_set1_epi64x(static_cast<int64_t>(c >> 32)); }
-
-/// random_level2_uniform with AVX2 for w rounded down to 4; returns how many it did.
-DN_AVX2 int random_level2_uniform_avx2(const Cache &c, const detail::GlobalStream &gs, uint64_t base,
-                                        const uint32_t *js, const uint64_t *qs, int w, uint64_t *pix,
-                                        int64_t *positions) {
-  const __m256i m1lo = set_lo4(0xBF58476D1CE4E5B9ull), m1hi = set_hi4(0xBF58476D1CE4E5B9ull);
-  const __m256i m2lo = set_lo4(0x94D049BB133111EBull), m2hi = set_hi4(0x94D049BB133111EBull);
-  const __m256i glo = set_lo4(detail::kGolden), ghi = set_hi4(detail::kGolden);
-  const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(gs.key)), lo = _mm256_set1_epi64x(static_cast<int64_t>(gs.lo));
-  const __m256i vbase = _mm256_set1_epi64x(static_cast<int64_t>(base)), one = _mm256_set1_epi64x(1);
-  const __m256i vWH = _mm256_set1_epi64x(static_cast<int64_t>(c.WH)), WHm1 = _mm256_set1_epi64x(static_cast<int64_t>(c.WH) - 1);
-  const __m256d two52 = _mm256_set1_pd(4503599627370496.0), iWH = _mm256_set1_pd(c.invWH);
-  int i = 0;
-  for (; i + 4 <= w; i += 4) {
-    const __m256i pos = _mm256_add_epi64(vbase, _mm256_cvtepu32_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i *>(js + i))));
-    _mm256_storeu_si256(reinterpret_cast<__m256i *>(positions + i), pos);
-    const __m256i ql = _mm256_sub_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + i)), lo);
-    // the image: floor(ql * fl(1 / WH)), exact integers in doubles (ql < 2^52), then the fix-up
-    // of random_level2_uniform's image_offsets (the estimate is never above the quotient)
-    const __m256d qd = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(ql, _mm256_castpd_si256(two52))), two52);
-    const __m256d img = _mm256_add_pd(_mm256_floor_pd(_mm256_mul_pd(qd, iWH)), two52);
-    __m256i off = _mm256_mul_epu32(_mm256_xor_si256(_mm256_castpd_si256(img), _mm256_castpd_si256(two52)), vWH);
-    off = _mm256_add_epi64(off, _mm256_and_si256(_mm256_cmpgt_epi64(_mm256_sub_epi64(ql, off), WHm1), vWH));
-    __m256i z = _mm256_add_epi64(key, mul_const4(_mm256_add_epi64(pos, one), glo, ghi));
-    z = mul_const4(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), m1lo, m1hi);
-    z = mul_const4(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), m2lo, m2hi);
-    z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
-    // mulhi64(z, WH) for WH < 2^32, as mulhi32x8
-    const __m256i a = _mm256_mul_epu32(_mm256_srli_epi64(z, 32), vWH), b = _mm256_srli_epi64(_mm256_mul_epu32(z, vWH), 32);
-    _mm256_storeu_si256(reinterpret_cast<__m256i *>(pix + i), _mm256_add_epi64(off, _mm256_srli_epi64(_mm256_add_epi64(a, b), 32)));
-  }
-  return i;
-}
-
 /// Per image of the cache: its bijection's widths (packed as feistel8 takes them) and round keys
 /// for the epoch `epoch` (~0: none yet), one array per field (for gathers).
 struct PermTable {
@@ -217,9 +170,10 @@ struct PermTable {
 };
 
 /// The offsets (in the cache) of the images holding cache slots ql, for equal-size images
-/// (ql < 2^52: a cache in memory). The estimate trunc(ql * fl(1 / WH)) is at most ql / WH (1 + 2^-52),
-/// below the next integer, and at least the true quotient minus one (1 / 49 rounds down: 49 k / 49
-/// truncates to k - 1), fixed up here. img: the image's index.
+/// (ql < 2^52: a cache in memory). Under round-to-nearest (the default) the estimate
+/// trunc(fl(ql * fl(1 / WH))) is at most ql / WH (1 + 2^-53)^2, below the next integer for
+/// ql < 2^52, and at least the true quotient minus one (1 / 49 rounds down: 49 k / 49 truncates to
+/// k - 1), fixed up here. img: the image's index.
 DN_AVX512 inline __m512i image_offsets(__m512i ql, __m512d iWH, __m512i vWH, __m512i &img) {
   img = _mm512_cvttpd_epu64(_mm512_mul_pd(_mm512_cvtepu64_pd(ql), iWH));
   __m512i off = _mm512_mullo_epi64(img, vWH);
@@ -243,7 +197,7 @@ DN_AVX512 int epoch_level2_uniform(const Cache &c, const detail::GlobalStream &g
     const __mmask8 live = w - i >= 8 ? 0xFF : static_cast<__mmask8>((1u << (w - i)) - 1);
     _mm512_mask_storeu_epi64(positions + i, live,
                              _mm512_add_epi64(vbase, _mm512_cvtepu32_epi64(_mm256_maskz_loadu_epi32(live, js + i))));
-    __m512i img, ql = _mm512_sub_epi64(_mm512_maskz_loadu_epi64(live, qs + i), lo);
+    __m512i img, ql = _mm512_maskz_sub_epi64(live, _mm512_maskz_loadu_epi64(live, qs + i), lo);
     const __m512i off = image_offsets(ql, iWH, vWH, img);
     __mmask8 stale = _mm512_mask_cmpneq_epu64_mask(
         live, _mm512_mask_i64gather_epi64(ve, live, img, reinterpret_cast<const long long *>(tab.epoch.data()), 8), ve);
@@ -284,13 +238,157 @@ DN_AVX512 void random_level2_uniform(const Cache &c, const detail::GlobalStream 
     const __mmask8 live = w - i >= 8 ? 0xFF : static_cast<__mmask8>((1u << (w - i)) - 1);
     __m512i g1 = _mm512_add_epi64(vbase, _mm512_cvtepu32_epi64(_mm256_maskz_loadu_epi32(live, js + i)));
     _mm512_mask_storeu_epi64(positions + i, live, _mm512_sub_epi64(g1, one));
-    __m512i ql = _mm512_sub_epi64(_mm512_maskz_loadu_epi64(live, qs + i), lo);
+    __m512i ql = _mm512_maskz_sub_epi64(live, _mm512_maskz_loadu_epi64(live, qs + i), lo);
     __m512i img;
     const __m512i off = image_offsets(ql, iWH, vWH, img);
     __m512i h = mix64x8(_mm512_add_epi64(key, _mm512_mullo_epi64(g1, golden)));
     _mm512_mask_storeu_epi64(pix + i, live, _mm512_add_epi64(off, mulhi32x8(h, vWH)));
   }
 }
+
+// ---------------------------------------------------------------- AVX2 random level 2
+// Without AVX-512: random_level2_uniform 4 positions at a time, its 64-bit multiplies by constants
+// from three vpmuludq each, the image estimate in doubles as the writer's locate4 (ids < 2^52).
+
+#define DN_AVX2 __attribute__((target("avx2")))
+
+/// Low 64 bits of a * C, lane by lane (clo, chi: the low and high 32 bits of C in every lane).
+DN_AVX2 inline __m256i mul_const4(__m256i a, __m256i clo, __m256i chi) {
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), clo), _mm256_mul_epu32(a, chi));
+  return _mm256_add_epi64(_mm256_mul_epu32(a, clo), _mm256_slli_epi64(cross, 32));
+}
+
+DN_AVX2 inline __m256i set_lo4(uint64_t c) { return _mm256_set1_epi64x(static_cast<int64_t>(c & 0xFFFFFFFFull)); }
+DN_AVX2 inline __m256i set_hi4(uint64_t c) { return _mm256_set1_epi64x(static_cast<int64_t>(c >> 32)); }
+
+/// random_level2_uniform with AVX2 for w rounded down to 4; returns how many it did.
+DN_AVX2 int random_level2_uniform_avx2(const Cache &c, const detail::GlobalStream &gs, uint64_t base,
+                                        const uint32_t *js, const uint64_t *qs, int w, uint64_t *pix,
+                                        int64_t *positions) {
+  const __m256i m1lo = set_lo4(0xBF58476D1CE4E5B9ull), m1hi = set_hi4(0xBF58476D1CE4E5B9ull);
+  const __m256i m2lo = set_lo4(0x94D049BB133111EBull), m2hi = set_hi4(0x94D049BB133111EBull);
+  const __m256i glo = set_lo4(detail::kGolden), ghi = set_hi4(detail::kGolden);
+  const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(gs.key)), lo = _mm256_set1_epi64x(static_cast<int64_t>(gs.lo));
+  const __m256i vbase = _mm256_set1_epi64x(static_cast<int64_t>(base)), one = _mm256_set1_epi64x(1);
+  const __m256i vWH = _mm256_set1_epi64x(static_cast<int64_t>(c.WH)), WHm1 = _mm256_set1_epi64x(static_cast<int64_t>(c.WH) - 1);
+  const __m256d two52 = _mm256_set1_pd(4503599627370496.0), iWH = _mm256_set1_pd(c.invWH);
+  int i = 0;
+  for (; i + 4 <= w; i += 4) {
+    const __m256i pos = _mm256_add_epi64(vbase, _mm256_cvtepu32_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i *>(js + i))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(positions + i), pos);
+    const __m256i ql = _mm256_sub_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + i)), lo);
+    // the image: floor(ql * fl(1 / WH)), exact integers in doubles (ql < 2^52), then image_offsets'
+    // fix-up (the estimate is never above the quotient); img * WH by one vpmuludq (img < 2^32: a
+    // cache of fewer than 2^32 images, WH < 2^32)
+    const __m256d qd = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(ql, _mm256_castpd_si256(two52))), two52);
+    const __m256d img = _mm256_add_pd(_mm256_floor_pd(_mm256_mul_pd(qd, iWH)), two52);
+    __m256i off = _mm256_mul_epu32(_mm256_xor_si256(_mm256_castpd_si256(img), _mm256_castpd_si256(two52)), vWH);
+    off = _mm256_add_epi64(off, _mm256_and_si256(_mm256_cmpgt_epi64(_mm256_sub_epi64(ql, off), WHm1), vWH));
+    __m256i z = _mm256_add_epi64(key, mul_const4(_mm256_add_epi64(pos, one), glo, ghi));
+    z = mul_const4(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), m1lo, m1hi);
+    z = mul_const4(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), m2lo, m2hi);
+    z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+    // mulhi64(z, WH) for WH < 2^32, as mulhi32x8
+    const __m256i a = _mm256_mul_epu32(_mm256_srli_epi64(z, 32), vWH), b = _mm256_srli_epi64(_mm256_mul_epu32(z, vWH), 32);
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(pix + i), _mm256_add_epi64(off, _mm256_srli_epi64(_mm256_add_epi64(a, b), 32)));
+  }
+  return i;
+}
+
+constexpr int kBatch = 1024;  // kept positions per batch: level 2, then one write_pixels call
+
+/// Level 2 of a chunk's batches of kept positions: their pixels and positions, by the fastest of
+/// the paths the CPU and the cache allow (every path gives the same values).
+class Level2 {
+ public:
+  Level2(const Cache &c, const detail::GlobalStream &gs, bool simd)
+      : c_(c), gs_(gs), avx2_(simd && kHasAvx2), avx512_(simd && kHasAvx512),
+        uniform_(c.uniform && c.WH < (uint64_t(1) << 32)) {
+    if (gs.mode != kEpoch) return;
+    if (avx512_ && uniform_) tab_ = std::make_unique<PermTable>(c.imgs.size());
+    else perms_.resize(c.imgs.size());
+    if (avx512_) {
+      w1_ = std::make_unique<Walks>(kBatch + 8);
+      w2_ = std::make_unique<Walks>(kBatch + 8);
+    }
+  }
+
+  /// pix[i] and positions[i] of the w kept positions base + js[i] (slots qs[i]) of epoch e.
+  void run(uint64_t base, uint64_t e, const uint32_t *js, const uint64_t *qs, int w, uint64_t *pix,
+           int64_t *positions) {
+    if (gs_.mode == kRandom && uniform_) {  // equal-size images: the image by one division
+      int i = 0;
+      if (avx512_) {
+        random_level2_uniform(c_, gs_, base, js, qs, w, pix, positions);
+        i = w;
+      } else if (avx2_) {
+        i = random_level2_uniform_avx2(c_, gs_, base, js, qs, w, pix, positions);
+      }
+      for (; i < w; i++) {
+        const uint64_t ql = qs[i] - gs_.lo, pos = base + js[i];
+        pix[i] = fast_div(ql, c_.WH, c_.invWH) * c_.WH + detail::random_pixel(gs_.key, pos, c_.WH);
+        positions[i] = static_cast<int64_t>(pos);
+      }
+    } else if (tab_) {  // epoch, equal-size images, AVX-512: the first evaluations with the images
+      Walks *a = w2_.get(), *b = w1_.get();
+      for (int L = epoch_level2_uniform(c_, gs_, base, e, js, qs, w, pix, positions, *tab_, *a); L > 0;
+           std::swap(a, b))
+        L = feistel_pass(*a, L, *b, pix);
+    } else {
+      by_table(base, e, js, qs, w, pix, positions);
+    }
+  }
+
+ private:
+  /// Any image sizes: each position's image by the cache's offsets, then its pixel (random: the
+  /// hash; epoch: the image's bijection, by feistel_pass with AVX-512, else epoch_pixels).
+  void by_table(uint64_t base, uint64_t e, const uint32_t *js, const uint64_t *qs, int w, uint64_t *pix,
+                int64_t *positions) {
+    Walks *v = w1_.get();
+    for (int i = 0; i < w; i++) {
+      uint64_t ql = qs[i] - gs_.lo, pos = base + js[i];
+      size_t img = c_.image_of(ql);
+      const Image &im = c_.imgs[img];
+      uint64_t t = ql - im.off, n = im.W * im.H;
+      positions[i] = static_cast<int64_t>(pos);
+      if (gs_.mode != kEpoch) {
+        pix[i] = im.off + detail::random_pixel(gs_.key, pos, n);
+        continue;
+      }
+      ImagePerm &ip = perms_[img];  // t now, its pixel by feistel_pass or epoch_pixels
+      if (ip.epoch != e) {
+        ip.perm.init(detail::image_key(gs_.key, gs_.lo + im.off), e, n);
+        ip.epoch = e;
+      }
+      if (v) {
+        v->x[i] = t; v->n[i] = n; v->off[i] = im.off; v->idx[i] = static_cast<uint64_t>(i);
+        const int lb = ip.perm.bits / 2;
+        v->lb[i] = (static_cast<uint64_t>(ip.perm.bits - lb) << 32) | static_cast<uint64_t>(lb);
+        for (int r = 0; r < kFeistelRoundsCpu; r++) v->rk[r][i] = ip.perm.rk[r];
+      } else {
+        pix[i] = t;
+        offs_[i] = im.off;
+        which_[i] = &ip.perm;
+      }
+    }
+    if (gs_.mode != kEpoch) return;
+    if (v) {
+      Walks *a = v, *b = w2_.get();
+      for (int L = w; L > 0; std::swap(a, b)) L = feistel_pass(*a, L, *b, pix);
+    } else {
+      epoch_pixels(pix, offs_, which_, w);
+    }
+  }
+
+  const Cache &c_;
+  const detail::GlobalStream &gs_;
+  const bool avx2_, avx512_, uniform_;  // uniform_: equal-size images of < 2^32 pixels
+  std::vector<ImagePerm> perms_;        // epoch, by_table: each image's bijection
+  std::unique_ptr<PermTable> tab_;      // epoch, equal sizes, AVX-512: the same, for gathers
+  std::unique_ptr<Walks> w1_, w2_;      // epoch, AVX-512: the walks of the passes
+  uint64_t offs_[kBatch + 4];
+  const detail::EpochPerm *which_[kBatch + 4];
+};
 
 }  // namespace
 
@@ -303,24 +401,11 @@ int64_t run_global_chunk(const Cache &c, const Outputs &out, int64_t *positions,
                          uint64_t g0, uint64_t len, int64_t slot, int64_t limit, bool simd, const Returns *jumps,
                          uint64_t step_begin, uint64_t G, int64_t *tally) {
   uint64_t step_end = step_begin + G;  // the end of the step the next kept position is counted in
-  constexpr int kCap = 1024;  // kept positions per batch: level 2, then one write_pixels call
-  uint32_t js[kCap + 4];
-  uint64_t qs[kCap + 4], pix[kCap + 4], offs[kCap + 4];
-  const detail::EpochPerm *which[kCap + 4];
-  std::vector<ImagePerm> perms(gs.mode == kEpoch ? c.imgs.size() : 0);
-  const bool avx2 = simd && kHasAvx2, avx512 = simd && kHasAvx512;
-  // AVX-512 level 2: where every image has the same n < 2^32 pixels (random: the hash; epoch: the
-  // first evaluation of each bijection), and the epoch bijections' further evaluations always
-  const bool uni512 = avx512 && c.uniform && c.WH < (uint64_t(1) << 32);
-  const bool rand512 = uni512 && gs.mode == kRandom;
-  std::unique_ptr<PermTable> tab;
-  if (uni512 && gs.mode == kEpoch) tab = std::make_unique<PermTable>(c.imgs.size());
-  std::unique_ptr<Walks> w1, w2;
-  if (avx512 && gs.mode == kEpoch) {
-    w1 = std::make_unique<Walks>(kCap + 8);
-    w2 = std::make_unique<Walks>(kCap + 8);
-  }
-  Walks *walks = w1.get(), *walks2 = w2.get();
+  uint32_t js[kBatch + 4];
+  uint64_t qs[kBatch + 4], pix[kBatch + 4];
+  const bool avx2 = simd && kHasAvx2;
+  auto level2 = std::make_unique<Level2>(c, gs, simd);  // on the heap: its batch arrays are 16 KB
+  // (its per-image tables are built per chunk: O(images of the cache) against ~16K kept rays)
   const uint64_t P = gs.P, hi = gs.lo + gs.n;
   int64_t kept = 0;
   uint64_t g = g0, left = len;
@@ -330,9 +415,9 @@ int64_t run_global_chunk(const Cache &c, const Outputs &out, int64_t *positions,
     while (walked < seg) {
       int m = 0;
       uint64_t base = g + walked;
-      if (jumps && jumps->ok) walked += walk_jump(q, gs.a, P, gs.lo, hi, seg - walked, js, qs, kCap, m, *jumps);
-      else if (avx2) walked += walk_avx2(q, gs.a, P, gs.lo, hi, seg - walked, js, qs, kCap, m);
-      else walked += walk_scalar(q, gs.a, P, gs.lo, hi, seg - walked, js, qs, kCap, m);
+      if (jumps && jumps->ok) walked += walk_jump(q, gs.a, P, gs.lo, hi, seg - walked, js, qs, kBatch, m, *jumps);
+      else if (avx2) walked += walk_avx2(q, gs.a, P, gs.lo, hi, seg - walked, js, qs, kBatch, m);
+      else walked += walk_scalar(q, gs.a, P, gs.lo, hi, seg - walked, js, qs, kBatch, m);
       if (m > 0 && base + js[m - 1] < step_end) {  // the steps' tallies (positions increase)
         *tally += m;  // all in the current step
       } else {
@@ -342,57 +427,8 @@ int64_t run_global_chunk(const Cache &c, const Outputs &out, int64_t *positions,
           ++*tally;
         }
       }
-      int w = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(m, limit - kept)));
-      int64_t *posw = positions + slot + kept;
-      // level 2: the slot's image, then the pixel inside it (random: a keyed hash; epoch: the
-      // image's bijection, walked for several rays at a time by feistel_pass or epoch_pixels)
-      if (rand512) {
-        random_level2_uniform(c, gs, base, js, qs, w, pix, posw);
-      } else if (gs.mode == kRandom && c.uniform && c.WH < (uint64_t(1) << 32)) {  // equal-size images
-        for (int i = avx2 ? random_level2_uniform_avx2(c, gs, base, js, qs, w, pix, posw) : 0; i < w; i++) {
-          const uint64_t ql = qs[i] - gs.lo, pos = base + js[i];
-          pix[i] = fast_div(ql, c.WH, c.invWH) * c.WH + detail::random_pixel(gs.key, pos, c.WH);
-          posw[i] = static_cast<int64_t>(pos);
-        }
-      } else if (tab) {
-        Walks *x = walks2, *y = walks;
-        for (int L = epoch_level2_uniform(c, gs, base, e, js, qs, w, pix, posw, *tab, *x); L > 0; std::swap(x, y))
-          L = feistel_pass(*x, L, *y, pix);
-      } else {
-        for (int i = 0; i < w; i++) {
-          uint64_t ql = qs[i] - gs.lo, pos = base + js[i];
-          size_t img = c.image_of(ql);
-          const Image &im = c.imgs[img];
-          uint64_t t = ql - im.off, n = im.W * im.H;
-          if (gs.mode == kEpoch) {  // t now, its pixel by feistel_pass or epoch_pixels
-            ImagePerm &ip = perms[img];
-            if (ip.epoch != e) {
-              ip.perm.init(detail::image_key(gs.key, gs.lo + im.off), e, n);
-              ip.epoch = e;
-            }
-            if (walks) {
-              Walks &v = *walks;
-              v.x[i] = t; v.n[i] = n; v.off[i] = im.off; v.idx[i] = static_cast<uint64_t>(i);
-              const int lb = ip.perm.bits / 2;
-              v.lb[i] = (static_cast<uint64_t>(ip.perm.bits - lb) << 32) | static_cast<uint64_t>(lb);
-              for (int r = 0; r < kFeistelRoundsCpu; r++) v.rk[r][i] = ip.perm.rk[r];
-            } else {
-              pix[i] = t;
-              offs[i] = im.off;
-              which[i] = &ip.perm;
-            }
-          } else {
-            pix[i] = im.off + detail::random_pixel(gs.key, pos, n);
-          }
-          posw[i] = static_cast<int64_t>(pos);
-        }
-        if (gs.mode == kEpoch && walks) {
-          Walks *a = walks, *b = walks2;
-          for (int L = w; L > 0; std::swap(a, b)) L = feistel_pass(*a, L, *b, pix);
-        } else if (gs.mode == kEpoch) {
-          epoch_pixels(pix, offs, which, w);
-        }
-      }
+      const int w = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(m, limit - kept)));
+      level2->run(base, e, js, qs, w, pix, positions + slot + kept);
       write_pixels(c, out, pix, slot + kept, w, simd);
       kept += m;
     }
