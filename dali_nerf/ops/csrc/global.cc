@@ -305,9 +305,10 @@ class Level2 {
       : c_(c), gs_(gs), avx2_(simd && kHasAvx2), avx512_(simd && kHasAvx512),
         uniform_(c.uniform && c.WH < (uint64_t(1) << 32)) {
     if (gs.mode != kEpoch) return;
-    if (avx512_ && uniform_) tab_ = std::make_unique<PermTable>(c.imgs.size());
-    else perms_.resize(c.imgs.size());
-    if (avx512_) {
+    if (!avx512_) {
+      perms_.resize(c.imgs.size());
+    } else {
+      tab_ = std::make_unique<PermTable>(c.imgs.size());
       w1_ = std::make_unique<Walks>(kBatch + 8);
       w2_ = std::make_unique<Walks>(kBatch + 8);
     }
@@ -329,7 +330,7 @@ class Level2 {
         pix[i] = fast_div(ql, c_.WH, c_.invWH) * c_.WH + detail::random_pixel(gs_.key, pos, c_.WH);
         positions[i] = static_cast<int64_t>(pos);
       }
-    } else if (tab_) {  // epoch, equal-size images, AVX-512: the first evaluations with the images
+    } else if (tab_ && uniform_) {  // epoch, equal-size images, AVX-512: the first evaluations with the images
       Walks *a = w2_.get(), *b = w1_.get();
       for (int L = epoch_level2_uniform(c_, gs_, base, e, js, qs, w, pix, positions, *tab_, *a); L > 0;
            std::swap(a, b))
@@ -355,17 +356,17 @@ class Level2 {
         pix[i] = im.off + detail::random_pixel(gs_.key, pos, n);
         continue;
       }
-      ImagePerm &ip = perms_[img];  // t now, its pixel by feistel_pass or epoch_pixels
-      if (ip.epoch != e) {
-        ip.perm.init(detail::image_key(gs_.key, gs_.lo + im.off), e, n);
-        ip.epoch = e;
-      }
-      if (v) {
+      if (v) {  // t now, its pixel by feistel_pass
+        if (tab_->epoch[img] != e) tab_->build(img, e, c_, gs_);
         v->x[i] = t; v->n[i] = n; v->off[i] = im.off; v->idx[i] = static_cast<uint64_t>(i);
-        const int lb = ip.perm.bits / 2;
-        v->lb[i] = (static_cast<uint64_t>(ip.perm.bits - lb) << 32) | static_cast<uint64_t>(lb);
-        for (int r = 0; r < kFeistelRoundsCpu; r++) v->rk[r][i] = ip.perm.rk[r];
-      } else {
+        v->lb[i] = tab_->lb[img];
+        for (int r = 0; r < kFeistelRoundsCpu; r++) v->rk[r][i] = tab_->rk[r][img];
+      } else {  // t now, its pixel by epoch_pixels
+        ImagePerm &ip = perms_[img];
+        if (ip.epoch != e) {
+          ip.perm.init(detail::image_key(gs_.key, gs_.lo + im.off), e, n);
+          ip.epoch = e;
+        }
         pix[i] = t;
         offs_[i] = im.off;
         which_[i] = &ip.perm;
@@ -383,8 +384,8 @@ class Level2 {
   const Cache &c_;
   const detail::GlobalStream &gs_;
   const bool avx2_, avx512_, uniform_;  // uniform_: equal-size images of < 2^32 pixels
-  std::vector<ImagePerm> perms_;        // epoch, by_table: each image's bijection
-  std::unique_ptr<PermTable> tab_;      // epoch, equal sizes, AVX-512: the same, for gathers
+  std::vector<ImagePerm> perms_;        // epoch without AVX-512: each image's bijection
+  std::unique_ptr<PermTable> tab_;      // epoch with AVX-512: their widths and round keys, per field
   std::unique_ptr<Walks> w1_, w2_;      // epoch, AVX-512: the walks of the passes
   uint64_t offs_[kBatch + 4];
   const detail::EpochPerm *which_[kBatch + 4];
