@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from dali_nerf.config import Config, apply_overrides, _build, config_to_dict
-from dali_nerf.fieldsetup import scene_aabb
+from dali_nerf.train.fieldsetup import scene_aabb
 from dali_nerf.models import build_field, build_occupancy, make_optimizer, psnr, render_image, render_rays, ssim
-from dali_nerf.rays import rays_from_indices
+from dali_nerf.data.rays import rays_from_indices
 from dali_nerf.scenes import load_scene
 
 

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from dali_nerf import hostmem
+from dali_nerf.data import hostmem
 from dali_nerf.pipelines.rays import pixel_feed
 
 

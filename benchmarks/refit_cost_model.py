@@ -26,7 +26,7 @@ def main(argv=None) -> None:
     from dali_nerf.bench import costmodel as cm
     from dali_nerf.bench.study import fit_and_check, sampling_profile
     from dali_nerf.config import load_config
-    from dali_nerf.hostbudget import usable_cores
+    from dali_nerf.data.hostbudget import usable_cores
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("derived", help="a study's derived.json")

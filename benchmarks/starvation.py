@@ -56,8 +56,8 @@ def _run(scene, cache, B, budget, prio: str, guard: bool, seconds: float, step_s
 
 def main(argv=None) -> None:
     from dali_nerf.config import load_config
-    from dali_nerf.hostbudget import host_budget, usable_cores
-    from dali_nerf.imagecache import decode_cache
+    from dali_nerf.data.hostbudget import host_budget, usable_cores
+    from dali_nerf.data.imagecache import decode_cache
     from dali_nerf.scenes import scene_from_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -33,8 +33,8 @@ def _ratios(out: Path, segs, steps: int) -> dict:
 def main(argv=None) -> None:
     from dali_nerf.bench import emulated as em
     from dali_nerf.config import load_config
-    from dali_nerf.emulation import DeviceLinks
-    from dali_nerf.hostbudget import host_budget
+    from dali_nerf.train.emulation import DeviceLinks
+    from dali_nerf.data.hostbudget import host_budget
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/study.yaml")

@@ -23,7 +23,7 @@ __all__ = [
 _LAZY = {
     "RayLoader": "dali_nerf.sources",
     "source_from_config": "dali_nerf.sources",
-    "SamplingPlan": "dali_nerf.plan",
+    "SamplingPlan": "dali_nerf.data.plan",
     "Scene": "dali_nerf.scenes",
     "load_scene": "dali_nerf.scenes",
     "Config": "dali_nerf.config",

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
-from .errors import DaliNerfError
+from dali_nerf.errors import DaliNerfError
 
 __all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "DEFAULT_HINT"]
 

@@ -24,9 +24,9 @@ from typing import Any, List, Optional, Sequence
 
 import yaml
 
-from .errors import ConfigError
-from .hostbudget import PRIORITIES
-from .pipelines.rays import INT32_MAX, INT64_MAX, MAX_CELLS
+from dali_nerf.errors import ConfigError
+from dali_nerf.data.hostbudget import PRIORITIES
+from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, MAX_CELLS
 
 __all__ = [
     "Config", "SceneConfig", "CacheConfig", "PipelineConfig", "ModelConfig", "TrainConfig",
@@ -123,10 +123,10 @@ class PipelineConfig:
     rays_per_run: int = 0
     """Rays sampled per DALI pipeline run (amortises the fixed per-run cost); rounded up to a
     multiple of rays_per_batch. 0 = this host's budget: 65536 per sampler thread, at most 262144
-    (dali_nerf/hostbudget.py)."""
+    (dali_nerf/data/hostbudget.py)."""
     num_threads: int = 0
     """Sampler threads per rank (DALI CPU threads; decode threads). 0 = this host's budget: the
-    usable cores per local rank (LOCAL_WORLD_SIZE) minus one, 1 to 4 (dali_nerf/hostbudget.py)."""
+    usable cores per local rank (LOCAL_WORLD_SIZE) minus one, 1 to 4 (dali_nerf/data/hostbudget.py)."""
     workers: int = 2
     """Worker processes for the torch_workers baseline."""
     thread_priority: str = "auto"
@@ -242,7 +242,7 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda when available) | cpu | cuda | emulated (no model: each rank's device work is a
     timed wait, host work real; measures whether this host feeds the GPUs, see
-    dali_nerf/emulated_train.py)."""
+    dali_nerf/train/emulated.py)."""
     emulated_step_ms: float = 2.0
     """train.device=emulated: device milliseconds of forward + backward + optimizer per 4096 rays
     (linear in the step's rays)."""

@@ -3,7 +3,7 @@
 Every problem a user can fix (bad data, bad config, missing compiler, unwritable folder) is raised
 as a :class:`DaliNerfError` subclass carrying a one-line message that names the file or field and
 what to do. The CLI and the trainers print ``error: <message>`` and exit with code 2, without a
-traceback (see :func:`dali_nerf.command.run_cli`).
+traceback (see :func:`dali_nerf.cli.command.run_cli`).
 """
 
 from __future__ import annotations

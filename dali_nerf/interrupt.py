@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from .errors import stderr_line
+from dali_nerf.errors import stderr_line
 
 __all__ = ["interrupt_guard", "quiet_startup", "exit_process", "ignore_interrupts", "interrupts_deferred", "interrupted", "descendants", "kill_descendants",
            "EXIT_INTERRUPTED", "DEFAULT_GRACE_S", "ECHO_S"]

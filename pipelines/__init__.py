@@ -6,7 +6,7 @@
 
 The batch sources that run these graphs live in :mod:`dali_nerf.sources`; nothing here imports
 them, the baselines or the trainers (tests/test_layout.py). DALI itself is imported only when a
-graph is built (:mod:`dali_nerf._dali`); this package imports nothing native.
+graph is built (:mod:`dali_nerf.data._dali`); this package imports nothing native.
 """
 
 __all__ = ["decode", "rays"]

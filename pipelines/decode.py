@@ -1,7 +1,7 @@
 """The decode graph: DALI ``readers.file`` (sharded like DALI shards) + ``decoders.image``.
 
 This module holds the graph only; decoding a rank's images into the cache the ray sampler reads
-(finishing each image, packing, the checks) is :mod:`dali_nerf.imagecache`'s.
+(finishing each image, packing, the checks) is :mod:`dali_nerf.data.imagecache`'s.
 
 Sharding is DALI's own: shard ``i`` of ``S`` over ``N`` files is the index range
 ``[floor(i * N / S), floor((i + 1) * N / S))`` (:func:`shard_range`), read with ``pad_last_batch``
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dali_nerf._dali import dali_api
+from dali_nerf.data._dali import dali_api
 from dali_nerf.errors import SceneError
 
 __all__ = ["decode_pipeline", "shard_range", "shard_sizes", "check_shard"]
@@ -56,7 +56,7 @@ def decode_pipeline(files, labels, shard_id, num_shards, *, device="cpu",
     """Build (not run) the decode pipeline: ``readers.file`` (sharded, named "Reader",
     ``pad_last_batch``) -> ``decoders.image`` (ANY_DATA keeps alpha / gray). Images come out at
     the files' own size; compositing, undistortion and the area downscale follow per image in
-    :func:`dali_nerf.imagecache.decode_cache` (``fn.resize``'s interpolation types, NN / linear / cubic / Lanczos3 /
+    :func:`dali_nerf.data.imagecache.decode_cache` (``fn.resize``'s interpolation types, NN / linear / cubic / Lanczos3 /
     triangular / Gaussian, include no documented exact area mean).
 
     Args:

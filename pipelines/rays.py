@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dali_nerf._dali import ray_graph_api
+from dali_nerf.data._dali import ray_graph_api
 from dali_nerf.errors import ConfigError
 
 __all__ = ["ray_pipeline", "release_pipeline", "RAY_OUTPUTS", "GLOBAL_OUTPUTS", "GLOBAL_STREAM", "SHARD_STREAM", "pixel_feed", "OP_ARGS", "check_op_args",

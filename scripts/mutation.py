@@ -87,7 +87,7 @@ _SEP = "\u01c1"  # mutmut's separator of class and method in a mutant's name (x«
 GROUPS: dict[str, Group] = {
     "stream": Group(
         about="stream keys and seeds; the numpy reference of the op's global stream",
-        modules=("dali_nerf/seeds.py", "dali_nerf/ops/reference.py"),
+        modules=("dali_nerf/data/seeds.py", "dali_nerf/ops/reference.py"),
         tests=("tests/test_seeds.py", "tests/test_op_global.py", "tests/test_op.py",
                "tests/test_properties_stream.py"),
     ),
@@ -120,12 +120,12 @@ GROUPS: dict[str, Group] = {
         about="the sources' state handling (state_dict / load_state_dict, seeks), the elastic resume rules, "
               "the keyed per-ray draws",
         modules=("dali_nerf/sources/rays.py", "dali_nerf/sources/spatial.py", "dali_nerf/sources/sync.py",
-                 "dali_nerf/sources/base.py", "dali_nerf/resume.py", "dali_nerf/models/keyed.py"),
+                 "dali_nerf/sources/base.py", "dali_nerf/train/resume.py", "dali_nerf/models/keyed.py"),
         names=(f"*{_SEP}state_dict__mutmut_*", f"*{_SEP}load_state_dict__mutmut_*",
                f"dali_nerf.sources.*{_SEP}_seek__mutmut_*", f"dali_nerf.sources.rays.*{_SEP}set_step__mutmut_*",
                f"dali_nerf.sources.spatial.*{_SEP}_advance__mutmut_*",
                "dali_nerf.sources.base.x_scene_state__mutmut_*", "dali_nerf.sources.base.x_check_scene_state__mutmut_*",
-               "dali_nerf.resume.x__check_elastic__mutmut_*", "dali_nerf.resume.x_run_stream__mutmut_*",
+               "dali_nerf.train.resume.x__check_elastic__mutmut_*", "dali_nerf.train.resume.x_run_stream__mutmut_*",
                "dali_nerf.models.keyed.*"),
         tests=("tests/test_keyed.py", "tests/test_elastic_stream.py", "tests/test_resume_rules.py",
                "tests/test_source_state.py",

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from dali_nerf.checkpoint import commit_checkpoint, latest_checkpoint, load_rank_state, save_rank_state
+from dali_nerf.train.checkpoint import commit_checkpoint, latest_checkpoint, load_rank_state, save_rank_state
 from dali_nerf.config import load_config
 from dali_nerf.errors import ConfigError, DaliNerfError, DataError, SceneError
 from dali_nerf.scenegen import make_scene
@@ -215,7 +215,7 @@ def test_image_size_differs_from_declared(scenes, tmp_path, capsys):
     ns = tmp_path / "ns"
     make_nerfstudio(ns)
     edit_json(ns / "transforms.json", lambda m: m.update(w=30, h=20))  # shared w/h of frames without their own
-    from dali_nerf.validate import validate_scene
+    from dali_nerf.cli.validate import validate_scene
 
     with pytest.raises(DataError) as e:
         validate_scene(ns)
@@ -230,7 +230,7 @@ def test_decompression_bomb_refused_from_header(scenes, tmp_path, capsys):
     msg = trainer_error(capsys, write_config(tmp_path, s))
     needles(msg, "r_5.png", "100000x100000", "decompression bomb")
     # JPEG: an SOF0 frame header claiming 65535 x 65535 (JPEG's maximum)
-    from dali_nerf.imageio import check_image
+    from dali_nerf.data.imageio import check_image
 
     sof = b"\xff\xc0" + struct.pack(">HBHHB", 17, 8, 65535, 65535, 3) + bytes(9)
     j = tmp_path / "bomb.jpg"
@@ -247,8 +247,8 @@ def test_grayscale_and_16bit_train(scenes, tmp_path, capsys):
     rgba = {i: cv2.imread(str(s / "train" / f"r_{i}.png"), cv2.IMREAD_UNCHANGED) for i in (0, 2)}
     assert cv2.imwrite(str(s / "train" / "r_0.png"), cv2.cvtColor(rgba[0][:, :, :3], cv2.COLOR_BGR2GRAY))
     assert cv2.imwrite(str(s / "train" / "r_2.png"), rgba[2].astype(np.uint16) * 257 + 100)
-    from dali_nerf.imageio import read_header
-    from dali_nerf.imagecache import decode_cache
+    from dali_nerf.data.imageio import read_header
+    from dali_nerf.data.imagecache import decode_cache
 
     assert read_header(s / "train" / "r_0.png").channels == 1
     assert read_header(s / "train" / "r_2.png").bit_depth == 16
@@ -418,8 +418,8 @@ def test_output_folder_not_writable(scenes, tmp_path, capsys):
 
 DISK_FULL_CHILD = r"""
 import resource, signal, sys, torch
-from dali_nerf.checkpoint import save_rank_state
-from dali_nerf.command import run_cli
+from dali_nerf.train.checkpoint import save_rank_state
+from dali_nerf.cli.command import run_cli
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # write() then fails with EFBIG instead of killing us
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # no file may grow past 1 MiB
 state = {"step": 8, "tasks": {"ddp": {"field": {"w": torch.arange(1 << 20, dtype=torch.float32)}}}}

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from _tiny_scene import tiny_scene
 from dali_nerf.sources import SyncGlobalSampler, SyncLocalSampler, TorchWorkersSampler
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.data.imagecache import decode_cache
 
 
 @pytest.fixture(scope="module")

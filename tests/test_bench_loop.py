@@ -108,7 +108,7 @@ def test_a_run_cut_short_keeps_what_it_measured(scene, tmp_path):
 
 
 def test_cli_errors_are_one_line(monkeypatch, capsys, scene):
-    from dali_nerf.cli import main
+    from dali_nerf.cli.main import main
 
     monkeypatch.setenv("OPENCV_LOG_LEVEL", "ERROR")
     for args, msg in ((["--batches", "12,x"], "--batches '12,x'"), (["--trials", "0"], "--trials 0: must be >= 1"),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dali_nerf import scenegen as sg
-from dali_nerf.rays import rays_from_indices
+from dali_nerf.data.rays import rays_from_indices
 from dali_nerf.scenes import load_scene
 from dali_nerf.scenes.bounds import (FAR_MEDIAN_FACTOR, camera_aabb, focus_point, frustum_aabb, robust_far,
                                      scene_bounds)

@@ -5,7 +5,7 @@ import pytest
 
 from _tiny_scene import reference_pixels, tiny_scene
 from dali_nerf.errors import DataError, SceneError
-from dali_nerf.imagecache import decode_cache, pack_cameras
+from dali_nerf.data.imagecache import decode_cache, pack_cameras
 from dali_nerf.pipelines.decode import shard_range, shard_sizes
 
 

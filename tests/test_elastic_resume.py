@@ -1,4 +1,4 @@
-"""Checkpoint format 2 and resuming on another world size (dali_nerf/resume.py): the model and the
+"""Checkpoint format 2 and resuming on another world size (dali_nerf/train/resume.py): the model and the
 run state stored once per step, what resumes on W' ranks and what is refused (one line), format-1
 checkpoints (one file per rank) resuming on their world size, and — under torchrun, gloo on the
 CPU — a 4-rank run resumed on 2 and then on 3 ranks ending within 1e-4 dB of the uninterrupted
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dali_nerf.checkpoint import MODEL_FILE, RUN_FILE, commit_checkpoint, latest_checkpoint, load_file, save_file, save_rank_state
+from dali_nerf.train.checkpoint import MODEL_FILE, RUN_FILE, commit_checkpoint, latest_checkpoint, load_file, save_file, save_rank_state
 from dali_nerf.errors import DaliNerfError
-from dali_nerf.resume import RUN_ID_FILE, load_checkpoint, nearest_divisors
+from dali_nerf.train.resume import RUN_ID_FILE, load_checkpoint, nearest_divisors
 from dali_nerf.scenegen import make_scene
 
 REPO = Path(__file__).resolve().parent.parent
@@ -234,8 +234,8 @@ def test_ss_cells_move_to_other_ranks_on_resume(tmp_path):
 ELASTIC_RANK = r"""
 import sys, datetime, torch, torch.distributed as dist
 from pathlib import Path
-from dali_nerf.resume import read_resume_state
-from dali_nerf.runtime import DistEnv
+from dali_nerf.train.resume import read_resume_state
+from dali_nerf.train.runtime import DistEnv
 rank, store, run = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=30))

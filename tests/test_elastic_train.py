@@ -28,11 +28,11 @@ def _steps(rank: int, world: int, scene, out: str):
 
     from dali_nerf.config import Config, ModelConfig
     from dali_nerf.models import build_field, make_optimizer
-    from dali_nerf.phases import PhaseTimer
-    from dali_nerf.runtime import DistEnv, wrap_ddp
+    from dali_nerf.train.phases import PhaseTimer
+    from dali_nerf.train.runtime import DistEnv, wrap_ddp
     from dali_nerf.sources import RayLoader
-    from dali_nerf.tasks import Task
-    from dali_nerf.training import train_task_step
+    from dali_nerf.train.tasks import Task
+    from dali_nerf.train.loop import train_task_step
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

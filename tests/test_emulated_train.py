@@ -1,4 +1,4 @@
-"""train.device=emulated: the trainers' emulated-device mode (dali_nerf/emulated_train.py), and the
+"""train.device=emulated: the trainers' emulated-device mode (dali_nerf/train/emulated.py), and the
 named LockstepBarrier it keeps torchrun's ranks in lockstep with."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from dali_nerf.emulation import RAY_FLOATS, DeviceLinks, LockstepBarrier, keeps_up
+from dali_nerf.train.emulation import RAY_FLOATS, DeviceLinks, LockstepBarrier, keeps_up
 
 REPO = Path(__file__).resolve().parent.parent
 
 ATTACH = textwrap.dedent("""
     import json, sys, time
-    from dali_nerf.emulation import LockstepBarrier, shared_block
+    from dali_nerf.train.emulation import LockstepBarrier, shared_block
     spec, arrived_name, rank, rounds = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     bar = LockstepBarrier.attach(spec)
     shm = shared_block(arrived_name)
@@ -38,7 +38,7 @@ ATTACH = textwrap.dedent("""
 def test_named_barrier_keeps_independent_processes_in_rounds():
     """Processes that share no parent with the barrier (as torchrun's ranks) open it by name and
     stay in rounds; the creator takes part and unlinks it at the end."""
-    from dali_nerf.emulation import shared_block
+    from dali_nerf.train.emulation import shared_block
 
     W, rounds = 3, 200
     bar = LockstepBarrier.named(W)

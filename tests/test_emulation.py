@@ -18,11 +18,11 @@ import yaml
 
 from dali_nerf.bench import emulated as em
 from dali_nerf.bench import study
-from dali_nerf.emulation import EmulatedDevice, LockstepBarrier, PhaseTimer, emulated_step
+from dali_nerf.train.emulation import EmulatedDevice, LockstepBarrier, PhaseTimer, emulated_step
 from dali_nerf.sources import ReadySource as ReadyBatch
 from dali_nerf.sources.shm_scatter import ShmScatter
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import host_budget
+from dali_nerf.data.hostbudget import host_budget
 
 PH = ("wait", "h2d", "forward", "backward", "sync", "optimizer")
 
@@ -406,7 +406,7 @@ def test_launch_reports_a_failed_rank(tmp_path):
     """A rank that fails (here: a sampler with no emulated source) ends the launch with one error
     naming the rank's log, and no process is left waiting at the barrier."""
     from dali_nerf.config import load_config
-    from dali_nerf.emulation import DeviceLinks
+    from dali_nerf.train.emulation import DeviceLinks
     from dali_nerf.errors import DaliNerfError
     from dali_nerf.scenegen import make_scene
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dali_nerf import imagecache
+from dali_nerf.data import imagecache
 from dali_nerf.config import load_config
 from dali_nerf.scenegen import make_scene
 
@@ -17,7 +17,7 @@ def city(tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["ddp", "ss"])
 def test_the_eval_split_is_decoded_once_per_run(city, tmp_path, monkeypatch, method):
-    from dali_nerf.trainer_cli import run_training
+    from dali_nerf.cli.trainer import run_training
     from dali_nerf.trainers.ddp import DDPMethod
     from dali_nerf.trainers.spatial import SpatialMethod
 

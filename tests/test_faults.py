@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from dali_nerf.checkpoint import commit_checkpoint, latest_checkpoint, load_rank_state, save_rank_state
+from dali_nerf.train.checkpoint import commit_checkpoint, latest_checkpoint, load_rank_state, save_rank_state
 from dali_nerf.errors import DaliNerfError, SceneError
-from dali_nerf.resume import load_checkpoint
+from dali_nerf.train.resume import load_checkpoint
 from dali_nerf.scenegen import make_scene
 from dali_nerf.scenes import load_scene
 
@@ -203,7 +203,7 @@ def test_rank_sigkill_restarts_from_checkpoint_and_matches_uninterrupted(scene_d
 
 SLOW_SAVE_CHILD = r"""
 import sys, torch
-from dali_nerf.checkpoint import save_rank_state
+from dali_nerf.train.checkpoint import save_rank_state
 big = torch.zeros(192 << 20, dtype=torch.uint8)   # 192 MiB: the write takes a while
 save_rank_state(sys.argv[1], 8, 1, {"step": 8, "tasks": {"ddp": {"field": {"w": big}}}})
 print("finished", flush=True)
@@ -335,9 +335,9 @@ def test_torch_workers_close_leaves_no_processes(scene_dir):
 def test_exception_in_training_loop_closes_sources(scene_dir, tmp_path, monkeypatch):
     """An error inside the loop (here: the renderer raising at step 3) propagates, and the loop's
     ``finally`` has closed the batch source: no DALI threads, no torch worker processes."""
-    import dali_nerf.training as training
+    import dali_nerf.train.loop as training
     from dali_nerf.config import load_config
-    from dali_nerf.training import train
+    from dali_nerf.train.loop import train
     from dali_nerf.trainers.ddp import DDPMethod
 
     real = training.render_rays
@@ -442,7 +442,7 @@ def test_crafted_mega_nerf_metadata_refused(tmp_path):
 def test_crafted_checkpoint_refused_by_resume_and_render(scene_dir, tmp_path, capsys):
     """A run folder whose latest checkpoint is a crafted pickle: ``--resume`` and ``dali-nerf
     render --checkpoint`` refuse it in one line (exit 2) and the code never runs."""
-    from dali_nerf.cli import main as cli_main
+    from dali_nerf.cli.main import main as cli_main
     from dali_nerf.config import config_to_dict, load_config
     from dali_nerf.trainers.ddp import main as ddp_main
     import yaml
@@ -563,7 +563,7 @@ def test_ranks_agree_on_the_step_they_resume_from(tmp_path):
     """Only rank 1's newest file is damaged: both ranks resume from the previous step (never rank
     0 from step 8 and rank 1 from step 4); only rank 1 reports a skipped file. A rank that refuses
     (another world size) stops every rank."""
-    from dali_nerf.checkpoint import resume_checkpoint
+    from dali_nerf.train.checkpoint import resume_checkpoint
 
     root = tmp_path / "checkpoints"
     for step in (4, 8):
@@ -596,8 +596,8 @@ def test_ranks_agree_on_the_step_they_resume_from(tmp_path):
 RESUME_RANK = r"""
 import sys, torch, torch.distributed as dist
 from pathlib import Path
-from dali_nerf.resume import read_resume_state
-from dali_nerf.runtime import DistEnv
+from dali_nerf.train.resume import read_resume_state
+from dali_nerf.train.runtime import DistEnv
 rank, store, run = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 resume, st, folder = read_resume_state(run, DistEnv(rank, 2, rank, torch.device("cpu")), True)

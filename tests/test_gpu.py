@@ -221,7 +221,7 @@ def test_nvjpeg_decode_equals_cpu_decode_within_jpeg_tolerance(tmp_path):
     """decode_cache(device="cuda") (nvJPEG) gives the CPU decoder's pixels within JPEG decoder
     tolerance (IDCT and chroma upsampling differ between decoders), same layout and cameras."""
     out = run_gpu_script(f"""
-        from dali_nerf.imagecache import decode_cache
+        from dali_nerf.data.imagecache import decode_cache
         from dali_nerf.scenegen import make_scene
         from dali_nerf.scenes import load_scene
         root = make_scene("objects", {str(tmp_path / 'scene')!r}, width=96, height=64, n_train=6, n_val=1,
@@ -316,7 +316,7 @@ def test_one_rank_cuda_ddp_run(tmp_path):
 def test_phase_timer_uses_events_on_torchs_stream_not_a_device_sync(monkeypatch):
     """PhaseTimer on CUDA: spans are event times on the current stream, resolved by one wait on
     the last event; torch.cuda.synchronize (which would also wait for DALI's streams) is never called."""
-    from dali_nerf.phases import PhaseTimer
+    from dali_nerf.train.phases import PhaseTimer
 
     def no_device_sync(*a, **k):
         raise AssertionError("PhaseTimer called torch.cuda.synchronize()")

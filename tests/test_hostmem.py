@@ -1,8 +1,8 @@
-"""dali_nerf.hostmem: huge-page-backed host buffers behave like np.empty."""
+"""dali_nerf.data.hostmem: huge-page-backed host buffers behave like np.empty."""
 
 import numpy as np
 
-from dali_nerf import hostmem
+from dali_nerf.data import hostmem
 
 
 def test_large_buffer_is_aligned_writable_and_independent():

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from dali_nerf.errors import DataError
-from dali_nerf.imageio import read_header
-from dali_nerf.finish import background_u8
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.data.imageio import read_header
+from dali_nerf.data.finish import background_u8
+from dali_nerf.data.imagecache import decode_cache
 from dali_nerf.scenes.base import Scene
 
 BG = (0.2, 0.6, 0.9)

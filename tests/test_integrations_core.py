@@ -10,7 +10,7 @@ import pytest
 
 
 def test_import_dali_nerf_does_not_import_nerfstudio():
-    code = ("import sys, dali_nerf, dali_nerf.integrations, dali_nerf.cli, dali_nerf.tblog, dali_nerf.training\n"
+    code = ("import sys, dali_nerf, dali_nerf.integrations, dali_nerf.cli.main, dali_nerf.train.tblog, dali_nerf.train.loop\n"
             "from dali_nerf import RayLoader, load_scene\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('nerfstudio', 'tyro', 'viser'))\n"
             "print(bad)\n"

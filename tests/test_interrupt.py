@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from dali_nerf.checkpoint import latest_checkpoint
-from dali_nerf.resume import load_checkpoint
+from dali_nerf.train.checkpoint import latest_checkpoint
+from dali_nerf.train.resume import load_checkpoint
 from dali_nerf.interrupt import EXIT_INTERRUPTED, descendants
 from dali_nerf.scenegen import make_scene
 
@@ -196,7 +196,7 @@ def test_ctrl_c_stops_the_trainer_promptly_leaving_nothing(scene_dir, tmp_path, 
 
 _HANG = textwrap.dedent("""\
     import sys, threading, time
-    from dali_nerf.command import run_cli
+    from dali_nerf.cli.command import run_cli
     from dali_nerf.interrupt import exit_process
 
     def work():

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from dali_nerf.config import ModelConfig
 from dali_nerf.models import build_field, render_rays
 from dali_nerf.models.keyed import M32, keyed_uniform, mix32, ray_keys
-from dali_nerf.seeds import ray_key
+from dali_nerf.data.seeds import ray_key
 
 
 def test_uniforms_are_uniform_and_independent():

@@ -134,13 +134,13 @@ def test_the_cycle_check_sees_one(tmp_path):
 
 
 # the layers below must not import the layers above them (modules or packages, prefix match)
-LOWER = ("dali_nerf.partition", "dali_nerf.sources", "dali_nerf.pipelines", "dali_nerf.plan", "dali_nerf.imagecache",
-         "dali_nerf.finish", "dali_nerf.scenes", "dali_nerf.ops", "dali_nerf.hostbudget", "dali_nerf.seeds",
-         "dali_nerf.config", "dali_nerf.imageio")
-UPPER = ("dali_nerf.models", "dali_nerf.training", "dali_nerf.bench", "dali_nerf.emulation", "dali_nerf.emulated_train",
-         "dali_nerf.trainers", "dali_nerf.trainer_cli", "dali_nerf.evaluation", "dali_nerf.resume", "dali_nerf.runtime",
-         "dali_nerf.tasks", "dali_nerf.runlog", "dali_nerf.fieldsetup", "dali_nerf.demo", "dali_nerf.render_cli",
-         "dali_nerf.cli", "dali_nerf.integrations")
+LOWER = ("dali_nerf.partition", "dali_nerf.sources", "dali_nerf.pipelines", "dali_nerf.data.plan", "dali_nerf.data.imagecache",
+         "dali_nerf.data.finish", "dali_nerf.scenes", "dali_nerf.ops", "dali_nerf.data.hostbudget", "dali_nerf.data.seeds",
+         "dali_nerf.config", "dali_nerf.data.imageio")
+UPPER = ("dali_nerf.models", "dali_nerf.train.loop", "dali_nerf.bench", "dali_nerf.train.emulation", "dali_nerf.train.emulated",
+         "dali_nerf.trainers", "dali_nerf.cli.trainer", "dali_nerf.train.evaluation", "dali_nerf.train.resume", "dali_nerf.train.runtime",
+         "dali_nerf.train.tasks", "dali_nerf.train.runlog", "dali_nerf.train.fieldsetup", "dali_nerf.cli.demo", "dali_nerf.cli.render",
+         "dali_nerf.cli.main", "dali_nerf.integrations")
 
 
 @pytest.mark.parametrize("lower", LOWER)
@@ -154,17 +154,17 @@ def test_the_data_path_imports_nothing_above_it(lower):
 def test_pipelines_hold_graphs_only():
     for name, path in MODULES.items():
         if _under(name, ("dali_nerf.pipelines",)):
-            bad = sorted({i for i in _imports(path, name) if _under(i, ("dali_nerf.sources", "dali_nerf.imagecache",
-                                                                          "dali_nerf.plan"))})
+            bad = sorted({i for i in _imports(path, name) if _under(i, ("dali_nerf.sources", "dali_nerf.data.imagecache",
+                                                                          "dali_nerf.data.plan"))})
             assert not bad, f"{path.relative_to(REPO)} imports {bad}: pipelines/ holds DALI graph definitions only"
 
 
 def test_the_loop_does_not_import_the_emulated_mode_or_the_study():
     for name, path in MODULES.items():
-        if _under(name, ("dali_nerf.training", "dali_nerf.runtime", "dali_nerf.resume", "dali_nerf.evaluation",
-                         "dali_nerf.tasks", "dali_nerf.runlog", "dali_nerf.emulation")):
-            bad = sorted({i for i in _imports(path, name) if _under(i, ("dali_nerf.emulated_train", "dali_nerf.bench",
-                                                                          "dali_nerf.cli", "dali_nerf.trainer_cli"))})
+        if _under(name, ("dali_nerf.train.loop", "dali_nerf.train.runtime", "dali_nerf.train.resume", "dali_nerf.train.evaluation",
+                         "dali_nerf.train.tasks", "dali_nerf.train.runlog", "dali_nerf.train.emulation")):
+            bad = sorted({i for i in _imports(path, name) if _under(i, ("dali_nerf.train.emulated", "dali_nerf.bench",
+                                                                          "dali_nerf.cli.main", "dali_nerf.cli.trainer"))})
             assert not bad, f"{path.relative_to(REPO)} imports {bad}"
 
 
@@ -196,8 +196,8 @@ def _calls(path: Path, names) -> list:
 def test_decode_cache_called_from_at_most_three_modules():
     """The image cache is decoded by its owner; the decode benchmarks time it directly."""
     callers = sorted(str(p.relative_to(REPO)) for n, p in MODULES.items() if _calls(p, {"decode_cache"}))
-    assert len(callers) <= 3 and "dali_nerf/imagecache.py" in callers, callers
-    assert set(callers) <= {"dali_nerf/imagecache.py", "dali_nerf/bench/sampler.py", "dali_nerf/bench/decode.py"}, callers
+    assert len(callers) <= 3 and "dali_nerf/data/imagecache.py" in callers, callers
+    assert set(callers) <= {"dali_nerf/data/imagecache.py", "dali_nerf/bench/sampler.py", "dali_nerf/bench/decode.py"}, callers
 
 
 SOURCE_CLASSES = {"RayLoader", "SpatialRayLoader", "SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler",
@@ -219,33 +219,33 @@ def test_sources_are_constructed_only_in_the_registry():
 def test_the_plan_alone_resolves_budgets_priorities_and_devices():
     helpers = {"host_budget", "resolve_priority", "resolve_device", "sampling_device", "usable_cores"}
     # usable_cores: a summary field (the emulated mode), the study's host cores (provenance.host_cores)
-    allowed = {"dali_nerf.plan", "dali_nerf.hostbudget", "dali_nerf.emulated_train", "dali_nerf.bench.study.provenance"}
+    allowed = {"dali_nerf.data.plan", "dali_nerf.data.hostbudget", "dali_nerf.train.emulated", "dali_nerf.bench.study.provenance"}
     for name, path in MODULES.items():
         if name in allowed:
             continue
         used = set(_calls(path, helpers))
-        assert not used, f"{path.relative_to(REPO)} calls {sorted(used)}; resolve them once in dali_nerf.plan"
+        assert not used, f"{path.relative_to(REPO)} calls {sorted(used)}; resolve them once in dali_nerf.data.plan"
 
 
 def test_only_the_lazy_loader_modules_import_dali():
-    """DALI is imported in dali_nerf/_dali.py (the decode and ray graphs, the torch feed) and the
+    """DALI is imported in dali_nerf/data/_dali.py (the decode and ray graphs, the torch feed) and the
     operator loader; nowhere else in the package."""
-    allowed = {PKG / "_dali.py", PKG / "ops" / "__init__.py"}
+    allowed = {PKG / "data" / "_dali.py", PKG / "ops" / "__init__.py"}
     for name, path in MODULES.items():
         if path in allowed:
             continue
         bad = [i for i in _imports(path, name) if _under(i, ("nvidia.dali",))]
-        assert not bad, f"{path.relative_to(REPO)} imports {bad}; go through dali_nerf._dali"
+        assert not bad, f"{path.relative_to(REPO)} imports {bad}; go through dali_nerf.data._dali"
 
 
 def test_the_checks_see_function_level_and_relative_imports(tmp_path):
     f = tmp_path / "g.py"
-    f.write_text("def build():\n    from ..sources import RayLoader\n    from dali_nerf import training\n")
+    f.write_text("def build():\n    from ..sources import RayLoader\n    from dali_nerf.train import loop\n")
     got = _imports(f, "dali_nerf.pipelines.g")
-    assert "dali_nerf.sources" in got and "dali_nerf.training" in got
+    assert "dali_nerf.sources" in got and "dali_nerf.train.loop" in got
 
 
-@pytest.mark.parametrize("module", ["dali_nerf", "dali_nerf.sources", "dali_nerf.pipelines.rays", "dali_nerf.training",
+@pytest.mark.parametrize("module", ["dali_nerf", "dali_nerf.sources", "dali_nerf.pipelines.rays", "dali_nerf.train.loop",
                                     "dali_nerf.trainers.spatial"])
 def test_importing_the_data_path_imports_no_dali(module):
     code = (f"import sys, {module}; bad = [m for m in sys.modules if m.startswith('nvidia.dali')]; "
@@ -256,7 +256,7 @@ def test_importing_the_data_path_imports_no_dali(module):
 
 def test_importing_the_sources_loads_no_model_training_or_study():
     code = ("import sys, dali_nerf.sources; bad = [m for m in sys.modules if m.startswith(('dali_nerf.models', "
-            "'dali_nerf.training', 'dali_nerf.bench', 'dali_nerf.emulat'))]; assert not bad, bad")
+            "'dali_nerf.train.loop', 'dali_nerf.bench', 'dali_nerf.emulat'))]; assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
 

@@ -24,8 +24,8 @@ import torch
 from _tiny_scene import reference_pixels, tiny_scene
 from dali_nerf.config import load_config
 from dali_nerf.errors import ConfigError, DataError, SceneError
-from dali_nerf.finish import area_weights, background_u8, finish_image, finish_torch, undistort_maps
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.data.finish import area_weights, background_u8, finish_image, finish_torch, undistort_maps
+from dali_nerf.data.imagecache import decode_cache
 from dali_nerf.scenes import load_scene
 
 W, H = 160, 120

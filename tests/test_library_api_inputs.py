@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 
 from dali_nerf.atomic import atomic_write, atomic_write_json
-from dali_nerf.checkpoint import commit_checkpoint, latest_checkpoint, save_rank_state
-from dali_nerf.demo import write_report
+from dali_nerf.train.checkpoint import commit_checkpoint, latest_checkpoint, save_rank_state
+from dali_nerf.cli.demo import write_report
 from dali_nerf.errors import DaliNerfError, DataError
-from dali_nerf.imageio import MAX_PIXELS, MAX_PIXELS_ENV
+from dali_nerf.data.imageio import MAX_PIXELS, MAX_PIXELS_ENV
 from dali_nerf.sources import RayLoader
-from dali_nerf.imagecache import _find_culprit, available_memory, decode_cache
+from dali_nerf.data.imagecache import _find_culprit, available_memory, decode_cache
 from dali_nerf.scenegen import make_scene
 from dali_nerf.scenes import load_scene
-from dali_nerf.validate import main as validate_main
+from dali_nerf.cli.validate import main as validate_main
 
 W = H = 24
 

@@ -11,7 +11,7 @@ import torch
 from _tiny_scene import assert_batch_contract, ref_rays as _ref_rays, tiny_scene
 from dali_nerf.errors import ConfigError
 from dali_nerf.sources import RayLoader
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.data.imagecache import decode_cache
 
 
 @pytest.fixture(scope="module")
@@ -233,8 +233,8 @@ def test_build_source_from_config(scene, name):
 def test_defaults_follow_the_host_budget(scene, cache, monkeypatch):
     """RayLoader's num_threads / rays_per_run default to this host's budget per local rank
     (hostbudget.host_budget); explicit values win; the stream does not depend on them."""
-    from dali_nerf.hostbudget import host_budget
-    from dali_nerf.plan import SamplingPlan
+    from dali_nerf.data.hostbudget import host_budget
+    from dali_nerf.data.plan import SamplingPlan
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # many co-located ranks: 1 thread, 65536 rays per run
     b = host_budget(64)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dali_nerf.errors import DaliNerfError
-from dali_nerf.runlog import MetricsWriter as _MetricsWriter
+from dali_nerf.train.runlog import MetricsWriter as _MetricsWriter
 
 
 def test_resume_drops_lines_after_checkpoint_and_a_torn_line(tmp_path):

@@ -122,7 +122,7 @@ def test_the_largest_seed_samples(scene):
     derived from it fits where it is used (torch generators)."""
     import torch
 
-    from dali_nerf.seeds import init_seed, step_seed
+    from dali_nerf.data.seeds import init_seed, step_seed
     from dali_nerf.sources import RayLoader
 
     top = INT64_MAX

@@ -17,7 +17,7 @@ pytest.importorskip("nvidia.dali")
 from nvidia.dali import fn, pipeline_def  # noqa: E402
 
 from dali_nerf.ops import load_plugin  # noqa: E402
-from dali_nerf.seeds import op_stream_key, splitmix_finalise  # noqa: E402
+from dali_nerf.data.seeds import op_stream_key, splitmix_finalise  # noqa: E402
 from _cxx import compile_harness  # noqa: E402
 
 U64 = np.uint64
@@ -108,7 +108,7 @@ def mulhi(a, b):
     return hh + (hl >> U64(32)) + (cross >> U64(32))
 
 
-# the op's stream key, mirrored in dali_nerf.seeds: every reference stream below is built from the
+# the op's stream key, mirrored in dali_nerf.data.seeds: every reference stream below is built from the
 # mirror, so these tests check it against the C++ operator's output
 py_mix = splitmix_finalise
 stream_key = op_stream_key

@@ -17,7 +17,7 @@ from dali_nerf.partition import (
     plane_axes, ray_cells, ray_cells_dense, scene_ray_bounds,
 )
 from dali_nerf.partition.routing import scene_rays
-from dali_nerf.rays import image_rays
+from dali_nerf.data.rays import image_rays
 from dali_nerf.scenes.base import Scene
 
 

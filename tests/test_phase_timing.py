@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from dali_nerf.sources import base
-from dali_nerf.phases import PhaseTimer
-from dali_nerf.runlog import bar_stall as _bar_stall, steady_stall as _steady_stall
+from dali_nerf.train.phases import PhaseTimer
+from dali_nerf.train.runlog import bar_stall as _bar_stall, steady_stall as _steady_stall
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def test_phase_timer_cpu_spans_host_and_minus(monkeypatch):
     t.resolve(ph)  # resolved spans are consumed
     assert ph["forward"] == 2.5
     # a CPU mark is the host's perf_counter reading at the boundary (what span() subtracts)
-    from dali_nerf import training
+    from dali_nerf.train import loop as training
 
     clock = iter([12.5, 13.75])
     monkeypatch.setattr(training.time, "perf_counter", lambda: next(clock))
@@ -111,7 +111,7 @@ def test_ddp_comm_hook_times_on_gloo_and_keeps_overlap_under_nccl(tmp_path, monk
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
-    from dali_nerf import runtime as training  # DistEnv, wrap_ddp, dist
+    from dali_nerf.train import runtime as training  # DistEnv, wrap_ddp, dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
@@ -135,8 +135,8 @@ def test_record_counts_the_training_threads_wait_for_a_core():
     is either on a core or waiting for one, so its CPU time plus ``runq_s`` is the step's wall
     time; pinned to one core beside a process that spins on it, it waits about half of a 0.4 s
     step. The affinity is put back after the block."""
-    from dali_nerf.hostbudget import first_cores, pinned
-    from dali_nerf.phases import runq_seconds
+    from dali_nerf.data.hostbudget import first_cores, pinned
+    from dali_nerf.train.phases import runq_seconds
 
     if runq_seconds() is None:
         pytest.skip("no /proc/thread-self/schedstat: Linux with schedstats only")
@@ -168,7 +168,7 @@ def test_record_counts_the_training_threads_wait_for_a_core():
 
 def test_first_cores_names_the_affinity_it_lacks():
     from dali_nerf.errors import ConfigError
-    from dali_nerf.hostbudget import first_cores
+    from dali_nerf.data.hostbudget import first_cores
 
     cpus = sorted(os.sched_getaffinity(0))
     assert first_cores(len(cpus)) == tuple(cpus) and first_cores(1) == (cpus[0],)

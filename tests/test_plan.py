@@ -1,4 +1,4 @@
-"""SamplingPlan (dali_nerf/plan.py): a rank's sampling resolved once, from a config or RayLoader's arguments."""
+"""SamplingPlan (dali_nerf/data/plan.py): a rank's sampling resolved once, from a config or RayLoader's arguments."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 
 from dali_nerf.config import load_config
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import host_budget, run_size
-from dali_nerf.plan import SamplingPlan, plan_from_config
+from dali_nerf.data.hostbudget import host_budget, run_size
+from dali_nerf.data.plan import SamplingPlan, plan_from_config
 
 
 def _cfg(*ov):
@@ -61,7 +61,7 @@ def test_rays_per_rank_spread_and_the_uneven_note():
     """The global stream's rays per rank follow the shards' pixels: the largest rank's share over
     the mean (DALI's shard rule), and rank 0's one-line note above 1.1x, only for the global stream
     on more than one rank."""
-    from dali_nerf.plan import rays_per_rank_spread, uneven_rays_note
+    from dali_nerf.data.plan import rays_per_rank_spread, uneven_rays_note
 
     eq = [160000] * 100
     assert [round(rays_per_rank_spread(eq, W), 2) for W in (1, 2, 4, 16, 24, 32, 48, 64)] == \

@@ -1,7 +1,7 @@
 """Property: a checkpoint resumes the exact stream, and any plain state round-trips.
 
 * Sources: a source is advanced a hypothesis-drawn number of steps (after an optional
-  ``set_epoch``), its ``state_dict()`` is written with ``dali_nerf.checkpoint`` (per-rank file,
+  ``set_epoch``), its ``state_dict()`` is written with ``dali_nerf.train.checkpoint`` (per-rank file,
   ``commit_checkpoint``, ``latest_checkpoint``, ``load_rank_state``: the trainers' path, with
   ``weights_only=True``), a *fresh* source built with the same stream settings loads it, and its
   next batches equal, key for key and bit for bit, the batches the original source gave after the
@@ -26,9 +26,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from _tiny_scene import tiny_scene
-from dali_nerf.checkpoint import commit_checkpoint, latest_checkpoint, load_rank_state, save_rank_state
+from dali_nerf.train.checkpoint import commit_checkpoint, latest_checkpoint, load_rank_state, save_rank_state
 from dali_nerf.partition import Partition
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.data.imagecache import decode_cache
 from dali_nerf.sources import RayLoader, SpatialRayLoader, SyncGlobalSampler, SyncLocalSampler, TorchWorkersSampler
 from dali_nerf.sources.sync import RoutedSyncLocal
 

@@ -39,9 +39,9 @@ from hypothesis import assume, given, settings, strategies as st
 pytest.importorskip("nvidia.dali")
 
 from dali_nerf.ops import load_plugin  # noqa: E402
-from dali_nerf.imagecache import ImageCache, pack_cameras  # noqa: E402
+from dali_nerf.data.imagecache import ImageCache, pack_cameras  # noqa: E402
 from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline  # noqa: E402
-from dali_nerf.rays import rays_from_indices  # noqa: E402
+from dali_nerf.data.rays import rays_from_indices  # noqa: E402
 from dali_nerf.scenes.base import Scene  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)

@@ -36,7 +36,7 @@ pytest.importorskip("nvidia.dali")
 
 from dali_nerf.ops import load_plugin  # noqa: E402
 from dali_nerf.partition import Partition, ray_cells  # noqa: E402
-from dali_nerf.imagecache import ImageCache  # noqa: E402
+from dali_nerf.data.imagecache import ImageCache  # noqa: E402
 from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline  # noqa: E402
 
 SAMPLES, LOCAL, ROUNDS, ZOOM = 512, 4, 4, 17

@@ -30,7 +30,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 from _stream_checks import assert_each_pixel_once
 from _tiny_scene import tiny_scene
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.data.imagecache import decode_cache
 from dali_nerf.pipelines.decode import shard_range
 from dali_nerf.sources import RayLoader, SyncGlobalSampler, SyncLocalSampler, TorchWorkersSampler
 from dali_nerf.sources.streaming import WINDOW_IMAGE_OVERHEAD

@@ -98,9 +98,9 @@ def test_config_names_the_registrys_sources():
 def test_checkpoints_record_rays_sync_as_the_rays_stream(stream):
     """A checkpoint of a rays_sync run records the stream of rays (global: G = B x W kept on a resume
     at another world size), as its batches are those of rays."""
-    from dali_nerf.resume import resumed_config
+    from dali_nerf.train.resume import resumed_config
     from dali_nerf.sources.registry import run_stream
-    from dali_nerf.runtime import DistEnv
+    from dali_nerf.train.runtime import DistEnv
 
     for method in ("ddp", "ss"):
         want = run_stream(_config("rays", f"pipeline.stream={stream}", f"method={method}"))

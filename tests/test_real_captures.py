@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 import torch
 
-from dali_nerf.checkpoint import RUN_FILE, latest_checkpoint, load_file
+from dali_nerf.train.checkpoint import RUN_FILE, latest_checkpoint, load_file
 from dali_nerf.config import Config, ModelConfig
 from dali_nerf.errors import ConfigError
-from dali_nerf.resume import load_checkpoint
+from dali_nerf.train.resume import load_checkpoint
 from dali_nerf.models import build_field, make_optimizer, render_rays
 from dali_nerf.models.ray_space import RaySpace, resolve_space
-from dali_nerf.rays import image_rays
-from dali_nerf.render_cli import load_run_space
+from dali_nerf.data.rays import image_rays
+from dali_nerf.cli.render import load_run_space
 from dali_nerf.scenes import load_scene
 from dali_nerf.trainers.spatial import main as spatial_main
-from dali_nerf.evaluation import evaluate_field
-from dali_nerf.fieldsetup import eval_background, scene_aabb, scene_space, train_background
+from dali_nerf.train.evaluation import evaluate_field
+from dali_nerf.train.fieldsetup import eval_background, scene_aabb, scene_space, train_background
 
 from test_trainers import metrics, run_trainer
 

@@ -1,4 +1,4 @@
-"""The elastic resume rules of dali_nerf.resume in-process: which (method, stream) a checkpoint
+"""The elastic resume rules of dali_nerf.train.resume in-process: which (method, stream) a checkpoint
 records for a config (:func:`run_stream`) and which world sizes a format-2 checkpoint resumes on
 (``_check_elastic``). The trainers' resumes on other world sizes run in tests/test_elastic_resume.py
 (subprocesses); these cases pin the rules themselves, one line per refusal."""
@@ -10,7 +10,7 @@ import pytest
 from dali_nerf.config import load_config
 from dali_nerf.errors import DaliNerfError
 from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
-from dali_nerf.resume import ELASTIC, _check_elastic
+from dali_nerf.train.resume import ELASTIC, _check_elastic
 from dali_nerf.sources.registry import run_stream
 from dali_nerf.sources.registry import SOURCES, SS_SOURCES
 
@@ -111,7 +111,7 @@ def test_ss_cells_resume_on_at_most_their_number_of_ranks():
 def _env(world):
     import torch
 
-    from dali_nerf.runtime import DistEnv
+    from dali_nerf.train.runtime import DistEnv
     return DistEnv(rank=0, world_size=world, local_rank=0, device=torch.device("cpu"))
 
 
@@ -119,7 +119,7 @@ def test_global_batch_sets_the_rays_per_rank_of_a_new_run_or_is_refused_in_one_l
     """pipeline.global_batch G: a new run on W ranks trains G / W rays per rank; a W that does not
     divide G, or a run without a global batch, is refused naming the key and the fix."""
     from dali_nerf.config import ConfigError
-    from dali_nerf.resume import resumed_config
+    from dali_nerf.train.resume import resumed_config
     from dali_nerf.sources.registry import global_batch_config
 
     cfg = load_config(None, ["pipeline.global_batch=1536"], check_paths=False)
@@ -148,7 +148,7 @@ def test_a_resumed_run_keeps_its_checkpoints_global_batch_over_the_configs(capsy
     """The checkpoint's G wins: a config naming the same G resumes without a note; another G or
     none is noted once (rank 0), and a W that divides the checkpoint's G but not the config's is
     not refused (the config's G is not used)."""
-    from dali_nerf.resume import resumed_config
+    from dali_nerf.train.resume import resumed_config
 
     st = {"format": 2, "method": "ddp", "pipeline": "rays", "stream": GLOBAL_STREAM, "global_batch": 1536,
           "step": 20, "world_size": 4}
@@ -169,7 +169,7 @@ def test_a_checkpoint_without_a_global_batch_refuses_the_configs(capsys):
     global): the run continues the shard stream, which has no global batch, so the key is refused
     in one line rather than changing rays_per_batch silently."""
     from dali_nerf.config import ConfigError
-    from dali_nerf.resume import resumed_config
+    from dali_nerf.train.resume import resumed_config
 
     st = {"format": 2, "method": "ddp", "pipeline": "rays", "stream": SHARD_STREAM, "global_batch": 0,
           "step": 20, "world_size": 2}

@@ -15,7 +15,7 @@ import torch
 from dali_nerf.config import PartitionConfig, load_config
 from dali_nerf.errors import ConfigError
 from dali_nerf.partition import Partition, assign_rank
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.data.imagecache import decode_cache
 from dali_nerf.scenegen import make_scene
 from dali_nerf.scenes import describe_change, load_scene, scene_fingerprint
 from dali_nerf.sources import build_source

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from dali_nerf import scenegen as sg
-from dali_nerf.cli import main
+from dali_nerf.cli.main import main
 from dali_nerf.errors import ConfigError, DaliNerfError
-from dali_nerf.rays import rays_from_indices
+from dali_nerf.data.rays import rays_from_indices
 from dali_nerf.scenegen import tracer, worlds, writers
 from dali_nerf.scenes import load_scene
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dali_nerf.errors import SceneError
-from dali_nerf.rays import rays_from_indices
+from dali_nerf.data.rays import rays_from_indices
 from dali_nerf.scenes import detect_format, load_scene
 
 RNG = np.random.default_rng(0)

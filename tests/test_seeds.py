@@ -1,4 +1,4 @@
-"""dali_nerf.seeds reproduces, bit for bit, the formulas each module used before they moved there
+"""dali_nerf.data.seeds reproduces, bit for bit, the formulas each module used before they moved there
 (the references below are those formulas, copied): any change is a behaviour change."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from dali_nerf import seeds
+from dali_nerf.data import seeds
 from dali_nerf.sources import PixelSampler, window_plan
-from dali_nerf.runtime import seed_everything, step_generator
+from dali_nerf.train.runtime import seed_everything, step_generator
 
 M64 = (1 << 64) - 1
 

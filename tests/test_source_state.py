@@ -7,7 +7,7 @@ import torch
 
 from dali_nerf.config import PartitionConfig
 from dali_nerf.errors import ConfigError
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.data.imagecache import decode_cache
 from dali_nerf.partition import Partition
 from dali_nerf.scenegen import make_scene
 from dali_nerf.scenes import load_scene

@@ -10,7 +10,7 @@ from dali_nerf import scenegen as sg
 from dali_nerf.models.render import render_rays
 from dali_nerf.models.space import (contract, lin_disp_samples, ndc_rays, ndc_to_world, normalize_to_box,
                                     to_camera_frame, uncontract, world_to_ndc)
-from dali_nerf.rays import rays_from_indices
+from dali_nerf.data.rays import rays_from_indices
 from dali_nerf.scenes import load_scene
 
 

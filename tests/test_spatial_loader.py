@@ -12,7 +12,7 @@ from _tiny_scene import assert_batch_contract
 from dali_nerf.config import PartitionConfig
 from dali_nerf.errors import ConfigError
 from dali_nerf.partition import Partition, ray_cells
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.data.imagecache import decode_cache
 from dali_nerf.pipelines.rays import ray_pipeline
 from dali_nerf.sources import SpatialRayLoader
 

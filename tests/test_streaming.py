@@ -15,9 +15,9 @@ import torch
 from _tiny_scene import assert_batch_contract, ref_rays as _ref_rays, tiny_scene
 from dali_nerf.errors import ConfigError, DataError
 from dali_nerf.sources import RayLoader, plan_window_images, window_plan
-from dali_nerf import imagecache as decode_mod
+from dali_nerf.data import imagecache as decode_mod
 from dali_nerf.sources import streaming as stream_mod
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.data.imagecache import decode_cache
 
 W_PX, H_PX, N_IMG = 24, 16, 8
 PER_IMAGE = W_PX * H_PX * 3 + 104  # decoded bytes + camera/layout rows of one window image

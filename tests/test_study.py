@@ -14,7 +14,7 @@ import yaml
 
 from dali_nerf.bench import costmodel as cm
 from dali_nerf.bench import study
-from dali_nerf.command import run_cli
+from dali_nerf.cli.command import run_cli
 from dali_nerf.errors import DaliNerfError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -425,7 +425,7 @@ def test_a_failed_cell_is_reported_and_the_command_exits_2(tmp_path, monkeypatch
     """One cell of the grid fails for real (SS's ready floor refuses pipeline.mode=epoch, the rays
     cell runs): the report is written with the cell listed under "Cells that did not run", and the
     command exits 2 with one line naming the cell, its trainer's error and its log."""
-    from dali_nerf.cli import main
+    from dali_nerf.cli.main import main
     from dali_nerf.scenegen import make_scene
 
     monkeypatch.chdir(tmp_path)
@@ -546,7 +546,7 @@ def test_refit_script_reproduces_the_committed_report(capsys):
 def test_the_study_refuses_a_global_batch_in_one_line(capsys, monkeypatch):
     """The study sets rays per rank itself; pipeline.global_batch would be ignored silently, so the
     command refuses it: exit 2, one line naming the file and the key, nothing run."""
-    from dali_nerf.cli import main as cli_main
+    from dali_nerf.cli.main import main as cli_main
 
     import dali_nerf.bench.study as study
 

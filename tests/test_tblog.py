@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dali_nerf import tblog
+from dali_nerf.train import tblog
 from dali_nerf.config import TrainConfig
 from dali_nerf.errors import ConfigError
 from dali_nerf.scenegen import make_scene
-from dali_nerf.tblog import TBWriter, resolve_mode, step_scalars
+from dali_nerf.train.tblog import TBWriter, resolve_mode, step_scalars
 
 event_accumulator = pytest.importorskip(
     "tensorboard.backend.event_processing.event_accumulator",
@@ -108,7 +108,7 @@ def test_modes(tmp_path, monkeypatch):
 WIRED = any(f.name == "tensorboard" for f in dataclasses.fields(TrainConfig))
 
 
-@pytest.mark.skipif(not WIRED, reason="train.tensorboard not wired into dali_nerf/training.py yet")
+@pytest.mark.skipif(not WIRED, reason="train.tensorboard not wired into dali_nerf/train/loop.py yet")
 def test_trainer_run_writes_tensorboard_events(tmp_path):
     """A real 1-rank DDP trainer run: its event file holds every step's scalars and the eval images."""
 

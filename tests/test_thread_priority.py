@@ -1,4 +1,4 @@
-"""Priority of the threads that sample ahead (``pipeline.thread_priority``, dali_nerf/hostbudget.py):
+"""Priority of the threads that sample ahead (``pipeline.thread_priority``, dali_nerf/data/hostbudget.py):
 ``background`` runs a loader's DALI threads, its hand-over thread and the torch_workers processes
 at SCHED_IDLE and leaves every other thread as it was; the stream does not depend on it."""
 
@@ -12,8 +12,8 @@ import torch
 from _tiny_scene import tiny_scene
 from dali_nerf.config import load_config
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import check_priority, dali_threads, host_budget, resolve_priority
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.data.hostbudget import check_priority, dali_threads, host_budget, resolve_priority
+from dali_nerf.data.imagecache import decode_cache
 from dali_nerf.sources import RayLoader, SpatialRayLoader, TorchWorkersSampler, build_source
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not os.path.isdir("/proc/self/task"),
@@ -136,7 +136,7 @@ def test_starved_background_loader_returns_to_normal_priority(scene, cache):
     import time
     import warnings
 
-    from dali_nerf.hostbudget import usable_cores
+    from dali_nerf.data.hostbudget import usable_cores
     from dali_nerf.sources.base import SamplerStarvedWarning
 
     kw = dict(rays_per_batch=64, rays_per_run=256, cache=cache, prefetch=2, num_threads=1)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dali_nerf.checkpoint import latest_checkpoint
+from dali_nerf.train.checkpoint import latest_checkpoint
 from dali_nerf.config import load_config
 from dali_nerf.errors import ConfigError
 
@@ -42,7 +42,7 @@ def _cfg(scene, runs, name, extra):
 
 def _train(cfg) -> dict:
     from dali_nerf.trainers.ddp import DDPMethod
-    from dali_nerf.training import train
+    from dali_nerf.train.loop import train
 
     return train(cfg, DDPMethod())
 

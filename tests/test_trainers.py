@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from dali_nerf.checkpoint import RUN_FILE, latest_checkpoint, load_file
-from dali_nerf.resume import load_checkpoint
+from dali_nerf.train.checkpoint import RUN_FILE, latest_checkpoint, load_file
+from dali_nerf.train.resume import load_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = ["model.resolution=24", "model.samples_per_ray=32", "model.occupancy_resolution=16",
@@ -74,7 +74,7 @@ def ddp_overrides(scene, runs, name, steps=40, extra=()):
 
 def mean_colour_psnr(scene_root, split="test"):
     from dali_nerf.models import psnr
-    from dali_nerf.imagecache import decode_cache
+    from dali_nerf.data.imagecache import decode_cache
     from dali_nerf.scenes import load_scene
 
     sc = load_scene(scene_root, split)

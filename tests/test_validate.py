@@ -1,4 +1,4 @@
-"""Image header checks (dali_nerf.imageio) and `dali-nerf validate` on tiny scenes in tmp_path."""
+"""Image header checks (dali_nerf.data.imageio) and `dali-nerf validate` on tiny scenes in tmp_path."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import cv2
 import numpy as np
 import pytest
 
-from dali_nerf.cli import main as cli_main
+from dali_nerf.cli.main import main as cli_main
 from dali_nerf.errors import DataError, SceneError
-from dali_nerf.imageio import MAX_PIXELS, check_image, decode_image_cv2, read_header
-from dali_nerf.validate import validate_scene
+from dali_nerf.data.imageio import MAX_PIXELS, check_image, decode_image_cv2, read_header
+from dali_nerf.cli.validate import validate_scene
 
 from test_scenes import assert_one_line, make_blender, make_llff, make_mega_nerf, make_nerfstudio
 

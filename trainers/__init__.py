@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=N trainers/ddp.py --config configs/ddp_objects.yaml
     torchrun --nproc_per_node=N -m dali_nerf.trainers.spatial --config configs/ss_city.yaml
 
-Both are thin method definitions over the one loop in :mod:`dali_nerf.training`.
+Both are thin method definitions over the one loop in :mod:`dali_nerf.train.loop`.
 """
 
 __all__ = ["ddp", "spatial"]

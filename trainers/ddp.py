@@ -20,15 +20,15 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from dali_nerf.errors import stderr_line
-from dali_nerf.plan import uneven_rays_note
+from dali_nerf.data.plan import uneven_rays_note
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
-from dali_nerf.seeds import init_seed
+from dali_nerf.data.seeds import init_seed
 from dali_nerf.sources import build_source
 from dali_nerf.sources.registry import RAY_GRAPH_SOURCES
-from dali_nerf.fieldsetup import learned_background_init, scene_space
-from dali_nerf.runtime import DistEnv, wrap_ddp
-from dali_nerf.tasks import Method, Task
-from dali_nerf.trainer_cli import trainer_main
+from dali_nerf.train.fieldsetup import learned_background_init, scene_space
+from dali_nerf.train.runtime import DistEnv, wrap_ddp
+from dali_nerf.train.tasks import Method, Task
+from dali_nerf.cli.trainer import trainer_main
 
 __all__ = ["DDPMethod", "main"]
 

@@ -26,14 +26,14 @@ import torch.distributed as dist
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
 from dali_nerf.models.fused import FusedField
 from dali_nerf.errors import ConfigError
-from dali_nerf.evaluation import EvalViews, evaluate_field
-from dali_nerf.fieldsetup import learned_background_init, scene_space
+from dali_nerf.train.evaluation import EvalViews, evaluate_field
+from dali_nerf.train.fieldsetup import learned_background_init, scene_space
 from dali_nerf.partition import Partition, assign_rank
-from dali_nerf.runtime import DistEnv
-from dali_nerf.seeds import init_seed
+from dali_nerf.train.runtime import DistEnv
+from dali_nerf.data.seeds import init_seed
 from dali_nerf.sources import build_source
-from dali_nerf.tasks import Method, Task
-from dali_nerf.trainer_cli import trainer_main
+from dali_nerf.train.tasks import Method, Task
+from dali_nerf.cli.trainer import trainer_main
 
 __all__ = ["SpatialMethod", "build_fused", "main"]
 

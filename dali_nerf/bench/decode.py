@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write_text
-from ..errors import ConfigError
-from .sampler import decode_rate, synthetic_images
+from dali_nerf.atomic import atomic_write_text
+from dali_nerf.errors import ConfigError
+from dali_nerf.bench.sampler import decode_rate, synthetic_images
 
 __all__ = ["main", "measure"]
 

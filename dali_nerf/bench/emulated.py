@@ -3,26 +3,26 @@ step time and trial in-process, in rotation (:func:`schedule`).
 
 ``launch`` spawns W rank processes (``multiprocessing`` spawn, no torch.distributed): each builds
 its real batch sources once (decode, DALI pipelines, worker processes), then runs the segments in
-order; a segment is ``warmup + steps`` steps of :func:`dali_nerf.emulation.emulated_step` with one
+order; a segment is ``warmup + steps`` steps of :func:`dali_nerf.train.emulation.emulated_step` with one
 source at one device step time, and writes ``<out>/<segment>/metrics.jsonl`` (rank 0),
 ``metrics.rank<R>.jsonl``, ``config.yaml`` and ``study.json`` — the layout
 :func:`dali_nerf.bench.study.read_run` reads. Label of every such row:
-:data:`~dali_nerf.emulation.EMULATED_LABEL`.
+:data:`~dali_nerf.train.emulation.EMULATED_LABEL`.
 
-Lockstep: a :class:`~dali_nerf.emulation.LockstepBarrier` (POSIX semaphores in shared memory, no sockets): every
+Lockstep: a :class:`~dali_nerf.train.emulation.LockstepBarrier` (POSIX semaphores in shared memory, no sockets): every
 segment starts with one; in DDP every step's all-reduce is emulated as this barrier (its
 rendezvous: slower ranks hold the others, as NCCL does) plus the link's all-reduce time;
 ``sync_global`` scatters through shared memory after one. Its own cost — W ranks calling it back to
 back with no work — is measured at the start of each launch and reported.
 
 Budgets (equal for every sampler): ``threads`` sampler threads per rank from
-:func:`dali_nerf.hostbudget.host_budget` (DALI threads for ``rays`` and ``rays_sync``, worker
+:func:`dali_nerf.data.hostbudget.host_budget` (DALI threads for ``rays`` and ``rays_sync``, worker
 processes for ``torch_workers``, the training thread's torch threads for ``sync_*``), the same run
 size for the DALI sources, and ``train.torch_threads`` for the rank's own thread. A launch may be
 pinned to a subset of the host's cores (``launch(..., cpus=...)``: the ranks inherit the CPU
 affinity, read their budget from it and refuse one that differs from the launch's), which names
 its regime by cores per GPU. The DALI sources are timed over whole runs from a run boundary
-(:func:`dali_nerf.emulated_train.warmup_steps`, :func:`~dali_nerf.emulated_train.whole_runs`).
+(:func:`dali_nerf.train.emulated.warmup_steps`, :func:`~dali_nerf.train.emulated.whole_runs`).
 
 SS: one cell per rank (``ss_grid(W)`` cells), every rank holding all images.
 """
@@ -43,17 +43,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import yaml
 
-from ..emulated_train import warmup_steps, whole_runs
-from ..emulation import DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer, emulated_step
-from ..errors import DaliNerfError
-from ..hostbudget import HostBudget, pinned
-from ..imagecache import CacheStore
-from ..partition import Partition
-from ..plan import SamplingPlan, plan_from_config
-from ..scenes import scene_from_config
-from ..sources import make_source
-from ..sources.base import was_demoted
-from ..sources.shm_scatter import ShmLink, ShmScatter
+from dali_nerf.train.emulated import warmup_steps, whole_runs
+from dali_nerf.train.emulation import DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer, emulated_step
+from dali_nerf.errors import DaliNerfError
+from dali_nerf.data.hostbudget import HostBudget, pinned
+from dali_nerf.data.imagecache import CacheStore
+from dali_nerf.partition import Partition
+from dali_nerf.data.plan import SamplingPlan, plan_from_config
+from dali_nerf.scenes import scene_from_config
+from dali_nerf.sources import make_source
+from dali_nerf.sources.base import was_demoted
+from dali_nerf.sources.shm_scatter import ShmLink, ShmScatter
 
 __all__ = ["Segment", "schedule", "pair_order", "with_floor", "launch", "launch_budget", "ss_grid", "segment_plan",
            "FLOOR", "PIPELINED",
@@ -188,7 +188,7 @@ def launch_budget(cfg, ranks: int, cores: Optional[int] = None) -> HostBudget:
     """The budget of an emulated launch of ``ranks`` ranks (on ``cores`` usable cores; None: this
     process's): the host budget for that many local ranks (whatever ``pipeline.num_threads`` /
     ``rays_per_run`` the CPU rows use), at ``pipeline.thread_priority`` resolved for emulated
-    devices (:func:`dali_nerf.plan.plan_from_config`). A rank reads it again from its own affinity
+    devices (:func:`dali_nerf.data.plan.plan_from_config`). A rank reads it again from its own affinity
     and refuses to run on another."""
     emu = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, num_threads=0, rays_per_run=0),
                               train=dataclasses.replace(cfg.train, device="emulated"))

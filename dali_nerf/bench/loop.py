@@ -5,8 +5,8 @@ machine's training device, against the same step with a ready batch (the floor).
         --batches 16384,65536 --trials 3 --out out/loop [key=value ...]
 
 One process, world size 1. The config's model is built by the DDP trainer's own method
-(``trainers/ddp.py``) and trained by the trainer's own step (:func:`dali_nerf.training.train_task_step`,
-phases by :class:`~dali_nerf.phases.PhaseTimer`: CUDA events on torch's stream on a GPU, host
+(``trainers/ddp.py``) and trained by the trainer's own step (:func:`dali_nerf.train.loop.train_task_step`,
+phases by :class:`~dali_nerf.train.phases.PhaseTimer`: CUDA events on torch's stream on a GPU, host
 time on the CPU; ``wait`` is host time in ``next()``). It is first trained ``--pretrain`` steps
 (so the occupancy grid has culled empty space, as in a real run), then its state (field,
 optimiser, occupancy grid, schedule) is kept and restored before every segment: every source
@@ -53,10 +53,10 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
-from ..atomic import atomic_write_text
-from ..config import Config, config_to_dict, load_config
-from ..errors import ConfigError
-from ..plan import plan_from_config
+from dali_nerf.atomic import atomic_write_text
+from dali_nerf.config import Config, config_to_dict, load_config
+from dali_nerf.errors import ConfigError
+from dali_nerf.data.plan import plan_from_config
 
 __all__ = ["main", "run_loop", "read_device_step", "SAMPLERS", "LABELS", "aggregate"]
 
@@ -115,7 +115,7 @@ def _make_source(cfg: Config, name: str, placement: str, B: int, scene, cache, d
     registry: the trainer's plan for ``device`` with ``threads`` sampler threads, sampling where the
     placement keeps the images (torch_workers as the trainer builds it for ``device``: workers
     sample on the host, batches pinned on a GPU)."""
-    from ..sources import make_source
+    from dali_nerf.sources import make_source
 
     if name not in SAMPLERS:
         raise ConfigError(f"--samplers: unknown source {name!r}; use {', '.join(SAMPLERS)}")
@@ -153,8 +153,8 @@ def _timed_steps(name: str, src, steps: int) -> int:
 
 def _segment(cfg, env, task, scene, src, warm: int, steps: int, first_step: int) -> dict:
     """Train ``warm + steps`` steps of ``task`` on ``src``; means over the timed ones."""
-    from ..phases import PHASES, PhaseTimer
-    from ..training import train_task_step
+    from dali_nerf.train.phases import PHASES, PhaseTimer
+    from dali_nerf.train.loop import train_task_step
 
     task.source, task.iterator = src, None
     bg = torch.as_tensor(np.array(scene.background), device=env.device)
@@ -192,7 +192,7 @@ def _segment(cfg, env, task, scene, src, warm: int, steps: int, first_step: int)
 
 def aggregate(segments: List[dict]) -> dict:
     """``rows`` and ``device_steps`` from the segments (see the module docstring)."""
-    from .study.derive import mean_ci
+    from dali_nerf.bench.study.derive import mean_ci
 
     floors = {(s["placement"], s["rays"], s["trial"]): s for s in segments if s["sampler"] == FLOOR}
     pipes: Dict[tuple, list] = {}
@@ -287,12 +287,12 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
              log=print) -> dict:
     """Measure every (placement, batch size, sampler) ``trials`` times; write ``out/loop.json``
     and ``out/loop.md`` after every segment; returns the result dict (see the module docstring)."""
-    from ..emulation import model_grad_bytes
-    from ..imagecache import CacheStore
-    from ..scenes import scene_from_config
-    from ..trainers.ddp import DDPMethod
-    from ..runtime import DistEnv
-    from .study.provenance import git_commit, machine_desc as _machine_desc
+    from dali_nerf.train.emulation import model_grad_bytes
+    from dali_nerf.data.imagecache import CacheStore
+    from dali_nerf.scenes import scene_from_config
+    from dali_nerf.trainers.ddp import DDPMethod
+    from dali_nerf.train.runtime import DistEnv
+    from dali_nerf.bench.study.provenance import git_commit, machine_desc as _machine_desc
 
     dev_name = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if dev_name == "cuda" and not torch.cuda.is_available():
@@ -367,7 +367,7 @@ def _grid(cfg, env, task, scene, caches, res, out, batches, samplers, placements
           dev_name, threads, t0, log) -> None:
     """Every (batch size, trial, placement, source) segment of :func:`run_loop`, rotated, each from
     the same pretrained state; ``res`` rewritten to ``out`` after every segment."""
-    from .emulated import pair_order, with_floor
+    from dali_nerf.bench.emulated import pair_order, with_floor
 
     snap = _snapshot(task)
     baselines = [s for s in samplers if s not in (PIPELINED, FLOOR)]

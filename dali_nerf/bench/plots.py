@@ -15,7 +15,7 @@ from typing import List, Sequence, Tuple
 
 from matplotlib.figure import Figure
 
-from ..emulation import KEEPS_UP_STALL, KEEPS_UP_STEP
+from dali_nerf.train.emulation import KEEPS_UP_STALL, KEEPS_UP_STEP
 
 __all__ = ["plot_phases", "plot_speedups", "plot_scaling", "scaling_rows", "plot_model_check", "plot_projection",
            "PHASE_COLORS", "SAMPLER_COLORS"]
@@ -59,7 +59,7 @@ def plot_speedups(speedups: Sequence[dict], path: Path) -> Path:
     """Measured speedup (mean, 95% interval) against its ideal 1/(1 - data stall of the baseline) (its
     step over the floor's; 1/(1 - wait stall) where no floor ran), one point per
     pair; the y = x line and the flags' band [1/KEEPS_UP_STEP, KEEPS_UP_STEP] x ideal
-    (:data:`dali_nerf.emulation.KEEPS_UP_STEP`) inside which the stall explains the speedup."""
+    (:data:`dali_nerf.train.emulation.KEEPS_UP_STEP`) inside which the stall explains the speedup."""
     fig = Figure(figsize=(6.4, 5.2))
     ax = fig.subplots()
     colors = SAMPLER_COLORS
@@ -102,7 +102,7 @@ def plot_scaling(configs: Sequence[dict], path: Path) -> Path:
     """Emulated rows: stall (left) and step / floor (right) against cores per GPU (the cores a
     launch ran on over its ranks; below 1, shaded: the starved host), one row of panels per method,
     one colour per sampler, one line style per device step time (the study's batch size only); the
-    keeps-up thresholds (:func:`dali_nerf.emulation.keeps_up`) dashed. Rows without a recorded core
+    keeps-up thresholds (:func:`dali_nerf.train.emulation.keeps_up`) dashed. Rows without a recorded core
     count are left out, and the title says how many (:func:`scaling_rows`)."""
     rays, rows, left_out = scaling_rows(configs)
     methods = sorted({c["method"] for c in rows}) or ["(none)"]

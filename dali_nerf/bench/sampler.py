@@ -19,7 +19,7 @@ each with the ratio of ours to it. The consumer loop only touches the batch, so 
 the sampler's. Every source is measured once per round, ``--rounds`` (default 3) interleaved
 rounds of ``--seconds``, and keeps its best round, so that a machine whose speed drifts favours
 no source. Also decode images/s of DALI's decoder (JPEG and PNG RGBA, 800x800, 2 threads)
-through :func:`~dali_nerf.imagecache.decode_cache`.
+through :func:`~dali_nerf.data.imagecache.decode_cache`.
 
 Default scene (no ``--scene``): a 100-image 400x400 ``objects`` scene generated once into
 ``~/.cache/dali_nerf/bench/objects_400x400_100``.
@@ -45,10 +45,10 @@ from filelock import FileLock
 
 from dali_nerf.config import PartitionConfig
 from dali_nerf.errors import ConfigError
-from dali_nerf.imagecache import decode_cache
+from dali_nerf.data.imagecache import decode_cache
 from dali_nerf.partition import Partition
-from dali_nerf.plan import SamplingPlan
-from dali_nerf.rays import rays_from_indices
+from dali_nerf.data.plan import SamplingPlan
+from dali_nerf.data.rays import rays_from_indices
 from dali_nerf.scenegen import make_scene
 from dali_nerf.scenes import load_scene
 from dali_nerf.scenes.base import Scene

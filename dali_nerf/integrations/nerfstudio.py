@@ -81,10 +81,10 @@ from nerfstudio.plugins.types import MethodSpecification
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from dali_nerf import RayLoader, Scene
-from dali_nerf.plan import SamplingPlan, global_batch_share
+from dali_nerf.data.plan import SamplingPlan, global_batch_share
 from dali_nerf.sources import make_source
 from dali_nerf.errors import ConfigError
-from dali_nerf.imageio import read_header
+from dali_nerf.data.imageio import read_header
 
 __all__ = [
     "DaliDataManagerConfig", "DaliDataManager", "DaliNerfactoModelConfig", "DaliNerfactoModel",
@@ -182,7 +182,7 @@ class DaliDataManagerConfig(VanillaDataManagerConfig):
     """DALI runs computed ahead of training (0 = synchronous sampling)."""
     num_threads: int = 0
     """DALI threads per rank (decode once, then sampling); 0 = the host's budget per local rank, as
-    the trainers' (dali_nerf.plan: usable cores / LOCAL_WORLD_SIZE - 1, 1 to 4)."""
+    the trainers' (dali_nerf.data.plan: usable cores / LOCAL_WORLD_SIZE - 1, 1 to 4)."""
     rays_per_run: int = 0
     """Rays one DALI run samples (several steps; does not change the ray stream); 0 = the host's
     budget (65536 per sampler thread, at most 262144)."""

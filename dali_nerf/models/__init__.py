@@ -3,12 +3,12 @@
 See docs/MODEL.md for the choice and its measurements.
 """
 
-from .field import RadianceField, TensorVMField, build_field
-from .metrics import mse, psnr, ssim
-from .occupancy import OccupancyGrid, build_occupancy
-from .optim import lr_lambda, make_optimizer
-from .render import ray_aabb, render_image, render_rays
-from .space import contract, lin_disp_samples, ndc_rays, ndc_to_world, normalize_to_box, uncontract, world_to_ndc
+from dali_nerf.models.field import RadianceField, TensorVMField, build_field
+from dali_nerf.models.metrics import mse, psnr, ssim
+from dali_nerf.models.occupancy import OccupancyGrid, build_occupancy
+from dali_nerf.models.optim import lr_lambda, make_optimizer
+from dali_nerf.models.render import ray_aabb, render_image, render_rays
+from dali_nerf.models.space import contract, lin_disp_samples, ndc_rays, ndc_to_world, normalize_to_box, uncontract, world_to_ndc
 
 __all__ = [
     "RadianceField", "TensorVMField", "build_field", "OccupancyGrid", "build_occupancy",

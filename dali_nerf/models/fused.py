@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..partition.blend import point_weights, point_weights_t
-from ..partition.cells import Partition
+from dali_nerf.partition.blend import point_weights, point_weights_t
+from dali_nerf.partition.cells import Partition
 
 __all__ = ["FusedField", "point_weights", "point_weights_t"]
 

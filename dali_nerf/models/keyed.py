@@ -40,7 +40,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 def ray_keys(key: int, positions: torch.Tensor) -> torch.Tensor:
     """(B,) int64 32-bit keys of rays at global ``positions`` (B,) int64 >= 0 for the 64-bit
-    ``key`` of a purpose (:func:`dali_nerf.seeds.ray_key`): distinct positions of one 2^32 block
+    ``key`` of a purpose (:func:`dali_nerf.data.seeds.ray_key`): distinct positions of one 2^32 block
     get distinct keys (each step is a bijection)."""
     p = positions.to(torch.int64)
     k0, k1 = int(key) & M32, (int(key) >> 32) & M32

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from dali_nerf.config import ModelConfig
 
 __all__ = ["OccupancyGrid", "build_occupancy"]
 

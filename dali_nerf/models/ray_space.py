@@ -40,8 +40,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..scenes.bounds import scene_bounds
-from .space import contract, ndc_rays, normalize_to_box, to_camera_frame
+from dali_nerf.scenes.bounds import scene_bounds
+from dali_nerf.models.space import contract, ndc_rays, normalize_to_box, to_camera_frame
 
 __all__ = ["RaySpace", "SPACES", "resolve_space", "build_space", "CONTRACT_FAR_FACTOR", "NDC_MARGIN"]
 

@@ -24,9 +24,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..rays import image_rays
-from .keyed import keyed_uniform
-from .space import lin_disp_samples
+from dali_nerf.data.rays import image_rays
+from dali_nerf.models.keyed import keyed_uniform
+from dali_nerf.models.space import lin_disp_samples
 
 __all__ = ["render_rays", "render_image", "ray_aabb"]
 

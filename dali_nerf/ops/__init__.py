@@ -46,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..errors import PluginBuildError
+from dali_nerf.errors import PluginBuildError
 
 __all__ = ["load_plugin", "build_plugin", "plugin_cache_dir", "prune_cache", "cuda_available", "main", "LIB_NAME",
            "MAX_AGE_DAYS"]

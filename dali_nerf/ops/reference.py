@@ -35,7 +35,7 @@ from math import isqrt
 
 import numpy as np
 
-from ..seeds import op_global_key
+from dali_nerf.data.seeds import op_global_key
 
 __all__ = ["MODES", "weyl_multiplier", "global_key", "epoch_shifts", "slots", "pixels", "kept",
            "step_counts", "shard_pixel_range"]
@@ -85,7 +85,7 @@ def weyl_multiplier(P: int) -> int:
 
 
 def global_key(seed: int, mode: str) -> int:
-    """The stream's 64-bit key (:func:`dali_nerf.seeds.op_global_key`)."""
+    """The stream's 64-bit key (:func:`dali_nerf.data.seeds.op_global_key`)."""
     return op_global_key(seed, MODES[mode])
 
 

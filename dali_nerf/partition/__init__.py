@@ -13,10 +13,10 @@
 (4096, 4)
 """
 
-from .blend import point_weights
-from .cells import Partition, assign_rank, plane_axes
-from .mega_nerf import export_mega_nerf, export_megannerf, import_mega_nerf, import_megannerf, load_masks
-from .routing import cell_fraction, clip_to_bounds, ray_cells, ray_cells_dense, scene_ray_bounds
+from dali_nerf.partition.blend import point_weights
+from dali_nerf.partition.cells import Partition, assign_rank, plane_axes
+from dali_nerf.partition.mega_nerf import export_mega_nerf, export_megannerf, import_mega_nerf, import_megannerf, load_masks
+from dali_nerf.partition.routing import cell_fraction, clip_to_bounds, ray_cells, ray_cells_dense, scene_ray_bounds
 
 __all__ = [
     "Partition", "assign_rank", "ray_cells", "ray_cells_dense", "point_weights", "scene_ray_bounds",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .cells import Partition
+from dali_nerf.partition.cells import Partition
 
 __all__ = ["point_weights", "point_weights_t"]
 

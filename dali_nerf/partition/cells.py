@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import ConfigError
+from dali_nerf.errors import ConfigError
 
 __all__ = ["Partition", "assign_rank", "plane_axes"]
 

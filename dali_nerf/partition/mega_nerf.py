@@ -18,9 +18,9 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from ..errors import SceneError
-from .cells import Partition
-from .routing import ray_cells, scene_ray_bounds, scene_rays
+from dali_nerf.errors import SceneError
+from dali_nerf.partition.cells import Partition
+from dali_nerf.partition.routing import ray_cells, scene_ray_bounds, scene_rays
 
 __all__ = ["export_mega_nerf", "import_mega_nerf", "load_masks", "export_megannerf", "import_megannerf"]
 

@@ -38,9 +38,9 @@ from typing import Tuple
 import numpy as np
 import torch
 
-from ..errors import SceneError
-from ..rays import rays_from_indices
-from .cells import Partition
+from dali_nerf.errors import SceneError
+from dali_nerf.data.rays import rays_from_indices
+from dali_nerf.partition.cells import Partition
 
 __all__ = ["ray_cells", "ray_cells_dense", "clip_to_bounds", "scene_ray_bounds", "scene_rays",
            "cell_fraction"]
@@ -262,7 +262,7 @@ def scene_ray_bounds(scene, cams, origins, directions) -> Tuple[np.ndarray, np.n
 
 
 def scene_rays(scene, cams, rows, cols):
-    """Rays of pixels, by the project's one ray formula (:func:`dali_nerf.rays.rays_from_indices`).
+    """Rays of pixels, by the project's one ray formula (:func:`dali_nerf.data.rays.rays_from_indices`).
 
     Args:
         scene: Scene; cams, rows, cols: (B,) integer camera index, pixel row, pixel column.

@@ -92,10 +92,10 @@ defaults), :mod:`.writers` (the folder layouts above, :func:`make_scene`), :mod:
 PosixPath('data/default')
 """
 
-from .cameras import BLENDER_CAMERA_ANGLE_X, DEFAULTS, KINDS, scene_cameras
-from .cli import main
-from .worlds import render_scene_rays
-from .writers import CITY_DRB_OFFSET, CITY_METRES_PER_UNIT, DRB_FROM_SCENE, make_scene
+from dali_nerf.scenegen.cameras import BLENDER_CAMERA_ANGLE_X, DEFAULTS, KINDS, scene_cameras
+from dali_nerf.scenegen.cli import main
+from dali_nerf.scenegen.worlds import render_scene_rays
+from dali_nerf.scenegen.writers import CITY_DRB_OFFSET, CITY_METRES_PER_UNIT, DRB_FROM_SCENE, make_scene
 
 __all__ = [
     "make_scene", "render_scene_rays", "scene_cameras", "main", "KINDS", "DEFAULTS",

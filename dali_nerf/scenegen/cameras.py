@@ -21,8 +21,8 @@ import math
 
 import numpy as np
 
-from ..errors import ConfigError
-from .worlds import stream_rng
+from dali_nerf.errors import ConfigError
+from dali_nerf.scenegen.worlds import stream_rng
 
 __all__ = ["scene_cameras", "resolve", "intrinsics", "pixel_rays", "KINDS", "DEFAULTS",
            "BLENDER_CAMERA_ANGLE_X", "OBJECTS_RADIUS", "OBJECTS_NEAR", "OBJECTS_FAR",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from .cameras import resolve
-from .writers import make_scene
+from dali_nerf.scenegen.cameras import resolve
+from dali_nerf.scenegen.writers import make_scene
 
 __all__ = ["main"]
 

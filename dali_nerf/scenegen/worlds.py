@@ -19,8 +19,8 @@ import math
 
 import numpy as np
 
-from ..errors import ConfigError
-from .tracer import CHUNK, Box, BoxSet, Cylinder, Floor, Sphere, World, trace
+from dali_nerf.errors import ConfigError
+from dali_nerf.scenegen.tracer import CHUNK, Box, BoxSet, Cylinder, Floor, Sphere, World, trace
 
 __all__ = ["render_scene_rays", "scene_world", "stream_rng", "OBJECTS_AABB", "CITY_GROUND", "CITY_AABB",
            "FORWARD_FLOOR_Z", "UNBOUNDED_FLOOR_Z", "UNBOUNDED_ENV_RADIUS"]

@@ -20,10 +20,10 @@ import cv2
 import numpy as np
 import torch
 
-from ..errors import ConfigError, DaliNerfError
-from .cameras import BLENDER_CAMERA_ANGLE_X, OBJECTS_FAR, OBJECTS_NEAR, intrinsics, pixel_rays, resolve, scene_cameras
-from .tracer import CHUNK, trace
-from .worlds import CITY_AABB, OBJECTS_AABB, scene_world
+from dali_nerf.errors import ConfigError, DaliNerfError
+from dali_nerf.scenegen.cameras import BLENDER_CAMERA_ANGLE_X, OBJECTS_FAR, OBJECTS_NEAR, intrinsics, pixel_rays, resolve, scene_cameras
+from dali_nerf.scenegen.tracer import CHUNK, trace
+from dali_nerf.scenegen.worlds import CITY_AABB, OBJECTS_AABB, scene_world
 
 __all__ = ["make_scene", "DRB_FROM_SCENE", "CITY_METRES_PER_UNIT", "CITY_DRB_OFFSET", "DEFAULT_FORMAT", "PARALLEL_PIXELS",
            "PARALLEL_CORES"]

@@ -11,11 +11,11 @@ import dataclasses
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from ..errors import SceneError
-from .base import FORMATS, Scene, register_format
-from ._util import resolve_background
-from .fingerprint import describe_change, scene_fingerprint
-from . import blender, nerfstudio, llff, mega_nerf  # noqa: F401  (register themselves)
+from dali_nerf.errors import SceneError
+from dali_nerf.scenes.base import FORMATS, Scene, register_format
+from dali_nerf.scenes._util import resolve_background
+from dali_nerf.scenes.fingerprint import describe_change, scene_fingerprint
+from dali_nerf.scenes import blender, nerfstudio, llff, mega_nerf  # noqa: F401  (register themselves)
 
 __all__ = ["Scene", "load_scene", "scene_from_config", "detect_format", "FORMATS", "register_format", "scene_fingerprint",
            "describe_change"]

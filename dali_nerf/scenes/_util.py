@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 import cv2
 import numpy as np
 
-from ..errors import SceneError
-from ..imageio import IMAGE_EXTENSIONS, check_pixel_limit, max_pixels_limit, read_header
+from dali_nerf.errors import SceneError
+from dali_nerf.data.imageio import IMAGE_EXTENSIONS, check_pixel_limit, max_pixels_limit, read_header
 
 __all__ = [
     "load_json", "require", "as_float", "check_poses", "check_focal", "check_images_exist",
@@ -161,7 +161,7 @@ def check_images_exist(paths: Sequence[str], source, what: str = "images") -> No
 
 def check_sizes(wh: np.ndarray, names: Sequence[str], path) -> None:
     """Image sizes (N, 2) must be positive integers of at most the per-image pixel limit
-    (:func:`dali_nerf.imageio.max_pixels_limit`), checked from the declaration alone, before any
+    (:func:`dali_nerf.data.imageio.max_pixels_limit`), checked from the declaration alone, before any
     cache is sized from it (a declared 200000x200000 would otherwise ask for 447 GiB per 4
     images). Whether each file really has its declared size is checked from the headers by
     ``decode_cache`` and ``dali-nerf validate``."""

@@ -73,7 +73,7 @@ class Scene:
             order: perspective k1, k2, p1, p2, k3, k4, k5, k6 (k4..k6: OpenCV's rational model);
             fisheye (``fisheye`` True) k1, k2, k3, k4, 0, 0, 0, 0 (``cv2.fisheye``). None when no
             image is distorted (a zero row: that image is not). The decode stage undistorts once
-            (``dali_nerf/finish.py``); ``intrinsics`` are the undistorted image's.
+            (``dali_nerf/data/finish.py``); ``intrinsics`` are the undistorted image's.
         fisheye: (N,) bool, the ``cv2.fisheye`` (equidistant) model per image; None iff
             ``distortion`` is None.
         file_intrinsics: (N, 4) float64 fx, fy, cx, cy of the distorted files as stored (at

@@ -11,7 +11,7 @@ from the *first* image's header (Blender renders share one size; ``dali-nerf val
 every header). Optional top-level keys (written by our generator, absent from the standard set):
 ``near``, ``far`` (default 2 and 6, the standard bounds of the synthetic scenes) and ``aabb``
 [[min], [max]] (default [-1.5, 1.5]^3). ``downscale`` d: sizes floor(W/d), intrinsics scaled by the
-exact ratio, images area-averaged at decode (``dali_nerf/finish.py``). ``world_from_source`` is the
+exact ratio, images area-averaged at decode (``dali_nerf/data/finish.py``). ``world_from_source`` is the
 identity. Background (``load_scene``'s "auto"): white, the synthetic scenes' convention.
 
 >>> scene = load_scene("data/lego", split="train")      # detected by transforms_train.json
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SceneError
-from ..imageio import check_pixel_limit, read_header
-from .base import Scene, register_format
-from ._util import (as_float, as_matrix, check_bounds, check_focal, check_images_exist, check_poses,
+from dali_nerf.errors import SceneError
+from dali_nerf.data.imageio import check_pixel_limit, read_header
+from dali_nerf.scenes.base import Scene, register_format
+from dali_nerf.scenes._util import (as_float, as_matrix, check_bounds, check_focal, check_images_exist, check_poses,
                     image_path, load_json, parse_aabb, require, resolve_downscale)
 
 __all__ = ["detect", "parse", "BLENDER_NEAR", "BLENDER_FAR", "BLENDER_AABB"]

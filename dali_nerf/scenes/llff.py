@@ -31,10 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SceneError
-from ..imageio import IMAGE_EXTENSIONS, read_header
-from .base import Scene, register_format
-from ._util import (DRB_TO_GL, check_bounds, check_focal, check_images_exist, check_poses, check_sizes,
+from dali_nerf.errors import SceneError
+from dali_nerf.data.imageio import IMAGE_EXTENSIONS, read_header
+from dali_nerf.scenes.base import Scene, register_format
+from dali_nerf.scenes._util import (DRB_TO_GL, check_bounds, check_focal, check_images_exist, check_poses, check_sizes,
                     downscaled_size, mean_up, scale_intrinsics)
 
 __all__ = ["detect", "parse", "LLFF_HOLD", "BD_FACTOR", "normalise"]

@@ -44,10 +44,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import SceneError
-from ..imageio import IMAGE_EXTENSIONS
-from .base import Scene, register_format
-from ._util import (check_bounds, check_focal, check_poses, check_sizes, downscaled_size,
+from dali_nerf.errors import SceneError
+from dali_nerf.data.imageio import IMAGE_EXTENSIONS
+from dali_nerf.scenes.base import Scene, register_format
+from dali_nerf.scenes._util import (check_bounds, check_focal, check_poses, check_sizes, downscaled_size,
                     parse_aabb, scale_intrinsics)
 
 __all__ = ["detect", "parse", "load_pt", "CAMERA_COLUMNS"]

@@ -15,7 +15,7 @@ own world frame; we keep that frame (``world_from_source`` = identity; nerfstudi
   under ``OPENCV`` is refused (nerfstudio reads it as an r^8 term, OpenCV as the rational one: say
   ``FULL_OPENCV`` for the latter), as are coefficients the model does not have and the other models
   (equirectangular, FOV, ...). ``PINHOLE`` / ``SIMPLE_PINHOLE`` must have zero coefficients. The
-  images are undistorted once at decode (``dali_nerf/finish.py``); the Scene's ``intrinsics`` are
+  images are undistorted once at decode (``dali_nerf/data/finish.py``); the Scene's ``intrinsics`` are
   the undistorted image's, same size, from :func:`._util.undistorted_intrinsics` (alpha = 0: no
   invalid border) at the file's resolution, then scaled like any intrinsics by ``downscale``. The
   distorted camera is kept in ``Scene.file_intrinsics`` / ``distortion`` / ``fisheye``. All-zero
@@ -44,10 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SceneError
-from ..imageio import read_header
-from .base import Scene, register_format
-from ._util import (as_float, as_matrix, check_bounds, check_focal, check_images_exist, check_poses,
+from dali_nerf.errors import SceneError
+from dali_nerf.data.imageio import read_header
+from dali_nerf.scenes.base import Scene, register_format
+from dali_nerf.scenes._util import (as_float, as_matrix, check_bounds, check_focal, check_images_exist, check_poses,
                     check_sizes, load_json, mean_up, parse_aabb, require, resolve_downscale,
                     scale_intrinsics, undistorted_intrinsics)
 

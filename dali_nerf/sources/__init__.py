@@ -10,10 +10,10 @@
 * :mod:`.shm_scatter` ShmScatter: sync_global between emulated ranks, through shared memory
 * :mod:`.registry`   the only constructor (``rays``, ``rays_sync`` = rays synchronous, the baselines):
   ``source_from_config`` (YAML -> source), ``build_source``
-  (config + scene), ``make_source`` (a resolved :class:`~dali_nerf.plan.SamplingPlan`)
+  (config + scene), ``make_source`` (a resolved :class:`~dali_nerf.data.plan.SamplingPlan`)
 
 Importing this package imports no DALI: the graphs import it when they are built
-(:mod:`dali_nerf._dali`).
+(:mod:`dali_nerf.data._dali`).
 
 >>> from dali_nerf.sources import build_source
 >>> src = build_source(cfg, scene, rank=0, world_size=1)

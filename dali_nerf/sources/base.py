@@ -19,10 +19,10 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from dali_nerf._dali import torch_feed
+from dali_nerf.data._dali import torch_feed
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import dali_threads, local_world_size, to_background
-from dali_nerf.imagecache import available_memory
+from dali_nerf.data.hostbudget import dali_threads, local_world_size, to_background
+from dali_nerf.data.imagecache import available_memory
 from dali_nerf.pipelines.rays import GLOBAL_OUTPUTS, INT32_MAX, INT64_MAX, RAY_BYTES, RAY_OUTPUTS
 from dali_nerf.scenes import describe_change, scene_fingerprint
 
@@ -327,8 +327,8 @@ class RunAhead:
     of the run that differs per local rank (:func:`run_phase`), which spreads that work over the run.
 
     ``background``: the ids of the process's DALI threads before ``pipe`` was built
-    (:func:`~dali_nerf.hostbudget.dali_threads`), to run this thread and the pipeline's own DALI
-    threads at background priority (:func:`~dali_nerf.hostbudget.to_background`, from the first
+    (:func:`~dali_nerf.data.hostbudget.dali_threads`), to run this thread and the pipeline's own DALI
+    threads at background priority (:func:`~dali_nerf.data.hostbudget.to_background`, from the first
     run on); None (default) leaves every thread's priority as it is. In background, ``get()``
     feeds a :class:`StarvationGuard` (unless ``guard`` is False) and sets ``starved`` when the
     consumer keeps waiting: the owner then rebuilds its pipeline at normal priority

@@ -60,9 +60,9 @@ import numpy as np
 import torch
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import dali_threads
-from dali_nerf.imagecache import shard_cache
-from dali_nerf.plan import SamplingPlan
+from dali_nerf.data.hostbudget import dali_threads
+from dali_nerf.data.imagecache import shard_cache
+from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.pipelines.decode import shard_range, shard_sizes
 from dali_nerf.pipelines.rays import GLOBAL_STREAM, INT64_MAX, SHARD_STREAM, ray_pipeline
 from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, RunAhead, check_cache_device, check_common,
@@ -99,10 +99,10 @@ class RayLoader(BatchSource):
         prefetch: DALI runs computed ahead of the consumer (0 = synchronous).
         device: "cpu" | "cuda" (nvJPEG decode, GPU op, CUDA tensors) | "auto".
         num_threads: DALI CPU threads (None/0: this host's budget per local rank,
-            :func:`dali_nerf.hostbudget.host_budget`: cores per rank - 1, 1..4).
+            :func:`dali_nerf.data.hostbudget.host_budget`: cores per rank - 1, 1..4).
         rays_per_run: rays per DALI run, rounded up to a multiple of B (K = ceil(rays_per_run / B));
             None/0: 65536 per thread, at most 262144 (the host budget).
-        cache: a pre-decoded :class:`~dali_nerf.imagecache.ImageCache` of this shard.
+        cache: a pre-decoded :class:`~dali_nerf.data.imagecache.ImageCache` of this shard.
         output_map: batch keys to return (near/far dropped when the scene has no bounds).
         max_bytes: decoded-image budget per rank (None = unlimited); a shard whose decoded pixels
             exceed it is streamed through two windows of decoded images (see the module doc).
@@ -114,9 +114,9 @@ class RayLoader(BatchSource):
         thread_priority: "normal" | "background": the priority of the threads that sample ahead
             (DALI's CPU threads and the hand-over thread; CPU, prefetch > 0, cached shards).
             "background" when this rank's compute is on a GPU and the host's cores are few per
-            rank, so the training thread never waits for a core (:mod:`dali_nerf.hostbudget`);
+            rank, so the training thread never waits for a core (:mod:`dali_nerf.data.hostbudget`);
             ``auto``: background when ``device`` is cuda (a run's config resolves
-            ``pipeline.thread_priority`` from ``train.device``: :func:`dali_nerf.plan.plan_from_config`).
+            ``pipeline.thread_priority`` from ``train.device``: :func:`dali_nerf.data.plan.plan_from_config`).
             A background sampler that keeps ``next()`` waiting over 20% of a second (a host whose
             cores are all busy starves it) warns once (:class:`~.base.SamplerStarvedWarning`) and
             is rebuilt at normal priority at the next run, at the same stream position
@@ -126,7 +126,7 @@ class RayLoader(BatchSource):
             by the seed alone, the same for every world size; each rank's batch is the part of
             the step's G rays whose image is in its shard, a number of rays that varies around B
             and may be 0; batches also carry ``positions``; see the module doc).
-        plan: a resolved :class:`~dali_nerf.plan.SamplingPlan` (the registry's door, from a config):
+        plan: a resolved :class:`~dali_nerf.data.plan.SamplingPlan` (the registry's door, from a config):
             it replaces every argument above but ``scene``, ``cache`` and ``output_map``.
     Yields:
         dict: origins (B, 3) f32, directions (B, 3) f32 unit, rgb (B, 3) f32, indices (B, 3) i64,

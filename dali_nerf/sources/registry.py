@@ -28,11 +28,11 @@ Three doors, one construction:
 * :func:`source_from_config` — a YAML file (plus ``key=value`` overrides) to the source a rank
   should use: the public door, beside the drop-in ``RayLoader(scene, ...)``;
 * :func:`build_source` — a loaded config and scene (the trainers, the emulated mode);
-* :func:`make_source` — a name and a resolved :class:`~dali_nerf.plan.SamplingPlan` (the study's
+* :func:`make_source` — a name and a resolved :class:`~dali_nerf.data.plan.SamplingPlan` (the study's
   equal budgets, the benchmarks), every value already decided.
 
-Every value a source needs comes from the plan (:mod:`dali_nerf.plan`), every image cache from
-:mod:`dali_nerf.imagecache` (a :class:`~dali_nerf.imagecache.CacheStore` shares one decode between
+Every value a source needs comes from the plan (:mod:`dali_nerf.data.plan`), every image cache from
+:mod:`dali_nerf.data.imagecache` (a :class:`~dali_nerf.data.imagecache.CacheStore` shares one decode between
 the sources of a rank: an SS rank's cells, the study's samplers).
 
 >>> src = source_from_config("configs/ddp_objects.yaml", rank=0, world_size=2)             # DDP: one source
@@ -46,9 +46,9 @@ import dataclasses
 from typing import Optional, Sequence
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.imagecache import CacheStore
+from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
-from dali_nerf.plan import SamplingPlan, global_batch_share, plan_from_config
+from dali_nerf.data.plan import SamplingPlan, global_batch_share, plan_from_config
 from dali_nerf.sources.rays import RayLoader
 from dali_nerf.sources.ready import ReadySource
 from dali_nerf.sources.routed_workers import RoutedTorchWorkers
@@ -137,8 +137,8 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
         cells: None for data parallel; for spatial segmentation the cells of every rank
             (``cells[r]``, e.g. :func:`dali_nerf.partition.assign_rank`), with ``partition``.
         cache: an ImageCache to sample (DDP: this rank's shard; SS: all images of the split);
-            None: decoded here (:mod:`dali_nerf.imagecache`), once per rank.
-        plan: the rank's plan (default :func:`dali_nerf.plan.plan_from_config` of ``cfg``).
+            None: decoded here (:mod:`dali_nerf.data.imagecache`), once per rank.
+        plan: the rank's plan (default :func:`dali_nerf.data.plan.plan_from_config` of ``cfg``).
         store: caches shared with other sources of this rank (default: a new one).
         scatter: ``sync_global`` between emulated ranks (shared memory instead of a process group).
     Returns:

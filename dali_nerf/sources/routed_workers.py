@@ -22,10 +22,10 @@ import functools
 
 import numpy as np
 
-from dali_nerf import seeds
+from dali_nerf.data import seeds
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import check_priority
-from dali_nerf.imagecache import full_cache
+from dali_nerf.data.hostbudget import check_priority
+from dali_nerf.data.imagecache import full_cache
 from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
 from dali_nerf.sources.base import MAX_PREFETCH, BatchSource, BatchStats, check_int, check_scene_state, scene_state
 from dali_nerf.sources.sync import PixelSampler, WorkerBatches, WorkerLoader, host_plan, routed_rays

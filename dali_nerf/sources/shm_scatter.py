@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dali_nerf.seeds import routed_stream
+from dali_nerf.data.seeds import routed_stream
 from dali_nerf.sources.routed_workers import routed_batch
 from dali_nerf.sources.sync import PixelSampler
 

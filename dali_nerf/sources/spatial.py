@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import dali_threads
-from dali_nerf.imagecache import full_cache
+from dali_nerf.data.hostbudget import dali_threads
+from dali_nerf.data.imagecache import full_cache
 from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, RAY_OUTPUTS, ray_pipeline, release_pipeline
-from dali_nerf.plan import SamplingPlan
+from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.sources.base import (MAX_PREFETCH, BatchSource, BatchStats, RunAhead, check_cache_device, check_int,
                                     check_run_size, check_scene_state, demote_if_starved, run_graph, run_phase,
                                     scene_state, step_views)

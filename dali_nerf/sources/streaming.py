@@ -10,7 +10,7 @@ near-equal size (:func:`window_plan`), so every cycle groups the images differen
 mode, and random mode by default) or ``rays_per_window`` (random mode), so a cycle is ``P``
 positions (or ``m * rays_per_window``) and position ``s`` maps to (cycle, window, local offset)
 with no state. Within a window the operator runs over that window's ImageCache with the window
-key :func:`dali_nerf.seeds.window_key` ``(seed, rank, c, j)`` as its seed and the local offset as
+key :func:`dali_nerf.data.seeds.window_key` ``(seed, rank, c, j)`` as its seed and the local offset as
 ``start``: epoch mode visits each of the window's pixels once (one Feistel permutation of
 ``P_j``), so cycle ``e`` = epoch ``e`` still visits every pixel of the shard exactly once.
 
@@ -45,9 +45,9 @@ import numpy as np
 import torch
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.imagecache import DecodeCancelled, window_cache
+from dali_nerf.data.imagecache import DecodeCancelled, window_cache
 from dali_nerf.pipelines.rays import ray_pipeline, release_pipeline
-from dali_nerf.seeds import window_key, window_order_keys
+from dali_nerf.data.seeds import window_key, window_order_keys
 from dali_nerf.sources.base import CLOSE_TIMEOUT_S, run_graph
 
 __all__ = ["WindowStream", "window_plan", "plan_window_images", "WINDOW_IMAGE_OVERHEAD"]
@@ -124,7 +124,7 @@ class WindowStream:
     """The stream of one rank's shard through decoded windows (see the module doc).
 
     Args:
-        scene: the split; plan: the rank's :class:`~dali_nerf.plan.SamplingPlan` (the shard, the
+        scene: the split; plan: the rank's :class:`~dali_nerf.data.plan.SamplingPlan` (the shard, the
             stream's seed and mode, device, threads, decode batch, rays per run, prefetch (capped
             per window), ``max_bytes``, recorded in :meth:`info`).
         image_ids: (N,) split indices of the shard; px_per_image: (N,) their pixel counts.

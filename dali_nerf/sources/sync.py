@@ -4,7 +4,7 @@
 Honest, vectorised torch implementations over the same decoded cache (``decode_cache``):
 
 * :class:`SyncLocalSampler` — each rank samples its own batch in the training thread:
-  ``torch.randint`` pixel ids over its shard -> uint8 gather -> :func:`dali_nerf.rays.rays_from_indices`.
+  ``torch.randint`` pixel ids over its shard -> uint8 gather -> :func:`dali_nerf.data.rays.rays_from_indices`.
 * :class:`SyncGlobalSampler` — the paper's setting: rank 0 holds ALL images, samples the global
   batch (B * world_size) inside the training step and scatters one slice to each rank
   (:func:`scatter_batches`; needs an initialised process group when world_size > 1).
@@ -16,10 +16,10 @@ Honest, vectorised torch implementations over the same decoded cache (``decode_c
   rank 0 for every rank's cell and scattered.
 
 Streams are position-based like RayLoader's (step k = positions [k*B, (k+1)*B)): random mode
-draws position block k with a generator seeded by :func:`dali_nerf.seeds.block_seed` (seed,
+draws position block k with a generator seeded by :func:`dali_nerf.data.seeds.block_seed` (seed,
 stream, k); epoch mode maps position s through ``torch.randperm(P)`` of epoch ``s // P`` seeded
-by :func:`dali_nerf.seeds.perm_seed` (seed, stream, epoch). The stream id is the rank (or
-:func:`dali_nerf.seeds.routed_stream` for the routed ones). They are deterministic and resumable
+by :func:`dali_nerf.data.seeds.perm_seed` (seed, stream, epoch). The stream id is the rank (or
+:func:`dali_nerf.data.seeds.routed_stream` for the routed ones). They are deterministic and resumable
 but are not the same random stream as the operator's.
 
 >>> src = SyncLocalSampler(scene, rays_per_batch=4096, rank=0, world_size=1)
@@ -39,15 +39,15 @@ import torch
 import torch.distributed as dist
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import check_priority, to_background
-from dali_nerf.imagecache import full_cache, shard_cache
+from dali_nerf.data.hostbudget import check_priority, to_background
+from dali_nerf.data.imagecache import full_cache, shard_cache
 from dali_nerf.interrupt import ignore_interrupts, interrupts_deferred
 from dali_nerf.partition import ray_cells
 from dali_nerf.pipelines.decode import shard_sizes
 from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
-from dali_nerf.plan import SamplingPlan
-from dali_nerf.rays import rays_from_indices
-from dali_nerf.seeds import block_seed, perm_seed, routed_stream
+from dali_nerf.data.plan import SamplingPlan
+from dali_nerf.data.rays import rays_from_indices
+from dali_nerf.data.seeds import block_seed, perm_seed, routed_stream
 from dali_nerf.sources.base import (BatchSource, BatchStats, check_common, check_int, check_run_size,
                                     check_scene_state, global_epoch_steps, scene_state)
 
@@ -374,7 +374,7 @@ class WorkerLoader:
     def _start_workers(self, dataset: WorkerBatches, workers: int, prefetch: int, pin_memory: bool = False) -> None:
         """``workers`` persistent processes (1 torch thread each, ``prefetch`` batches each ahead;
         0 workers: in-process), at ``self.thread_priority`` (background: SCHED_IDLE, as the DALI
-        loaders' threads, :mod:`dali_nerf.hostbudget`)."""
+        loaders' threads, :mod:`dali_nerf.data.hostbudget`)."""
         kw = {}
         if workers > 0:
             init = functools.partial(_worker_init, background=self.thread_priority == "background")

@@ -8,7 +8,7 @@ speedup of each trial comes from that adjacent pair):
   (``runs/<runs_dir>/study_<m>_<s>_<r>_t<trial>_<k>/``) with CPU compute;
 * **emulated**: one launch per (method, ranks) (:mod:`dali_nerf.bench.emulated`) in which device
   compute, collectives and host-to-device copies are timed waits and host work is real
-  (:data:`~dali_nerf.emulation.EMULATED_LABEL`), at every ``bench.emulated_step_ms``, beside the
+  (:data:`~dali_nerf.train.emulation.EMULATED_LABEL`), at every ``bench.emulated_step_ms``, beside the
   emulation floor (a source that hands out a ready batch).
 
 Every row runs the same-sampler control ``rays_sync`` too (our DALI sampler synchronous in the
@@ -47,21 +47,21 @@ import shlex
 import time
 from pathlib import Path
 
-from ...config import config_to_dict, load_config
-from ...emulation import model_grad_bytes
-from ...errors import ConfigError, DaliNerfError
-from ...scenegen import make_scene
-from .. import costmodel as cm
-from .derive import (BAND, BASELINES, KEEPS_UP_STALL, KEEPS_UP_STEP, PAPER, PHASE_KEYS, comparable, derive,
+from dali_nerf.config import config_to_dict, load_config
+from dali_nerf.train.emulation import model_grad_bytes
+from dali_nerf.errors import ConfigError, DaliNerfError
+from dali_nerf.scenegen import make_scene
+from dali_nerf.bench import costmodel as cm
+from dali_nerf.bench.study.derive import (BAND, BASELINES, KEEPS_UP_STALL, KEEPS_UP_STEP, PAPER, PHASE_KEYS, comparable, derive,
                      derive_summary, gmean_ci, keeps_up, keeps_up_reason, like_for_like, main_grid, mean_ci,
                      read_run, starved)
-from .model import fit_and_check, observations, sampling_profile
-from .provenance import git_commit, host_cores, machine_desc, machine_slug
-from .provenance import machine_desc as _machine_desc  # main's name for it
-from .report import REPORT_FORMAT, report_from_derived, sampler_table_of, write_report
-from .runs import cpu_plan, measure_sampling, run_emulated, run_grid, sampler_table
-from .sections import result
-from .runs import sampler_table as _sampler_table  # main's name for it
+from dali_nerf.bench.study.model import fit_and_check, observations, sampling_profile
+from dali_nerf.bench.study.provenance import git_commit, host_cores, machine_desc, machine_slug
+from dali_nerf.bench.study.provenance import machine_desc as _machine_desc  # main's name for it
+from dali_nerf.bench.study.report import REPORT_FORMAT, report_from_derived, sampler_table_of, write_report
+from dali_nerf.bench.study.runs import cpu_plan, measure_sampling, run_emulated, run_grid, sampler_table
+from dali_nerf.bench.study.sections import result
+from dali_nerf.bench.study.runs import sampler_table as _sampler_table  # main's name for it
 
 __all__ = ["main", "derive", "read_run", "machine_slug", "machine_desc", "git_commit", "run_grid", "run_emulated",
            "cpu_plan", "measure_sampling", "sampler_table", "sampling_profile", "write_report", "report_from_derived",
@@ -94,7 +94,7 @@ def main(args) -> int:
     cfg = _study_config(config_path, overrides)
     step_ms_source, device_step = STEP_MS_SOURCE, None
     if cfg.bench.device_step_file:  # the device step measured on a GPU (dali-nerf bench loop), not assumed
-        from ..loop import read_device_step
+        from dali_nerf.bench.loop import read_device_step
 
         device_step = read_device_step(cfg.bench.device_step_file, cfg.pipeline.rays_per_batch)
         ms = device_step["ms_per_4096"]
@@ -157,7 +157,7 @@ def main(args) -> int:
                f"{cfg.pipeline.workers} worker process(es) for torch_workers, the training thread for sync_*) beside "
                f"{cpu_threads} torch thread(s) for compute")
     if emulation:
-        budgets += ("; emulated rows: per launch, the threads of dali_nerf.hostbudget.host_budget (cores per local "
+        budgets += ("; emulated rows: per launch, the threads of dali_nerf.data.hostbudget.host_budget (cores per local "
                     "rank) for every sampler (DALI threads, worker processes, the training thread's torch threads), "
                     "listed per launch below, with the priority of the threads and processes that sample ahead "
                     "(pipeline.thread_priority, auto: background for emulated devices, the same for the DALI loaders "

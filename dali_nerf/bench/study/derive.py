@@ -23,10 +23,10 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import yaml
 
-from ... import emulation as emu
-from ...emulation import KEEPS_UP_STALL, KEEPS_UP_STEP
-from ...errors import DaliNerfError
-from .. import emulated as em
+from dali_nerf.train import emulation as emu
+from dali_nerf.train.emulation import KEEPS_UP_STALL, KEEPS_UP_STEP
+from dali_nerf.errors import DaliNerfError
+from dali_nerf.bench import emulated as em
 
 __all__ = ["derive", "read_run", "derive_summary", "mean_ci", "gmean_ci", "keeps_up", "keeps_up_reason", "starved",
            "comparable", "main_grid", "like_for_like", "PHASE_KEYS", "BASELINES", "BAND", "KEEPS_UP_STEP",
@@ -38,7 +38,7 @@ BASELINES = ("sync_global", "sync_local", "torch_workers")
 same-sampler control ``rays_sync`` is paired with the pipelined run too (its speedup is the overlap
 gain) but is not one of them."""
 BAND = (1.0 / KEEPS_UP_STEP, KEEPS_UP_STEP)
-"""The one threshold (:func:`dali_nerf.emulation.keeps_up`), both ways: a pipelined step more than
+"""The one threshold (:func:`dali_nerf.train.emulation.keeps_up`), both ways: a pipelined step more than
 ``KEEPS_UP_STEP`` x its floor's does not keep up (and its pairs are flagged); less than the floor's /
 ``KEEPS_UP_STEP`` is spread. Without a floor the same band bounds speedup / ideal."""
 PAPER = {"stall": 0.433, "speedup_mean": 1.95, "speedup_max": 2.24}
@@ -382,7 +382,7 @@ def _gains(pairs: List[tuple], trials: List[int], sp_t: List[float], control: Op
 def _flags(sp: float, sp_t: List[float], sp_ci, ideal: float, id_ci, use_floor: bool, pc: Optional[dict],
            bmean: dict, stall_data: Optional[float]) -> List[str]:
     """Why a pair's speedup is not explained by the baseline's data stall. With a floor, the
-    pipelined row is judged by :func:`dali_nerf.emulation.keeps_up` (its stall and its step over
+    pipelined row is judged by :func:`dali_nerf.train.emulation.keeps_up` (its stall and its step over
     the floor's), as its "keeps up" column is: a row that does not keep up flags every pair against it."""
     flags = []
     if len(sp_t) > 1 and sp_ci[0] > id_ci[1]:
@@ -588,7 +588,7 @@ def derive_summary(derived: dict) -> dict:
 
 def keeps_up(c: dict) -> Optional[bool]:
     """For a pipelined emulated row with a floor: the host supplies the demand
-    (:func:`dali_nerf.emulation.keeps_up` of its stall and step over the floor's: the rule of the
+    (:func:`dali_nerf.train.emulation.keeps_up` of its stall and step over the floor's: the rule of the
     pairs' flags too); None for other rows."""
     if c["device"] != "emulated" or c["sampler"] != em.PIPELINED or c.get("step_over_floor") is None:
         return None

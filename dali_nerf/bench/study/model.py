@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from ...emulation import RAY_FLOATS, DeviceLinks, EmulatedDevice
-from .. import costmodel as cm
+from dali_nerf.train.emulation import RAY_FLOATS, DeviceLinks, EmulatedDevice
+from dali_nerf.bench import costmodel as cm
 
 __all__ = ["observations", "sampling_profile", "fit_and_check"]
 

@@ -14,13 +14,13 @@ from typing import Optional
 
 import torch
 
-from ...hostbudget import usable_cores
+from dali_nerf.data.hostbudget import usable_cores
 
 __all__ = ["machine_slug", "machine_desc", "git_commit", "host_cores"]
 
 
 def host_cores() -> int:
-    """The cores this process may run on (its CPU affinity: :func:`dali_nerf.hostbudget.usable_cores`),
+    """The cores this process may run on (its CPU affinity: :func:`dali_nerf.data.hostbudget.usable_cores`),
     what the study's budgets, host capacity and report count: under ``taskset -c 0-3`` a 64-core
     machine is a 4-core host to the study."""
     return usable_cores()

@@ -12,12 +12,12 @@ import re
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from ...atomic import atomic_write_text
-from ...errors import DaliNerfError
-from .. import costmodel as cm
-from .. import plots
-from . import sections as S
-from .sections import SAMPLER_SECTION, SAMPLER_SKIPPED, SAMPLING_COST
+from dali_nerf.atomic import atomic_write_text
+from dali_nerf.errors import DaliNerfError
+from dali_nerf.bench import costmodel as cm
+from dali_nerf.bench import plots
+from dali_nerf.bench.study import sections as S
+from dali_nerf.bench.study.sections import SAMPLER_SECTION, SAMPLER_SKIPPED, SAMPLING_COST
 
 __all__ = ["write_report", "report_from_derived", "sampler_table_of", "REPORT_FORMAT", "machine_cores"]
 

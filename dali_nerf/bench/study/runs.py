@@ -24,18 +24,18 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ...atomic import atomic_write_text
-from ...config import Config
-from ...emulation import DeviceLinks
-from ...errors import DaliNerfError
-from ...hostbudget import first_cores, run_size
-from ...plan import plan_from_config
-from ...scenes import load_scene
-from ...sources import build_source
-from .. import emulated as em
-from .. import sampler as sb
-from .model import sampling_profile
-from .provenance import host_cores
+from dali_nerf.atomic import atomic_write_text
+from dali_nerf.config import Config
+from dali_nerf.train.emulation import DeviceLinks
+from dali_nerf.errors import DaliNerfError
+from dali_nerf.data.hostbudget import first_cores, run_size
+from dali_nerf.data.plan import plan_from_config
+from dali_nerf.scenes import load_scene
+from dali_nerf.sources import build_source
+from dali_nerf.bench import emulated as em
+from dali_nerf.bench import sampler as sb
+from dali_nerf.bench.study.model import sampling_profile
+from dali_nerf.bench.study.provenance import host_cores
 
 __all__ = ["cpu_plan", "cell_steps", "run_grid", "run_emulated", "launch_cores", "measure_sampling", "measure_scaling",
            "sampler_table"]

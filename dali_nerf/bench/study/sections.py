@@ -10,10 +10,10 @@ from typing import List, Optional
 
 import numpy as np
 
-from ...emulation import EMULATED_LABEL
-from .. import costmodel as cm
-from .. import emulated as em
-from .derive import BAND, KEEPS_UP_STALL, PAPER, PHASE_KEYS, keeps_up, keeps_up_reason, starved
+from dali_nerf.train.emulation import EMULATED_LABEL
+from dali_nerf.bench import costmodel as cm
+from dali_nerf.bench import emulated as em
+from dali_nerf.bench.study.derive import BAND, KEEPS_UP_STALL, PAPER, PHASE_KEYS, keeps_up, keeps_up_reason, starved
 
 __all__ = ["header", "result", "headline_sentence", "cpu_rows", "emulated_rows", "speedup_table", "sampler_section",
            "cost_model_section", "projection_section", "SAMPLER_SECTION",

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .atomic import atomic_write_text
-from .config import Config
-from .errors import DaliNerfError
+from dali_nerf.atomic import atomic_write_text
+from dali_nerf.config import Config
+from dali_nerf.errors import DaliNerfError
 
 __all__ = ["MetricsWriter", "append_metrics_row", "steady_stall", "bar_stall", "progress_bar"]
 

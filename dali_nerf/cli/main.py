@@ -18,18 +18,18 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from .command import run_cli
-from .interrupt import exit_process
+from dali_nerf.cli.command import run_cli
+from dali_nerf.interrupt import exit_process
 
 __all__ = ["main", "entry"]
 
 
 # subcommand -> "module:function"; the function takes the parsed argparse.Namespace
 _COMMANDS = {
-    "demo": "dali_nerf.demo:main",
+    "demo": "dali_nerf.cli.demo:main",
     "make-scene": "dali_nerf.scenegen:main",
-    "validate": "dali_nerf.validate:main",
-    "render": "dali_nerf.render_cli:main",
+    "validate": "dali_nerf.cli.validate:main",
+    "render": "dali_nerf.cli.render:main",
     "bench": "dali_nerf.bench:main",
     "build-op": "dali_nerf.ops:main",
 }

@@ -1,6 +1,6 @@
 """Atomic checkpoint files: one folder per step, a ``latest`` pointer.
 
-Layout under ``runs/<name>/checkpoints/`` (format 2, :mod:`dali_nerf.resume` decides the content)::
+Layout under ``runs/<name>/checkpoints/`` (format 2, :mod:`dali_nerf.train.resume` decides the content)::
 
     step_000500/run.pt        the run's state, once: step, world size, method, stream, global batch,
                               seed, mode, the scene's fingerprint, every rank's RNG and loader state
@@ -40,8 +40,8 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .atomic import atomic_write, atomic_write_bytes, atomic_write_json, atomic_write_text
-from .errors import DaliNerfError
+from dali_nerf.atomic import atomic_write, atomic_write_bytes, atomic_write_json, atomic_write_text
+from dali_nerf.errors import DaliNerfError
 
 __all__ = ["save_rank_state", "save_file", "commit_checkpoint", "latest_checkpoint", "load_rank_state", "load_file",
            "checkpoint_format", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "CheckpointUnreadable",

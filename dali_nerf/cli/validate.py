@@ -1,13 +1,13 @@
 """``dali-nerf validate SCENE``: parse every split and check every image header before training.
 
 For each split present: the parser's own checks (poses, intrinsics, files exist), then every image
-through :func:`dali_nerf.imageio.check_image`: a readable PNG/JPEG header, not truncated, at most
-:data:`dali_nerf.imageio.MAX_PIXELS` pixels, and the on-disk size equal to ``Scene.file_wh`` (the
+through :func:`dali_nerf.data.imageio.check_image`: a readable PNG/JPEG header, not truncated, at most
+:data:`dali_nerf.data.imageio.MAX_PIXELS` pixels, and the on-disk size equal to ``Scene.file_wh`` (the
 size the dataset declares). The first problem is raised as a one-line error naming the file.
 Image files outside the scene folder (absolute paths, ``..``) are allowed but reported, one
 ``warning:`` line per split naming them (:func:`paths_outside`).
 
->>> from dali_nerf.validate import validate_scene
+>>> from dali_nerf.cli.validate import validate_scene
 >>> [s.num_images for s in validate_scene("data/default")]
 [100, 10, 20]
 """
@@ -21,10 +21,10 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from .errors import SceneError
-from .imageio import check_image
-from .scenes import SPLITS, FORMATS, detect_format, load_scene
-from .scenes._util import load_json
+from dali_nerf.errors import SceneError
+from dali_nerf.data.imageio import check_image
+from dali_nerf.scenes import SPLITS, FORMATS, detect_format, load_scene
+from dali_nerf.scenes._util import load_json
 
 __all__ = ["validate_scene", "scan_images", "paths_outside", "outside_warning", "main", "PROGRESS_MIN_IMAGES"]
 
@@ -57,7 +57,7 @@ def validate_scene(root, format: str = "auto", splits: Optional[Sequence[str]] =
         splits: splits to check (default: every split the format has on disk; Mega-NeRF's
             ``test`` is its ``val`` and is not checked twice).
         progress: show a tqdm bar for splits of more than :data:`PROGRESS_MIN_IMAGES` images.
-        max_pixels: decompression-bomb limit per image (None: :func:`dali_nerf.imageio.max_pixels_limit`).
+        max_pixels: decompression-bomb limit per image (None: :func:`dali_nerf.data.imageio.max_pixels_limit`).
     Returns:
         list of the parsed Scenes, one per checked split.
     Raises:
@@ -87,7 +87,7 @@ def scan_images(scene, progress: bool = True, max_pixels: Optional[int] = None) 
     Args:
         scene: a :class:`~dali_nerf.scenes.Scene` (N images).
         progress: show a tqdm bar when N > :data:`PROGRESS_MIN_IMAGES`.
-        max_pixels: decompression-bomb limit per image (None: :func:`dali_nerf.imageio.max_pixels_limit`).
+        max_pixels: decompression-bomb limit per image (None: :func:`dali_nerf.data.imageio.max_pixels_limit`).
     Raises:
         DataError: the first bad image, one line naming the file.
     """

@@ -19,17 +19,17 @@ import numpy as np
 import torch
 import yaml
 
-from .checkpoint import (MODEL_FILE, RUN_FILE, cell_file, checkpoint_format, latest_checkpoint, load_file,
+from dali_nerf.train.checkpoint import (MODEL_FILE, RUN_FILE, cell_file, checkpoint_format, latest_checkpoint, load_file,
                          load_rank_state)
-from .config import _build, Config
-from .errors import DaliNerfError
-from .models import build_field, build_occupancy, render_image
-from .models.ray_space import RaySpace
-from .partition import Partition
-from .scenes import scene_from_config
-from .trainers.spatial import build_fused
-from .evaluation import evaluate_field, write_renders
-from .fieldsetup import eval_background, scene_space
+from dali_nerf.config import _build, Config
+from dali_nerf.errors import DaliNerfError
+from dali_nerf.models import build_field, build_occupancy, render_image
+from dali_nerf.models.ray_space import RaySpace
+from dali_nerf.partition import Partition
+from dali_nerf.scenes import scene_from_config
+from dali_nerf.trainers.spatial import build_fused
+from dali_nerf.train.evaluation import evaluate_field, write_renders
+from dali_nerf.train.fieldsetup import eval_background, scene_space
 
 __all__ = ["load_run", "load_run_space", "orbit_poses", "main"]
 
@@ -54,7 +54,7 @@ def _resolve(path: Path):
 
 def _task_states(folder: Path) -> dict:
     """{task name: its state} of every task of a checkpoint folder, format 2 (``model.pt`` or one
-    file per cell, :mod:`dali_nerf.resume`) or 1 (one file per rank)."""
+    file per cell, :mod:`dali_nerf.train.resume`) or 1 (one file per rank)."""
     if checkpoint_format(folder) == 2:
         run = load_file(folder, RUN_FILE)
         if run.get("method") == "ss":

@@ -1,7 +1,7 @@
 """Evaluation of a run: held-out views rendered and compared (PSNR, SSIM), the mean-colour floor,
 the renders written, and the periodic held-out curve (``train.eval_every`` / ``eval_every_s``).
 
-The evaluated views are decoded once per run (:class:`EvalViews`, :func:`dali_nerf.imagecache.eval_cache`).
+The evaluated views are decoded once per run (:class:`EvalViews`, :func:`dali_nerf.data.imagecache.eval_cache`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import cv2
 import numpy as np
 import torch
 
-from .atomic import atomic_write_bytes
-from .config import Config
-from .fieldsetup import eval_background
-from .imagecache import eval_cache
-from .models import psnr as psnr_fn, render_image, ssim as ssim_fn
-from .models.ray_space import RaySpace
+from dali_nerf.atomic import atomic_write_bytes
+from dali_nerf.config import Config
+from dali_nerf.train.fieldsetup import eval_background
+from dali_nerf.data.imagecache import eval_cache
+from dali_nerf.models import psnr as psnr_fn, render_image, ssim as ssim_fn
+from dali_nerf.models.ray_space import RaySpace
 
 __all__ = ["eval_subset", "evaluate_field", "mean_color_psnr", "write_renders", "EvalViews", "PeriodicEval"]
 
@@ -85,7 +85,7 @@ class EvalViews:
     """The views a run evaluates (``train.eval_images`` of the evaluation split, evenly spaced),
     decoded once, on first use, with the run's decode settings (``cache.decode_batch``, the plan's
     sampler threads), and shared by the periodic evaluation, the final one and the SS method's
-    per-cell renders (:func:`dali_nerf.imagecache.eval_cache`)."""
+    per-cell renders (:func:`dali_nerf.data.imagecache.eval_cache`)."""
 
     def __init__(self, cfg: Config, eval_scene, threads: int = 2):
         self.scene = eval_scene

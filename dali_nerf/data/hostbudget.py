@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-from .errors import ConfigError
+from dali_nerf.errors import ConfigError
 
 __all__ = ["HostBudget", "host_budget", "run_size", "usable_cores", "first_cores", "pinned", "local_world_size",
            "RAYS_PER_THREAD",

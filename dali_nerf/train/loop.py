@@ -15,20 +15,20 @@ loop times every step by phase and writes ``runs/<name>/``:
   training time and why the run stopped (``stopped_by``: steps, stop_after, max_seconds,
   target_psnr), the ``eval_curve`` (PSNR vs training seconds) with periodic evaluations, the GPU
   memory on a GPU (``gpu_memory``), and method specifics (SS: fusion overhead);
-* ``checkpoints/``     atomic per-rank checkpoints (:mod:`dali_nerf.checkpoint`);
+* ``checkpoints/``     atomic per-rank checkpoints (:mod:`dali_nerf.train.checkpoint`);
 * ``renders/*.png``    held-out views, prediction beside ground truth.
 
 Gradient sync is timed by a DDP communication hook that performs the all-reduce and records how
-long it took (:func:`dali_nerf.runtime.wrap_ddp`); ``backward_s`` excludes it.
+long it took (:func:`dali_nerf.train.runtime.wrap_ddp`); ``backward_s`` excludes it.
 
-:func:`train` is the sequence of named steps: the runtime's :func:`~dali_nerf.runtime.setup_distributed`,
-:func:`~dali_nerf.runtime.prepare_run_dir`, :func:`~dali_nerf.runtime.load_scenes`, the resume's
-:func:`~dali_nerf.resume.read_resume_state`, :func:`~dali_nerf.runtime.seed_everything`,
+:func:`train` is the sequence of named steps: the runtime's :func:`~dali_nerf.train.runtime.setup_distributed`,
+:func:`~dali_nerf.train.runtime.prepare_run_dir`, :func:`~dali_nerf.train.runtime.load_scenes`, the resume's
+:func:`~dali_nerf.train.resume.read_resume_state`, :func:`~dali_nerf.train.runtime.seed_everything`,
 ``method.build_tasks`` (the batch sources come from :func:`dali_nerf.sources.build_source`),
-:func:`~dali_nerf.resume.restore_tasks`, :func:`run_steps` (the timed loop, checkpoints, periodic
+:func:`~dali_nerf.train.resume.restore_tasks`, :func:`run_steps` (the timed loop, checkpoints, periodic
 evaluation) and :func:`evaluate_and_summarise`. The emulated-device mode is not trained here:
-:func:`dali_nerf.trainer_cli.run_training` sends ``train.device=emulated`` to
-:mod:`dali_nerf.emulated_train`.
+:func:`dali_nerf.cli.trainer.run_training` sends ``train.device=emulated`` to
+:mod:`dali_nerf.train.emulated`.
 """
 
 from __future__ import annotations
@@ -44,24 +44,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .atomic import atomic_write_text
-from .config import Config
-from .errors import ConfigError
-from .evaluation import EvalViews, PeriodicEval, evaluate_field, mean_color_psnr, write_renders
-from .fieldsetup import train_background
-from .models import render_rays
-from .models.keyed import ray_keys
-from .models.ray_space import RaySpace
-from .phases import PHASES, PhaseTimer, runq_seconds
-from .plan import plan_from_config
-from .resume import read_resume_state, restore_tasks, resumed_config, save_checkpoint
-from .runlog import MetricsWriter, append_metrics_row, bar_stall, progress_bar, steady_stall
-from .runtime import (DistEnv, gpu_memory, load_scenes, prepare_run_dir, seed_everything, setup_distributed,
+from dali_nerf.atomic import atomic_write_text
+from dali_nerf.config import Config
+from dali_nerf.errors import ConfigError
+from dali_nerf.train.evaluation import EvalViews, PeriodicEval, evaluate_field, mean_color_psnr, write_renders
+from dali_nerf.train.fieldsetup import train_background
+from dali_nerf.models import render_rays
+from dali_nerf.models.keyed import ray_keys
+from dali_nerf.models.ray_space import RaySpace
+from dali_nerf.train.phases import PHASES, PhaseTimer, runq_seconds
+from dali_nerf.data.plan import plan_from_config
+from dali_nerf.train.resume import read_resume_state, restore_tasks, resumed_config, save_checkpoint
+from dali_nerf.train.runlog import MetricsWriter, append_metrics_row, bar_stall, progress_bar, steady_stall
+from dali_nerf.train.runtime import (DistEnv, gpu_memory, load_scenes, prepare_run_dir, seed_everything, setup_distributed,
                       step_generator, to_device, torch_threads_kept)
-from .seeds import ray_key
-from .sources.registry import run_stream
-from .tasks import Method, Task, close_sources
-from .tblog import TBWriter, step_scalars
+from dali_nerf.data.seeds import ray_key
+from dali_nerf.sources.registry import run_stream
+from dali_nerf.train.tasks import Method, Task, close_sources
+from dali_nerf.train.tblog import TBWriter, step_scalars
 
 __all__ = ["train", "run_steps", "evaluate_and_summarise", "LoopResult", "train_task_step", "PHASES"]
 
@@ -80,9 +80,9 @@ def _near_far(batch: dict, scene):
 def train(cfg: Config, method: Method, resume: bool = False) -> dict:
     """Run training for ``cfg`` with ``method`` on this process's rank (a real device: cpu, cuda or
     auto); returns the summary (rank 0) or {} (other ranks). The emulated-device mode:
-    :func:`dali_nerf.trainer_cli.run_training`."""
+    :func:`dali_nerf.cli.trainer.run_training`."""
     if cfg.train.device == "emulated":
-        raise ConfigError("train.device=emulated trains no model: run it with dali_nerf.trainer_cli.run_training "
+        raise ConfigError("train.device=emulated trains no model: run it with dali_nerf.cli.trainer.run_training "
                           "(or the trainers, trainers/ddp.py and trainers/spatial.py)")
     with torch_threads_kept():  # setup_distributed sets them per rank; a caller's process gets them back
         env = setup_distributed(cfg.train.device, cfg.train.torch_threads)

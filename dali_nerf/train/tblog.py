@@ -33,7 +33,7 @@ from typing import Mapping, Optional
 import numpy as np
 import torch
 
-from .errors import ConfigError, DaliNerfError, stderr_line
+from dali_nerf.errors import ConfigError, DaliNerfError, stderr_line
 
 __all__ = ["TBWriter", "MODES", "tensorboard_available", "resolve_mode", "step_scalars", "PHASE_KEYS"]
 

@@ -23,12 +23,12 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import Config
-from .errors import ConfigError, DaliNerfError
-from .models.metrics import SSIM_WINDOW
-from .scenes import scene_from_config
-from .seeds import process_seed, step_seed
-from .validate import scan_images
+from dali_nerf.config import Config
+from dali_nerf.errors import ConfigError, DaliNerfError
+from dali_nerf.models.metrics import SSIM_WINDOW
+from dali_nerf.scenes import scene_from_config
+from dali_nerf.data.seeds import process_seed, step_seed
+from dali_nerf.cli.validate import scan_images
 
 __all__ = ["DistEnv", "setup_distributed", "wrap_ddp", "prepare_run_dir", "load_scenes", "seed_everything",
            "step_generator", "gather_codes", "gpu_memory", "to_device", "torch_threads_kept"]

@@ -7,7 +7,7 @@ touches the file: the pixel count limit (decompression bombs), the size the data
 a cheap truncation check (the file must end with PNG's ``IEND`` chunk / contain JPEG's end-of-image
 marker ``FFD9`` in its last 64 KiB).
 
-Decode policy (the image cache, ``dali_nerf/imagecache.py``, follows it; :func:`decode_image_cv2` is
+Decode policy (the image cache, ``dali_nerf/data/imagecache.py``, follows it; :func:`decode_image_cv2` is
 the reference implementation):
 
 * accepted: every PNG colour type and bit depth the PNG standard defines (gray 1/2/4/8/16-bit,
@@ -23,7 +23,7 @@ the reference implementation):
   because DALI's decoder drops the ``tRNS`` alpha (transparent pixels would come out in the
   palette's colour, often black) and fails on gray+alpha; every other file takes DALI's fast path;
 * RGBA is then composited over the scene background by the decode stage (not here), which
-  then undistorts and area-downscales (``dali_nerf/finish.py``, ``finish_image``);
+  then undistorts and area-downscales (``dali_nerf/data/finish.py``, ``finish_image``);
 * refused, from the header: PNG bit depths below 8 with colour (invalid PNG), 12-bit JPEG,
   4-component (CMYK/YCCK) JPEG, images with more pixels than the limit (:func:`max_pixels_limit`:
   :data:`MAX_PIXELS` unless ``$DALI_NERF_MAX_PIXELS`` says otherwise), and sizes that do not match
@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 import cv2
 import numpy as np
 
-from .errors import DataError
+from dali_nerf.errors import DataError
 
 __all__ = ["ImageHeader", "read_header", "check_image", "decode_image_cv2", "MAX_PIXELS", "IMAGE_EXTENSIONS",
            "MAX_PIXELS_ENV", "max_pixels_limit", "check_pixel_limit"]
@@ -139,7 +139,7 @@ def check_pixel_limit(where, width: int, height: int, max_pixels: Optional[int] 
     if n > limit:
         raise DataError(
             f"{where}: {what} {int(width)}x{int(height)} = {n} pixels, over the per-image limit of {limit} "
-            f"(dali_nerf.imageio.MAX_PIXELS, or ${MAX_PIXELS_ENV}); refusing a possible decompression bomb; "
+            f"(dali_nerf.data.imageio.MAX_PIXELS, or ${MAX_PIXELS_ENV}); refusing a possible decompression bomb; "
             f"downscale the image or raise the limit"
         )
 

@@ -44,7 +44,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from dali_nerf.phases import PHASES, PhaseTimer
+from dali_nerf.train.phases import PHASES, PhaseTimer
 from dali_nerf.sources.shm_scatter import RAY_FLOATS
 
 __all__ = ["DeviceLinks", "EmulatedDevice", "LockstepBarrier", "PhaseTimer", "emulated_step",

@@ -9,8 +9,8 @@ from typing import List, Optional
 
 import torch
 
-from .config import Config
-from .models.ray_space import RaySpace
+from dali_nerf.config import Config
+from dali_nerf.models.ray_space import RaySpace
 
 __all__ = ["Task", "Method", "close_sources"]
 
@@ -52,7 +52,7 @@ class Method:
 
     def extra_summary(self, cfg, tasks, env, eval_scene, field, occupancy, views=None) -> dict:
         """Method specifics of ``summary.json`` (rank 0); ``views``: the run's
-        :class:`~dali_nerf.evaluation.EvalViews` (decoded once)."""
+        :class:`~dali_nerf.train.evaluation.EvalViews` (decoded once)."""
         return {}
 
 

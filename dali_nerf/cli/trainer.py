@@ -1,6 +1,6 @@
 """The trainers' command line (trainers/ddp.py, trainers/spatial.py): ``--config FILE [--resume]
-[key=value ...]``, and the run: a real device (:func:`dali_nerf.training.train`) or the
-emulated-device mode (:func:`dali_nerf.emulated_train.train_emulated`, ``train.device=emulated``)."""
+[key=value ...]``, and the run: a real device (:func:`dali_nerf.train.loop.train`) or the
+emulated-device mode (:func:`dali_nerf.train.emulated.train_emulated`, ``train.device=emulated``)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import argparse
 import json
 from typing import Callable
 
-from .command import run_cli
-from .config import load_config
-from .errors import ConfigError
-from .tasks import Method
+from dali_nerf.cli.command import run_cli
+from dali_nerf.config import load_config
+from dali_nerf.errors import ConfigError
+from dali_nerf.train.tasks import Method
 
 __all__ = ["trainer_main", "run_training"]
 
@@ -21,10 +21,10 @@ def run_training(cfg, method: Method, resume: bool = False) -> dict:
     mode (no model, device work as timed waits), any other device the training loop. Returns the
     summary on rank 0, {} on the others."""
     if cfg.train.device == "emulated":
-        from .emulated_train import train_emulated
+        from dali_nerf.train.emulated import train_emulated
 
         return train_emulated(cfg, method, resume)
-    from .training import train
+    from dali_nerf.train.loop import train
 
     return train(cfg, method, resume)
 

@@ -17,7 +17,7 @@ Sharding is DALI's own: shard ``i`` of ``S`` over ``N`` files is the index range
 ``[floor(i * N / S), floor((i + 1) * N / S))`` (:func:`shard_range`), read with ``pad_last_batch``
 (padded duplicates are dropped by label).
 
-Image policy (same as :mod:`dali_nerf.imageio`, which also says why the PNGs with a ``tRNS`` chunk
+Image policy (same as :mod:`dali_nerf.data.imageio`, which also says why the PNGs with a ``tRNS`` chunk
 and the gray+alpha PNGs are decoded by OpenCV instead of DALI, per file, into the same finishing
 step; EXIF orientation is ignored by both): RGBA is composited over the background exactly,
 in integers, as ``round((rgb * a + bg8 * (255 - a)) / 255)`` with ``bg8 = round(255 * bg)``; grayscale is expanded to RGB; 16-bit images
@@ -32,7 +32,7 @@ refused (nothing to composite over; the cache has no alpha), the rest are stored
 Checks (every entry point that decodes comes here: ``RayLoader``, the baselines, the trainers'
 eval split, ``dali-nerf render``, ``dali-nerf bench sampler``), each a one-line
 :class:`~dali_nerf.errors.DataError` naming the file: before anything is allocated, every file of
-the shard goes through :func:`dali_nerf.imageio.check_image` (readable PNG/JPEG header, not
+the shard goes through :func:`dali_nerf.data.imageio.check_image` (readable PNG/JPEG header, not
 truncated, within the per-image pixel limit, on-disk size equal to the size the scene declares:
 the declaration is never silently replaced by the header) and the cache's bytes are compared with
 the memory available; a DALI batch that still fails (damage inside the compressed data) is traced
@@ -53,10 +53,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from dali_nerf import hostmem
+from dali_nerf.data import hostmem
 from dali_nerf.errors import DataError, SceneError
-from dali_nerf.finish import background_u8, finish_gpu, finish_image, finish_torch, undistort_maps
-from dali_nerf.imageio import check_image, decode_image_cv2
+from dali_nerf.data.finish import background_u8, finish_gpu, finish_image, finish_torch, undistort_maps
+from dali_nerf.data.imageio import check_image, decode_image_cv2
 from dali_nerf.pipelines.decode import check_shard, decode_pipeline, shard_range
 
 __all__ = ["ImageCache", "decode_cache", "pack_cameras", "FAR_UNKNOWN", "DecodeCancelled", "available_memory",
@@ -136,10 +136,10 @@ def pack_cameras(scene, idx: Sequence[int]) -> np.ndarray:
 
 
 def _check_files(scene, want: np.ndarray, max_pixels: Optional[int]) -> np.ndarray:
-    """Every file of ``want`` through :func:`dali_nerf.imageio.check_image` (header, tail, pixel
+    """Every file of ``want`` through :func:`dali_nerf.data.imageio.check_image` (header, tail, pixel
     limit, declared size = ``scene.file_wh``, else width/height at downscale 1): (len(want), 4)
     int64 header width, height, channels, and 1 where OpenCV decodes the file instead of DALI
-    (:attr:`dali_nerf.imageio.ImageHeader.decoder`). A declared size that disagrees with the header is
+    (:attr:`dali_nerf.data.imageio.ImageHeader.decoder`). A declared size that disagrees with the header is
     refused (the header never silently wins): one line naming the file and both sizes; so is an
     image with alpha when ``scene.background_mode`` is random / learned (nothing to composite over)."""
     fwh = scene.file_wh
@@ -193,7 +193,7 @@ def _check_memory(scene, need: int, n: int, rank: int, world_size: int, device: 
 def _find_culprit(scene, candidates: Sequence[int], err: Exception) -> str:
     """The one-line message for a DALI decode failure in a batch of ``candidates`` (split
     indices, the failing batch first): the file DALI's message names, else the first file that
-    fails the header checks or a per-file decode (:func:`dali_nerf.imageio.decode_image_cv2`),
+    fails the header checks or a per-file decode (:func:`dali_nerf.data.imageio.decode_image_cv2`),
     else the batch's file range."""
     lines = [l.strip() for l in str(err).splitlines() if l.strip()]
     msg = next((l for l in lines if l.startswith("Failed to decode")), lines[0] if lines else type(err).__name__)
@@ -241,7 +241,7 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
             read as one unsharded list in the given order.
         stop: optional ``threading.Event``; checked before each decode run, and when set the decode
             ends with :class:`DecodeCancelled` (a background window decode stopping on ``close()``).
-        max_pixels: per-image pixel limit (None: :func:`dali_nerf.imageio.max_pixels_limit`).
+        max_pixels: per-image pixel limit (None: :func:`dali_nerf.data.imageio.max_pixels_limit`).
 
     Before anything is allocated, every file's header is checked (:func:`_check_files`: readable,
     not truncated, within the pixel limit, of the declared size) and the cache's size is compared

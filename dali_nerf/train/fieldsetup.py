@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .config import Config
-from .models.keyed import keyed_uniform
-from .models.ray_space import RaySpace, build_space
-from .scenes.bounds import scene_bounds
+from dali_nerf.config import Config
+from dali_nerf.models.keyed import keyed_uniform
+from dali_nerf.models.ray_space import RaySpace, build_space
+from dali_nerf.scenes.bounds import scene_bounds
 
 __all__ = ["scene_aabb", "scene_space", "learned_background_init", "train_background", "eval_background"]
 

@@ -3,7 +3,7 @@
 Every value a batch source needs — the stream's key (seed, mode, stream id and count), the rays
 per step and per DALI run, the sampler threads and their priority, the device, prefetch depth,
 worker processes, decode batch and the streaming window — is decided here and nowhere else: this
-module is the one caller of :mod:`dali_nerf.hostbudget` (threads and run size from the cores a
+module is the one caller of :mod:`dali_nerf.data.hostbudget` (threads and run size from the cores a
 rank gets, the priority of the threads that sample ahead) and of the device resolution. The
 sources, the image cache and the registry read a plan; they do not decide.
 
@@ -33,10 +33,10 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from .errors import ConfigError
-from .hostbudget import HostBudget, check_priority, host_budget, resolve_priority, run_size
-from .pipelines.decode import shard_range
-from .pipelines.rays import INT32_MAX
+from dali_nerf.errors import ConfigError
+from dali_nerf.data.hostbudget import HostBudget, check_priority, host_budget, resolve_priority, run_size
+from dali_nerf.pipelines.decode import shard_range
+from dali_nerf.pipelines.rays import INT32_MAX
 
 __all__ = ["SamplingPlan", "plan_from_config", "resolve_device", "sampling_device", "rays_per_rank_spread",
            "uneven_rays_note", "nearest_divisors", "global_batch_share"]
@@ -144,7 +144,7 @@ class SamplingPlan:
                    rays_per_window: int = 0, cells: Sequence[int] = (), num_cells: int = 0,
                    stream: str = "shard") -> "SamplingPlan":
         """The plan of a loader built from its arguments (RayLoader's drop-in API): threads and run
-        size where given (> 0), else this host's budget (:func:`dali_nerf.hostbudget.host_budget`);
+        size where given (> 0), else this host's budget (:func:`dali_nerf.data.hostbudget.host_budget`);
         ``thread_priority`` normal | background; ``stream`` shard | global (G = B x world size)."""
         _positive("rays_per_batch", rays_per_batch)
         B = int(rays_per_batch)
@@ -193,11 +193,11 @@ def plan_from_config(cfg, rank: int = 0, world_size: int = 1, *, cells: Sequence
     ``cache``, ``train.device``); SS: this rank's ``cells`` of ``num_cells``.
 
     Threads and rays per run: ``pipeline.num_threads`` / ``pipeline.rays_per_run`` where > 0, else
-    :func:`~dali_nerf.hostbudget.host_budget` for ``local_ranks`` ranks (default
+    :func:`~dali_nerf.data.hostbudget.host_budget` for ``local_ranks`` ranks (default
     ``LOCAL_WORLD_SIZE``) on ``cores`` usable cores (default this process's affinity). The threads
     are the rank's: an SS rank's ``cells`` share them (each cell's ray graph gets
     ``threads // len(cells)``, at least 1, and a run of that many threads' rays,
-    :func:`~dali_nerf.hostbudget.run_size`, unless ``pipeline.rays_per_run`` sets it). Priority:
+    :func:`~dali_nerf.data.hostbudget.run_size`, unless ``pipeline.rays_per_run`` sets it). Priority:
     ``pipeline.thread_priority`` resolved for ``train.device``. Device: ``device`` where given (the
     images in host memory of a GPU run: "cpu"), else :func:`sampling_device` of ``train.device``."""
     p, c = cfg.pipeline, cfg.cache

@@ -1,6 +1,6 @@
 """A run's checkpoints: what is saved once per step (format 2) and how a run resumes — on the
 same number of ranks, or on another one when its streams allow it. The files themselves:
-:mod:`dali_nerf.checkpoint`.
+:mod:`dali_nerf.train.checkpoint`.
 
 Format 2, one step folder (DDP replicas are identical, so the model is stored once):
 
@@ -39,17 +39,17 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from .checkpoint import (MODEL_FILE, RUN_FILE, CheckpointUnreadable, atomic_write_text, cell_file, checkpoint_candidates,
+from dali_nerf.train.checkpoint import (MODEL_FILE, RUN_FILE, CheckpointUnreadable, atomic_write_text, cell_file, checkpoint_candidates,
                          checkpoint_format, commit_checkpoint, load_file, load_rank_state, resume_checkpoint, save_file)
-from .config import Config, config_to_dict
-from .errors import DaliNerfError
-from .partition import assign_rank
-from .plan import nearest_divisors
-from .pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
-from .runtime import DistEnv, gather_codes
-from .scenes import describe_change, scene_fingerprint
-from .sources.registry import RAY_GRAPH_SOURCES, global_batch_config, run_stream
-from .tasks import Task, close_sources
+from dali_nerf.config import Config, config_to_dict
+from dali_nerf.errors import DaliNerfError
+from dali_nerf.partition import assign_rank
+from dali_nerf.data.plan import nearest_divisors
+from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
+from dali_nerf.train.runtime import DistEnv, gather_codes
+from dali_nerf.scenes import describe_change, scene_fingerprint
+from dali_nerf.sources.registry import RAY_GRAPH_SOURCES, global_batch_config, run_stream
+from dali_nerf.train.tasks import Task, close_sources
 
 __all__ = ["save_checkpoint", "read_resume_state", "restore_tasks", "resumed_config", "load_checkpoint",
            "replica_digest", "ELASTIC", "elastic_launch", "agree_on_checkpoints"]
@@ -305,7 +305,7 @@ def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None, cfg
     itself, on however many ranks it has, every rank alike (:func:`agree_on_checkpoints`).
 
     The folder is the newest committed checkpoint every rank can read
-    (:func:`dali_nerf.checkpoint.resume_checkpoint`): a missing, truncated or corrupt file makes
+    (:func:`dali_nerf.train.checkpoint.resume_checkpoint`): a missing, truncated or corrupt file makes
     all ranks fall back to the previous checkpoint, each rank warning (one line on stderr) about
     its own bad file. Refused (one line, nothing written): no checkpoint; none complete; a crafted
     file; a world size the checkpoint cannot resume on (per-rank streams, format 1, a global batch

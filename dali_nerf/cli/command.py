@@ -10,8 +10,8 @@ import contextlib
 import os
 import sys
 
-from .errors import DaliNerfError, stderr_line
-from .interrupt import interrupt_guard
+from dali_nerf.errors import DaliNerfError, stderr_line
+from dali_nerf.interrupt import interrupt_guard
 
 __all__ = ["run_cli"]
 

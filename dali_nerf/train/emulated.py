@@ -5,12 +5,12 @@
 
 Each rank's forward/backward/optimizer is a timed wait of ``train.emulated_step_ms`` per 4096 rays
 that releases the CPU (as a GPU kernel would), the host-to-device copy and (DDP) the gradient
-all-reduce are waits at the :class:`~dali_nerf.emulation.DeviceLinks` figures, and everything on
+all-reduce are waits at the :class:`~dali_nerf.train.emulation.DeviceLinks` figures, and everything on
 the host is real: decode, the configured batch source (``pipeline.name``, its threads and queues),
 and in ``sync_global`` rank 0 sampling every rank's batch, handed over through shared memory.
 No model is trained: the run answers "can this host feed N GPUs of this step time with this
 pipeline?" for the user's own scene and config. DDP ranks keep lockstep at every step's
-all-reduce with a :class:`~dali_nerf.emulation.LockstepBarrier` over named semaphores (torchrun's
+all-reduce with a :class:`~dali_nerf.train.emulation.LockstepBarrier` over named semaphores (torchrun's
 processes share no parent that could hand them one); its cost with no work is measured and
 reported. All ranks must run on one host (the emulated GPUs share its cores).
 
@@ -34,13 +34,13 @@ import torch.distributed as dist
 
 from dali_nerf.atomic import atomic_write_text
 from dali_nerf.config import Config
-from dali_nerf.emulation import (EMULATED_LABEL, KEEPS_UP_STEP, DeviceLinks, EmulatedDevice, LockstepBarrier,
+from dali_nerf.train.emulation import (EMULATED_LABEL, KEEPS_UP_STEP, DeviceLinks, EmulatedDevice, LockstepBarrier,
                                  PhaseTimer, emulated_step, keeps_up, model_grad_bytes, shared_block)
 from dali_nerf.errors import ConfigError
-from dali_nerf.hostbudget import usable_cores
+from dali_nerf.data.hostbudget import usable_cores
 from dali_nerf.partition import Partition, assign_rank
-from dali_nerf.plan import plan_from_config
-from dali_nerf.runtime import load_scenes, prepare_run_dir, setup_distributed, torch_threads_kept
+from dali_nerf.data.plan import plan_from_config
+from dali_nerf.train.runtime import load_scenes, prepare_run_dir, setup_distributed, torch_threads_kept
 from dali_nerf.sources import build_source, floor_source
 from dali_nerf.sources.base import was_demoted
 from dali_nerf.sources.registry import RAY_GRAPH_SOURCES, global_batch_config
@@ -95,7 +95,7 @@ def _shared(env_rank: int, W: int, scatter_bytes: int):
 def _sources(cfg: Config, method: str, scene, rank: int, W: int, link: ShmLink) -> List:
     """This rank's batch sources (one per cell it trains in SS), from the registry: they sample on
     the host, their sampler threads at ``pipeline.thread_priority`` resolved for the emulated
-    device (:func:`dali_nerf.plan.plan_from_config`); ``sync_global`` scatters through ``link``."""
+    device (:func:`dali_nerf.data.plan.plan_from_config`); ``sync_global`` scatters through ``link``."""
     if method == "ddp":
         return [build_source(cfg, scene, rank, W, scatter=link)]
     part = Partition.from_config(cfg.partition, scene)
