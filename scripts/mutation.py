@@ -111,7 +111,8 @@ GROUPS: dict[str, Group] = {
     ),
     "config": Group(
         about="the run configuration: dataclasses, YAML, overrides, checks",
-        modules=("dali_nerf/config.py",),
+        modules=("dali_nerf/config/load.py", "dali_nerf/config/sections.py", "dali_nerf/config/bench.py",
+                 "dali_nerf/config/checks.py"),
         tests=("tests/test_config.py", "tests/test_properties_config.py", "tests/test_bad_inputs.py",
                "--deselect", "tests/test_config.py::test_cli_exit_code_two_no_traceback",
                *_BAD_INPUTS_SUBPROCESS),
