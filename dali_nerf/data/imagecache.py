@@ -17,9 +17,9 @@ Sharding is DALI's own: shard ``i`` of ``S`` over ``N`` files is the index range
 ``[floor(i * N / S), floor((i + 1) * N / S))`` (:func:`shard_range`), read with ``pad_last_batch``
 (padded duplicates are dropped by label).
 
-Image policy (same as :mod:`dali_nerf.data.imageio`, which also says why the PNGs with a ``tRNS`` chunk
-and the gray+alpha PNGs are decoded by OpenCV instead of DALI, per file, into the same finishing
-step; EXIF orientation is ignored by both): RGBA is composited over the background exactly,
+Image policy (same as :mod:`dali_nerf.data.imageio`, which also says why the PNGs with a ``tRNS`` chunk,
+the gray+alpha PNGs and the gray JPEGs are decoded by OpenCV instead of DALI, per file, into the same
+finishing step; EXIF orientation is ignored by both): RGBA is composited over the background exactly,
 in integers, as ``round((rgb * a + bg8 * (255 - a)) / 255)`` with ``bg8 = round(255 * bg)``; grayscale is expanded to RGB; 16-bit images
 are converted to 8 bit by DALI's decoder as ``round(v / 257)``. Then, at the file's size, a
 distorted camera (``Scene.distortion``) is undistorted (:func:`undistort_maps`, ``cv2.remap``
@@ -139,7 +139,8 @@ def _check_files(scene, want: np.ndarray, max_pixels: Optional[int]) -> np.ndarr
     """Every file of ``want`` through :func:`dali_nerf.data.imageio.check_image` (header, tail, pixel
     limit, declared size = ``scene.file_wh``, else width/height at downscale 1): (len(want), 4)
     int64 header width, height, channels, and 1 where OpenCV decodes the file instead of DALI
-    (:attr:`dali_nerf.data.imageio.ImageHeader.decoder`). A declared size that disagrees with the header is
+    (:attr:`dali_nerf.data.imageio.ImageHeader.decoder`: PNGs with ``tRNS`` or gray+alpha, gray
+    JPEGs). A declared size that disagrees with the header is
     refused (the header never silently wins): one line naming the file and both sizes; so is an
     image with alpha when ``scene.background_mode`` is random / learned (nothing to composite over)."""
     fwh = scene.file_wh
@@ -264,7 +265,7 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
     bg = scene.background if background is None else np.asarray(background, np.float32)
     want, files, labels, shard_id, num_shards = _selection(scene, rank, world_size, indices)
     header = _check_files(scene, want, max_pixels)
-    by_cv2 = header[:, 3].astype(bool)  # tRNS / gray+alpha PNGs: DALI's decoder gets them wrong
+    by_cv2 = header[:, 3].astype(bool)  # tRNS / gray+alpha PNGs, gray JPEGs: DALI's decoder gets them wrong
     if by_cv2.any():  # DALI reads the others as one unsharded list in the shard's order
         files = [scene.image_paths[int(i)] for i in want[~by_cv2]]
         labels, shard_id, num_shards = [int(i) for i in want[~by_cv2]], 0, 1
@@ -272,7 +273,7 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
     out = _Assembly(scene, want, header[:, :2], bg, use_gpu)
     _check_memory(scene, out.total * 3, len(want), rank, world_size, device if use_gpu else "cpu", indices is not None)
     out.allocate()
-    for k in np.flatnonzero(by_cv2):  # the few PNGs DALI gets wrong: OpenCV, per file
+    for k in np.flatnonzero(by_cv2):  # the files DALI gets wrong: OpenCV, per file
         _check_stop(stop, scene, len(want))
         cam = int(want[k])
         out.finish(int(k), cam, decode_image_cv2(scene.image_paths[cam], max_pixels=max_pixels))

@@ -4,16 +4,20 @@
 (markers up to the first SOF segment, seeking over the others) and returns an
 :class:`ImageHeader`. :func:`check_image` adds the checks that must happen *before* any decoder
 touches the file: the pixel count limit (decompression bombs), the size the dataset declares, and
-a cheap truncation check (the file must end with PNG's ``IEND`` chunk / contain JPEG's end-of-image
-marker ``FFD9`` in its last 64 KiB).
+a cheap truncation check (a PNG must hold its ``IEND`` chunk, a JPEG its end-of-image marker ``FFD9``
+after the frame header; one read of the file's last bytes finds them in almost every file, and a file with
+bytes appended after them, which PIL, libpng and libjpeg ignore, is searched whole, once).
 
 Decode policy (the image cache, ``dali_nerf/data/imagecache.py``, follows it; :func:`decode_image_cv2` is
 the reference implementation):
 
 * accepted: every PNG colour type and bit depth the PNG standard defines (gray 1/2/4/8/16-bit,
   gray+alpha 8/16, RGB 8/16, RGBA 8/16, palette 1/2/4/8), interlaced or not, with or without a
-  ``tRNS`` chunk; baseline or progressive JPEG, 8-bit, gray or YCbCr (1 or 3 components). EXIF
-  orientation is ignored: pixels are taken as stored, at the size the header (and the scene) states;
+  ``tRNS`` chunk; 8-bit JPEG, gray (1 component) or 3 components (YCbCr, or RGB without a colour
+  transform), baseline, extended or progressive, Huffman or arithmetic coded, lossless (SOF3), any
+  chroma subsampling (4:4:4, 4:2:2, 4:2:0, 4:4:0, 4:1:1, 4:1:0) at any size; bytes after a PNG's
+  ``IEND`` or a JPEG's ``EOI`` are ignored. EXIF orientation is ignored: pixels are taken as stored,
+  at the size the header (and the scene) states;
 * 16-bit PNG is converted to 8-bit at decode, ``round(v * 255 / 65535)``;
 * grayscale is expanded to RGB at decode (gray+alpha to RGBA); palette images decode to RGB(A);
 * transparency from a ``tRNS`` chunk is alpha like an alpha channel's: a palette entry's alpha
@@ -21,11 +25,15 @@ the reference implementation):
   chunk's colour key exactly (at the file's bit depth) and 255 elsewhere. Such files, and gray+alpha
   files, are decoded by OpenCV (:func:`decode_image_cv2`; :attr:`ImageHeader.decoder` says which)
   because DALI's decoder drops the ``tRNS`` alpha (transparent pixels would come out in the
-  palette's colour, often black) and fails on gray+alpha; every other file takes DALI's fast path;
+  palette's colour, often black) and fails on gray+alpha; so are gray (1-component) JPEGs, which
+  DALI 2.4's CPU decoder with ``output_type=ANY_DATA`` writes out of bounds (a stretched, enlarged
+  crop of the picture, or a crash); every other file takes DALI's fast path, whose pixels equal
+  PIL's and OpenCV's (the same libjpeg-turbo / libpng) bit for bit;
 * RGBA is then composited over the scene background by the decode stage (not here), which
   then undistorts and area-downscales (``dali_nerf/data/finish.py``, ``finish_image``);
-* refused, from the header: PNG bit depths below 8 with colour (invalid PNG), 12-bit JPEG,
-  4-component (CMYK/YCCK) JPEG, images with more pixels than the limit (:func:`max_pixels_limit`:
+* refused, from the header: PNG bit depths below 8 with colour (invalid PNG), 12-bit (and 16-bit
+  lossless) JPEG (DALI, PIL and OpenCV decode none), 4-component (CMYK/YCCK) JPEG, hierarchical JPEG
+  (SOF5-7, 13-15: libjpeg has no decoder for it), images with more pixels than the limit (:func:`max_pixels_limit`:
   :data:`MAX_PIXELS` unless ``$DALI_NERF_MAX_PIXELS`` says otherwise), and sizes that do not match
   the dataset's declaration (the file's header never silently wins).
 
@@ -38,10 +46,11 @@ Every refusal is a :class:`dali_nerf.errors.DataError` with a one-line message n
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import cv2
@@ -68,7 +77,10 @@ _PNG_CHANNELS = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}  # colour type -> channels (palet
 _PNG_DEPTHS = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 16), 6: (8, 16)}
 # SOF0..SOF15 except DHT (C4), JPG (C8), DAC (CC)
 _JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_JPEG_HIERARCHICAL = {0xC5, 0xC6, 0xC7, 0xCD, 0xCE, 0xCF}  # differential SOFs: libjpeg decodes none
 _JPEG_TAIL = 64 * 1024
+_PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # the IEND chunk: no data, so a fixed length and CRC
+_JPEG_EOI = b"\xff\xd9"
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,10 @@ class ImageHeader:
             for JPEG.
         transparency: the PNG's ``tRNS`` chunk data (palette alphas, or a gray / RGB colour key
             as 16-bit big-endian samples), or None.
+        sof: the JPEG's frame marker (0xC0 baseline, 0xC1 extended, 0xC2 progressive, 0xC3
+            lossless, 0xC9-0xCB arithmetic, 0xC5-0xC7 / 0xCD-0xCF hierarchical); -1 for PNG.
+        frame_end: byte offset where the header read ends (after the PNG's IHDR chunk, the JPEG's
+            frame header): the image data, and so its end marker, lie beyond it.
     """
 
     width: int
@@ -95,12 +111,17 @@ class ImageHeader:
     format: str
     colour_type: int = -1
     transparency: Optional[bytes] = None
+    sof: int = -1
+    frame_end: int = field(default=0, compare=False, repr=False)
 
     @property
     def decoder(self) -> str:
-        """"dali" (the decode stage's fast path) or "opencv": the PNGs DALI's decoder gets wrong
-        (a ``tRNS`` chunk, whose alpha it drops) or refuses (gray+alpha)."""
+        """"dali" (the decode stage's fast path) or "opencv": the files DALI's decoder gets wrong
+        (a PNG's ``tRNS`` chunk, whose alpha it drops; a gray JPEG, which it writes out of bounds)
+        or refuses (gray+alpha PNG)."""
         if self.format == "png" and (self.colour_type == 4 or self.transparency is not None):
+            return "opencv"
+        if self.format == "jpeg" and self.channels == 1:
             return "opencv"
         return "dali"
 
@@ -168,7 +189,7 @@ def _png_header(path, f) -> ImageHeader:
     channels = _PNG_CHANNELS[colour] + (1 if trns is not None and colour != 3 else 0)
     if trns is not None and colour == 3:
         channels = 4
-    return ImageHeader(int(w), int(h), channels, int(depth), "png", int(colour), trns)
+    return ImageHeader(int(w), int(h), channels, int(depth), "png", int(colour), trns, frame_end=8 + 25)
 
 
 def _png_trns(f) -> Optional[bytes]:
@@ -217,6 +238,7 @@ def _jpeg_header(path, f) -> ImageHeader:
         if seg_len < 2:
             raise _bad(path, "corrupt JPEG (bad segment length)")
         if marker in _JPEG_SOF:
+            frame_end = f.tell() - 2 + seg_len
             seg = f.read(6)
             if len(seg) < 6:
                 raise _bad(path, "truncated JPEG frame header")
@@ -225,7 +247,7 @@ def _jpeg_header(path, f) -> ImageHeader:
                 raise _bad(path, f"JPEG frame header declares size {w}x{h} (unsupported or corrupt)")
             if comps not in (1, 3, 4):
                 raise _bad(path, f"corrupt JPEG frame header ({comps} components)")
-            return ImageHeader(int(w), int(h), int(comps), int(precision), "jpeg")
+            return ImageHeader(int(w), int(h), int(comps), int(precision), "jpeg", sof=marker, frame_end=frame_end)
         f.seek(seg_len - 2, os.SEEK_CUR)
 
 
@@ -261,12 +283,33 @@ def read_header(path) -> ImageHeader:
     raise _bad(path, "not a PNG or JPEG file (unknown header)")
 
 
-def _check_tail(path, fmt: str, tail: bytes, size: int) -> None:
-    if fmt == "png":
-        if not tail.endswith(b"IEND\xaeB`\x82"):
-            raise _bad(path, f"truncated or corrupt PNG (no IEND chunk at the end of its {size} bytes)")
-    elif b"\xff\xd9" not in tail:
-        raise _bad(path, f"truncated JPEG (no end-of-image marker in its last bytes, {size} bytes in all)")
+def _ends(fmt: str, buf, start: int) -> bool:
+    """Whether ``buf`` (bytes or an mmap) holds the format's end at or after ``start``: the last
+    ``IEND`` chunk of a PNG, or a JPEG's ``EOI`` marker (entropy-coded data cannot hold ``FFD9``:
+    0xFF is stuffed there; starting past the frame header skips an EXIF thumbnail's own EOI)."""
+    return (buf.rfind(_PNG_IEND, start) if fmt == "png" else buf.find(_JPEG_EOI, start)) >= 0
+
+
+def _check_end(path, h: ImageHeader, tail: bytes, size: int, whole=None) -> None:
+    """Refuse a truncated file: no end marker (see :func:`_ends`) past the header. ``tail``: the
+    file's last bytes (a PNG's last 12, a JPEG's last 64 KiB), which hold the end of almost every file; the
+    rest (``whole``: the file's bytes, else the file mapped) is searched only when they do not,
+    so bytes appended after the end (a PNG's after ``IEND``, a motion photo's video after a JPEG's
+    ``EOI``) are accepted as PIL, libpng and libjpeg accept them."""
+    start = max(0, h.frame_end - (size - len(tail)))
+    if _ends(h.format, tail, start):
+        return
+    if len(tail) < size - h.frame_end:
+        if whole is not None:
+            if _ends(h.format, whole, h.frame_end):
+                return
+        else:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if _ends(h.format, m, h.frame_end):
+                    return
+    if h.format == "png":
+        raise _bad(path, f"truncated or corrupt PNG (no IEND chunk after its image data, {size} bytes in all)")
+    raise _bad(path, f"truncated JPEG (no end-of-image marker after its frame header, {size} bytes in all)")
 
 
 def _check_header(path, h: ImageHeader, expected_wh, max_pixels: Optional[int]) -> None:
@@ -275,6 +318,8 @@ def _check_header(path, h: ImageHeader, expected_wh, max_pixels: Optional[int]) 
         raise DataError(f"{path}: {h.bit_depth}-bit JPEG is not supported; re-export as 8-bit JPEG or PNG")
     if h.format == "jpeg" and h.channels == 4:
         raise DataError(f"{path}: CMYK/YCCK JPEG is not supported; re-export as RGB")
+    if h.sof in _JPEG_HIERARCHICAL:
+        raise DataError(f"{path}: hierarchical JPEG (SOF{h.sof - 0xC0}) is not supported; re-export as baseline JPEG or PNG")
     if expected_wh is not None:
         ew, eh = int(expected_wh[0]), int(expected_wh[1])
         if (h.width, h.height) != (ew, eh):
@@ -305,9 +350,9 @@ def check_image(path, expected_wh: Optional[Sequence[int]] = None, max_pixels: O
     _check_header(path, h, expected_wh, max_pixels)
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        f.seek(max(0, size - (12 if h.format == "png" else _JPEG_TAIL)))
+        f.seek(max(0, size - (len(_PNG_IEND) if h.format == "png" else _JPEG_TAIL)))
         tail = f.read()
-    _check_tail(path, h.format, tail, size)
+    _check_end(path, h, tail, size)
     return h
 
 
@@ -343,7 +388,7 @@ def decode_image_cv2(path, max_pixels: Optional[int] = None) -> np.ndarray:
     _check_header(path, h, None, max_pixels)
     with open(path, "rb") as f:
         data = f.read()
-    _check_tail(path, h.format, data[-(12 if h.format == "png" else _JPEG_TAIL):], len(data))
+    _check_end(path, h, data[-_JPEG_TAIL:], len(data), whole=data)
     img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)  # EXIF orientation ignored
     if img is None:
         raise _bad(path, "cannot be decoded (corrupt image data)")
