@@ -150,6 +150,8 @@ def _check_files(scene, want: np.ndarray, max_pixels: Optional[int]) -> np.ndarr
     for k, i in enumerate(want):
         path = scene.image_paths[int(i)]
         if not os.path.isfile(path):
+            if os.path.isdir(path):
+                raise DataError(f"{path}: is a folder, not an image file; fix the scene's file list")
             raise DataError(f"{path}: image file not found; restore it or fix the scene's file list")
         h = check_image(path, expected_wh=None if fwh is None else fwh[int(i)], max_pixels=max_pixels)
         out[k] = (h.width, h.height, h.channels, h.decoder == "opencv")

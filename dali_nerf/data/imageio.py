@@ -275,7 +275,7 @@ def read_header(path) -> ImageHeader:
     except FileNotFoundError:
         raise DataError(f"{path}: image file not found; check the scene's file list") from None
     except IsADirectoryError:
-        raise DataError(f"{path}: is a folder, expected an image file") from None
+        raise DataError(f"{path}: is a folder, not an image file; fix the scene's file list") from None
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
     if len(sig) == 0:

@@ -23,11 +23,29 @@ __all__ = ["Scene", "load_scene", "scene_from_config", "detect_format", "FORMATS
 SPLITS = ("train", "val", "test")
 
 
+_MARKERS = ("transforms_train.json", "transforms.json", "poses_bounds.npy", "coordinates.pt")
+_ARCHIVES = (".zip", ".tar", ".tgz", ".gz", ".bz2", ".xz", ".7z", ".rar")
+
+
+def _check_root(root: Path) -> None:
+    """A one-line SceneError unless ``root`` is a folder: not found, or a file (a scene's own
+    file, an archive, anything else), each with what to pass instead."""
+    if root.is_dir():
+        return
+    if not root.exists():
+        raise SceneError(f"{root}: scene folder not found; pass an existing folder (make one with `dali-nerf make-scene`)")
+    if root.name in _MARKERS or root.name.startswith("transforms_"):
+        raise SceneError(f"{root}: is a file, not a scene folder; pass the folder that holds it: {root.parent}")
+    if root.suffix.lower() in _ARCHIVES:
+        raise SceneError(f"{root}: is an archive file, not a scene folder; unpack it and pass the folder it holds")
+    raise SceneError(f"{root}: is a file, not a scene folder; pass the scene's folder (the one that holds "
+                     f"{', '.join(_MARKERS[:-1])} or {_MARKERS[-1]})")
+
+
 def detect_format(root) -> str:
     """Name of the format of the scene folder ``root`` (first registered parser that claims it)."""
     root = Path(root)
-    if not root.is_dir():
-        raise SceneError(f"{root}: scene folder not found; pass an existing folder (make one with `dali-nerf make-scene`)")
+    _check_root(root)
     for name, (detect, _) in FORMATS.items():
         if detect(root):
             return name
@@ -66,8 +84,7 @@ def load_scene(
     name = detect_format(root) if format == "auto" else format
     if name not in FORMATS:
         raise SceneError(f"format={format!r}: unknown; use auto or one of {', '.join(FORMATS)}")
-    if not root.is_dir():
-        raise SceneError(f"{root}: scene folder not found")
+    _check_root(root)
     resolve_background(background, name)  # a bad value fails before parsing
     scene = FORMATS[name][1](root, split, downscale=downscale, background=(1.0, 1.0, 1.0))
     if scene.num_images == 0:

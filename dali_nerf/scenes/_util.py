@@ -152,11 +152,19 @@ def check_focal(intrinsics: np.ndarray, names: Sequence[str], path) -> None:
 
 
 def check_images_exist(paths: Sequence[str], source, what: str = "images") -> None:
-    """Every path must be an existing file; the message lists the first few missing ones."""
-    missing = [p for p in paths if not os.path.isfile(p)]
+    """Every path must be an existing file; the message lists the first few missing ones, else
+    the first few that are folders (a folder is not reported as missing)."""
+    bad = [p for p in paths if not os.path.isfile(p)]
+    if not bad:
+        return
+    missing = [p for p in bad if not os.path.isdir(p)]
+    found = missing or bad
+    shown = ", ".join(str(m) for m in found[:3]) + (f" (+{len(found) - 3} more)" if len(found) > 3 else "")
     if missing:
-        shown = ", ".join(str(m) for m in missing[:3]) + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else "")
-        raise SceneError(f"{source}: {len(missing)} of {len(paths)} {what} missing: {shown}; restore them or fix the file list")
+        raise SceneError(f"{source}: {len(found)} of {len(paths)} {what} missing: {shown}; restore them or fix the file list")
+    kind = "are folders, not image files" if len(found) > 1 else "is a folder, not an image file"
+    raise SceneError(f"{source}: {len(found)} of {len(paths)} {what} {kind}: {shown}; fix the file list or put the "
+                     f"image files there")
 
 
 def check_sizes(wh: np.ndarray, names: Sequence[str], path) -> None:
