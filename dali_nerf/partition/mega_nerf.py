@@ -166,7 +166,7 @@ def load_masks(out_dir, stems: Optional[Sequence[str]] = None) -> Dict[str, np.n
     if not cells:
         raise SceneError(f"{out}: no cluster-mask folders (0/, 1/, ...); export them with export_mega_nerf")
     if stems is None:
-        stems = sorted(q.stem for q in (out / "0").glob("*.pt"))
+        stems = sorted(q.stem for q in (out / "0").glob("*.pt") if not q.name.startswith("."))  # not ._000001.pt
     result = {}
     for stem in stems:
         ms = []

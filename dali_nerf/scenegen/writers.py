@@ -271,8 +271,11 @@ def make_scene(kind: str, out, *, width: Optional[int] = None, height: Optional[
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DaliNerfError(f"{out}: exists and is not a folder; choose another --out")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise DaliNerfError(f"{out}: folder exists and is not empty; pass --force (force=True) to overwrite it")
+    held = sorted(q.name for q in out.iterdir()) if out.is_dir() and not force else []
+    if held:  # named: a folder holding only .DS_Store looks empty in a file browser
+        shown = ", ".join(held[:3]) + (f" (+{len(held) - 3} more)" if len(held) > 3 else "")
+        raise DaliNerfError(f"{out}: folder exists and is not empty (holds {shown}); pass --force (force=True) to "
+                            f"overwrite it")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

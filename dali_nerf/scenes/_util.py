@@ -19,7 +19,7 @@ from dali_nerf.errors import SceneError
 from dali_nerf.data.imageio import IMAGE_EXTENSIONS, check_pixel_limit, max_pixels_limit, read_header
 
 __all__ = [
-    "load_json", "require", "as_float", "check_poses", "check_focal", "check_images_exist",
+    "load_json", "require", "as_float", "check_poses", "check_focal", "check_images_exist", "visible_files",
     "downscaled_size", "scale_intrinsics", "prescaled_paths", "mean_up", "DRB_TO_GL", "check_sizes",
     "undistorted_intrinsics", "opencv_matrix", "resolve_background", "BACKGROUND_NAMES", "finite32",
 ]
@@ -149,6 +149,18 @@ def check_focal(intrinsics: np.ndarray, names: Sequence[str], path) -> None:
             f"{path}: frame {names[i]!r} has invalid intrinsics fx={k[i, 0]:g} fy={k[i, 1]:g} cx={k[i, 2]:g} "
             f"cy={k[i, 3]:g}; focal lengths must be > 0"
         )
+
+
+def visible_files(folder, suffixes: Sequence[str] = IMAGE_EXTENSIONS) -> list:
+    """Sorted names of the entries of ``folder`` whose suffix (lower case) is one of ``suffixes``,
+    hidden ones left out: a name starting with "." (macOS's ``._IMG_4026.JPG`` resource forks and
+    ``.DS_Store``, editors' and sync tools' files) is never an image or record of the scene. A
+    folder named like an image is kept, for :func:`check_images_exist` to name it as a folder.
+
+    >>> visible_files("scene/images")      # beside ._IMG_0001.JPG and .DS_Store
+    ['IMG_0001.JPG', 'IMG_0002.JPG']
+    """
+    return sorted(f for f in os.listdir(folder) if not f.startswith(".") and os.path.splitext(f)[1].lower() in suffixes)
 
 
 def check_images_exist(paths: Sequence[str], source, what: str = "images") -> None:

@@ -32,10 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from dali_nerf.errors import SceneError
-from dali_nerf.data.imageio import IMAGE_EXTENSIONS, read_header
+from dali_nerf.data.imageio import read_header
 from dali_nerf.scenes.base import Scene, register_format
 from dali_nerf.scenes._util import (DRB_TO_GL, check_bounds, check_focal, check_images_exist, check_poses, check_sizes,
-                    downscaled_size, mean_up, scale_intrinsics)
+                    downscaled_size, mean_up, scale_intrinsics, visible_files)
 
 __all__ = ["detect", "parse", "LLFF_HOLD", "BD_FACTOR", "normalise"]
 
@@ -49,8 +49,15 @@ def detect(root: Path) -> bool:
 
 
 def _list_images(folder: Path) -> list:
-    return sorted(str(folder / f) for f in os.listdir(folder)
-                  if os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS and (folder / f).is_file())
+    """The images of ``folder``, sorted by name; hidden files (``._IMG_4026.JPG``) skipped
+    (:func:`~dali_nerf.scenes._util.visible_files`)."""
+    return [str(folder / f) for f in visible_files(folder)]
+
+
+def _span(files: list) -> str:
+    """The first and last names of a sorted file list, for a count mismatch's message."""
+    names = [os.path.basename(f) for f in files]
+    return "" if not names else f" ({names[0]}{' .. ' + names[-1] if len(names) > 1 else ''})"
 
 
 def _normalize(v):
@@ -111,7 +118,8 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
         raise SceneError(f"{img_dir}: folder not found; an LLFF scene keeps its images in images/")
     files = _list_images(img_dir)
     if len(files) != n:
-        raise SceneError(f"{path}: has {n} poses but {img_dir} has {len(files)} images; they must match one to one")
+        raise SceneError(f"{path}: has {n} poses but {img_dir} has {len(files)} images{_span(files)}; they must "
+                         f"match one to one (hidden files, named .*, are not counted)")
     names = [os.path.basename(f) for f in files]
 
     src = poses[:, :, :4]
@@ -144,7 +152,8 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
     if downscale > 1 and pre_dir.is_dir():
         pre = _list_images(pre_dir)
         if len(pre) != n:
-            raise SceneError(f"{pre_dir}: has {len(pre)} images for {n} poses; regenerate it (or remove it to resize at decode)")
+            raise SceneError(f"{pre_dir}: has {len(pre)} images{_span(pre)} for {n} poses; regenerate it (or remove it "
+                             f"to resize at decode)")
         paths = [pre[i] for i in idx]
         h0 = read_header(paths[0])
         wh = np.tile(np.array([[h0.width, h0.height]], np.int64), (len(idx), 1))

@@ -45,10 +45,9 @@ import numpy as np
 import torch
 
 from dali_nerf.errors import SceneError
-from dali_nerf.data.imageio import IMAGE_EXTENSIONS
 from dali_nerf.scenes.base import Scene, register_format
 from dali_nerf.scenes._util import (check_bounds, check_focal, check_poses, check_sizes, downscaled_size,
-                    parse_aabb, scale_intrinsics)
+                    parse_aabb, scale_intrinsics, visible_files)
 
 __all__ = ["detect", "parse", "load_pt", "CAMERA_COLUMNS"]
 
@@ -122,14 +121,12 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
     for d in (meta_dir, rgb_dir):
         if not d.is_dir():
             raise SceneError(f"{d}: folder not found; a Mega-NeRF split has rgbs/ and metadata/")
-    metas = sorted(f for f in os.listdir(meta_dir) if f.endswith(".pt"))
+    metas = [f for f in visible_files(meta_dir, (".pt",)) if f.endswith(".pt")]  # hidden files (._000001.pt) skipped
     if not metas:
         raise SceneError(f"{meta_dir}: no .pt files; split {split!r} has no images")
     rgbs = {}
-    for f in os.listdir(rgb_dir):
-        stem, ext = os.path.splitext(f)
-        if ext.lower() in IMAGE_EXTENSIONS:
-            rgbs.setdefault(stem, str(rgb_dir / f))
+    for f in visible_files(rgb_dir):
+        rgbs.setdefault(os.path.splitext(f)[0], str(rgb_dir / f))
 
     paths, poses, ks, whs, names, nears, fars = [], [], [], [], [], [], []
     missing = []
