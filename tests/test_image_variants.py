@@ -36,7 +36,8 @@ from dali_nerf.scenes.base import Scene
 FIXTURES = Path(__file__).parent / "data" / "jpeg"
 BG = (0.2, 0.6, 0.9)
 DECODED = ("arith_420.jpg", "arith_progressive_422.jpg", "arith_gray.jpg", "sample_440.jpg", "sample_411.jpg",
-           "sample_410.jpg", "rgb_colourspace.jpg", "restart_444.jpg", "lossless_rgb.jpg", "lossless_gray.jpg")
+           "sample_410.jpg", "sample_mixed.jpg", "sample_3x2.jpg", "rgb_colourspace.jpg", "restart_444.jpg",
+           "lossless_rgb.jpg", "lossless_gray.jpg")
 REFUSED = {"bits12_rgb.jpg": "12-bit JPEG is not supported", "bits12_gray.jpg": "12-bit JPEG is not supported",
            "hierarchical_sof5.jpg": "hierarchical JPEG (SOF5) is not supported"}
 
@@ -121,7 +122,7 @@ def _picture(rng, w: int, h: int, channels: int, top: int = 255) -> np.ndarray:
 
 JPEG_KINDS = ("jpeg_gray", "jpeg_rgb")
 PNG_KINDS = ("png_L", "png_LA", "png_P", "png_P_trns", "png_RGB", "png_RGBA", "png_1bit", "png_gray16",
-             "png_rgb16", "png_rgba16")
+             "png_rgb16", "png_rgba16", "png_APNG")
 
 
 def write_image(path: Path, kind: str, w: int, h: int, rng, draw) -> Path:
@@ -142,6 +143,10 @@ def write_image(path: Path, kind: str, w: int, h: int, rng, draw) -> Path:
         if kind == "png_rgba16":
             a[0, 0, 3] = 0
         assert cv2.imwrite(str(path), np.ascontiguousarray(a[:, :, [2, 1, 0, 3][:a.shape[2]]]))
+        return path
+    if kind == "png_APNG":  # animated: every decoder here takes the default image, the first frame
+        frames = [Image.fromarray(_picture(rng, w, h, 3)) for _ in range(draw(st.integers(2, 3)))]
+        frames[0].save(path, "PNG", save_all=True, append_images=frames[1:], duration=100)
         return path
     if kind == "png_gray16":
         im = Image.fromarray(_picture(rng, w, h, 1, top=65535)[:, :, 0])  # mode I;16

@@ -15,9 +15,11 @@ the reference implementation):
   gray+alpha 8/16, RGB 8/16, RGBA 8/16, palette 1/2/4/8), interlaced or not, with or without a
   ``tRNS`` chunk; 8-bit JPEG, gray (1 component) or 3 components (YCbCr, or RGB without a colour
   transform), baseline, extended or progressive, Huffman or arithmetic coded, lossless (SOF3), any
-  chroma subsampling (4:4:4, 4:2:2, 4:2:0, 4:4:0, 4:1:1, 4:1:0) at any size; bytes after a PNG's
-  ``IEND`` or a JPEG's ``EOI`` are ignored. EXIF orientation is ignored: pixels are taken as stored,
-  at the size the header (and the scene) states;
+  chroma subsampling (4:4:4, 4:2:2, 4:2:0, 4:4:0, 4:1:1, 4:1:0, a factor per component) at any size;
+  an animated PNG decodes to its default image (the first frame); bytes after a PNG's ``IEND`` or a
+  JPEG's ``EOI`` are ignored. No colour management: ICC profiles and PNG ``gAMA`` / ``sRGB`` chunks
+  are ignored, as PIL's and OpenCV's default decodes do. EXIF orientation is ignored: pixels are
+  taken as stored, at the size the header (and the scene) states;
 * 16-bit PNG is converted to 8-bit at decode, ``round(v * 255 / 65535)``;
 * grayscale is expanded to RGB at decode (gray+alpha to RGBA); palette images decode to RGB(A);
 * transparency from a ``tRNS`` chunk is alpha like an alpha channel's: a palette entry's alpha

@@ -30,6 +30,8 @@ CJPEG = {
     "sample_410.jpg": ["-sample", "4x2"],
     "rgb_colourspace.jpg": ["-rgb"],
     "restart_444.jpg": ["-sample", "1x1", "-restart", "1B"],
+    "sample_mixed.jpg": ["-sample", "2x1,1x2,1x1"],
+    "sample_3x2.jpg": ["-sample", "3x2"],
 }
 GRAY = ("arith_gray.jpg",)
 
