@@ -121,13 +121,21 @@ def test_cli_errors_are_one_line(monkeypatch, capsys, scene):
 def test_decode_rates(tmp_path):
     import torch
 
-    res = decode.measure(["jpg", "png"], n=3, size=32, threads=[1], reps=1, out=tmp_path, log=lambda *_: None)
+    res = decode.measure(["jpg", "png", "jpg_gray"], n=3, size=32, threads=[1], reps=1, out=tmp_path,
+                         log=lambda *_: None)
     rows = [(r["format"], r["decoder"], r["threads"]) for r in res["rows"]]
     if torch.cuda.is_available():
-        assert rows == [("jpg", "cpu", 1), ("jpg", "mixed (nvJPEG)", 1), ("png", "cpu", 1), ("png", "mixed", 1)]
+        assert rows == [("jpg", "cpu", 1), ("jpg", "mixed (nvJPEG)", 1), ("png", "cpu", 1), ("png", "mixed", 1),
+                        ("jpg_gray", "OpenCV", 1), ("jpg_gray", "OpenCV, GPU finish", 1)]
         assert res["skipped"] == []
     else:
-        assert rows == [("jpg", "cpu", 1), ("png", "cpu", 1)]
+        assert rows == [("jpg", "cpu", 1), ("png", "cpu", 1), ("jpg_gray", "OpenCV", 1)]
         assert res["skipped"] == ["mixed (nvJPEG) decoder: no GPU visible to torch"]
     assert all(r["images_per_s"] > 0 for r in res["rows"])
     assert json.loads((tmp_path / "decode.json").read_text()) == res
+    from dali_nerf.bench.sampler import synthetic_images
+    from dali_nerf.data.imageio import read_header
+
+    gray = synthetic_images(tmp_path, "jpg_gray", n=1, size=16)  # what jpg_gray measures: 1-component JPEGs
+    h = read_header(gray.image_paths[0])
+    assert (h.format, h.channels, h.decoder) == ("jpeg", 1, "opencv")

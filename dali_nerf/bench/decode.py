@@ -4,8 +4,10 @@ cores and, on a GPU, of DALI's mixed decoder (nvJPEG for JPEG) into device memor
     dali-nerf bench decode --images 100 --size 800 --threads 0 --out out/decode
 
 Each number is :func:`dali_nerf.bench.sampler.decode_rate`: ``decode_cache`` of ``--images``
-synthetic ``--size`` x ``--size`` images (JPEG q95 RGB, PNG RGBA; the same files for every
-decoder of a format), the best of ``--reps`` timed calls after a warm one, the pipeline's build
+synthetic ``--size`` x ``--size`` images (JPEG q95 RGB, PNG RGBA, and with ``jpg_gray`` in
+``--formats`` JPEG q95 1-component, which the cache decodes with OpenCV in the calling thread, on
+every device, so ``--threads`` does not apply to it; the same files for every decoder of a format),
+the best of ``--reps`` timed calls after a warm one, the pipeline's build
 included (each call builds one); the GPU's ends when the device has finished.
 ``--threads`` lists the CPU decoder's thread counts (0 = all cores); the mixed decoder uses the
 largest (its host stages). Writes ``decode.json`` (``rows``: format, decoder, threads, images/s)
@@ -43,7 +45,7 @@ def measure(formats, n: int, size: int, threads, reps: int, out=None, log=print)
 
     def put(fmt, decoder, th, rate):
         res["rows"].append({"format": fmt, "decoder": decoder, "threads": th, "images_per_s": rate})
-        log(f"{fmt:4s} {decoder:22s} {th:3d} threads: {rate:8.0f} images/s")
+        log(f"{fmt:8s} {decoder:22s} {th:3d} threads: {rate:8.0f} images/s")
         if out is not None:
             Path(out).mkdir(parents=True, exist_ok=True)
             atomic_write_text(Path(out) / "decode.json", json.dumps(res, indent=1))
@@ -52,9 +54,9 @@ def measure(formats, n: int, size: int, threads, reps: int, out=None, log=print)
         with tempfile.TemporaryDirectory() as d:
             scene = synthetic_images(d, fmt, n, size)  # one set of files for every decoder of this format
             for th in threads:
-                put(fmt, "cpu", th, decode_rate(fmt, threads=th, reps=reps, scene=scene))
+                put(fmt, "OpenCV" if fmt == "jpg_gray" else "cpu", th, decode_rate(fmt, threads=th, reps=reps, scene=scene))
             if torch.cuda.is_available():
-                put(fmt, "mixed (nvJPEG)" if fmt == "jpg" else "mixed", max(threads),
+                put(fmt, {"jpg": "mixed (nvJPEG)", "jpg_gray": "OpenCV, GPU finish"}.get(fmt, "mixed"), max(threads),
                     decode_rate(fmt, threads=max(threads), reps=reps, device="cuda", scene=scene))
     if out is not None:
         atomic_write_text(Path(out) / "decode.json", json.dumps(res, indent=1))
@@ -65,8 +67,8 @@ def main(args) -> int:
     """``dali-nerf bench decode``."""
     formats = [f.strip() for f in str(args.formats).split(",") if f.strip()]
     for f in formats:
-        if f not in ("jpg", "png"):
-            raise ConfigError(f"--formats: {f!r}; use jpg, png or jpg,png")
+        if f not in ("jpg", "png", "jpg_gray"):
+            raise ConfigError(f"--formats: {f!r}; use a comma-separated list of jpg, png, jpg_gray")
     try:
         threads = [int(t) for t in str(args.threads).split(",") if t.strip()]
     except ValueError:

@@ -165,8 +165,8 @@ def sync_global_rate(scene, cache, B: int, seconds: float) -> float:
 
 
 def synthetic_images(folder, fmt: str, n: int = 100, size: int = 800) -> Scene:
-    """Write ``n`` synthetic ``size``^2 images (jpg: RGB q95 | png: RGBA) into ``folder``; returns
-    their Scene (identity cameras)."""
+    """Write ``n`` synthetic ``size``^2 images (jpg: RGB q95 | jpg_gray: 1-component q95 | png:
+    RGBA) into ``folder``; returns their Scene (identity cameras)."""
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
     paths = []
     for i in range(n):
@@ -175,8 +175,10 @@ def synthetic_images(folder, fmt: str, n: int = 100, size: int = 800) -> Scene:
         if fmt == "png":
             a = (((xx // 50 + yy // 50 + i) % 3 > 0) * 255).astype(np.uint8)[..., None]
             img = np.concatenate([img, a], -1)
-        p = os.path.join(folder, f"{i:03d}.{fmt}")
-        cv2.imwrite(p, img, [cv2.IMWRITE_JPEG_QUALITY, 95] if fmt == "jpg" else [])
+        if fmt == "jpg_gray":
+            img = np.ascontiguousarray(img[:, :, 0])
+        p = os.path.join(folder, f"{i:03d}.{'jpg' if fmt.startswith('jpg') else fmt}")
+        cv2.imwrite(p, img, [cv2.IMWRITE_JPEG_QUALITY, 95] if fmt.startswith("jpg") else [])
         paths.append(p)
     return Scene(image_paths=paths, c2w=np.tile(np.eye(4)[:3], (n, 1, 1)),
                  intrinsics=np.tile([size, size, size / 2, size / 2], (n, 1)), width=[size] * n,

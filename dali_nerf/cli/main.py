@@ -100,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     bd.add_argument("--images", type=int, default=100)
     bd.add_argument("--size", type=int, default=800, help="width = height in pixels")
     bd.add_argument("--threads", default="0", help="CPU decoder threads, comma-separated (0 = all cores)")
-    bd.add_argument("--formats", default="jpg,png")
+    bd.add_argument("--formats", default="jpg,png", help="comma-separated: jpg (RGB), png (RGBA), jpg_gray "
+                    "(1-component JPEG, decoded by OpenCV)")
     bd.add_argument("--reps", type=int, default=2)
     bd.add_argument("--out", default=None, help="also write decode.json here (a folder)")
 
