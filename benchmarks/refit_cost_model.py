@@ -26,17 +26,17 @@ def main(argv=None) -> None:
     from dali_nerf.bench import costmodel as cm
     from dali_nerf.bench.study import fit_and_check, sampling_profile
     from dali_nerf.config import load_config
-    from dali_nerf.data.hostbudget import usable_cores
+    from dali_nerf.bench.study.provenance import host_cores
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("derived", help="a study's derived.json")
     ap.add_argument("--config", default="configs/study.yaml")
     a = ap.parse_args(argv)
     raw = json.load(open(a.derived))
-    sampling = dict(raw["sampling"], profile=sampling_profile(raw["sampling"], usable_cores()))
+    sampling = dict(raw["sampling"], profile=sampling_profile(raw["sampling"], host_cores()))
     b = load_config(a.config, check_paths=False).bench
     _, rows, desc = fit_and_check(raw["derived"], b, raw["meta"]["rays"], raw["cost_model"]["grad_bytes"], sampling,
-                                  usable_cores())
+                                  host_cores())
     print(f"{a.derived} (commit {raw['meta']['commit'][:12]}); fit: {desc}")
     for name in ("fit", "check"):
         errs = {s: [abs(r["step_error"]) for r in rows if r["set"] == name and r["sampler"] == s] for s in cm.SAMPLERS}

@@ -56,8 +56,9 @@ def _run(scene, cache, B, budget, prio: str, guard: bool, seconds: float, step_s
 
 def main(argv=None) -> None:
     from dali_nerf.config import load_config
-    from dali_nerf.data.hostbudget import host_budget, usable_cores
-    from dali_nerf.data.imagecache import decode_cache
+    from dali_nerf.data.hostbudget import usable_cores
+    from dali_nerf.data.imagecache import CacheStore
+    from dali_nerf.data.plan import SamplingPlan
     from dali_nerf.scenes import scene_from_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -69,8 +70,8 @@ def main(argv=None) -> None:
     cfg = load_config(a.config)
     scene = scene_from_config(cfg)
     B = cfg.pipeline.rays_per_batch
-    budget = host_budget(B, local_ranks=1)
-    cache = decode_cache(scene, 0, 1, num_threads=budget.threads)
+    budget = SamplingPlan.for_loader(B)  # this host's budget for one rank: its threads and run size
+    cache = CacheStore(scene, budget).full()
     variants = [("normal", "normal", True), ("background", "background", True),
                 ("background, no guard", "background", False)]
     n = usable_cores() + 1

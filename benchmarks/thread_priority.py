@@ -34,7 +34,6 @@ def main(argv=None) -> None:
     from dali_nerf.bench import emulated as em
     from dali_nerf.config import load_config
     from dali_nerf.train.emulation import DeviceLinks
-    from dali_nerf.data.hostbudget import host_budget
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/study.yaml")
@@ -53,7 +52,9 @@ def main(argv=None) -> None:
             segs = em.schedule([em.PIPELINED], step_ms, a.trials, B)
             for rep in range(a.repeats):
                 for prio in (("normal", "background") if rep % 2 == 0 else ("background", "normal")):
-                    budget = dataclasses.replace(host_budget(B, local_ranks=W), priority=prio)
+                    # the launch's budget for W ranks at this priority (the plan resolves it)
+                    budget = em.launch_budget(dataclasses.replace(
+                        cfg, pipeline=dataclasses.replace(cfg.pipeline, thread_priority=prio)), W)
                     out = Path(td) / f"{W}_{prio}_{rep}"
                     em.launch(cfg, "ddp", W, segs, out, budget, DeviceLinks(), 20000, a.steps, 5)
                     for (ms, _), r in _ratios(out, segs, a.steps).items():

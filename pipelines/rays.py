@@ -36,11 +36,11 @@ step_counts (K,)      int64   global stream only: rays of each of the K steps
 positions   (M,)      int64   global stream only: each ray's global position
 =========== ========= ======= ==============================================
 
->>> pipe = ray_pipeline(cache, rays_per_run=262144, mode="random", seed=0, stream=0, num_streams=1)
+>>> pipe = ray_pipeline(cache, RayGraph(rays=262144, mode="random", seed=0, stream=0, num_streams=1))
 >>> origins, directions, rgb, indices, near, far, consumed = pipe.run()
->>> routed = ray_pipeline(cache, 4096, "random", 0, 2, 4, partition=part, cell=2)
->>> ddp = ray_pipeline(cache, 16 * 8192, "epoch", 0, 0, 1, global_pixels=P, shard_begin=lo,
-...                    step_positions=8192, first_start=step * 8192)
+>>> routed = ray_pipeline(cache, RayGraph(4096, "random", 0, stream=2, num_streams=4, partition=part, cell=2))
+>>> ddp = ray_pipeline(cache, RayGraph(16 * 8192, "epoch", 0, global_pixels=P, shard_begin=lo,
+...                                    step_positions=8192, first_start=step * 8192))
 >>> *rays, consumed, step_counts, positions = ddp.run()
 """
 
@@ -48,13 +48,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from dali_nerf.data._dali import ray_graph_api
 from dali_nerf.errors import ConfigError
 
-__all__ = ["ray_pipeline", "release_pipeline", "RAY_OUTPUTS", "GLOBAL_OUTPUTS", "GLOBAL_STREAM", "SHARD_STREAM", "pixel_feed", "OP_ARGS", "check_op_args",
+__all__ = ["RayGraph", "ray_pipeline", "release_pipeline", "RAY_OUTPUTS", "GLOBAL_OUTPUTS", "GLOBAL_STREAM", "SHARD_STREAM", "pixel_feed", "OP_ARGS", "check_op_args",
            "INT32_MAX", "INT64_MAX", "MAX_CELLS", "RAY_BYTES"]
 
 INT32_MAX = 2**31 - 1
@@ -179,55 +180,89 @@ def _routing_args(partition, cell: int) -> dict:
                 bounds=[] if partition.bounds is None else [float(v) for v in np.asarray(partition.bounds).ravel()])
 
 
-def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, stream: int, num_streams: int, *,
-                 first_start: int = 0, device: str = "cpu", num_threads: int = 2, prefetch: int = 2,
-                 device_id=None, partition=None, cell: int = -1, global_pixels: int = 0,
-                 shard_begin: int = 0, step_positions: int = 0):
-    """Build the ray graph over an :class:`~dali_nerf.pipelines.decode.ImageCache`.
+@dataclass(frozen=True)
+class RayGraph:
+    """What a ray graph is built with, but the cache: the op's arguments and DALI's settings. A
+    :class:`~dali_nerf.data.plan.SamplingPlan` fills it (``plan.ray_graph(scene, ...)``); a
+    variant is ``dataclasses.replace(graph, ...)`` (a streaming window's key and run size).
+
+    >>> graph = RayGraph(rays=262144, mode="random", seed=0, stream=0, num_streams=1)
+    >>> routed = RayGraph(4096, "random", 0, stream=2, num_streams=4, partition=part, cell=2)
+    >>> ddp = RayGraph(16 * 8192, "epoch", 0, first_start=step * 8192, global_pixels=P, shard_begin=lo,
+    ...                step_positions=8192)
+    """
+
+    rays: int
+    """R, rays per run (one output sample; accepted rays when routed); with ``global_pixels``:
+    global positions walked per run (K * ``step_positions``)."""
+    mode: str = "random"
+    """random | epoch."""
+    seed: int = 0
+    stream: int = 0
+    """The stream's id (a DDP rank, or an SS cell; 0 with ``global_pixels``)."""
+    num_streams: int = 1
+    """The number of streams (the world size, or the number of cells; 1 with ``global_pixels``)."""
+    first_start: int = 0
+    """Stream position of run 0's first ray (a global position, a multiple of ``step_positions``,
+    with ``global_pixels``)."""
+    device: str = "cpu"
+    """cpu | cuda (the op's GPU backend; ``cache.pixels`` must then be a CUDA tensor, fed as one
+    (1, P, 3) batch, :func:`pixel_feed`; cameras/layout/centroids stay CPU inputs)."""
+    num_threads: int = 2
+    """DALI CPU threads."""
+    prefetch: int = 2
+    """Runs DALI computes ahead (0 = synchronous executor, whose output buffers are reused by the
+    next run)."""
+    device_id: Optional[int] = None
+    """The CUDA device of a GPU graph (None on the CPU)."""
+    partition: object = None
+    """Route to ``cell`` of this :class:`~dali_nerf.partition.Partition` (None: no routing)."""
+    cell: int = -1
+    global_pixels: int = 0
+    """P of the split's global stream (0: the cache's own stream)."""
+    shard_begin: int = 0
+    """The split's pixel id of the cache's first pixel (global stream)."""
+    step_positions: int = 0
+    """G, global positions per step (global stream; 0: ``rays``)."""
+
+    def op_args(self) -> dict:
+        """The op's arguments of this graph (checked by :func:`check_op_args`)."""
+        args = dict(rays=self.rays, mode=self.mode, seed=self.seed, stream=self.stream, num_streams=self.num_streams,
+                    start=self.first_start, continue_runs=True)
+        if self.global_pixels:  # the op's defaults otherwise: nothing changes for the cache's own streams
+            args.update(global_pixels=self.global_pixels, shard_begin=self.shard_begin,
+                        step_positions=self.step_positions)
+        if self.partition is not None:
+            args.update(_routing_args(self.partition, self.cell))
+        return args
+
+
+def ray_pipeline(cache, graph: RayGraph):
+    """Build the ray graph ``graph`` over an :class:`~dali_nerf.data.imagecache.ImageCache`.
 
     Args:
         cache: pixels (P, 3) u8, cameras (N, 18) f32, layout (N, 4) i64 (kept alive by the caller;
             fed with ``no_copy=True`` — they must not change while the pipeline exists).
-        rays_per_run: R, rays per run (one output sample; accepted rays when routed); with
-            ``global_pixels``: global positions walked per run (K * ``step_positions``).
-        mode: "random" | "epoch"; seed, stream, num_streams: the stream's key (a DDP rank and
-            the world size, or an SS cell and the number of cells; 0 and 1 with
-            ``global_pixels``).
-        first_start: stream position of run 0's first ray (a global position, a multiple of
-            ``step_positions``, with ``global_pixels``).
-        device: "cpu" or "cuda" (GPU backend of the op; ``cache.pixels`` must then be a CUDA
-            tensor, fed as one (1, P, 3) batch, :func:`pixel_feed`; cameras/layout/centroids
-            stay CPU inputs).
-        prefetch: runs DALI computes ahead (0 = synchronous executor, whose output buffers are
-            reused by the next run).
-        partition, cell: route to ``cell`` of this :class:`~dali_nerf.partition.Partition`
-            (None: no routing).
-        global_pixels: P of the split's global stream (0: the cache's own stream, as before).
-        shard_begin: the split's pixel id of the cache's first pixel (global stream).
-        step_positions: G, global positions per step (global stream; 0: ``rays_per_run``).
+        graph: the op's arguments and DALI's settings (:class:`RayGraph`).
     Returns:
         A built pipeline whose ``run()`` gives the 7 outputs of :data:`RAY_OUTPUTS` (the 9 of
         :data:`GLOBAL_OUTPUTS` with ``global_pixels``).
     """
-    args = dict(rays=rays_per_run, mode=mode, seed=seed, stream=stream, num_streams=num_streams, start=first_start,
-                continue_runs=True)
-    stream_args = dict(stream=int(stream), num_streams=int(num_streams))
-    if global_pixels:  # the op's defaults otherwise: nothing changes for the cache's own streams
-        stream_args.update(global_pixels=int(global_pixels), shard_begin=int(shard_begin),
-                           step_positions=int(step_positions))
-        args.update(stream_args)
-    routing = _routing_args(partition, cell) if partition is not None else {}
-    args.update(routing)
+    g = graph
+    args = g.op_args()
     check_op_args(args)  # before DALI: one line naming the argument, not a C++ assert
-    if partition is not None and not 0 < len(partition.centroids) <= MAX_CELLS:
-        raise ConfigError(f"partition: {len(partition.centroids)} cells; the op routes among at most {MAX_CELLS}")
+    if g.partition is not None and not 0 < len(g.partition.centroids) <= MAX_CELLS:
+        raise ConfigError(f"partition: {len(g.partition.centroids)} cells; the op routes among at most {MAX_CELLS}")
+    stream_args = {k: int(args[k]) for k in ("stream", "num_streams", "global_pixels", "shard_begin", "step_positions")
+                   if k in args}
+    routing = {k: args[k] for k in ("cell", "margin", "up", "dims", "bounds") if k in args}
     fn, pipeline_def, types = ray_graph_api()
-    gpu = device == "cuda"
+    gpu = g.device == "cuda"
     names = ["pixels", "cameras", "layout"]
     srcs = [pixel_feed(cache.pixels, gpu), [cache.cameras], [cache.layout]]
-    if partition is not None:
+    if routing:
         names.append("centroids")
-        srcs.append([np.ascontiguousarray(partition.centroids, np.float32)])
+        srcs.append([np.ascontiguousarray(g.partition.centroids, np.float32)])
 
     @pipeline_def
     def _rays():
@@ -242,13 +277,13 @@ def ray_pipeline(cache, rays_per_run: int, mode: str, seed: int, stream: int, nu
         # the GPU op takes cameras, layout and centroids as CPU inputs (its host-side checks and
         # tables read them there); only the pixels live on the device
         return tuple(fn.dali_nerf.ray_sampler(
-            pixels, *inputs, rays=int(rays_per_run), mode=mode, seed=int(seed), start=int(first_start),
+            pixels, *inputs, rays=int(g.rays), mode=g.mode, seed=int(g.seed), start=int(g.first_start),
             continue_runs=True, device=dev, **stream_args, **routing,
         ))
 
-    sync = prefetch <= 0
-    pipe = _rays(batch_size=1, num_threads=num_threads, device_id=device_id,
-                 prefetch_queue_depth=max(1, int(prefetch)), exec_async=not sync, exec_pipelined=not sync)
+    sync = g.prefetch <= 0
+    pipe = _rays(batch_size=1, num_threads=g.num_threads, device_id=g.device_id,
+                 prefetch_queue_depth=max(1, int(g.prefetch)), exec_async=not sync, exec_pipelined=not sync)
     pipe.build()
     for name, data in zip(names, srcs):
         pipe.feed_input(name, data)

@@ -216,15 +216,52 @@ def test_sources_are_constructed_only_in_the_registry():
         assert not made, f"{path.relative_to(REPO)} constructs {sorted(set(made))}; build sources with dali_nerf.sources.registry"
 
 
-def test_the_plan_alone_resolves_budgets_priorities_and_devices():
-    helpers = {"host_budget", "resolve_priority", "resolve_device", "sampling_device", "usable_cores"}
-    # usable_cores: a summary field (the emulated mode), the study's host cores (provenance.host_cores)
-    allowed = {"dali_nerf.data.plan", "dali_nerf.data.hostbudget", "dali_nerf.train.emulated", "dali_nerf.bench.study.provenance"}
-    for name, path in MODULES.items():
-        if name in allowed:
+# Every helper that decides a rank's sampling (the host budget's threads and run size, the priority of
+# the threads that sample ahead, the device, the global batch's share), and the modules besides
+# dali_nerf/data/plan.py and dali_nerf/data/hostbudget.py that may call it, each with its reason.
+RESOLVERS = {
+    "host_budget": {},
+    "run_size": {"dali_nerf.bench.study.runs": "the scaling measurement sets n threads' run size as its config's "
+                                               "pipeline.rays_per_run, which the plan then takes"},
+    "resolve_priority": {},
+    "check_priority": {},
+    "resolve_device": {},
+    "sampling_device": {"dali_nerf.train.loop": "a real run's process group is on the device its plan samples on",
+                        "dali_nerf.bench.loop": "its --device, by the trainers' rule"},
+    "global_batch_share": {"dali_nerf.train.resume": "a resume's note names the rays per rank the plan resolves",
+                           "dali_nerf.integrations.nerfstudio": "its own key, pipeline.datamanager.global-batch"},
+    # the host's cores are a fact, read (not decided) for a summary field, the study's provenance, a benchmark
+    "usable_cores": {"dali_nerf.train.emulated": "summary.json host_cores",
+                     "dali_nerf.bench.study.provenance": "the study's host cores",
+                     "benchmarks/starvation.py": "one busy process more than the host's cores"},
+}
+DECIDERS = {"dali_nerf.data.plan", "dali_nerf.data.hostbudget"}
+
+
+def _scripts() -> dict:
+    """{name: path} of the package's modules and the benchmarks (benchmarks/<file>.py by its path)."""
+    return dict(MODULES, **{f"benchmarks/{f.name}": f for f in sorted((REPO / "benchmarks").glob("*.py"))})
+
+
+def test_the_plan_alone_resolves_budgets_priorities_devices_and_the_global_batch():
+    for name, path in _scripts().items():
+        if name in DECIDERS:
             continue
-        used = set(_calls(path, helpers))
-        assert not used, f"{path.relative_to(REPO)} calls {sorted(used)}; resolve them once in dali_nerf.data.plan"
+        used = {h for h in _calls(path, set(RESOLVERS)) if name not in RESOLVERS[h]}
+        assert not used, (f"{path.relative_to(REPO)} calls {sorted(used)}; resolve them once in dali_nerf.data.plan "
+                          f"(plan_from_config, SamplingPlan.for_loader)")
+
+
+def test_the_single_decider_check_sees_a_call(tmp_path):
+    """A benchmark that resolves a budget itself is caught, and every listed helper exists."""
+    from dali_nerf.data import hostbudget, plan
+
+    f = tmp_path / "bench.py"
+    f.write_text("def main():\n    from dali_nerf.data.hostbudget import host_budget\n    return host_budget(4096).threads\n")
+    assert _calls(f, set(RESOLVERS)) == ["host_budget"]
+    for h in RESOLVERS:
+        assert hasattr(hostbudget, h) or hasattr(plan, h), h
+    assert "benchmarks/starvation.py" in _scripts()
 
 
 def test_only_the_lazy_loader_modules_import_dali():

@@ -13,7 +13,7 @@ import pytest
 
 from _tiny_scene import tiny_scene
 from dali_nerf.errors import ConfigError
-from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, OP_ARGS, check_op_args, ray_pipeline
+from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, OP_ARGS, RayGraph, check_op_args, ray_pipeline
 
 SCHEMA = Path(__file__).resolve().parents[1] / "dali_nerf" / "ops" / "csrc" / "ray_sampler.cc"
 
@@ -75,8 +75,7 @@ def test_ray_pipeline_checks_before_dali():
                      (dict(seed=-1), "seed=-1"), (dict(first_start=-2), "start=-2"), (dict(mode="sorted"), "mode=")):
         args = dict(rays_per_run=64, mode="random", seed=0, stream=0, num_streams=1) | kw
         with pytest.raises(ConfigError, match=re.escape(word)):
-            ray_pipeline(object(), args.pop("rays_per_run"), args.pop("mode"), args.pop("seed"), args.pop("stream"),
-                         args.pop("num_streams"), **args)
+            ray_pipeline(object(), RayGraph(args.pop("rays_per_run"), **args))
 
 
 @pytest.fixture(scope="module")

@@ -287,7 +287,7 @@ def test_runs_continue_in_ray_pipeline():
     """pipelines/rays.py with ``global_pixels``: run j of ``ray_pipeline(first_start=s0)`` walks
     [s0 + j R, s0 + (j + 1) R) (prefetched or synchronous), 9 outputs; and without it the
     pipeline keeps the cache's own stream with its 7 outputs."""
-    from dali_nerf.pipelines.rays import GLOBAL_OUTPUTS, RAY_OUTPUTS, ray_pipeline, release_pipeline
+    from dali_nerf.pipelines.rays import GLOBAL_OUTPUTS, RAY_OUTPUTS, RayGraph, ray_pipeline, release_pipeline
 
     full = split_cache(5, [(9, 7), (12, 5), (4, 4), (10, 10)])
     n, P = sizes_of(full), len(full[0])
@@ -296,8 +296,8 @@ def test_runs_continue_in_ray_pipeline():
     cache = SimpleNamespace(pixels=sub[0], cameras=sub[1], layout=sub[2])
     G, K, s0 = 23, 3, 23 * 17
     for prefetch in (0, 2):
-        pipe = ray_pipeline(cache, K * G, "epoch", 4, 0, 1, first_start=s0, prefetch=prefetch, global_pixels=P,
-                            shard_begin=lo, step_positions=G)
+        pipe = ray_pipeline(cache, RayGraph(K * G, "epoch", 4, first_start=s0, prefetch=prefetch, global_pixels=P,
+                                            shard_begin=lo, step_positions=G))
         for j in range(3):
             out = dict(zip(GLOBAL_OUTPUTS, (np.array(o[0]) for o in pipe.run())))
             g = np.arange(s0 + j * K * G, s0 + (j + 1) * K * G)
@@ -306,7 +306,7 @@ def test_runs_continue_in_ray_pipeline():
             assert np.array_equal(pixel_ids(sub, out["indices"]) + lo, ref.pixels(4, "epoch", n, keep))
             assert np.array_equal(out["step_counts"], ref.step_counts(4, "epoch", P, lo, hi, g[0], G, K))
         release_pipeline(pipe)
-    pipe = ray_pipeline(cache, 50, "random", 4, 1, 3, prefetch=0)
+    pipe = ray_pipeline(cache, RayGraph(50, "random", 4, stream=1, num_streams=3, prefetch=0))
     out = pipe.run()
     assert len(out) == len(RAY_OUTPUTS) and np.array(out[3][0]).shape == (50, 3)
     release_pipeline(pipe)

@@ -40,7 +40,7 @@ pytest.importorskip("nvidia.dali")
 
 from dali_nerf.ops import load_plugin  # noqa: E402
 from dali_nerf.data.imagecache import ImageCache, pack_cameras  # noqa: E402
-from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline  # noqa: E402
+from dali_nerf.pipelines.rays import RAY_OUTPUTS, RayGraph, ray_pipeline, release_pipeline  # noqa: E402
 from dali_nerf.data.rays import rays_from_indices  # noqa: E402
 from dali_nerf.scenes.base import Scene  # noqa: E402
 
@@ -111,7 +111,7 @@ def reference(scene, idx):
 
 def run_epoch(cache, seed):
     """One op run of P rays in epoch mode (every pixel once): dict of numpy outputs."""
-    pipe = ray_pipeline(cache, cache.num_pixels, "epoch", seed, 0, 1, num_threads=1, prefetch=0)
+    pipe = ray_pipeline(cache, RayGraph(cache.num_pixels, "epoch", seed, num_threads=1, prefetch=0))
     try:
         out = {k: np.array(v[0]).copy() for k, v in zip(RAY_OUTPUTS, pipe.run())}
     finally:

@@ -37,7 +37,7 @@ pytest.importorskip("nvidia.dali")
 from dali_nerf.ops import load_plugin  # noqa: E402
 from dali_nerf.partition import Partition, ray_cells  # noqa: E402
 from dali_nerf.data.imagecache import ImageCache  # noqa: E402
-from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline  # noqa: E402
+from dali_nerf.pipelines.rays import RAY_OUTPUTS, RayGraph, ray_pipeline, release_pipeline  # noqa: E402
 
 SAMPLES, LOCAL, ROUNDS, ZOOM = 512, 4, 4, 17
 BAND = 1e-5
@@ -226,7 +226,7 @@ def random_cameras(rng, n):
 
 
 def run_once(cache, rays, seed, start, **kw):
-    pipe = ray_pipeline(cache, rays, "random", seed, 0, 1, first_start=start, num_threads=1, prefetch=0, **kw)
+    pipe = ray_pipeline(cache, RayGraph(rays, "random", seed, first_start=start, num_threads=1, prefetch=0, **kw))
     try:
         return {k: np.array(v[0]).copy() for k, v in zip(RAY_OUTPUTS, pipe.run())}
     finally:

@@ -98,6 +98,7 @@ def test_config_names_the_registrys_sources():
 def test_checkpoints_record_rays_sync_as_the_rays_stream(stream):
     """A checkpoint of a rays_sync run records the stream of rays (global: G = B x W kept on a resume
     at another world size), as its batches are those of rays."""
+    from dali_nerf.data.plan import plan_from_config
     from dali_nerf.train.resume import resumed_config
     from dali_nerf.sources.registry import run_stream
     from dali_nerf.train.runtime import DistEnv
@@ -109,6 +110,8 @@ def test_checkpoints_record_rays_sync_as_the_rays_stream(stream):
     st = {"format": 2, "method": "ddp", "pipeline": "rays_sync", "stream": run_stream(cfg)[0], "step": 4,
           "world_size": 2, "global_batch": run_stream(cfg)[1] * B * 2}
     got = resumed_config(cfg, st, DistEnv(rank=1, world_size=4, local_rank=1, device=torch.device("cpu")))
-    assert (got.pipeline.stream, got.pipeline.rays_per_batch) == (stream, B // 2 if stream == "global" else B)
+    plan = plan_from_config(got, 1, 4)  # the rank's plan resolves the kept global batch
+    assert (got.pipeline.stream, plan.rays_per_batch) == (stream, B // 2 if stream == "global" else B)
+    assert (plan.stream_version, plan.run_global_batch) == (st["stream"], st["global_batch"])
     other = _config("rays_sync", "pipeline.stream=" + ("shard" if stream == "global" else "global"))
     assert resumed_config(other, st, DistEnv(1, 2, 1, torch.device("cpu"))).pipeline.stream == stream

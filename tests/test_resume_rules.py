@@ -116,68 +116,78 @@ def _env(world):
 
 
 def test_global_batch_sets_the_rays_per_rank_of_a_new_run_or_is_refused_in_one_line():
-    """pipeline.global_batch G: a new run on W ranks trains G / W rays per rank; a W that does not
-    divide G, or a run without a global batch, is refused naming the key and the fix."""
-    from dali_nerf.config import ConfigError
+    """pipeline.global_batch G: a new run on W ranks trains G / W rays per rank (the plan's); a W
+    that does not divide G, or a run without a global batch, is refused naming the key and the fix."""
+    from dali_nerf.errors import ConfigError
+    from dali_nerf.data.plan import plan_from_config
     from dali_nerf.train.resume import resumed_config
-    from dali_nerf.sources.registry import global_batch_config
 
-    cfg = load_config(None, ["pipeline.global_batch=1536"], check_paths=False)
+    cfg = load_config(None, ["pipeline.global_batch=1536", "train.device=cpu"], check_paths=False)
     for world, b in ((1, 1536), (2, 768), (3, 512), (4, 384), (12, 128)):
-        got = resumed_config(cfg, None, _env(world))
-        assert (got.pipeline.rays_per_batch, got.pipeline.global_batch) == (b, 1536)
-    unset = load_config(None, ["pipeline.rays_per_batch=100"], check_paths=False)
-    assert global_batch_config(unset, 7) is unset  # 0: rays_per_batch as given, G = B x W
+        plan = plan_from_config(resumed_config(cfg, None, _env(world)), 0, world)
+        assert (plan.rays_per_batch, plan.global_batch, plan.run_global_batch) == (b, 1536, 1536)
+    unset = load_config(None, ["pipeline.rays_per_batch=100", "train.device=cpu"], check_paths=False)
+    assert plan_from_config(unset, 0, 7).rays_per_batch == 100  # 0: rays_per_batch as given, G = B x W
     with pytest.raises(ConfigError) as e:
-        global_batch_config(cfg, 5)
+        plan_from_config(cfg, 0, 5)
     assert str(e.value) == ("pipeline.global_batch=1536 does not divide among 5 ranks; use a number of ranks that "
                             "divides it (4 or 6) or change it")
     for overrides, what in ((["method=ss"], "method ss"), (["pipeline.stream=shard"], "pipeline.stream=shard"),
                             (["pipeline.name=sync_local"], "pipeline.name=sync_local")):
-        bad = load_config(None, ["pipeline.global_batch=1536", *overrides], check_paths=False)
+        bad = load_config(None, ["pipeline.global_batch=1536", "train.device=cpu", *overrides], check_paths=False)
         with pytest.raises(ConfigError) as e:
-            global_batch_config(bad, 2)
+            plan_from_config(bad, 0, 2)
         msg = str(e.value)
         assert "\n" not in msg and msg.startswith("pipeline.global_batch=1536: this run has no global batch") \
             and what in msg and msg.endswith("or leave it 0"), msg
-    sync = load_config(None, ["pipeline.global_batch=1536", "pipeline.name=sync_global"], check_paths=False)
-    assert global_batch_config(sync, 3).pipeline.rays_per_batch == 512
+    sync = load_config(None, ["pipeline.global_batch=1536", "pipeline.name=sync_global", "train.device=cpu"],
+                       check_paths=False)
+    assert plan_from_config(sync, 0, 3).rays_per_batch == 512
+
+
+def _resumed_plan(cfg, st, world):
+    """The plan a rank trains with after resuming ``st`` on ``world`` ranks."""
+    from dali_nerf.data.plan import plan_from_config
+    from dali_nerf.train.resume import resumed_config
+
+    out = resumed_config(cfg, st, _env(world))
+    return out, plan_from_config(out, 0, world)
 
 
 def test_a_resumed_run_keeps_its_checkpoints_global_batch_over_the_configs(capsys):
     """The checkpoint's G wins: a config naming the same G resumes without a note; another G or
     none is noted once (rank 0), and a W that divides the checkpoint's G but not the config's is
     not refused (the config's G is not used)."""
-    from dali_nerf.train.resume import resumed_config
-
     st = {"format": 2, "method": "ddp", "pipeline": "rays", "stream": GLOBAL_STREAM, "global_batch": 1536,
           "step": 20, "world_size": 4}
-    same = resumed_config(load_config(None, ["pipeline.global_batch=1536"], check_paths=False), st, _env(3))
-    assert (same.pipeline.rays_per_batch, same.pipeline.global_batch) == (512, 1536)
+    same, plan = _resumed_plan(load_config(None, ["pipeline.global_batch=1536", "train.device=cpu"],
+                                           check_paths=False), st, 3)
+    assert (plan.rays_per_batch, same.pipeline.global_batch) == (512, 1536)
     assert capsys.readouterr().err == ""
-    other = resumed_config(load_config(None, ["pipeline.global_batch=1000"], check_paths=False), st, _env(3))
-    assert (other.pipeline.rays_per_batch, other.pipeline.global_batch) == (512, 1536)
+    other, plan = _resumed_plan(load_config(None, ["pipeline.global_batch=1000", "train.device=cpu"],
+                                            check_paths=False), st, 3)
+    assert (plan.rays_per_batch, other.pipeline.global_batch) == (512, 1536)
     assert capsys.readouterr().err == ("note: resuming step 20 (written by 4 rank(s)): its global batch of 1536 rays "
                                        "is kept: pipeline.global_batch=1536 (was 1000), pipeline.rays_per_batch=512 on 3 ranks\n")
-    none = resumed_config(load_config(None, [], check_paths=False), st, _env(2))
-    assert (none.pipeline.rays_per_batch, none.pipeline.global_batch) == (768, 0)
+    none, plan = _resumed_plan(load_config(None, ["train.device=cpu"], check_paths=False), st, 2)
+    assert (plan.rays_per_batch, plan.run_global_batch) == (768, 1536)
     assert "is kept on 2 ranks: pipeline.rays_per_batch=768 (was 4096)" in capsys.readouterr().err
 
 
 def test_a_checkpoint_without_a_global_batch_refuses_the_configs(capsys):
     """A shard-stream checkpoint resumed with pipeline.global_batch set (and the default stream
     global): the run continues the shard stream, which has no global batch, so the key is refused
-    in one line rather than changing rays_per_batch silently."""
-    from dali_nerf.config import ConfigError
-    from dali_nerf.train.resume import resumed_config
+    in one line (by the rank's plan) rather than changing rays_per_batch silently."""
+    from dali_nerf.errors import ConfigError
 
     st = {"format": 2, "method": "ddp", "pipeline": "rays", "stream": SHARD_STREAM, "global_batch": 0,
           "step": 20, "world_size": 2}
     with pytest.raises(ConfigError, match=r"^pipeline.global_batch=1536: this run has no global batch \(method ddp, "
                                           r"pipeline.name=rays, pipeline.stream=shard\)"):
-        resumed_config(load_config(None, ["pipeline.global_batch=1536"], check_paths=False), st, _env(2))
-    kept = resumed_config(load_config(None, ["pipeline.rays_per_batch=100"], check_paths=False), st, _env(2))
-    assert (kept.pipeline.stream, kept.pipeline.rays_per_batch) == ("shard", 100)
+        _resumed_plan(load_config(None, ["pipeline.global_batch=1536", "train.device=cpu"], check_paths=False), st, 2)
+    kept, plan = _resumed_plan(load_config(None, ["pipeline.rays_per_batch=100", "train.device=cpu"],
+                                           check_paths=False), st, 2)
+    assert (kept.pipeline.stream, plan.rays_per_batch, plan.stream_version) == ("shard", 100, SHARD_STREAM)
 
 
 def test_sources_built_from_a_config_take_the_global_batch(tmp_path):

@@ -13,13 +13,14 @@ from dali_nerf.config import PartitionConfig
 from dali_nerf.errors import ConfigError
 from dali_nerf.partition import Partition, ray_cells
 from dali_nerf.data.imagecache import decode_cache
-from dali_nerf.pipelines.rays import ray_pipeline
+from dali_nerf.pipelines.rays import RayGraph, ray_pipeline
 from dali_nerf.sources import SpatialRayLoader
 
 
 def spatial_pipeline(cache, part, cell, rays_per_run, mode, seed, **kw):
     """The ray graph routed to ``cell`` with the SS stream key (seed, rank=cell, world_size=C)."""
-    return ray_pipeline(cache, rays_per_run, mode, seed, cell, part.num_cells, partition=part, cell=cell, **kw)
+    return ray_pipeline(cache, RayGraph(rays_per_run, mode, seed, stream=cell, num_streams=part.num_cells, partition=part,
+                                        cell=cell, **kw))
 from dali_nerf.scenegen import make_scene
 from dali_nerf.scenes import load_scene
 

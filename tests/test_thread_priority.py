@@ -14,6 +14,7 @@ from dali_nerf.config import load_config
 from dali_nerf.errors import ConfigError
 from dali_nerf.data.hostbudget import check_priority, dali_threads, host_budget, resolve_priority
 from dali_nerf.data.imagecache import decode_cache
+from dali_nerf.data.plan import plan_from_config
 from dali_nerf.sources import RayLoader, SpatialRayLoader, TorchWorkersSampler, build_source
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not os.path.isdir("/proc/self/task"),
@@ -99,8 +100,10 @@ def test_auto_follows_the_device_and_bad_values_name_the_key(scene):
     assert resolve_priority("auto", "cpu") == "normal"
     assert resolve_priority("auto", "cuda") == resolve_priority("auto", "emulated") == "background"
     assert resolve_priority("normal", "cuda") == "normal"
-    assert host_budget(4096, local_ranks=2, cores=2, device="emulated").priority == "background"
+    # the budget leaves the priority to the plan, which resolves auto for train.device
     assert host_budget(4096, local_ranks=2, cores=2).priority == "normal"
+    emulated = load_config(None, ["train.device=emulated", "pipeline.num_threads=0"], check_paths=False)
+    assert plan_from_config(emulated, 0, 2, local_ranks=2, cores=2).priority == "background"
     with pytest.raises(ConfigError, match="thread_priority='idle'") as e:
         check_priority("idle")
     assert "normal, background" in str(e.value) and "\n" not in str(e.value)

@@ -20,11 +20,9 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from dali_nerf.errors import stderr_line
-from dali_nerf.data.plan import uneven_rays_note
+from dali_nerf.data.plan import RAY_GRAPH_SOURCES, uneven_rays_note
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
 from dali_nerf.data.seeds import init_seed
-from dali_nerf.sources import build_source
-from dali_nerf.sources.registry import RAY_GRAPH_SOURCES
 from dali_nerf.train.fieldsetup import learned_background_init, scene_space
 from dali_nerf.train.runtime import DistEnv, wrap_ddp
 from dali_nerf.train.tasks import Method, Task
@@ -39,11 +37,11 @@ class DDPMethod(Method):
     def __init__(self):
         self.sync_timers = {}
 
-    def build_tasks(self, cfg, scene, env: DistEnv):
-        source = build_source(cfg, scene, env.rank, env.world_size)
+    def build_tasks(self, cfg, scene, env: DistEnv, feed):
+        (source,) = feed.sources
         # the DALI ray sources keep their shard's part of each global batch (the baselines split it evenly)
-        plan = getattr(source, "plan", None) if cfg.pipeline.name in RAY_GRAPH_SOURCES else None
-        note = uneven_rays_note(plan, scene.width * scene.height) if env.rank == 0 and plan else None
+        ray_graph = cfg.pipeline.name in RAY_GRAPH_SOURCES
+        note = uneven_rays_note(feed.plan, scene.width * scene.height) if env.rank == 0 and ray_graph else None
         if note:
             stderr_line(note)
         self.space = scene_space(cfg, scene)  # world / ndc / contract; the field's box is in it

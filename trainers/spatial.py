@@ -28,10 +28,8 @@ from dali_nerf.models.fused import FusedField
 from dali_nerf.errors import ConfigError
 from dali_nerf.train.evaluation import EvalViews, evaluate_field
 from dali_nerf.train.fieldsetup import learned_background_init, scene_space
-from dali_nerf.partition import Partition, assign_rank
 from dali_nerf.train.runtime import DistEnv
 from dali_nerf.data.seeds import init_seed
-from dali_nerf.sources import build_source
 from dali_nerf.train.tasks import Method, Task
 from dali_nerf.cli.trainer import trainer_main
 
@@ -76,20 +74,21 @@ def _cell_field(cfg, aabb, state: dict):
 class SpatialMethod(Method):
     name = "ss"
 
-    def build_tasks(self, cfg, scene, env: DistEnv):
-        self.partition = Partition.from_config(cfg.partition, scene)
-        cells_per_rank = assign_rank(self.partition.num_cells, env.world_size)  # checked before writing
+    def check(self, cfg, scene):
+        space = scene_space(cfg, scene)
+        if space.kind != "world":  # cells, routing and the fused blend are in world coordinates
+            raise ConfigError(f"model.space: the spatial-segmentation trainer needs world space, got {space.kind!r} "
+                              f"for {cfg.scene.path}; set model.space=world (or give the scene an aabb)")
+
+    def build_tasks(self, cfg, scene, env: DistEnv, feed):
+        self.partition = feed.partition  # built from the config by the registry, the cells assigned there
         if env.rank == 0:
             self.partition.save(cfg.run_dir / "partition.json")
-        self.cells = cells_per_rank[env.rank]
+        self.cells = feed.cells[env.rank]
         self.space = scene_space(cfg, scene)
-        if self.space.kind != "world":  # cells, routing and the fused blend are in world coordinates
-            raise ConfigError(f"model.space: the spatial-segmentation trainer needs world space, got {self.space.kind!r} "
-                              f"for {cfg.scene.path}; set model.space=world (or give the scene an aabb)")
         self.aabb = self.space.aabb
-        sources = build_source(cfg, scene, env.rank, env.world_size, cells=cells_per_rank, partition=self.partition)
         tasks = []
-        for c, source in zip(self.cells, sources):
+        for c, source in zip(self.cells, feed.sources):
             torch.manual_seed(init_seed(cfg.pipeline.seed, c))
             field = build_field(cfg.model, self.aabb, learned_background_init(scene)).to(env.device)
             occ = build_occupancy(cfg.model, self.aabb)

@@ -56,7 +56,7 @@ import torch
 from dali_nerf.atomic import atomic_write_text
 from dali_nerf.config import Config, config_to_dict, load_config
 from dali_nerf.errors import ConfigError
-from dali_nerf.data.plan import plan_from_config
+from dali_nerf.data.plan import plan_from_config, sampling_device
 
 __all__ = ["main", "run_loop", "read_device_step", "SAMPLERS", "LABELS", "aggregate"]
 
@@ -290,13 +290,12 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
     from dali_nerf.train.emulation import model_grad_bytes
     from dali_nerf.data.imagecache import CacheStore
     from dali_nerf.scenes import scene_from_config
+    from dali_nerf.sources.registry import rank_feed
     from dali_nerf.trainers.ddp import DDPMethod
     from dali_nerf.train.runtime import DistEnv
     from dali_nerf.bench.study.provenance import git_commit, machine_desc as _machine_desc
 
-    dev_name = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if dev_name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible to torch; use --device cpu")
+    dev_name = sampling_device(device, "--device")  # the trainer's rule: auto, a missing GPU refused
     env = DistEnv(0, 1, 0, torch.device("cuda", torch.cuda.current_device()) if dev_name == "cuda" else torch.device("cpu"))
     for s in samplers:
         if s not in SAMPLERS:
@@ -317,9 +316,11 @@ def run_loop(cfg: Config, out: Path, batches: Sequence[int], samplers: Sequence[
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     method = DDPMethod()
-    task = method.build_tasks(cfg_floor, scene, env)[0]  # the trainer's model, optimiser, occupancy, schedule
+    feed = rank_feed(cfg_floor, scene, 0, 1)  # the trainer's plan: its budget on this host
+    feed.build()
+    task = method.build_tasks(cfg_floor, scene, env, feed)[0]  # the trainer's model, optimiser, occupancy, schedule
     task.source.close()
-    plan0 = plan_from_config(cfg_floor, 0, 1)  # the trainer's budget on this host
+    plan0 = feed.plan
     threads = plan0.threads
     store = CacheStore(scene, plan0)
     caches = {"host": store.full("cpu")}

@@ -14,8 +14,8 @@ per local rank:
 * ``rays_per_run`` = ``RAYS_PER_THREAD`` x threads, a multiple of the batch, at most ``max_run``:
   one run occupies the threads for a bounded time (a short burst) whatever the thread count.
 
->>> host_budget(4096, local_ranks=16, cores=2, device="emulated")
-HostBudget(cores=2, local_ranks=16, cores_per_rank=0.125, threads=1, rays_per_run=65536, priority='background')
+>>> host_budget(4096, local_ranks=16, cores=2)
+HostBudget(cores=2, local_ranks=16, cores_per_rank=0.125, threads=1, rays_per_run=65536, priority='normal')
 >>> host_budget(4096, local_ranks=8, cores=32).threads
 3
 
@@ -68,7 +68,10 @@ class HostBudget:
     rays_per_run: int
     """Rays per DALI run (a multiple of the batch)."""
     priority: str = "normal"
-    """Priority of the threads and worker processes that sample ahead (:data:`PRIORITIES`)."""
+    """Priority of the threads and worker processes that sample ahead (:data:`PRIORITIES`): the
+    budget does not decide it (``pipeline.thread_priority`` is resolved by the plan,
+    :func:`dali_nerf.data.plan.plan_from_config`); a launch that hands one budget to all its
+    samplers records the plan's here."""
 
 
 def usable_cores() -> int:
@@ -121,7 +124,7 @@ def local_world_size() -> int:
 
 
 def host_budget(rays_per_batch: int, local_ranks: Optional[int] = None, cores: Optional[int] = None,
-                max_threads: int = 4, max_run: int = 262144, device: str = "cpu") -> HostBudget:
+                max_threads: int = 4, max_run: int = 262144) -> HostBudget:
     """Sampler threads and rays per run for one rank (see the module docstring for the rule).
 
     Args:
@@ -129,8 +132,6 @@ def host_budget(rays_per_batch: int, local_ranks: Optional[int] = None, cores: O
         local_ranks: ranks sharing the cores (default: :func:`local_world_size`).
         cores: usable cores (default: :func:`usable_cores`).
         max_threads: cap on threads per rank; max_run: cap on rays per run (rounded up to B).
-        device: where the rank's compute runs (``train.device``): sets the priority
-            (:func:`resolve_priority`).
     """
     if int(rays_per_batch) < 1:
         raise ConfigError(f"rays_per_batch={rays_per_batch!r}: must be >= 1")
@@ -140,7 +141,7 @@ def host_budget(rays_per_batch: int, local_ranks: Optional[int] = None, cores: O
         raise ConfigError(f"host_budget: local_ranks and cores must be >= 1, got {n}, {c}")
     per = c / n
     threads = int(max(1, min(int(max_threads), int(per) - 1)))
-    return HostBudget(c, n, per, threads, run_size(rays_per_batch, threads, max_run), resolve_priority("auto", device))
+    return HostBudget(c, n, per, threads, run_size(rays_per_batch, threads, max_run))
 
 
 def run_size(rays_per_batch: int, threads: int, max_run: int = 262144) -> int:

@@ -29,17 +29,18 @@ or, with ``ray_stream`` global (``pipeline.stream``), the split's global stream 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from dali_nerf.errors import ConfigError
 from dali_nerf.data.hostbudget import HostBudget, check_priority, host_budget, resolve_priority, run_size
-from dali_nerf.pipelines.decode import shard_range
-from dali_nerf.pipelines.rays import INT32_MAX
+from dali_nerf.pipelines.decode import shard_range, shard_sizes
+from dali_nerf.pipelines.rays import GLOBAL_STREAM, INT32_MAX, SHARD_STREAM, RayGraph
 
 __all__ = ["SamplingPlan", "plan_from_config", "resolve_device", "sampling_device", "rays_per_rank_spread",
-           "uneven_rays_note", "nearest_divisors", "global_batch_share"]
+           "uneven_rays_note", "nearest_divisors", "global_batch_share", "run_stream", "RAY_GRAPH_SOURCES"]
 
 
 def _positive(name: str, v) -> None:
@@ -47,24 +48,25 @@ def _positive(name: str, v) -> None:
         raise ConfigError(f"{name}={v!r}: must be an integer > 0")
 
 
-def resolve_device(device: str) -> str:
+def resolve_device(device: str, key: str = "device") -> str:
     """Where sampling runs: "auto" -> "cuda" when a GPU is visible, else "cpu"; "cuda" without a
-    GPU is a ConfigError."""
+    GPU is a ConfigError naming ``key``."""
     import torch
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
-        raise ConfigError(f"device={device!r}: use cpu, cuda or auto")
+        raise ConfigError(f"{key}={device!r}: use cpu, cuda or auto")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda: no CUDA device is visible; use device=cpu")
+        raise ConfigError(f"{key}=cuda: no CUDA device is visible; use {key}=cpu")
     return device
 
 
-def sampling_device(train_device: str) -> str:
-    """The device a run's sources sample on for ``train.device``: emulated devices sample on the
-    host (their device work is a timed wait); the others as :func:`resolve_device`."""
-    return "cpu" if train_device == "emulated" else resolve_device(train_device)
+def sampling_device(train_device: str, key: str = "train.device") -> str:
+    """The device a run's sources sample on for ``train.device``, and a real run's device (its
+    process group and tensors: :func:`dali_nerf.train.runtime.setup_distributed`): emulated devices
+    sample on the host (their device work is a timed wait); the others as :func:`resolve_device`."""
+    return "cpu" if train_device == "emulated" else resolve_device(train_device, key)
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,11 @@ class SamplingPlan:
     the part of each in its shard). SS cells and the baselines ignore it."""
     global_batch: int = 0
     """G: global positions per step of the global stream (B x world size; 0 with ``stream`` shard)."""
+    stream_version: str = ""
+    """The run's training stream, what its checkpoints record (:func:`run_stream`; "" outside a run)."""
+    run_global_batch: int = 0
+    """G of the run's training stream, kept by an elastic resume: B x world size for the DDP global
+    stream and ``sync_global``, 0 for the per-rank and per-cell streams."""
 
     @property
     def decode_threads(self) -> int:
@@ -135,6 +142,34 @@ class SamplingPlan:
         if not 0 <= int(cell) < self.num_cells:
             raise ConfigError(f"cell={cell}: the partition has {self.num_cells} cells")
         return int(cell), self.num_cells
+
+    def ray_graph(self, scene=None, first_start: int = 0, *, partition=None, cell: Optional[int] = None) -> RayGraph:
+        """The ray graph this plan samples with (:class:`~dali_nerf.pipelines.rays.RayGraph`), its
+        first run at stream position ``first_start``: a data-parallel rank's stream over its shard
+        (:attr:`ray_stream` global: the split's stream, whose pixel count and the shard's first
+        pixel come from ``scene``), or cell ``cell``'s stream routed by ``partition`` (SS)."""
+        import torch
+
+        common = dict(mode=self.mode, seed=self.seed, first_start=int(first_start), device=self.device,
+                      num_threads=self.threads, prefetch=self.prefetch,
+                      device_id=torch.cuda.current_device() if self.device == "cuda" else None)
+        if partition is not None:
+            stream, n = self.stream(cell)
+            return RayGraph(self.rays_per_run, stream=stream, num_streams=n, partition=partition, cell=int(cell),
+                            **common)
+        if self.ray_stream == "global":  # the split's stream: the seed's alone; the cache is the shard [lo, ...)
+            px = shard_sizes(scene, self.world_size)
+            return RayGraph(self.positions_per_run, global_pixels=int(px.sum()),
+                            shard_begin=int(px[:self.rank].sum()), step_positions=self.global_batch, **common)
+        return RayGraph(self.rays_per_run, stream=self.rank, num_streams=self.world_size, **common)
+
+    def for_source(self, name: str) -> "SamplingPlan":
+        """This plan as the source ``name`` runs it: ``rays_sync`` is ``rays`` at prefetch 0 with
+        its DALI threads at normal priority (the training thread waits for them: nobody samples
+        ahead); every other source as planned."""
+        if name == "rays_sync" and (self.prefetch, self.priority) != (0, "normal"):
+            return dataclasses.replace(self, prefetch=0, priority="normal")
+        return self
 
     @classmethod
     def for_loader(cls, rays_per_batch: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
@@ -186,26 +221,62 @@ def _steps_per_run(run: int, rays_per_batch: int, global_batch: int) -> int:
     return max(1, min(K, INT32_MAX // global_batch)) if global_batch else K
 
 
+RAY_GRAPH_SOURCES = ("rays", "rays_sync")
+"""The sources that run our DALI ray graph (pipelined and synchronous): the same stream, epoch mode too."""
+
+
+def run_stream(cfg) -> tuple:
+    """(stream version, G) of a run's training stream: what a checkpoint records and an elastic
+    resume keeps. DDP ``rays`` (and ``rays_sync``, the same sampler): the global stream (G = B x W
+    at the run's start) or the shard stream; ``sync_global``: rank 0's global batch of B x W; SS
+    ``rays`` / ``rays_sync``: the cells' own streams; the rest: per-rank streams (G 0)."""
+    p = cfg.pipeline
+    if cfg.method == "ss":
+        return ("cells-v1" if p.name in RAY_GRAPH_SOURCES else f"ss-{p.name}-v1"), 0
+    if p.name in RAY_GRAPH_SOURCES:
+        return (GLOBAL_STREAM, 1) if p.stream == "global" else (SHARD_STREAM, 0)
+    return (f"{p.name}-v1", 1 if p.name == "sync_global" else 0)
+
+
+def _run_batch(cfg, world_size: int) -> int:
+    """B of a run on ``world_size`` ranks: ``pipeline.global_batch`` G > 0 sets it to G / W (refused
+    in one line when the run has no global batch, or W does not divide G, naming the rank counts
+    that do); else ``pipeline.rays_per_batch``."""
+    p = cfg.pipeline
+    G = int(p.global_batch)
+    if not G:
+        return int(p.rays_per_batch)
+    if not run_stream(cfg)[1]:
+        raise ConfigError(f"pipeline.global_batch={G}: this run has no global batch (method {cfg.method}, "
+                          f"pipeline.name={p.name}, pipeline.stream={p.stream}); set it with method ddp and "
+                          f"pipeline.stream=global (or pipeline.name=sync_global), or leave it 0")
+    return global_batch_share(G, world_size, f"pipeline.global_batch={G}")
+
+
 def plan_from_config(cfg, rank: int = 0, world_size: int = 1, *, cells: Sequence[int] = (), num_cells: int = 0,
                      local_ranks: Optional[int] = None, cores: Optional[int] = None,
                      device: Optional[str] = None) -> SamplingPlan:
     """The plan of ``rank`` of ``world_size`` for a :class:`~dali_nerf.config.Config` (``pipeline``,
     ``cache``, ``train.device``); SS: this rank's ``cells`` of ``num_cells``.
 
-    Threads and rays per run: ``pipeline.num_threads`` / ``pipeline.rays_per_run`` where > 0, else
+    Rays per step: ``pipeline.global_batch`` / W where it is set, else ``pipeline.rays_per_batch``
+    (:func:`_run_batch`); the run's stream and its G: :func:`run_stream`. Threads and rays per run:
+    ``pipeline.num_threads`` / ``pipeline.rays_per_run`` where > 0, else
     :func:`~dali_nerf.data.hostbudget.host_budget` for ``local_ranks`` ranks (default
     ``LOCAL_WORLD_SIZE``) on ``cores`` usable cores (default this process's affinity). The threads
     are the rank's: an SS rank's ``cells`` share them (each cell's ray graph gets
     ``threads // len(cells)``, at least 1, and a run of that many threads' rays,
     :func:`~dali_nerf.data.hostbudget.run_size`, unless ``pipeline.rays_per_run`` sets it). Priority:
     ``pipeline.thread_priority`` resolved for ``train.device``. Device: ``device`` where given (the
-    images in host memory of a GPU run: "cpu"), else :func:`sampling_device` of ``train.device``."""
+    images in host memory of a GPU run: "cpu"), else :func:`sampling_device` of ``train.device``.
+    Prefetch and priority as ``pipeline.name`` runs them (:meth:`SamplingPlan.for_source`)."""
     p, c = cfg.pipeline, cfg.cache
-    B = int(p.rays_per_batch)
+    B = _run_batch(cfg, world_size)
+    version, has_global = run_stream(cfg)
     budget = None
     threads, run = p.num_threads, p.rays_per_run
     if not (threads and run):
-        budget = host_budget(B, local_ranks=local_ranks, cores=cores, device=cfg.train.device)
+        budget = host_budget(B, local_ranks=local_ranks, cores=cores)
         threads, run = int(threads or budget.threads), int(run or budget.rays_per_run)
     rank_threads = int(threads)
     if cells:  # an SS rank's cells share its threads (each at least one), and their runs that many threads
@@ -222,7 +293,8 @@ def plan_from_config(cfg, rank: int = 0, world_size: int = 1, *, cells: Sequence
                         decode_batch=int(c.decode_batch), max_bytes=c.max_bytes,
                         window_images=int(getattr(c, "window_images", 0)),
                         rays_per_window=int(getattr(c, "rays_per_window", 0)), cells=tuple(int(x) for x in cells),
-                        num_cells=int(num_cells), budget=budget, ray_stream=stream, global_batch=G)
+                        num_cells=int(num_cells), budget=budget, ray_stream=stream, global_batch=G,
+                        stream_version=version, run_global_batch=has_global * B * int(world_size)).for_source(p.name)
 
 
 def rays_per_rank_spread(pixels_per_image: Sequence[int], world_size: int) -> float:

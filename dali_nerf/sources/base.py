@@ -10,6 +10,7 @@ f32, ``directions`` (B, 3) f32 unit, ``rgb`` (B, 3) f32, ``indices`` (B, 3) i64,
 from __future__ import annotations
 
 import collections
+import operator
 import queue
 import threading
 import time
@@ -29,7 +30,7 @@ from dali_nerf.scenes import describe_change, scene_fingerprint
 __all__ = ["BatchSource", "BatchStats", "BATCH_KEYS", "dali_to_torch", "check_common",
            "check_positive", "check_int", "check_run_size", "MAX_PREFETCH", "check_cache_device", "run_graph", "step_views", "RunAhead", "StarvationGuard",
            "SamplerStarvedWarning", "demote_if_starved", "was_demoted", "scene_state", "check_scene_state",
-           "global_epoch_steps"]
+           "global_epoch_steps", "PlanView"]
 
 BATCH_KEYS = ("origins", "directions", "rgb", "indices", "near", "far")
 """Keys a batch may carry (near/far only when the scene has bounds)."""
@@ -420,6 +421,21 @@ def was_demoted(source) -> bool:
     source planned at normal priority (the synchronous ``rays_sync``, the baselines) never was."""
     plan = getattr(source, "plan", None)
     return getattr(plan, "priority", None) == "background" and getattr(source, "thread_priority", None) == "normal"
+
+
+class PlanView:
+    """A source's settings under the names they always had, read from its plan (``self.plan``, a
+    :class:`~dali_nerf.data.plan.SamplingPlan`: the one record of them; a source copies none):
+    rays_per_batch, rays_per_run, steps_per_run, positions_per_run, global_batch, rank,
+    world_size, seed, mode, prefetch, device, num_threads (the plan's ``threads``), decode_batch."""
+
+
+for _name, _field in {"rays_per_batch": "rays_per_batch", "rays_per_run": "rays_per_run",
+                      "steps_per_run": "steps_per_run", "positions_per_run": "positions_per_run",
+                      "global_batch": "global_batch", "rank": "rank", "world_size": "world_size", "seed": "seed",
+                      "mode": "mode", "prefetch": "prefetch", "device": "device", "num_threads": "threads",
+                      "decode_batch": "decode_batch"}.items():
+    setattr(PlanView, _name, property(operator.attrgetter(f"plan.{_field}"), doc=f"The plan's ``{_field}``."))
 
 
 class BatchSource:

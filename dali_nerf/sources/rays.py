@@ -66,7 +66,7 @@ from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.pipelines.decode import shard_range, shard_sizes
 from dali_nerf.pipelines.rays import GLOBAL_STREAM, INT64_MAX, SHARD_STREAM, ray_pipeline
 from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, RunAhead, check_cache_device, check_common,
-                                    check_int, check_positive, check_run_size, check_scene_state, demote_if_starved,
+                                    check_int, check_positive, check_run_size, check_scene_state, demote_if_starved, PlanView,
                                     global_epoch_steps, run_graph, run_phase, scene_state, step_views)
 from dali_nerf.sources.streaming import WindowStream, plan_window_images
 
@@ -88,7 +88,7 @@ def _produce(pipe, keys, K: int, B: int, device: str, copy: bool, split: bool):
     return consumed, run, list(zip(*(v.split(counts) for v in run.values()))), counts
 
 
-class RayLoader(BatchSource):
+class RayLoader(PlanView, BatchSource):
     """Prefetching iterator of ray batches from our DALI pipeline (infinite; see module doc).
 
     Args:
@@ -169,13 +169,7 @@ class RayLoader(BatchSource):
                                   + ("; positions needs stream='global'" if k == "positions" else ""))
         self.plan = plan
         self.scene = scene
-        self.rays_per_batch, self.rank, self.world_size, self.seed = (plan.rays_per_batch, plan.rank, plan.world_size,
-                                                                      plan.seed)
-        self.prefetch, self.mode, self.device = plan.prefetch, plan.mode, plan.device
-        self.thread_priority, self.num_threads = plan.priority, plan.threads
-        self.steps_per_run, self.rays_per_run = plan.steps_per_run, plan.rays_per_run
-        self.stream, self.global_batch = plan.ray_stream, plan.global_batch
-        self.positions_per_run = plan.positions_per_run
+        self.thread_priority = plan.priority  # the sampler's priority now (a starved one returns to normal)
         self.output_map = tuple(k for k in output_map if scene.has_bounds or k not in ("near", "far"))
         self._shard_pixels = shard_sizes(scene, self.world_size)
         self.split_pixels = int(self._shard_pixels.sum())
@@ -183,8 +177,6 @@ class RayLoader(BatchSource):
         held = (self.rays_per_batch if not is_global else
                 -(-self.global_batch * int(self._shard_pixels[self.rank]) // self.split_pixels))
         check_run_size(self.steps_per_run, held, self.prefetch + 2, self.device)
-        self.decode_batch = plan.decode_batch
-        self._device_id = torch.cuda.current_device() if self.device == "cuda" else None
         need = int(self._shard_pixels[self.rank]) * 3
         self._stream: Optional[WindowStream] = None
         self.window_images = 0
@@ -224,6 +216,11 @@ class RayLoader(BatchSource):
         self._closed = False
 
     @property
+    def stream(self) -> str:
+        """shard | global (the plan's ``ray_stream``)."""
+        return self.plan.ray_stream
+
+    @property
     def streaming(self) -> bool:
         """True when the shard is streamed through decoded windows instead of cached whole."""
         return self._stream is not None
@@ -247,18 +244,8 @@ class RayLoader(BatchSource):
         return self.global_batch if self.stream == "global" else self.rays_per_batch
 
     def _build(self):
-        device_id = torch.cuda.current_device() if self.device == "cuda" else None
         before = dali_threads() if self.thread_priority == "background" else None
-        if self.stream == "global":  # the split's stream: the seed's alone; this cache is the shard [lo, ...)
-            lo = int(self._shard_pixels[:self.rank].sum())
-            self._pipe = ray_pipeline(self.cache, self.positions_per_run, self.mode, self.seed, 0, 1,
-                                      first_start=self.position, device=self.device, num_threads=self.num_threads,
-                                      prefetch=self.prefetch, device_id=device_id, global_pixels=self.split_pixels,
-                                      shard_begin=lo, step_positions=self.global_batch)
-        else:
-            self._pipe = ray_pipeline(self.cache, self.rays_per_run, self.mode, self.seed, self.rank, self.world_size,
-                                      first_start=self.position, device=self.device, num_threads=self.num_threads,
-                                      prefetch=self.prefetch, device_id=device_id)
+        self._pipe = ray_pipeline(self.cache, self.plan.ray_graph(self.scene, self.position))
         self._next_run_start = self.position
         if self.prefetch > 0 and self.device == "cpu":
             # runs handed over by a background thread (RunAhead); CUDA keeps the hand-over on the

@@ -27,7 +27,9 @@ Three doors, one construction:
 
 * :func:`source_from_config` — a YAML file (plus ``key=value`` overrides) to the source a rank
   should use: the public door, beside the drop-in ``RayLoader(scene, ...)``;
-* :func:`build_source` — a loaded config and scene (the trainers, the emulated mode);
+* :func:`rank_feed` / :func:`build_source` — a loaded config and scene: the rank's :class:`Feed`
+  (its plan, resolved once; SS: the partition and every rank's cells) whose :meth:`Feed.build`
+  makes the sources (the trainers, the emulated mode), or the sources alone;
 * :func:`make_source` — a name and a resolved :class:`~dali_nerf.data.plan.SamplingPlan` (the study's
   equal budgets, the benchmarks), every value already decided.
 
@@ -42,13 +44,12 @@ the sources of a rank: an SS rank's cells, the study's samplers).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
 
 from dali_nerf.errors import ConfigError
 from dali_nerf.data.imagecache import CacheStore
-from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
-from dali_nerf.data.plan import SamplingPlan, global_batch_share, plan_from_config
+from dali_nerf.data.plan import RAY_GRAPH_SOURCES, SamplingPlan, plan_from_config, run_stream
 from dali_nerf.sources.rays import RayLoader
 from dali_nerf.sources.ready import ReadySource
 from dali_nerf.sources.routed_workers import RoutedTorchWorkers
@@ -57,7 +58,7 @@ from dali_nerf.sources.spatial import SpatialRayLoader
 from dali_nerf.sources.sync import (RoutedSyncGlobal, RoutedSyncLocal, SyncGlobalSampler, SyncLocalSampler,
                                     TorchWorkersSampler)
 
-__all__ = ["build_source", "make_source", "source_from_config", "floor_source", "run_stream", "global_batch_config",
+__all__ = ["build_source", "make_source", "source_from_config", "rank_feed", "Feed", "floor_source", "run_stream",
            "SOURCES", "SS_SOURCES", "RAY_GRAPH_SOURCES"]
 
 SOURCES = ("rays", "rays_sync", "sync_global", "sync_local", "torch_workers", "ready")
@@ -66,37 +67,52 @@ SOURCES = ("rays", "rays_sync", "sync_global", "sync_local", "torch_workers", "r
 SS_SOURCES = ("rays", "rays_sync", "sync_local", "sync_global", "torch_workers", "ready")
 """Valid ``pipeline.name`` values with ``method: ss``."""
 
-RAY_GRAPH_SOURCES = ("rays", "rays_sync")
-"""The sources that run our DALI ray graph (pipelined and synchronous): the same stream, epoch mode too."""
+
+@dataclass
+class Feed:
+    """What one rank trains on, resolved once from its config: the :class:`~dali_nerf.data.plan.SamplingPlan`
+    (rays per step from ``pipeline.global_batch`` / W where set, threads, priority, device, run
+    size, the run's stream), for spatial segmentation the partition and every rank's cells, and,
+    once :meth:`build` ran, the rank's sources (DDP: one; SS: one per cell of the rank, in order).
+
+    >>> feed = rank_feed(cfg, scene, rank=0, world_size=2)     # no decoding yet
+    >>> feed.plan.rays_per_batch, feed.cells                   # SS: [(0, 2), (1, 3)]
+    >>> sources = feed.build()                                 # the registry's sources of the plan
+    """
+
+    cfg: object
+    scene: object
+    plan: SamplingPlan
+    partition: object = None
+    cells: Optional[List[Tuple[int, ...]]] = None
+    sources: list = field(default_factory=list)
+
+    def build(self, *, store: Optional[CacheStore] = None, scatter: Optional[ShmLink] = None) -> list:
+        """The rank's sources of the plan (:func:`build_source`), kept in :attr:`sources`."""
+        p = self.plan
+        if self.cells is None:
+            self.sources = [build_source(self.cfg, self.scene, p.rank, p.world_size, plan=p, store=store,
+                                         scatter=scatter)]
+        else:
+            self.sources = build_source(self.cfg, self.scene, p.rank, p.world_size, self.cells,
+                                        partition=self.partition, plan=p, store=store, scatter=scatter)
+        return self.sources
 
 
-def run_stream(cfg) -> tuple:
-    """(stream version, G) of a run's training stream: what a checkpoint records and an elastic
-    resume keeps. DDP ``rays`` (and ``rays_sync``, the same sampler): the global stream (G = B x W
-    at the run's start) or the shard stream; ``sync_global``: rank 0's global batch of B x W; SS
-    ``rays`` / ``rays_sync``: the cells' own streams; the rest: per-rank streams (G 0)."""
-    p = cfg.pipeline
-    if cfg.method == "ss":
-        return ("cells-v1" if p.name in RAY_GRAPH_SOURCES else f"ss-{p.name}-v1"), 0
-    if p.name in RAY_GRAPH_SOURCES:
-        return (GLOBAL_STREAM, 1) if p.stream == "global" else (SHARD_STREAM, 0)
-    return (f"{p.name}-v1", 1 if p.name == "sync_global" else 0)
+def rank_feed(cfg, scene, rank: int, world_size: int, **plan_kw) -> Feed:
+    """The :class:`Feed` of rank ``rank`` of ``world_size`` for a loaded config and its training
+    split (nothing decoded yet): the plan (:func:`~dali_nerf.data.plan.plan_from_config`, with
+    ``plan_kw``); SS (``method: ss``): the partition from ``cfg.partition`` over the split's cameras
+    and the cells assigned to ranks round-robin (:func:`dali_nerf.partition.assign_rank`, which
+    refuses more ranks than cells), the plan for this rank's cells."""
+    from dali_nerf.partition import Partition, assign_rank
 
-
-def global_batch_config(cfg, world_size: int):
-    """The config of a run starting on ``world_size`` ranks: ``pipeline.global_batch`` G > 0 sets
-    ``rays_per_batch`` = G / W. Refused in one line when the run has no global batch (SS, the
-    shard stream, the per-rank baselines) or W does not divide G (naming the rank counts that do)."""
-    p = cfg.pipeline
-    G = int(p.global_batch)
-    if not G:
-        return cfg
-    if not run_stream(cfg)[1]:
-        raise ConfigError(f"pipeline.global_batch={G}: this run has no global batch (method {cfg.method}, "
-                          f"pipeline.name={p.name}, pipeline.stream={p.stream}); set it with method ddp and "
-                          f"pipeline.stream=global (or pipeline.name=sync_global), or leave it 0")
-    B = global_batch_share(G, world_size, f"pipeline.global_batch={G}")
-    return dataclasses.replace(cfg, pipeline=dataclasses.replace(p, rays_per_batch=B))
+    if cfg.method != "ss":
+        return Feed(cfg, scene, plan_from_config(cfg, rank, world_size, **plan_kw))
+    part = Partition.from_config(cfg.partition, scene)
+    cells = assign_rank(part.num_cells, world_size)
+    plan = plan_from_config(cfg, rank, world_size, cells=cells[rank], num_cells=part.num_cells, **plan_kw)
+    return Feed(cfg, scene, plan, part, cells)
 
 
 def source_from_config(config, rank: int = 0, world_size: int = 1, overrides: Sequence[str] = (), *, scene=None):
@@ -109,7 +125,6 @@ def source_from_config(config, rank: int = 0, world_size: int = 1, overrides: Se
     >>> src = source_from_config("configs/ddp_objects.yaml", overrides=["pipeline.rays_per_batch=8192"])
     """
     from dali_nerf.config import Config, load_config
-    from dali_nerf.partition import Partition, assign_rank
     from dali_nerf.scenes import scene_from_config
 
     if isinstance(config, Config):
@@ -119,10 +134,8 @@ def source_from_config(config, rank: int = 0, world_size: int = 1, overrides: Se
     else:
         cfg = load_config(config, list(overrides))
     scene = scene_from_config(cfg) if scene is None else scene
-    if cfg.method == "ss":
-        part = Partition.from_config(cfg.partition, scene)
-        return build_source(cfg, scene, rank, world_size, cells=assign_rank(part.num_cells, world_size), partition=part)
-    return build_source(cfg, scene, rank, world_size)
+    sources = rank_feed(cfg, scene, rank, world_size).build()
+    return sources if cfg.method == "ss" else sources[0]
 
 
 def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partition=None, cache=None,
@@ -138,7 +151,8 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
             (``cells[r]``, e.g. :func:`dali_nerf.partition.assign_rank`), with ``partition``.
         cache: an ImageCache to sample (DDP: this rank's shard; SS: all images of the split);
             None: decoded here (:mod:`dali_nerf.data.imagecache`), once per rank.
-        plan: the rank's plan (default :func:`dali_nerf.data.plan.plan_from_config` of ``cfg``).
+        plan: the rank's plan (default :func:`dali_nerf.data.plan.plan_from_config` of ``cfg``,
+            which resolves ``pipeline.global_batch``).
         store: caches shared with other sources of this rank (default: a new one).
         scatter: ``sync_global`` between emulated ranks (shared memory instead of a process group).
     Returns:
@@ -146,10 +160,9 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
         (slot i samples cell ``cells[rank][i]``).
     Raises:
         ConfigError: an unknown ``pipeline.name``, or one the method does not offer; a
-            ``pipeline.global_batch`` the run cannot have (:func:`global_batch_config`).
+            ``pipeline.global_batch`` the run cannot have.
     """
     name = cfg.pipeline.name
-    cfg = global_batch_config(cfg, world_size)  # pipeline.global_batch: rays_per_batch = G / W
     if cells is None:
         if name not in SOURCES:
             raise ConfigError(f"pipeline.name: must be one of {', '.join(SOURCES)}, got {name!r}")
@@ -170,7 +183,8 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
 def make_source(name: str, scene, plan: SamplingPlan, *, cache=None, store: Optional[CacheStore] = None,
                 partition=None, cells=None, slot: int = 0, scatter: Optional[ShmLink] = None,
                 output_map: Optional[Sequence[str]] = None):
-    """The source ``name`` of a resolved ``plan`` (the only constructor of sources).
+    """The source ``name`` of a resolved ``plan`` (the only constructor of sources), which it takes
+    whole (as ``name`` runs it: :meth:`~dali_nerf.data.plan.SamplingPlan.for_source`).
 
     Data parallel when ``plan.cells`` is empty; else the source of cell ``plan.cells[slot]`` of
     ``partition`` (``cells``: every rank's cells, which ``sync_global`` scatters to). ``cache``
@@ -180,38 +194,32 @@ def make_source(name: str, scene, plan: SamplingPlan, *, cache=None, store: Opti
     ``rays`` source decodes its shard itself, or streams it when it exceeds ``plan.max_bytes``.
     ``output_map``: the batch keys of a DDP ``rays`` / ``rays_sync`` source (default: all of them).
     ``rays_sync`` is ``rays`` on the plan at prefetch 0 and normal priority (the module docstring)."""
-    if name == "rays_sync":
-        name, plan = "rays", dataclasses.replace(plan, prefetch=0, priority="normal")
+    plan = plan.for_source(name)
+    name = "rays" if name == "rays_sync" else name
+    if output_map is not None and (name != "rays" or plan.cells):
+        raise ConfigError(f"make_source: output_map is for the rays and rays_sync sources, not {name!r}")
     if not plan.cells:
         if name == "rays" and cache is None and store is not None:  # a shared store holds its shard
             cache = store.shard()
-        if output_map is not None:
-            if name != "rays":
-                raise ConfigError(f"make_source: output_map is for the rays and rays_sync sources, not {name!r}")
-            return RayLoader(scene, cache=cache, plan=plan, output_map=tuple(output_map))
-        return _ddp_source(name, scene, plan, cache, store or CacheStore(scene, plan), scatter)
+        return _ddp_source(name, scene, plan, cache, store or CacheStore(scene, plan), scatter, output_map)
     return _ss_source(name, scene, plan, cache, store or CacheStore(scene, plan), partition, cells, slot, scatter)
 
 
-def _ddp_source(name, scene, p: SamplingPlan, cache, store: CacheStore, scatter):
-    host = dict(rays_per_batch=p.rays_per_batch, rank=p.rank, world_size=p.world_size, seed=p.seed,
-                prefetch=p.prefetch, mode=p.mode, num_threads=p.threads)
+def _ddp_source(name, scene, p: SamplingPlan, cache, store: CacheStore, scatter, output_map):
     if name == "rays":  # cache None: RayLoader decodes its shard, or streams it past plan.max_bytes
-        return RayLoader(scene, cache=cache, plan=p)
-    if name == "sync_global" and scatter is not None:
+        kw = {} if output_map is None else dict(output_map=tuple(output_map))
+        return RayLoader(scene, cache=cache, plan=p, **kw)
+    if name == "sync_global":  # rank 0 samples every rank's batch: only it needs the images
         full = (cache or store.full("cpu")) if p.rank == 0 else None
-        return global_scatter("ddp", scene, full, p.seed, p.rank, p.world_size, p.rays_per_batch, scatter.buf,
-                              scatter.barrier, scatter.device)
-    if name == "sync_global":
-        full = (cache or store.full("cpu")) if p.rank == 0 else None
-        return SyncGlobalSampler(scene, device=p.device, cache=full, **host)
+        if scatter is not None:  # emulated ranks: through shared memory
+            return global_scatter("ddp", scene, p, full, scatter)
+        return SyncGlobalSampler(scene, cache=full, plan=p)
     shard = cache or store.shard("cpu")
     if name in ("sync_local", "ready"):
-        src = SyncLocalSampler(scene, device=p.device, cache=shard, **host)
+        src = SyncLocalSampler(scene, cache=shard, plan=p)
         return ReadySource.first_of(src) if name == "ready" else src
     if name == "torch_workers":
-        return TorchWorkersSampler(scene, device=p.device, cache=shard, workers=p.workers,
-                                   thread_priority=p.priority, **host)
+        return TorchWorkersSampler(scene, cache=shard, plan=p)
     raise ConfigError(f"pipeline.name: must be one of {', '.join(SOURCES)}, got {name!r}")
 
 
@@ -219,30 +227,20 @@ def _ss_source(name, scene, p: SamplingPlan, cache, store: CacheStore, partition
     if partition is None:
         raise ConfigError("make_source: a spatial-segmentation plan needs its partition")
     cell = p.cells[slot]
-    B, seed, threads = p.rays_per_batch, p.seed, p.threads
     if name == "rays":  # the op's graph samples the cache where it runs (CUDA pixels for a CUDA run)
         return SpatialRayLoader(scene, partition, cell, cache=cache or store.full(), plan=p)
     if name == "sync_global":  # rank 0 samples every rank's cell: only it needs the images
         full = (cache or store.full("cpu")) if p.rank == 0 else None
         if scatter is not None:  # one cell per emulated rank
-            return global_scatter("ss", scene, full, seed, p.rank, p.world_size, B, scatter.buf, scatter.barrier,
-                                  scatter.device, partition=partition)
-        return RoutedSyncGlobal(scene, partition, cells if cells is not None else [p.cells], p.rank, slot, B, seed,
-                                cache=full, num_threads=threads)
+            return global_scatter("ss", scene, p, full, scatter, partition=partition)
+        return RoutedSyncGlobal(scene, partition, cells if cells is not None else [p.cells], p.rank, slot, cache=full,
+                                plan=p)
     full = cache or store.full("cpu")  # the routed baselines sample and route on the host
     if name == "torch_workers":
-        return RoutedTorchWorkers(scene, partition, cell, B, seed, prefetch=p.prefetch, cache=full, workers=p.workers,
-                                  num_threads=threads, thread_priority=p.priority)
+        return RoutedTorchWorkers(scene, partition, cell, cache=full, plan=p)
     if name in ("sync_local", "ready"):
-        src = RoutedSyncLocal(scene, partition, cell, B, seed, cache=full, num_threads=threads)
+        src = RoutedSyncLocal(scene, partition, cell, cache=full, plan=p)
         return ReadySource.first_of(src) if name == "ready" else src
-    if name == "sync_global" and scatter is not None:  # one cell per emulated rank
-        return global_scatter("ss", scene, full if p.rank == 0 else None, seed, p.rank, p.world_size, B,
-                              scatter.buf, scatter.barrier, scatter.device, partition=partition)
-    if name == "sync_global":
-        every = cells if cells is not None else [p.cells]
-        return RoutedSyncGlobal(scene, partition, every, p.rank, slot, B, seed, cache=full if p.rank == 0 else None,
-                                num_threads=threads)
     raise ConfigError(f"pipeline.name={name}: method ss supports {', '.join(SS_SOURCES)}")
 
 

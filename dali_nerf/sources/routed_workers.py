@@ -19,16 +19,15 @@ torch.Size([4096, 3])
 from __future__ import annotations
 
 import functools
-
-import numpy as np
+from typing import Optional
 
 from dali_nerf.data import seeds
 from dali_nerf.errors import ConfigError
-from dali_nerf.data.hostbudget import check_priority
 from dali_nerf.data.imagecache import full_cache
-from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
+from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.sources.base import MAX_PREFETCH, BatchSource, BatchStats, check_int, check_scene_state, scene_state
-from dali_nerf.sources.sync import PixelSampler, WorkerBatches, WorkerLoader, host_plan, routed_rays
+from dali_nerf.sources.sync import (PixelSampler, WorkerBatches, WorkerLoader, check_workers, routed_plan,
+                                    routed_rays)
 
 __all__ = ["RoutedTorchWorkers", "routed_batch"]
 
@@ -54,21 +53,22 @@ class RoutedTorchWorkers(WorkerLoader, BatchSource):
     """
 
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, prefetch: int = 2,
-                 cache=None, workers: int = 2, num_threads: int = 2, thread_priority: str = "normal"):
+                 cache=None, workers: int = 2, num_threads: int = 2, thread_priority: str = "normal", *,
+                 plan: Optional[SamplingPlan] = None):
         if not 0 <= cell < partition.num_cells:
             raise ConfigError(f"cell={cell}: partition has {partition.num_cells} cells")
         if not scene.has_bounds:
             raise ConfigError(f"{scene.root}: spatial routing needs per-image near/far bounds; use a scene format that defines them")
-        if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 0:
-            raise ConfigError(f"pipeline.workers={workers!r}: must be an integer >= 0")
-        check_int("rays_per_batch", rays_per_batch, 1, INT32_MAX)
-        check_int("seed", seed, 0, INT64_MAX)
-        check_int("prefetch", prefetch, 0, MAX_PREFETCH)
-        self.thread_priority = check_priority(thread_priority)
+        if plan is None:  # the direct API: its arguments make the plan
+            check_workers(workers, "pipeline.workers")
+            check_int("prefetch", prefetch, 0, MAX_PREFETCH)
+            plan = routed_plan(rays_per_batch, seed, num_threads, prefetch=prefetch, workers=int(workers),
+                               thread_priority=thread_priority)
+        self.plan = plan
         self.scene, self.partition, self.cell = scene, partition, int(cell)
-        self.rays_per_batch, self.seed = int(rays_per_batch), int(seed)
-        self.prefetch, self.workers = max(1, int(prefetch)), int(workers)
-        cache = cache if cache is not None else full_cache(scene, host_plan(rays_per_batch, num_threads))
+        self.rays_per_batch, self.seed = plan.rays_per_batch, plan.seed
+        self.prefetch = max(1, plan.prefetch)  # batches per worker ahead (a DataLoader needs one at least)
+        cache = cache if cache is not None else full_cache(scene, plan, device="cpu")
         self.sampler = PixelSampler(cache, scene, self.seed, seeds.routed_stream(workers_cell=self.cell), "random")
         self.batch = 0
         self._stats = BatchStats()

@@ -98,13 +98,12 @@ class ShmScatter:
         return 2 * int(world_size) * int(rays_per_batch) * (RAY_FLOATS * 4 + 24)
 
 
-def global_scatter(method: str, scene, cache, seed: int, rank: int, world_size: int, rays_per_batch: int, buf,
-                   barrier, dev, partition=None) -> ShmScatter:
-    """sync_global across emulated ranks: rank 0 samples the step's ``world_size`` batches in its
-    training thread from one sampler over all images (``cache``, needed on rank 0 only) — DDP: one
-    global batch split in rank order; SS: each cell's routed batch (one cell per rank, rank 0's
-    shared candidate stream) — and :class:`ShmScatter` hands every rank its own."""
-    W, B = int(world_size), int(rays_per_batch)
+def global_scatter(method: str, scene, plan, cache, link: ShmLink, partition=None) -> ShmScatter:
+    """sync_global across emulated ranks: rank 0 samples the step's ``plan.world_size`` batches in
+    its training thread from one sampler over all images (``cache``, needed on rank 0 only) — DDP:
+    one global batch split in rank order; SS: each cell's routed batch (one cell per rank, rank 0's
+    shared candidate stream) — and :class:`ShmScatter` hands every rank its own through ``link``."""
+    W, B, seed, rank = plan.world_size, plan.rays_per_batch, plan.seed, plan.rank
     sample = None
     if rank == 0:
         if method == "ddp":
@@ -118,4 +117,4 @@ def global_scatter(method: str, scene, cache, seed: int, rank: int, world_size: 
 
             def sample(step):
                 return [routed_batch(ps, partition, c, step, B, 2 * B) for c in range(W)]
-    return ShmScatter(sample, buf, barrier, rank, W, B, dev)
+    return ShmScatter(sample, link.buf, link.barrier, rank, W, B, link.device)

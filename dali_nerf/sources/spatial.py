@@ -21,23 +21,22 @@ torch.Size([4096, 3])
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
-
-import torch
 
 from dali_nerf.errors import ConfigError
 from dali_nerf.data.hostbudget import dali_threads
 from dali_nerf.data.imagecache import full_cache
 from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, RAY_OUTPUTS, ray_pipeline, release_pipeline
 from dali_nerf.data.plan import SamplingPlan
-from dali_nerf.sources.base import (MAX_PREFETCH, BatchSource, BatchStats, RunAhead, check_cache_device, check_int,
+from dali_nerf.sources.base import (MAX_PREFETCH, BatchSource, PlanView, BatchStats, RunAhead, check_cache_device, check_int,
                                     check_run_size, check_scene_state, demote_if_starved, run_graph, run_phase,
                                     scene_state, step_views)
 
 __all__ = ["SpatialRayLoader"]
 
 
-class SpatialRayLoader(BatchSource):
+class SpatialRayLoader(PlanView, BatchSource):
     """Batches of rays crossing one cell, sampled ahead by DALI (``prefetch`` runs).
 
     Args:
@@ -74,11 +73,7 @@ class SpatialRayLoader(BatchSource):
                                            cells=(int(cell),), num_cells=partition.num_cells)
         self.plan = plan
         self.scene, self.partition, self.cell = scene, partition, int(cell)
-        self.stream_id, self.num_streams = plan.stream(self.cell)
-        self.rays_per_batch, self.seed, self.mode = plan.rays_per_batch, plan.seed, plan.mode
-        self.prefetch, self.device = plan.prefetch, plan.device
-        self.thread_priority, self.num_threads = plan.priority, plan.threads
-        self.steps_per_run, self.rays_per_run = plan.steps_per_run, plan.rays_per_run
+        self.thread_priority = plan.priority  # the sampler's priority now (a starved one returns to normal)
         check_run_size(self.steps_per_run, self.rays_per_batch, self.prefetch + 2, self.device)
         if cache is not None:
             check_cache_device(cache, self.device, "SpatialRayLoader")
@@ -102,12 +97,8 @@ class SpatialRayLoader(BatchSource):
         the runs come from a :class:`~.base.RunAhead` thread."""
         K, B = self.steps_per_run, self.rays_per_batch
         if self._pipe is None:
-            device_id = torch.cuda.current_device() if self.device == "cuda" else None
             before = dali_threads() if self.thread_priority == "background" else None
-            self._pipe = ray_pipeline(self.cache, self.rays_per_run, self.mode, self.seed, self.stream_id,
-                                      self.num_streams, first_start=self._next_run_start,
-                                      prefetch=self.prefetch, device=self.device, num_threads=self.num_threads,
-                                      device_id=device_id, partition=self.partition, cell=self.cell)
+            self._pipe = ray_pipeline(self.cache, self._graph(self._next_run_start))
             if self.prefetch > 0 and self.device == "cpu":
                 def produce(pipe):
                     consumed, run = run_graph(pipe, "cpu", RAY_OUTPUTS[:-1], copy=False)
@@ -124,6 +115,10 @@ class SpatialRayLoader(BatchSource):
         start = self._next_run_start
         self._next_run_start += consumed
         return start, consumed, run, steps
+
+    def _graph(self, start: int):
+        """The plan's graph of this cell, its first run at stream position ``start``."""
+        return self.plan.ray_graph(first_start=start, partition=self.partition, cell=self.cell)
 
     def _drop_pipeline(self):
         if self._ahead is not None:
@@ -197,10 +192,7 @@ class SpatialRayLoader(BatchSource):
 
     def _advance(self, start: int, rays: int) -> int:
         """The stream position after ``rays`` accepted rays from position ``start`` (one run)."""
-        device_id = torch.cuda.current_device() if self.device == "cuda" else None
-        pipe = ray_pipeline(self.cache, int(rays), self.mode, self.seed, self.stream_id, self.num_streams,
-                            first_start=int(start), prefetch=0, device=self.device, num_threads=self.num_threads,
-                            device_id=device_id, partition=self.partition, cell=self.cell)
+        pipe = ray_pipeline(self.cache, dataclasses.replace(self._graph(start), rays=int(rays), prefetch=0))
         try:
             consumed, _ = run_graph(pipe, self.device, (), copy=False)
         finally:

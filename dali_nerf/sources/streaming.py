@@ -35,6 +35,7 @@ per :meth:`WindowStream.produce` call.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -135,18 +136,13 @@ class WindowStream:
     def __init__(self, scene, plan, image_ids, px_per_image, window_images: int, rays_per_window: int,
                  output_map: Sequence[str] = ("origins", "directions", "rgb", "indices", "near", "far")):
         self.scene, self.plan = scene, plan
-        self.rank, self.world_size = plan.rank, plan.world_size
-        self.seed, self.mode = plan.seed, plan.mode
-        self.device, self.num_threads = plan.device, plan.threads
-        self.device_id = torch.cuda.current_device() if self.device == "cuda" else None
-        self.rays_per_run, self.prefetch = plan.rays_per_run, plan.prefetch
+        self.device_id = torch.cuda.current_device() if plan.device == "cuda" else None
         self.output_map = tuple(output_map)
         self.ids = np.asarray(image_ids, np.int64)
         self.px = {int(i): int(p) for i, p in zip(self.ids, px_per_image)}
         self.W = int(window_images)
         self.m = math.ceil(len(self.ids) / self.W)
         self.rays_per_window = int(rays_per_window)
-        self.max_bytes = plan.max_bytes
         shard_px = int(sum(self.px.values()))
         self.cycle_len = shard_px if self.rays_per_window == 0 else self.m * self.rays_per_window
         self._plans = {}
@@ -164,7 +160,7 @@ class WindowStream:
         if plan is None:
             if len(self._plans) > 4:
                 self._plans.clear()
-            ws = window_plan(self.ids, self.W, self.seed, self.rank, cycle)
+            ws = window_plan(self.ids, self.W, self.plan.seed, self.plan.rank, cycle)
             lens = [sum(self.px[int(i)] for i in w) if self.rays_per_window == 0 else self.rays_per_window for w in ws]
             offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
             plan = self._plans[cycle] = (ws, lens, offs)
@@ -174,7 +170,7 @@ class WindowStream:
         ws, lens, offs = self._plan(cycle)
         ids = ws[j]
         nbytes = sum(self.px[int(i)] for i in ids) * 3 + len(ids) * WINDOW_IMAGE_OVERHEAD
-        key = window_key(self.seed, self.rank, cycle, j)
+        key = window_key(self.plan.seed, self.plan.rank, cycle, j)
         return _Window(cycle, j, ids, cycle * self.cycle_len + int(offs[j]), int(lens[j]), key, nbytes)
 
     def locate(self, pos: int):
@@ -194,7 +190,7 @@ class WindowStream:
             self.peak_bytes = max(self.peak_bytes, self.bytes_held)
             w.counted = True
         try:
-            if self.device == "cuda" and threading.current_thread() is not threading.main_thread():  # pragma: no cover
+            if self.plan.device == "cuda" and threading.current_thread() is not threading.main_thread():  # pragma: no cover
                 torch.cuda.set_device(self.device_id)  # the current device is per thread
             w.cache = window_cache(self.scene, self.plan, w.ids, stop=w.stop)
             with self._lock:
@@ -207,7 +203,7 @@ class WindowStream:
     def _prefetch(self, cycle, j) -> None:
         w = self._window(cycle, j)
         w.thread = threading.Thread(target=self._decode, args=(w,), daemon=True,
-                                    name=f"dali_nerf-stream-r{self.rank}-c{cycle}-w{j}")
+                                    name=f"dali_nerf-stream-r{self.plan.rank}-c{cycle}-w{j}")
         self.nxt = w
         w.thread.start()
 
@@ -275,14 +271,14 @@ class WindowStream:
                 release_pipeline(pipe)
                 del pipe
             rest = w.length - t
-            n_runs = math.ceil(rest / self.rays_per_run)
+            n_runs = math.ceil(rest / self.plan.rays_per_run)
             w.run_size = math.ceil(rest / n_runs)
-            w.prefetch = min(self.prefetch, n_runs - 1)  # no runs computed past the window's end
-            w.pipe = ray_pipeline(w.cache, w.run_size, self.mode, w.key, self.rank, self.world_size, first_start=t,
-                                  device=self.device, num_threads=self.num_threads, prefetch=w.prefetch,
-                                  device_id=self.device_id)
+            w.prefetch = min(self.plan.prefetch, n_runs - 1)  # no runs computed past the window's end
+            # the plan's graph of the shard's stream, keyed by the window, over its positions
+            w.pipe = ray_pipeline(w.cache, dataclasses.replace(self.plan.ray_graph(first_start=t), seed=w.key,
+                                                               rays=w.run_size, prefetch=w.prefetch))
             w.next_local = t
-        consumed, run = run_graph(w.pipe, self.device, self.output_map, copy=w.prefetch == 0)
+        consumed, run = run_graph(w.pipe, self.plan.device, self.output_map, copy=w.prefetch == 0)
         if consumed != w.run_size:
             raise RuntimeError(f"ray_sampler consumed {consumed} positions for {w.run_size} rays")
         n = min(w.run_size, w.length - t)

@@ -33,13 +33,14 @@ import functools
 import math
 import os
 import warnings
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.data.hostbudget import check_priority, to_background
+from dali_nerf.data.hostbudget import to_background
 from dali_nerf.data.imagecache import full_cache, shard_cache
 from dali_nerf.interrupt import ignore_interrupts, interrupts_deferred
 from dali_nerf.partition import ray_cells
@@ -48,7 +49,7 @@ from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
 from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.data.rays import rays_from_indices
 from dali_nerf.data.seeds import block_seed, perm_seed, routed_stream
-from dali_nerf.sources.base import (BatchSource, BatchStats, check_common, check_int, check_run_size,
+from dali_nerf.sources.base import (BatchSource, BatchStats, PlanView, check_common, check_int, check_run_size,
                                     check_scene_state, global_epoch_steps, scene_state)
 
 __all__ = ["SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "PixelSampler", "RoutedSyncLocal",
@@ -169,23 +170,25 @@ def host_plan(rays_per_batch: int, num_threads: int, **kw) -> SamplingPlan:
     return SamplingPlan.for_loader(rays_per_batch, num_threads=num_threads, rays_per_run=rays_per_batch, **kw)
 
 
-class _Source(BatchSource):
+def _args_plan(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device, num_threads,
+               **kw) -> SamplingPlan:
+    """The plan of a baseline's direct API (its arguments, checked first: one line naming the argument)."""
+    check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode)
+    return host_plan(rays_per_batch, num_threads, rank=rank, world_size=world_size, seed=seed, prefetch=prefetch,
+                     mode=mode, device=device, **kw)
+
+
+class _Source(PlanView, BatchSource):
     """Common state of a batch source: position/epoch/state_dict/stats/close/context manager."""
 
     _global = False
 
-    def _init_common(self, scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device, num_threads):
-        check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode)
-        self.scene = scene
-        # the sampling plan of these arguments (num_threads: the decode's threads)
-        self.plan = host_plan(rays_per_batch, num_threads, rank=rank, world_size=world_size, seed=seed,
-                              prefetch=prefetch, mode=mode, device=device)
-        self.rays_per_batch = self.plan.rays_per_batch
-        self.rank, self.world_size, self.seed = self.plan.rank, self.plan.world_size, self.plan.seed
-        self.prefetch, self.mode = self.plan.prefetch, mode
-        self.device = self.plan.device
+    def _init_common(self, scene, plan: SamplingPlan):
+        p = plan
+        check_common(scene, p.rays_per_batch, p.rank, p.world_size, p.seed, p.prefetch, p.mode)
+        self.scene, self.plan = scene, plan
         # rank 0 of sync_global samples every rank's batch
-        check_run_size(world_size if self._global else 1, self.rays_per_batch, self.prefetch + 2, self.device, op=False)
+        check_run_size(p.world_size if self._global else 1, p.rays_per_batch, p.prefetch + 2, p.device, op=False)
         self.position = 0
         self.epoch = 0
         self._stats = BatchStats()
@@ -241,12 +244,14 @@ class SyncLocalSampler(_Source):
     """
 
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 prefetch: int = 0, mode: str = "random", device: str = "cpu", num_threads: int = 2, cache=None):
-        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device, num_threads)
+                 prefetch: int = 0, mode: str = "random", device: str = "cpu", num_threads: int = 2, cache=None, *,
+                 plan: Optional[SamplingPlan] = None):
+        self._init_common(scene, plan or _args_plan(scene, rays_per_batch, rank, world_size, seed, prefetch, mode,
+                                                    device, num_threads))
         if cache is None:
             cache = shard_cache(scene, self.plan, device="cpu")
         self.cache = cache
-        self.sampler = PixelSampler(cache, scene, self.seed, self.rank, mode, self.device)
+        self.sampler = PixelSampler(cache, scene, self.seed, self.rank, self.mode, self.device)
 
     def _epoch_pixels(self) -> int:
         return self.sampler.P
@@ -275,8 +280,10 @@ class SyncGlobalSampler(_Source):
     _global = True
 
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 prefetch: int = 0, mode: str = "random", device: str = "cpu", num_threads: int = 2, cache=None):
-        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device, num_threads)
+                 prefetch: int = 0, mode: str = "random", device: str = "cpu", num_threads: int = 2, cache=None, *,
+                 plan: Optional[SamplingPlan] = None):
+        self._init_common(scene, plan or _args_plan(scene, rays_per_batch, rank, world_size, seed, prefetch, mode,
+                                                    device, num_threads))
         if self.world_size > 1:
             if not dist.is_available() or not dist.is_initialized():
                 raise ConfigError("pipeline.name=sync_global with world_size > 1 needs an initialised "
@@ -287,7 +294,7 @@ class SyncGlobalSampler(_Source):
             if cache is None:
                 cache = full_cache(scene, self.plan, device="cpu")
             self.cache = cache
-            self.sampler = PixelSampler(cache, scene, self.seed, 0, mode, self.device)
+            self.sampler = PixelSampler(cache, scene, self.seed, 0, self.mode, self.device)
         self._P = scene.num_pixels
 
     def _epoch_pixels(self) -> int:
@@ -369,7 +376,16 @@ class WorkerLoader:
 
     _it = None
     _closed = False
-    thread_priority = "normal"
+
+    @property
+    def thread_priority(self) -> str:
+        """The worker processes' priority: the plan's (normal | background)."""
+        return self.plan.priority
+
+    @property
+    def workers(self) -> int:
+        """DataLoader worker processes: the plan's."""
+        return self.plan.workers
 
     def _start_workers(self, dataset: WorkerBatches, workers: int, prefetch: int, pin_memory: bool = False) -> None:
         """``workers`` persistent processes (1 torch thread each, ``prefetch`` batches each ahead;
@@ -394,6 +410,11 @@ class WorkerLoader:
             self._shutdown()
 
 
+def check_workers(workers, key: str) -> None:
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 0:
+        raise ConfigError(f"{key}={workers!r}: must be an integer >= 0")
+
+
 def _shard_batch(sampler: PixelSampler, base: int, B: int, j: int) -> dict:
     return sampler.sample(base + j * B, B)
 
@@ -408,17 +429,17 @@ class TorchWorkersSampler(WorkerLoader, _Source):
 
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
                  prefetch: int = 2, mode: str = "random", device: str = "cpu", num_threads: int = 2,
-                 workers: int = 2, cache=None, thread_priority: str = "normal"):
-        self._init_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device, num_threads)
-        self.thread_priority = check_priority(thread_priority)
-        if not isinstance(workers, (int, np.integer)) or workers < 0:
-            raise ConfigError(f"workers={workers!r}: must be an integer >= 0")
-        self.workers = int(workers)
+                 workers: int = 2, cache=None, thread_priority: str = "normal", *, plan: Optional[SamplingPlan] = None):
+        if plan is None:
+            check_workers(workers, "workers")
+            plan = _args_plan(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device, num_threads,
+                              workers=int(workers), thread_priority=thread_priority)
+        self._init_common(scene, plan)
         if cache is None:
             cache = shard_cache(scene, self.plan, device="cpu")
         self.cache = cache
         # workers sample on the CPU; batches are pinned and moved to the GPU by the consumer side
-        self.sampler = PixelSampler(cache, scene, self.seed, self.rank, mode, "cpu")
+        self.sampler = PixelSampler(cache, scene, self.seed, self.rank, self.mode, "cpu")
         self._it = None
 
     def _epoch_pixels(self) -> int:
@@ -482,16 +503,24 @@ class _RoutedSampler:
         return routed_rays(self.sampler, self.partition, cell, position, n, self.block)
 
 
+def routed_plan(rays_per_batch, seed, num_threads: int, **kw) -> SamplingPlan:
+    """The plan of a routed baseline's direct API (its arguments checked first)."""
+    check_int("rays_per_batch", rays_per_batch, 1, INT32_MAX)
+    check_int("seed", seed, 0, INT64_MAX)
+    return host_plan(rays_per_batch, num_threads, seed=seed, **kw)
+
+
 class RoutedSyncLocal(BatchSource):
     """SS ``sync_local``: the rank samples its cell's batch in the training thread."""
 
-    def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, cache=None, num_threads: int = 2):
-        check_int("rays_per_batch", rays_per_batch, 1, INT32_MAX)
-        check_int("seed", seed, 0, INT64_MAX)
-        cache = cache if cache is not None else full_cache(scene, host_plan(rays_per_batch, num_threads))
+    def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, cache=None,
+                 num_threads: int = 2, *, plan: Optional[SamplingPlan] = None):
+        self.plan = plan or routed_plan(rays_per_batch, seed, num_threads)
+        B = self.plan.rays_per_batch
+        cache = cache if cache is not None else full_cache(scene, self.plan, device="cpu")
         self.scene = scene
-        self.cell, self.rays_per_batch = int(cell), int(rays_per_batch)
-        self._s = _RoutedSampler(cache, scene, partition, seed, routed_stream(cell=cell), 2 * rays_per_batch)
+        self.cell, self.rays_per_batch = int(cell), B
+        self._s = _RoutedSampler(cache, scene, partition, self.plan.seed, routed_stream(cell=cell), 2 * B)
         self.position = 0
         self._stats = BatchStats()
 
@@ -516,9 +545,9 @@ class RoutedSyncGlobal(BatchSource):
     ``next()`` on its slot-th source in the same order."""
 
     def __init__(self, scene, partition, cells_per_rank, rank: int, slot: int, rays_per_batch: int = 4096,
-                 seed: int = 0, cache=None, num_threads: int = 2):
-        check_int("rays_per_batch", rays_per_batch, 1, INT32_MAX)
-        check_int("seed", seed, 0, INT64_MAX)
+                 seed: int = 0, cache=None, num_threads: int = 2, *, plan: Optional[SamplingPlan] = None):
+        self.plan = plan or routed_plan(rays_per_batch, seed, num_threads)
+        B = self.plan.rays_per_batch
         self.world_size = len(cells_per_rank)
         if len({len(c) for c in cells_per_rank}) != 1:
             raise ConfigError(f"pipeline.name=sync_global with method ss needs the same number of cells on every rank "
@@ -526,13 +555,13 @@ class RoutedSyncGlobal(BatchSource):
         if self.world_size > 1 and not dist.is_initialized():
             raise ConfigError("pipeline.name=sync_global with world_size > 1 needs torchrun (an initialised process group)")
         self.scene = scene
-        self.rank, self.slot, self.rays_per_batch = int(rank), int(slot), int(rays_per_batch)
+        self.rank, self.slot, self.rays_per_batch = int(rank), int(slot), B
         self.cells = [c[slot] for c in cells_per_rank]
         self.position = [0] * self.world_size
         self._s = None
         if self.rank == 0:
-            cache = cache if cache is not None else full_cache(scene, host_plan(rays_per_batch, num_threads))
-            self._s = _RoutedSampler(cache, scene, partition, seed, routed_stream(slot=slot), 2 * rays_per_batch)
+            cache = cache if cache is not None else full_cache(scene, self.plan, device="cpu")
+            self._s = _RoutedSampler(cache, scene, partition, self.plan.seed, routed_stream(slot=slot), 2 * B)
         self._stats = BatchStats()
 
     def __next__(self):

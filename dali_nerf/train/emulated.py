@@ -38,12 +38,11 @@ from dali_nerf.train.emulation import (EMULATED_LABEL, KEEPS_UP_STEP, DeviceLink
                                  PhaseTimer, emulated_step, keeps_up, model_grad_bytes, shared_block)
 from dali_nerf.errors import ConfigError
 from dali_nerf.data.hostbudget import usable_cores
-from dali_nerf.partition import Partition, assign_rank
-from dali_nerf.data.plan import plan_from_config
 from dali_nerf.train.runtime import load_scenes, prepare_run_dir, setup_distributed, torch_threads_kept
-from dali_nerf.sources import build_source, floor_source
+from dali_nerf.data.plan import RAY_GRAPH_SOURCES
+from dali_nerf.sources import floor_source
 from dali_nerf.sources.base import was_demoted
-from dali_nerf.sources.registry import RAY_GRAPH_SOURCES, global_batch_config
+from dali_nerf.sources.registry import rank_feed
 from dali_nerf.sources.shm_scatter import ShmLink, ShmScatter
 
 __all__ = ["train_emulated", "warmup_steps", "whole_runs", "KEEPS_UP_STEP"]
@@ -92,19 +91,6 @@ def _shared(env_rank: int, W: int, scatter_bytes: int):
     return barrier, shm
 
 
-def _sources(cfg: Config, method: str, scene, rank: int, W: int, link: ShmLink) -> List:
-    """This rank's batch sources (one per cell it trains in SS), from the registry: they sample on
-    the host, their sampler threads at ``pipeline.thread_priority`` resolved for the emulated
-    device (:func:`dali_nerf.data.plan.plan_from_config`); ``sync_global`` scatters through ``link``."""
-    if method == "ddp":
-        return [build_source(cfg, scene, rank, W, scatter=link)]
-    part = Partition.from_config(cfg.partition, scene)
-    if cfg.pipeline.name == "sync_global" and part.num_cells != W:
-        raise ConfigError(f"pipeline.name=sync_global with train.device=emulated: needs one cell per rank "
-                          f"({part.num_cells} cells, {W} ranks); set partition.grid so cells = ranks")
-    return build_source(cfg, scene, rank, W, cells=assign_rank(part.num_cells, W), partition=part, scatter=link)
-
-
 def _run(sources, dev, timer, lock, grad_bytes: int, W: int, steps: int, on_device: bool, segment: str) -> List[dict]:
     recs = []
     for k in range(1, steps + 1):
@@ -139,19 +125,23 @@ def _train_emulated(cfg: Config, method, resume: bool) -> dict:
                           f"cores); got WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}: use one node")
     env = setup_distributed("cpu", t.torch_threads)
     W, rank = env.world_size, env.rank
-    cfg = global_batch_config(cfg, W)
-    p = cfg.pipeline
     prepare_run_dir(cfg.run_dir, env)
     scene, _ = load_scenes(cfg, env)
     if p.name == "sync_global" and not scene.has_bounds:
         raise ConfigError(f"{cfg.scene.path}: sync_global under train.device=emulated needs a scene with near/far "
                           f"bounds; generate one with dali-nerf make-scene")
+    # the rank's plan, resolved once (B from pipeline.global_batch; the sampler threads' priority for the
+    # emulated device), and SS the cells of every rank; the sources sample on the host
+    feed = rank_feed(cfg, scene, rank, W)
+    if p.name == "sync_global" and feed.partition is not None and feed.partition.num_cells != W:
+        raise ConfigError(f"pipeline.name=sync_global with train.device=emulated: needs one cell per rank "
+                          f"({feed.partition.num_cells} cells, {W} ranks); set partition.grid so cells = ranks")
     links = DeviceLinks()
     dev = EmulatedDevice(t.emulated_step_ms, links)
-    scatter = ShmScatter.buffer_bytes(W, p.rays_per_batch) if p.name == "sync_global" else 0
+    scatter = ShmScatter.buffer_bytes(W, feed.plan.rays_per_batch) if p.name == "sync_global" else 0
     barrier, shm = _shared(rank, W, scatter)
     try:
-        return _train_emulated_shared(cfg, method, env, scene, links, dev, barrier, shm, scatter)
+        return _train_emulated_shared(cfg, method, env, feed, links, dev, barrier, shm, scatter)
     except BaseException:  # an error or Ctrl-C: break the other ranks' waits, free the named semaphores and the block
         if barrier is not None:
             try:
@@ -179,18 +169,16 @@ def _release_shared(barrier, shm, rank: int) -> None:
                 pass
 
 
-def _train_emulated_shared(cfg: Config, method, env, scene, links, dev, barrier, shm, scatter: int) -> dict:
+def _train_emulated_shared(cfg: Config, method, env, feed, links, dev, barrier, shm, scatter: int) -> dict:
     """:func:`train_emulated` once the barrier and the scatter block exist."""
-    t, p = cfg.train, cfg.pipeline
+    t, p, plan = cfg.train, cfg.pipeline, feed.plan
     W, rank = env.world_size, env.rank
     timeout = 300.0
     bar = (lambda: barrier.wait(timeout)) if barrier is not None else (lambda: None)
     buf = shm.buf if shm is not None else (bytearray(scatter) if scatter else None)
     sources, ready = [], []
-    # the priority of the threads that sample ahead (rays_sync: none does, its DALI threads run at normal)
-    prio = "normal" if p.name == "rays_sync" else plan_from_config(cfg, rank, W).priority
     try:
-        sources = _sources(cfg, method.name, scene, rank, W, ShmLink(buf, bar, dev))
+        sources = feed.build(scatter=ShmLink(buf, bar, dev))  # sync_global: through the shared block
         n_sources = len(sources)
         grad_bytes = model_grad_bytes(cfg.model) if method.name == "ddp" else 0
         lock = bar if (method.name == "ddp" and W > 1) else None
@@ -253,17 +241,17 @@ def _train_emulated_shared(cfg: Config, method, env, scene, links, dev, barrier,
     # the share of the host's cores the ranks' processes kept busy (all their threads), per step
     util = sum(e["cpu_s"] for e in everyone) / max(step_s * cores, 1e-12)
     util_floor = sum(e["floor_cpu_s"] for e in everyone) / max(floor_s * cores, 1e-12) if floor else None
-    rays = p.rays_per_batch * n_sources
+    rays = plan.rays_per_batch * n_sources
     summary = {
         "name": cfg.name, "method": method.name, "world_size": W, "device": "emulated", "label": EMULATED_LABEL,
-        "emulated_step_ms": t.emulated_step_ms, "pipeline": p.name, "rays_per_batch": p.rays_per_batch,
+        "emulated_step_ms": t.emulated_step_ms, "pipeline": p.name, "rays_per_batch": plan.rays_per_batch,
         "cells_per_rank": n_sources if method.name == "ss" else None,
         "steps": t.steps, "warmup_steps": warm, "timed_steps": timed, "floor_steps": t.emulated_floor_steps,
         "step_s": step_s, "floor_step_s": floor_s, "step_over_floor": step_s / floor_s if floor_s else None,
         "stall_fraction": float(np.mean(stalls)), "stall_fraction_ranks": stalls,
         "rays_per_s": W * rays / max(step_s, 1e-12),
         "barrier_s": barrier_s, "grad_bytes": grad_bytes, "device_links": links.lines(),
-        "sampler_priority": prio,
+        "sampler_priority": plan.priority,  # rays_sync: normal (nobody samples ahead)
         "ranks_starved_to_normal": [e["rank"] for e in everyone if e["demoted"]],
         "host_cores": cores, "host_busy": util, "host_busy_floor": util_floor,
         "host_keeps_up": keeps_up(max(stalls), step_s / floor_s if floor_s else None),

@@ -24,7 +24,8 @@ long it took (:func:`dali_nerf.train.runtime.wrap_ddp`); ``backward_s`` excludes
 :func:`train` is the sequence of named steps: the runtime's :func:`~dali_nerf.train.runtime.setup_distributed`,
 :func:`~dali_nerf.train.runtime.prepare_run_dir`, :func:`~dali_nerf.train.runtime.load_scenes`, the resume's
 :func:`~dali_nerf.train.resume.read_resume_state`, :func:`~dali_nerf.train.runtime.seed_everything`,
-``method.build_tasks`` (the batch sources come from :func:`dali_nerf.sources.build_source`),
+the rank's plan and sources (:func:`dali_nerf.sources.registry.rank_feed`, ``Feed.build``),
+``method.build_tasks`` (the fields around those sources),
 :func:`~dali_nerf.train.resume.restore_tasks`, :func:`run_steps` (the timed loop, checkpoints, periodic
 evaluation) and :func:`evaluate_and_summarise`. The emulated-device mode is not trained here:
 :func:`dali_nerf.cli.trainer.run_training` sends ``train.device=emulated`` to
@@ -53,13 +54,13 @@ from dali_nerf.models import render_rays
 from dali_nerf.models.keyed import ray_keys
 from dali_nerf.models.ray_space import RaySpace
 from dali_nerf.train.phases import PHASES, PhaseTimer, runq_seconds
-from dali_nerf.data.plan import plan_from_config
+from dali_nerf.data.plan import SamplingPlan, sampling_device
 from dali_nerf.train.resume import read_resume_state, restore_tasks, resumed_config, save_checkpoint
 from dali_nerf.train.runlog import MetricsWriter, append_metrics_row, bar_stall, progress_bar, steady_stall
 from dali_nerf.train.runtime import (DistEnv, gpu_memory, load_scenes, prepare_run_dir, seed_everything, setup_distributed,
                       step_generator, to_device, torch_threads_kept)
 from dali_nerf.data.seeds import ray_key
-from dali_nerf.sources.registry import run_stream
+from dali_nerf.sources.registry import rank_feed
 from dali_nerf.train.tasks import Method, Task, close_sources
 from dali_nerf.train.tblog import TBWriter, step_scalars
 
@@ -85,16 +86,20 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
         raise ConfigError("train.device=emulated trains no model: run it with dali_nerf.cli.trainer.run_training "
                           "(or the trainers, trainers/ddp.py and trainers/spatial.py)")
     with torch_threads_kept():  # setup_distributed sets them per rank; a caller's process gets them back
-        env = setup_distributed(cfg.train.device, cfg.train.torch_threads)
+        env = setup_distributed(sampling_device(cfg.train.device), cfg.train.torch_threads)
         prepare_run_dir(cfg.run_dir, env)
         scene, eval_scene = load_scenes(cfg, env)
         resume, saved, folder = read_resume_state(cfg.run_dir, env, resume, scene, cfg)
         cfg = resumed_config(cfg, saved, env)  # the checkpoint's stream and global batch (any world size)
         seed_everything(cfg.pipeline.seed, env.rank)
-        tasks = method.build_tasks(cfg, scene, env)
+        # the rank's plan, resolved once (SS: the partition and the cells), and nothing decoded yet
+        feed = rank_feed(cfg, scene, env.rank, env.world_size, device=env.device.type)
+        method.check(cfg, scene)
+        feed.build()  # the rank's sources (the registry)
+        tasks = method.build_tasks(cfg, scene, env, feed)
         start_step = restore_tasks(cfg, tasks, saved, folder, env)
-        result = run_steps(cfg, method, env, tasks, scene, eval_scene, start_step, resume)
-        summary = evaluate_and_summarise(cfg, method, env, tasks, eval_scene, result)
+        result = run_steps(cfg, method, env, tasks, scene, eval_scene, start_step, resume, feed.plan)
+        summary = evaluate_and_summarise(cfg, method, env, tasks, eval_scene, result, feed.plan)
         env.barrier()
         if env.distributed:
             dist.destroy_process_group()
@@ -222,8 +227,8 @@ class _Loop:
     """The state of :func:`run_steps`: the writers, the totals, the clock; one method per part of a step."""
 
     def __init__(self, cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scene, eval_scene,
-                 start_step: int):
-        self.cfg, self.method, self.env, self.tasks, self.scene = cfg, method, env, tasks, scene
+                 start_step: int, plan: SamplingPlan):
+        self.cfg, self.method, self.env, self.tasks, self.scene, self.plan = cfg, method, env, tasks, scene, plan
         self.start_step = start_step
         metrics_name = "metrics.jsonl" if env.rank == 0 else f"metrics.rank{env.rank}.jsonl"
         self.writer = MetricsWriter(cfg.run_dir / metrics_name, start_step)
@@ -231,7 +236,7 @@ class _Loop:
                            purge_step=start_step + 1 if start_step else None)
         self.bar = progress_bar(cfg, method, env, start_step)
         # the evaluated views, decoded once for the run (periodic, final and per-cell evaluations)
-        self.views = EvalViews(cfg, eval_scene, threads=plan_from_config(cfg, env.rank, env.world_size).threads)
+        self.views = EvalViews(cfg, eval_scene, threads=plan.decode_threads)
         self.periodic_eval = PeriodicEval(cfg, method, env, tasks, self.views)
         self.bg = torch.as_tensor(np.array(scene.background), device=env.device)
         self.totals = {p: 0.0 for p in PHASES}
@@ -304,7 +309,7 @@ class _Loop:
             self.end_step, self.stopped_by = step, "max_seconds"
         if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step != self.end_step:
             self.writer.flush()
-            save_checkpoint(cfg.run_dir, step, self.tasks, self.env, cfg, self.scene)
+            save_checkpoint(cfg.run_dir, step, self.tasks, self.env, cfg, self.scene, self.plan)
             self.saved_step = step
         eval_every = cfg.train.eval_every
         if (timed_eval or (eval_every and step % eval_every == 0)) and step != self.end_step:
@@ -334,10 +339,11 @@ class _Loop:
 
 
 def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scene, eval_scene, start_step: int,
-              resume: bool) -> LoopResult:
+              resume: bool, plan: SamplingPlan) -> LoopResult:
     """The timed loop from ``start_step + 1`` to the last step: metrics rows, progress, periodic
-    checkpoints and evaluations, the final checkpoint. Closes the tasks' sources."""
-    loop = _Loop(cfg, method, env, tasks, scene, eval_scene, start_step)
+    checkpoints and evaluations, the final checkpoint. Closes the tasks' sources. ``plan``: the
+    rank's (its decode threads, the stream and global batch its checkpoints record)."""
+    loop = _Loop(cfg, method, env, tasks, scene, eval_scene, start_step, plan)
     t_start = time.perf_counter()
     source_stats = []
     try:
@@ -351,7 +357,7 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
         train_s = loop.clock.seconds()
         loop.writer.flush()
         if (loop.end_step > start_step or resume) and loop.saved_step != loop.end_step:
-            save_checkpoint(cfg.run_dir, loop.end_step, tasks, env, cfg, scene)
+            save_checkpoint(cfg.run_dir, loop.end_step, tasks, env, cfg, scene, plan)
     finally:
         source_stats = loop.close()
     return LoopResult(start_step, loop.end_step, loop.totals, loop.first_step_wait, loop.rays_total, loop.last, wall,
@@ -360,7 +366,7 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
 
 
 def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], eval_scene,
-                           r: LoopResult) -> dict:
+                           r: LoopResult, plan: SamplingPlan) -> dict:
     """Every rank may take part in gathering the field(s); rank 0 renders the held-out views,
     writes the renders and ``summary.json`` (and, with ``train.eval_every``, the last
     ``eval_psnr`` row of metrics.jsonl) and returns the summary; other ranks return {}."""
@@ -386,9 +392,8 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
     summary = {
         "name": cfg.name, "method": method.name, "world_size": env.world_size, "device": str(env.device),
         "steps": r.end_step, "steps_planned": cfg.train.steps, "steps_this_run": steps_run, "resumed_from": r.start_step,
-        "rays_per_batch": cfg.pipeline.rays_per_batch, "pipeline": cfg.pipeline.name,
-        "stream": run_stream(cfg)[0],
-        "global_batch": run_stream(cfg)[1] * cfg.pipeline.rays_per_batch * env.world_size or None,
+        "rays_per_batch": plan.rays_per_batch, "pipeline": cfg.pipeline.name,
+        "stream": plan.stream_version, "global_batch": plan.run_global_batch or None,
         "test_psnr": p, "test_ssim": s, "mean_color_psnr": mean_color_psnr(pairs), "eval_split": sc.eval_split, "eval_images": len(pairs),
         "eval_render_s": seconds,
         "final_train_loss": r.last.get("loss"),

@@ -44,11 +44,10 @@ from dali_nerf.train.checkpoint import (MODEL_FILE, RUN_FILE, CheckpointUnreadab
 from dali_nerf.config import Config, config_to_dict
 from dali_nerf.errors import DaliNerfError
 from dali_nerf.partition import assign_rank
-from dali_nerf.data.plan import nearest_divisors
+from dali_nerf.data.plan import RAY_GRAPH_SOURCES, global_batch_share, nearest_divisors
 from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
 from dali_nerf.train.runtime import DistEnv, gather_codes
 from dali_nerf.scenes import describe_change, scene_fingerprint
-from dali_nerf.sources.registry import RAY_GRAPH_SOURCES, global_batch_config, run_stream
 from dali_nerf.train.tasks import Task, close_sources
 
 __all__ = ["save_checkpoint", "read_resume_state", "restore_tasks", "resumed_config", "load_checkpoint",
@@ -128,10 +127,11 @@ def replica_digest(task: Task) -> str:
     return h.hexdigest()
 
 
-def save_checkpoint(run_dir: Path, step: int, tasks: List[Task], env: DistEnv, cfg: Config, scene) -> None:
+def save_checkpoint(run_dir: Path, step: int, tasks: List[Task], env: DistEnv, cfg: Config, scene, plan) -> None:
     """Format 2 (module doc): every rank's RNG and (DDP) loader state gathered into rank 0's
     ``run.pt``; DDP's model once (rank 0, ``model.pt``); SS one file per cell, by its rank. Then
-    rank 0 commits the step. ``scene``: the training split (its fingerprint is stored)."""
+    rank 0 commits the step. ``scene``: the training split (its fingerprint is stored); ``plan``:
+    the rank's :class:`~dali_nerf.data.plan.SamplingPlan` (the run's stream and global batch)."""
     ss = cfg.method == "ss"
     mine = {"rng": _rng_state(), "sources": {} if ss else {t.name: _source_state(t) for t in tasks},
             "cells": [t.cell for t in tasks] if ss else [],
@@ -147,10 +147,9 @@ def save_checkpoint(run_dir: Path, step: int, tasks: List[Task], env: DistEnv, c
         if len({r["replica"] for r in ranks}) > 1:  # DDP keeps them equal; the file holds rank 0's
             print(f"warning: step {step}: the DDP replicas differ (digests {[r['replica'][:12] for r in ranks]}); "
                   f"the checkpoint holds rank 0's", file=sys.stderr, flush=True)
-        stream, has_global = run_stream(cfg)
         run = {"format": 2, "step": step, "world_size": env.world_size, "method": cfg.method,
-               "pipeline": cfg.pipeline.name, "stream": stream,
-               "global_batch": has_global * cfg.pipeline.rays_per_batch * env.world_size, "seed": cfg.pipeline.seed,
+               "pipeline": cfg.pipeline.name, "stream": plan.stream_version,
+               "global_batch": plan.run_global_batch, "seed": cfg.pipeline.seed,
                "mode": cfg.pipeline.mode, "scene": scene_fingerprint(scene), "ranks": ranks,
                "cells": sum(len(r["cells"]) for r in ranks)}
         if not ss:
@@ -347,14 +346,15 @@ def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None, cfg
 
 
 def resumed_config(cfg: Config, st: Optional[dict], env: DistEnv) -> Config:
-    """The config a run trains with: a new run's :func:`global_batch_config`; a resumed run's
-    checkpoint stream and global batch win over the config's (a resume continues the run's
-    stream). Format 1: the shard stream (the only one then). Global stream / sync_global:
-    ``rays_per_batch`` = G / W' (W' the ranks now; the check refused a W' that does not divide G).
-    Rank 0 prints one note per changed value."""
+    """The config a run trains with: a new run's as it is; a resumed run's checkpoint stream and
+    global batch win over the config's (a resume continues the run's stream). Format 1: the shard
+    stream (the only one then). Global stream / sync_global: ``pipeline.global_batch`` = the
+    checkpoint's G, so the rank's plan trains G / W' rays per rank (W' the ranks now; the check
+    refused a W' that does not divide G; :func:`~dali_nerf.data.plan.plan_from_config` resolves
+    it). Rank 0 prints one note per changed value."""
     if st is None or cfg.method != st.get("method", cfg.method):
-        return global_batch_config(cfg, env.world_size)
-    p, notes = cfg.pipeline, []
+        return cfg
+    p, notes, W = cfg.pipeline, [], env.world_size
     if st.get("format", 1) == 1:
         if cfg.method == "ddp" and p.name in RAY_GRAPH_SOURCES and p.stream != "shard":
             notes.append("a checkpoint of format 1 continues the shard stream: pipeline.stream=shard")
@@ -366,23 +366,20 @@ def resumed_config(cfg: Config, st: Optional[dict], env: DistEnv) -> Config:
                 notes.append(f"the run samples the {kind} stream: pipeline.stream={kind}")
                 p = dataclasses.replace(p, stream=kind)
         G = int(st.get("global_batch") or 0)
-        if G and p.global_batch not in (0, G):
-            notes.append(f"its global batch of {G} rays is kept: pipeline.global_batch={G} (was {p.global_batch}), "
-                         f"pipeline.rays_per_batch={G // env.world_size} on {env.world_size} ranks")
+        if G and p.global_batch != G:
+            per_rank = global_batch_share(G, W, f"the checkpoint's global batch {G}")  # the plan's B, for the note
+            if p.global_batch:
+                notes.append(f"its global batch of {G} rays is kept: pipeline.global_batch={G} (was {p.global_batch}), "
+                             f"pipeline.rays_per_batch={per_rank} on {W} ranks")
+            elif per_rank != p.rays_per_batch:
+                notes.append(f"its global batch of {G} rays is kept on {W} ranks: "
+                             f"pipeline.rays_per_batch={per_rank} (was {p.rays_per_batch})")
             p = dataclasses.replace(p, global_batch=G)
-        if G and G // env.world_size != p.rays_per_batch:
-            if p.global_batch != G:  # a config that names G resolves rays_per_batch from it: nothing to say
-                notes.append(f"its global batch of {G} rays is kept on {env.world_size} ranks: "
-                             f"pipeline.rays_per_batch={G // env.world_size} (was {p.rays_per_batch})")
-            p = dataclasses.replace(p, rays_per_batch=G // env.world_size)
-    out = dataclasses.replace(cfg, pipeline=p) if p is not cfg.pipeline else cfg
-    if not int(st.get("global_batch") or 0):  # the checkpoint's stream has no G: the config's, if it names one
-        out = global_batch_config(out, env.world_size)
     if env.rank == 0:
         for n in notes:
             print(f"note: resuming step {st['step']} (written by {st['world_size']} rank(s)): {n}", file=sys.stderr,
                   flush=True)
-    return out
+    return dataclasses.replace(cfg, pipeline=p) if p is not cfg.pipeline else cfg
 
 
 def restore_tasks(cfg: Config, tasks: List[Task], st: Optional[dict], folder, env: DistEnv) -> int:

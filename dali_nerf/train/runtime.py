@@ -54,17 +54,16 @@ class DistEnv:
             dist.barrier()
 
 
-def setup_distributed(device_pref: str = "auto", torch_threads: int = 0) -> DistEnv:
+def setup_distributed(device: str = "cpu", torch_threads: int = 0) -> DistEnv:
     """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); initialise
     the process group (nccl on GPU, gloo on CPU) when world size > 1. World size 1 runs without
-    torchrun."""
+    torchrun. ``device``: cpu | cuda, resolved (``train.device``'s auto and its checks:
+    :func:`dali_nerf.data.plan.sampling_device`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
-    if use_cuda and not torch.cuda.is_available():
-        raise ConfigError("train.device: cuda requested but no GPU is visible; use train.device=cpu")
+    use_cuda = device == "cuda"
     if use_cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())

@@ -43,7 +43,12 @@ class Method:
     name = "base"
     space: Optional[RaySpace] = None
 
-    def build_tasks(self, cfg: Config, scene, env) -> List[Task]:
+    def check(self, cfg: Config, scene) -> None:
+        """Refuse (one line) a config this method cannot train, before anything is decoded."""
+
+    def build_tasks(self, cfg: Config, scene, env, feed) -> List[Task]:
+        """The rank's tasks: a field around each source of ``feed`` (a built
+        :class:`~dali_nerf.sources.registry.Feed`: the rank's plan, sources and, SS, partition and cells)."""
         raise NotImplementedError
 
     def eval_field(self, cfg: Config, tasks: List[Task], env):
