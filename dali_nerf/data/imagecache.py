@@ -60,7 +60,7 @@ from dali_nerf.data.imageio import check_image, decode_image_cv2
 from dali_nerf.pipelines.decode import check_shard, decode_pipeline, shard_range
 
 __all__ = ["ImageCache", "decode_cache", "pack_cameras", "FAR_UNKNOWN", "DecodeCancelled", "available_memory",
-           "shard_cache", "full_cache", "window_cache", "eval_cache", "CacheStore"]
+           "eval_cache", "CacheStore"]
 
 FAR_UNKNOWN = 1e10
 """``far`` written to ``cameras`` when the scene defines no bounds (``near`` is then 0)."""
@@ -416,39 +416,31 @@ def _packed(scene, want, offsets, pixels, use_gpu: bool, rank: int, world_size: 
 # the caches a run needs, each decoded by the rule of its kind (the one place that decodes)
 
 
-def shard_cache(scene, plan, device: Optional[str] = None) -> ImageCache:
-    """This rank's shard of ``scene`` (DALI's rule for ``plan.rank`` of ``plan.world_size``), on
-    ``device`` (default ``plan.device``: where the rank samples), with the plan's threads and
-    decode batch: what a data-parallel source samples."""
-    return decode_cache(scene, plan.rank, plan.world_size, device=device or plan.device,
-                        num_threads=plan.decode_threads, batch=plan.decode_batch)
-
-
-def full_cache(scene, plan, device: Optional[str] = None) -> ImageCache:
-    """Every image of ``scene`` (a spatial-segmentation rank: a ray of any image may cross its
-    cells; rank 0 of ``sync_global``, which samples for every rank), on ``device`` (default
-    ``plan.device``)."""
-    return decode_cache(scene, 0, 1, device=device or plan.device, num_threads=plan.decode_threads,
-                        batch=plan.decode_batch)
-
-
-def window_cache(scene, plan, ids, stop=None) -> ImageCache:
-    """The images ``ids`` (split indices, in order) of a streaming window of ``plan``'s shard;
-    ``stop`` cancels it between decode runs (:class:`DecodeCancelled`)."""
-    return decode_cache(scene, plan.rank, plan.world_size, device=plan.device, num_threads=plan.decode_threads,
-                        batch=plan.decode_batch, indices=ids, stop=stop)
-
-
 def eval_cache(scene, threads: int = 2, batch: int = 8) -> ImageCache:
     """Every image of an evaluation split (or subset) on the host, where the renders are compared."""
     return decode_cache(scene, 0, 1, device="cpu", num_threads=threads, batch=batch)
 
 
 class CacheStore:
-    """The image caches of one rank's sources, each decoded once and shared by every source that
-    samples it (the cells of a spatial-segmentation rank; the study's samplers, built one after
-    the other in one launch). ``shard(device)`` / ``full(device)`` as :func:`shard_cache` /
-    :func:`full_cache`, memoized per device."""
+    """The image caches of one rank's sources: the one owner of their decoding. Every source is
+    handed a store (the registry's, shared by the sources of a rank: an SS rank's cells, the study's
+    samplers built one after the other in one launch; or a default one of its own, as
+    ``RayLoader(scene)`` makes) and asks it for what it samples; no source decodes for itself.
+
+    * :meth:`shard` — this rank's shard (DALI's rule for ``plan.rank`` of ``plan.world_size``): what a
+      data-parallel source samples; the whole split when the world size is 1;
+    * :meth:`full` — every image (a spatial-segmentation rank: a ray of any image may cross its
+      cells; rank 0 of ``sync_global``, which samples for every rank);
+    * :meth:`window` — the images of a streaming window of the shard, decoded anew each time (the
+      stream frees it when the window is done) and cancelled by ``stop``.
+
+    ``shard`` and ``full`` are decoded once per device (default ``plan.device``, where the rank
+    samples) and kept, with the plan's decode threads and batch.
+
+    >>> store = CacheStore(scene, plan)
+    >>> store.shard() is store.shard()
+    True
+    """
 
     def __init__(self, scene, plan):
         self.scene, self.plan = scene, plan
@@ -457,15 +449,25 @@ class CacheStore:
     def shard(self, device: Optional[str] = None) -> ImageCache:
         if self.plan.world_size == 1:
             return self.full(device)
-        return self._get("shard", device or self.plan.device, shard_cache)
+        return self._get("shard", device or self.plan.device)
 
     def full(self, device: Optional[str] = None) -> ImageCache:
-        return self._get("full", device or self.plan.device, full_cache)
+        return self._get("full", device or self.plan.device)
 
-    def _get(self, kind: str, device: str, make) -> ImageCache:
+    def window(self, ids, stop=None) -> ImageCache:
+        """The images ``ids`` (split indices, in order) of a streaming window of the plan's shard, on
+        ``plan.device``; ``stop`` cancels it between decode runs (:class:`DecodeCancelled`)."""
+        p = self.plan
+        return decode_cache(self.scene, p.rank, p.world_size, device=p.device, num_threads=p.decode_threads,
+                            batch=p.decode_batch, indices=ids, stop=stop)
+
+    def _get(self, kind: str, device: str) -> ImageCache:
         key = (kind, device)
         if key not in self._held:
-            self._held[key] = make(self.scene, self.plan, device)
+            p = self.plan
+            rank, world = (p.rank, p.world_size) if kind == "shard" else (0, 1)
+            self._held[key] = decode_cache(self.scene, rank, world, device=device, num_threads=p.decode_threads,
+                                           batch=p.decode_batch)
         return self._held[key]
 
     def clear(self) -> None:

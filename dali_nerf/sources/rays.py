@@ -61,7 +61,7 @@ import torch
 
 from dali_nerf.errors import ConfigError
 from dali_nerf.data.hostbudget import dali_threads
-from dali_nerf.data.imagecache import shard_cache
+from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.pipelines.decode import shard_range, shard_sizes
 from dali_nerf.pipelines.rays import GLOBAL_STREAM, INT64_MAX, SHARD_STREAM, ray_pipeline
@@ -102,7 +102,8 @@ class RayLoader(PlanView, BatchSource):
             :func:`dali_nerf.data.hostbudget.host_budget`: cores per rank - 1, 1..4).
         rays_per_run: rays per DALI run, rounded up to a multiple of B (K = ceil(rays_per_run / B));
             None/0: 65536 per thread, at most 262144 (the host budget).
-        cache: a pre-decoded :class:`~dali_nerf.data.imagecache.ImageCache` of this shard.
+        cache: a pre-decoded :class:`~dali_nerf.data.imagecache.ImageCache` of this shard (None: the
+            ``store``'s, or decoded windows of it when it exceeds ``max_bytes``).
         output_map: batch keys to return (near/far dropped when the scene has no bounds).
         max_bytes: decoded-image budget per rank (None = unlimited); a shard whose decoded pixels
             exceed it is streamed through two windows of decoded images (see the module doc).
@@ -128,6 +129,8 @@ class RayLoader(PlanView, BatchSource):
             and may be 0; batches also carry ``positions``; see the module doc).
         plan: a resolved :class:`~dali_nerf.data.plan.SamplingPlan` (the registry's door, from a config):
             it replaces every argument above but ``scene``, ``cache`` and ``output_map``.
+        store: the :class:`~dali_nerf.data.imagecache.CacheStore` that decodes the shard (or its
+            windows) when no ``cache`` is given (None: one of this loader's own).
     Yields:
         dict: origins (B, 3) f32, directions (B, 3) f32 unit, rgb (B, 3) f32, indices (B, 3) i64,
         near/far (B, 1) f32 when the scene has bounds; global stream: (n, ...) with n this rank's
@@ -143,7 +146,7 @@ class RayLoader(PlanView, BatchSource):
                  output_map: Sequence[str] = DEFAULT_OUTPUTS,
                  max_bytes: Optional[int] = None, decode_batch: int = 8, window_images: int = 0,
                  rays_per_window: int = 0, thread_priority: str = "normal", stream: str = "shard", *,
-                 plan: Optional[SamplingPlan] = None):
+                 plan: Optional[SamplingPlan] = None, store: Optional[CacheStore] = None):
         if plan is None:  # the drop-in API: its arguments make the plan
             check_common(scene, rays_per_batch, rank, world_size, seed, prefetch, mode)
             for name, v in (("window_images", window_images), ("rays_per_window", rays_per_window),
@@ -186,17 +189,19 @@ class RayLoader(PlanView, BatchSource):
                               f"and the global stream (pipeline.stream=global) samples every image of the shard at "
                               f"every step, so it cannot stream it through windows; run more ranks, raise "
                               f"cache.max_bytes, or set pipeline.stream=shard (RayLoader stream='shard')")
+        if cache is None:  # the store decodes (a default one of this loader's own when none is handed)
+            store = store or CacheStore(scene, plan)
         if cache is None and plan.max_bytes is not None and need > plan.max_bytes:
             lo, hi = shard_range(scene.num_images, self.rank, self.world_size)
             px = (scene.width[lo:hi] * scene.height[lo:hi]).astype(np.int64)
             self.window_images = plan_window_images(px, int(plan.max_bytes), plan.window_images, self.rank)
             self.rays_per_window = plan.rays_per_window if self.mode == "random" else 0
-            self._stream = WindowStream(scene, plan, np.arange(lo, hi), px, self.window_images, self.rays_per_window,
+            self._stream = WindowStream(store, plan, np.arange(lo, hi), px, self.window_images, self.rays_per_window,
                                         output_map=self.output_map)
             self._chunks = deque()  # (start, end, {key: tensor}) runs not yet fully handed out
             self._prod = 0  # stream position of the next run to sample
         elif cache is None:
-            cache = shard_cache(scene, plan)
+            cache = store.shard(plan.device)  # where this loader samples
         elif (cache.rank, cache.world_size) != (self.rank, self.world_size):
             raise ConfigError(f"cache: holds shard {cache.rank}/{cache.world_size}, loader is {self.rank}/{self.world_size}")
         else:

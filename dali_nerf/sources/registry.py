@@ -150,7 +150,7 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
         cells: None for data parallel; for spatial segmentation the cells of every rank
             (``cells[r]``, e.g. :func:`dali_nerf.partition.assign_rank`), with ``partition``.
         cache: an ImageCache to sample (DDP: this rank's shard; SS: all images of the split);
-            None: decoded here (:mod:`dali_nerf.data.imagecache`), once per rank.
+            None: decoded by the ``store`` (:mod:`dali_nerf.data.imagecache`), once per rank.
         plan: the rank's plan (default :func:`dali_nerf.data.plan.plan_from_config` of ``cfg``,
             which resolves ``pipeline.global_batch``).
         store: caches shared with other sources of this rank (default: a new one).
@@ -187,39 +187,37 @@ def make_source(name: str, scene, plan: SamplingPlan, *, cache=None, store: Opti
     whole (as ``name`` runs it: :meth:`~dali_nerf.data.plan.SamplingPlan.for_source`).
 
     Data parallel when ``plan.cells`` is empty; else the source of cell ``plan.cells[slot]`` of
-    ``partition`` (``cells``: every rank's cells, which ``sync_global`` scatters to). ``cache``
-    (else ``store``, else a decode here) is what it samples: DDP the rank's shard (rank 0 of
+    ``partition`` (``cells``: every rank's cells, which ``sync_global`` scatters to). What it
+    samples is ``cache`` where given, else what the ``store`` decodes (default: a new
+    :class:`~dali_nerf.data.imagecache.CacheStore` of the plan; a source decodes nothing itself):
+    DDP the rank's shard (streamed through decoded windows past ``plan.max_bytes``; rank 0 of
     ``sync_global``: every image), SS every image of the split — on ``plan.device`` for the op's
-    graph, on the host for the baselines, which sample there. Without a cache or a store, a DDP
-    ``rays`` source decodes its shard itself, or streams it when it exceeds ``plan.max_bytes``.
-    ``output_map``: the batch keys of a DDP ``rays`` / ``rays_sync`` source (default: all of them).
-    ``rays_sync`` is ``rays`` on the plan at prefetch 0 and normal priority (the module docstring)."""
+    graph, on the host for the baselines, which sample there. ``output_map``: the batch keys of a
+    DDP ``rays`` / ``rays_sync`` source (default: all of them). ``rays_sync`` is ``rays`` on the
+    plan at prefetch 0 and normal priority (the module docstring)."""
     plan = plan.for_source(name)
     name = "rays" if name == "rays_sync" else name
     if output_map is not None and (name != "rays" or plan.cells):
         raise ConfigError(f"make_source: output_map is for the rays and rays_sync sources, not {name!r}")
+    store = store or CacheStore(scene, plan)
     if not plan.cells:
-        if name == "rays" and cache is None and store is not None:  # a shared store holds its shard
-            cache = store.shard()
-        return _ddp_source(name, scene, plan, cache, store or CacheStore(scene, plan), scatter, output_map)
-    return _ss_source(name, scene, plan, cache, store or CacheStore(scene, plan), partition, cells, slot, scatter)
+        return _ddp_source(name, scene, plan, cache, store, scatter, output_map)
+    return _ss_source(name, scene, plan, cache, store, partition, cells, slot, scatter)
 
 
 def _ddp_source(name, scene, p: SamplingPlan, cache, store: CacheStore, scatter, output_map):
-    if name == "rays":  # cache None: RayLoader decodes its shard, or streams it past plan.max_bytes
+    if name == "rays":
         kw = {} if output_map is None else dict(output_map=tuple(output_map))
-        return RayLoader(scene, cache=cache, plan=p, **kw)
+        return RayLoader(scene, cache=cache, plan=p, store=store, **kw)
+    if name == "sync_global" and scatter is not None:  # emulated ranks: through shared memory
+        return global_scatter("ddp", scene, p, scatter, cache=cache, store=store)
     if name == "sync_global":  # rank 0 samples every rank's batch: only it needs the images
-        full = (cache or store.full("cpu")) if p.rank == 0 else None
-        if scatter is not None:  # emulated ranks: through shared memory
-            return global_scatter("ddp", scene, p, full, scatter)
-        return SyncGlobalSampler(scene, cache=full, plan=p)
-    shard = cache or store.shard("cpu")
+        return SyncGlobalSampler(scene, cache=cache, plan=p, store=store)
     if name in ("sync_local", "ready"):
-        src = SyncLocalSampler(scene, cache=shard, plan=p)
+        src = SyncLocalSampler(scene, cache=cache, plan=p, store=store)
         return ReadySource.first_of(src) if name == "ready" else src
     if name == "torch_workers":
-        return TorchWorkersSampler(scene, cache=shard, plan=p)
+        return TorchWorkersSampler(scene, cache=cache, plan=p, store=store)
     raise ConfigError(f"pipeline.name: must be one of {', '.join(SOURCES)}, got {name!r}")
 
 
@@ -227,19 +225,18 @@ def _ss_source(name, scene, p: SamplingPlan, cache, store: CacheStore, partition
     if partition is None:
         raise ConfigError("make_source: a spatial-segmentation plan needs its partition")
     cell = p.cells[slot]
-    if name == "rays":  # the op's graph samples the cache where it runs (CUDA pixels for a CUDA run)
-        return SpatialRayLoader(scene, partition, cell, cache=cache or store.full(), plan=p)
+    # the op's graph samples the images where it runs (CUDA pixels for a CUDA run), the baselines on the host
+    if name == "rays":
+        return SpatialRayLoader(scene, partition, cell, cache=cache, plan=p, store=store)
+    if name == "sync_global" and scatter is not None:  # one cell per emulated rank
+        return global_scatter("ss", scene, p, scatter, cache=cache, store=store, partition=partition)
     if name == "sync_global":  # rank 0 samples every rank's cell: only it needs the images
-        full = (cache or store.full("cpu")) if p.rank == 0 else None
-        if scatter is not None:  # one cell per emulated rank
-            return global_scatter("ss", scene, p, full, scatter, partition=partition)
-        return RoutedSyncGlobal(scene, partition, cells if cells is not None else [p.cells], p.rank, slot, cache=full,
-                                plan=p)
-    full = cache or store.full("cpu")  # the routed baselines sample and route on the host
+        return RoutedSyncGlobal(scene, partition, cells if cells is not None else [p.cells], p.rank, slot, cache=cache,
+                                plan=p, store=store)
     if name == "torch_workers":
-        return RoutedTorchWorkers(scene, partition, cell, cache=full, plan=p)
+        return RoutedTorchWorkers(scene, partition, cell, cache=cache, plan=p, store=store)
     if name in ("sync_local", "ready"):
-        src = RoutedSyncLocal(scene, partition, cell, cache=full, plan=p)
+        src = RoutedSyncLocal(scene, partition, cell, cache=cache, plan=p, store=store)
         return ReadySource.first_of(src) if name == "ready" else src
     raise ConfigError(f"pipeline.name={name}: method ss supports {', '.join(SS_SOURCES)}")
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 from dali_nerf.data import seeds
 from dali_nerf.errors import ConfigError
-from dali_nerf.data.imagecache import full_cache
+from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.sources.base import MAX_PREFETCH, BatchSource, BatchStats, check_int, check_scene_state, scene_state
 from dali_nerf.sources.sync import (PixelSampler, WorkerBatches, WorkerLoader, check_workers, routed_plan,
@@ -45,7 +45,8 @@ class RoutedTorchWorkers(WorkerLoader, BatchSource):
     Args:
         scene: the split (needs near/far bounds); partition, cell: the routing.
         rays_per_batch: B; seed: stream key (the cell is part of it); prefetch: batches per worker ahead.
-        cache: ImageCache of all images of the split (every SS rank holds all of them).
+        cache: ImageCache of all images of the split (every SS rank holds all of them); None: the
+            ``store``'s (a :class:`~dali_nerf.data.imagecache.CacheStore`; None: one of its own).
         workers: worker processes (1 thread each).
         thread_priority: the worker processes' priority ("normal" | "background", as RayLoader).
     Yields:
@@ -54,7 +55,7 @@ class RoutedTorchWorkers(WorkerLoader, BatchSource):
 
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, prefetch: int = 2,
                  cache=None, workers: int = 2, num_threads: int = 2, thread_priority: str = "normal", *,
-                 plan: Optional[SamplingPlan] = None):
+                 plan: Optional[SamplingPlan] = None, store: Optional[CacheStore] = None):
         if not 0 <= cell < partition.num_cells:
             raise ConfigError(f"cell={cell}: partition has {partition.num_cells} cells")
         if not scene.has_bounds:
@@ -68,7 +69,7 @@ class RoutedTorchWorkers(WorkerLoader, BatchSource):
         self.scene, self.partition, self.cell = scene, partition, int(cell)
         self.rays_per_batch, self.seed = plan.rays_per_batch, plan.seed
         self.prefetch = max(1, plan.prefetch)  # batches per worker ahead (a DataLoader needs one at least)
-        cache = cache if cache is not None else full_cache(scene, plan, device="cpu")
+        cache = cache if cache is not None else (store or CacheStore(scene, plan)).full("cpu")
         self.sampler = PixelSampler(cache, scene, self.seed, seeds.routed_stream(workers_cell=self.cell), "random")
         self.batch = 0
         self._stats = BatchStats()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.data.seeds import routed_stream
 from dali_nerf.sources.routed_workers import routed_batch
 from dali_nerf.sources.sync import PixelSampler
@@ -98,14 +99,17 @@ class ShmScatter:
         return 2 * int(world_size) * int(rays_per_batch) * (RAY_FLOATS * 4 + 24)
 
 
-def global_scatter(method: str, scene, plan, cache, link: ShmLink, partition=None) -> ShmScatter:
+def global_scatter(method: str, scene, plan, link: ShmLink, *, cache=None, store=None,
+                   partition=None) -> ShmScatter:
     """sync_global across emulated ranks: rank 0 samples the step's ``plan.world_size`` batches in
-    its training thread from one sampler over all images (``cache``, needed on rank 0 only) — DDP:
-    one global batch split in rank order; SS: each cell's routed batch (one cell per rank, rank 0's
-    shared candidate stream) — and :class:`ShmScatter` hands every rank its own through ``link``."""
+    its training thread from one sampler over all images (``cache``, else the ``store``'s; needed on
+    rank 0 only) — DDP: one global batch split in rank order; SS: each cell's routed batch (one
+    cell per rank, rank 0's shared candidate stream) — and :class:`ShmScatter` hands every rank
+    its own through ``link``."""
     W, B, seed, rank = plan.world_size, plan.rays_per_batch, plan.seed, plan.rank
     sample = None
     if rank == 0:
+        cache = cache if cache is not None else (store or CacheStore(scene, plan)).full("cpu")
         if method == "ddp":
             ps = PixelSampler(cache, scene, seed, 0, "random")
 

@@ -26,7 +26,7 @@ from typing import Optional
 
 from dali_nerf.errors import ConfigError
 from dali_nerf.data.hostbudget import dali_threads
-from dali_nerf.data.imagecache import full_cache
+from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, RAY_OUTPUTS, ray_pipeline, release_pipeline
 from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.sources.base import (MAX_PREFETCH, BatchSource, PlanView, BatchStats, RunAhead, check_cache_device, check_int,
@@ -40,7 +40,8 @@ class SpatialRayLoader(PlanView, BatchSource):
     """Batches of rays crossing one cell, sampled ahead by DALI (``prefetch`` runs).
 
     Args:
-        scene: the split; cache: its ImageCache (all images, world_size 1) or None to decode.
+        scene: the split; cache: its ImageCache (all images, world_size 1), or None: the ``store``'s
+            (a :class:`~dali_nerf.data.imagecache.CacheStore`; None: one of this loader's own).
         partition: :class:`~dali_nerf.partition.Partition`; cell: the cell j.
         rays_per_batch: B; rays_per_run: rounded up to K * B accepted rays per op run.
         prefetch: runs DALI computes ahead (0: synchronous, each run's outputs copied).
@@ -56,7 +57,8 @@ class SpatialRayLoader(PlanView, BatchSource):
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, prefetch: int = 2,
                  mode: str = "random", device: str = "cpu", num_threads: Optional[int] = None,
                  rays_per_run: Optional[int] = None, cache=None, decode_batch: int = 8,
-                 thread_priority: str = "normal", *, plan: Optional[SamplingPlan] = None):
+                 thread_priority: str = "normal", *, plan: Optional[SamplingPlan] = None,
+                 store: Optional[CacheStore] = None):
         if not 0 <= cell < partition.num_cells:
             raise ConfigError(f"cell={cell}: partition has {partition.num_cells} cells")
         if not scene.has_bounds:
@@ -77,7 +79,7 @@ class SpatialRayLoader(PlanView, BatchSource):
         check_run_size(self.steps_per_run, self.rays_per_batch, self.prefetch + 2, self.device)
         if cache is not None:
             check_cache_device(cache, self.device, "SpatialRayLoader")
-        self.cache = cache if cache is not None else full_cache(scene, plan)
+        self.cache = cache if cache is not None else (store or CacheStore(scene, plan)).full(plan.device)
         self.run_start, self.offset = 0, 0
         self._run = None            # (start, consumed, {name: (R, ...) tensor}) of the current run
         self._next_run_start = 0    # stream position of the next run the pipeline delivers

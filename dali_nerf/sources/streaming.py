@@ -28,7 +28,7 @@ The engine knows nothing of the loader that consumes it: it is built from the st
 the sampling settings, and hands out chunks ``(start, end, {key: tensor})``, one ray-graph run
 per :meth:`WindowStream.produce` call.
 
->>> ws = WindowStream(scene, plan, image_ids=ids, px_per_image=px, window_images=4, rays_per_window=0)
+>>> ws = WindowStream(CacheStore(scene, plan), plan, image_ids=ids, px_per_image=px, window_images=4, rays_per_window=0)
 >>> start, end, chunk = ws.produce(0)      # the first run of window (0, 0)
 >>> ws.close()
 """
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from dali_nerf.errors import ConfigError
-from dali_nerf.data.imagecache import DecodeCancelled, window_cache
+from dali_nerf.data.imagecache import DecodeCancelled
 from dali_nerf.pipelines.rays import ray_pipeline, release_pipeline
 from dali_nerf.data.seeds import window_key, window_order_keys
 from dali_nerf.sources.base import CLOSE_TIMEOUT_S, run_graph
@@ -125,18 +125,19 @@ class WindowStream:
     """The stream of one rank's shard through decoded windows (see the module doc).
 
     Args:
-        scene: the split; plan: the rank's :class:`~dali_nerf.data.plan.SamplingPlan` (the shard, the
-            stream's seed and mode, device, threads, decode batch, rays per run, prefetch (capped
-            per window), ``max_bytes``, recorded in :meth:`info`).
+        store: the rank's :class:`~dali_nerf.data.imagecache.CacheStore`, which decodes each window
+            (:meth:`~dali_nerf.data.imagecache.CacheStore.window`).
+        plan: the loader's :class:`~dali_nerf.data.plan.SamplingPlan` (the shard, the stream's seed
+            and mode, device, threads, rays per run, prefetch (capped per window)).
         image_ids: (N,) split indices of the shard; px_per_image: (N,) their pixel counts.
         window_images: W (from :func:`plan_window_images`); rays_per_window: 0 = pixel count.
         output_map: batch keys of the chunks.
     """
 
-    def __init__(self, scene, plan, image_ids, px_per_image, window_images: int, rays_per_window: int,
+    def __init__(self, store, plan, image_ids, px_per_image, window_images: int, rays_per_window: int,
                  output_map: Sequence[str] = ("origins", "directions", "rgb", "indices", "near", "far")):
-        self.scene, self.plan = scene, plan
-        self.device_id = torch.cuda.current_device() if plan.device == "cuda" else None
+        self.store, self.plan = store, plan
+        self.device_id = torch.cuda.current_device() if self.plan.device == "cuda" else None
         self.output_map = tuple(output_map)
         self.ids = np.asarray(image_ids, np.int64)
         self.px = {int(i): int(p) for i, p in zip(self.ids, px_per_image)}
@@ -192,7 +193,7 @@ class WindowStream:
         try:
             if self.plan.device == "cuda" and threading.current_thread() is not threading.main_thread():  # pragma: no cover
                 torch.cuda.set_device(self.device_id)  # the current device is per thread
-            w.cache = window_cache(self.scene, self.plan, w.ids, stop=w.stop)
+            w.cache = self.store.window(w.ids, stop=w.stop)
             with self._lock:
                 self.windows_decoded += 1
         except DecodeCancelled:

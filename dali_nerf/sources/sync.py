@@ -1,7 +1,8 @@
 """The study's synchronous baselines: same interface, batch contract and ``stats()`` as
 :class:`~dali_nerf.sources.rays.RayLoader`.
 
-Honest, vectorised torch implementations over the same decoded cache (``decode_cache``):
+Honest, vectorised torch implementations over the same decoded cache (from the
+:class:`~dali_nerf.data.imagecache.CacheStore` each is handed, or one of its own):
 
 * :class:`SyncLocalSampler` — each rank samples its own batch in the training thread:
   ``torch.randint`` pixel ids over its shard -> uint8 gather -> :func:`dali_nerf.data.rays.rays_from_indices`.
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 from dali_nerf.errors import ConfigError
 from dali_nerf.data.hostbudget import to_background
-from dali_nerf.data.imagecache import full_cache, shard_cache
+from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.interrupt import ignore_interrupts, interrupts_deferred
 from dali_nerf.partition import ray_cells
 from dali_nerf.pipelines.decode import shard_sizes
@@ -170,6 +171,11 @@ def host_plan(rays_per_batch: int, num_threads: int, **kw) -> SamplingPlan:
     return SamplingPlan.for_loader(rays_per_batch, num_threads=num_threads, rays_per_run=rays_per_batch, **kw)
 
 
+def _store(scene, plan: SamplingPlan, store: Optional[CacheStore]) -> CacheStore:
+    """The store a source's images come from: the one it is handed, or one of its own."""
+    return store if store is not None else CacheStore(scene, plan)
+
+
 def _args_plan(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device, num_threads,
                **kw) -> SamplingPlan:
     """The plan of a baseline's direct API (its arguments, checked first: one line naming the argument)."""
@@ -245,13 +251,11 @@ class SyncLocalSampler(_Source):
 
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
                  prefetch: int = 0, mode: str = "random", device: str = "cpu", num_threads: int = 2, cache=None, *,
-                 plan: Optional[SamplingPlan] = None):
+                 plan: Optional[SamplingPlan] = None, store: Optional[CacheStore] = None):
         self._init_common(scene, plan or _args_plan(scene, rays_per_batch, rank, world_size, seed, prefetch, mode,
                                                     device, num_threads))
-        if cache is None:
-            cache = shard_cache(scene, self.plan, device="cpu")
-        self.cache = cache
-        self.sampler = PixelSampler(cache, scene, self.seed, self.rank, self.mode, self.device)
+        self.cache = cache if cache is not None else _store(scene, self.plan, store).shard("cpu")
+        self.sampler = PixelSampler(self.cache, scene, self.seed, self.rank, self.mode, self.device)
 
     def _epoch_pixels(self) -> int:
         return self.sampler.P
@@ -281,7 +285,7 @@ class SyncGlobalSampler(_Source):
 
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
                  prefetch: int = 0, mode: str = "random", device: str = "cpu", num_threads: int = 2, cache=None, *,
-                 plan: Optional[SamplingPlan] = None):
+                 plan: Optional[SamplingPlan] = None, store: Optional[CacheStore] = None):
         self._init_common(scene, plan or _args_plan(scene, rays_per_batch, rank, world_size, seed, prefetch, mode,
                                                     device, num_threads))
         if self.world_size > 1:
@@ -291,10 +295,8 @@ class SyncGlobalSampler(_Source):
         self.has_bounds = scene.has_bounds
         self.sampler = None
         if self.rank == 0:
-            if cache is None:
-                cache = full_cache(scene, self.plan, device="cpu")
-            self.cache = cache
-            self.sampler = PixelSampler(cache, scene, self.seed, 0, self.mode, self.device)
+            self.cache = cache if cache is not None else _store(scene, self.plan, store).full("cpu")
+            self.sampler = PixelSampler(self.cache, scene, self.seed, 0, self.mode, self.device)
         self._P = scene.num_pixels
 
     def _epoch_pixels(self) -> int:
@@ -429,17 +431,16 @@ class TorchWorkersSampler(WorkerLoader, _Source):
 
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
                  prefetch: int = 2, mode: str = "random", device: str = "cpu", num_threads: int = 2,
-                 workers: int = 2, cache=None, thread_priority: str = "normal", *, plan: Optional[SamplingPlan] = None):
+                 workers: int = 2, cache=None, thread_priority: str = "normal", *, plan: Optional[SamplingPlan] = None,
+                 store: Optional[CacheStore] = None):
         if plan is None:
             check_workers(workers, "workers")
             plan = _args_plan(scene, rays_per_batch, rank, world_size, seed, prefetch, mode, device, num_threads,
                               workers=int(workers), thread_priority=thread_priority)
         self._init_common(scene, plan)
-        if cache is None:
-            cache = shard_cache(scene, self.plan, device="cpu")
-        self.cache = cache
+        self.cache = cache if cache is not None else _store(scene, self.plan, store).shard("cpu")
         # workers sample on the CPU; batches are pinned and moved to the GPU by the consumer side
-        self.sampler = PixelSampler(cache, scene, self.seed, self.rank, self.mode, "cpu")
+        self.sampler = PixelSampler(self.cache, scene, self.seed, self.rank, self.mode, "cpu")
         self._it = None
 
     def _epoch_pixels(self) -> int:
@@ -514,10 +515,10 @@ class RoutedSyncLocal(BatchSource):
     """SS ``sync_local``: the rank samples its cell's batch in the training thread."""
 
     def __init__(self, scene, partition, cell: int, rays_per_batch: int = 4096, seed: int = 0, cache=None,
-                 num_threads: int = 2, *, plan: Optional[SamplingPlan] = None):
+                 num_threads: int = 2, *, plan: Optional[SamplingPlan] = None, store: Optional[CacheStore] = None):
         self.plan = plan or routed_plan(rays_per_batch, seed, num_threads)
         B = self.plan.rays_per_batch
-        cache = cache if cache is not None else full_cache(scene, self.plan, device="cpu")
+        cache = cache if cache is not None else _store(scene, self.plan, store).full("cpu")
         self.scene = scene
         self.cell, self.rays_per_batch = int(cell), B
         self._s = _RoutedSampler(cache, scene, partition, self.plan.seed, routed_stream(cell=cell), 2 * B)
@@ -545,7 +546,8 @@ class RoutedSyncGlobal(BatchSource):
     ``next()`` on its slot-th source in the same order."""
 
     def __init__(self, scene, partition, cells_per_rank, rank: int, slot: int, rays_per_batch: int = 4096,
-                 seed: int = 0, cache=None, num_threads: int = 2, *, plan: Optional[SamplingPlan] = None):
+                 seed: int = 0, cache=None, num_threads: int = 2, *, plan: Optional[SamplingPlan] = None,
+                 store: Optional[CacheStore] = None):
         self.plan = plan or routed_plan(rays_per_batch, seed, num_threads)
         B = self.plan.rays_per_batch
         self.world_size = len(cells_per_rank)
@@ -560,7 +562,7 @@ class RoutedSyncGlobal(BatchSource):
         self.position = [0] * self.world_size
         self._s = None
         if self.rank == 0:
-            cache = cache if cache is not None else full_cache(scene, self.plan, device="cpu")
+            cache = cache if cache is not None else _store(scene, self.plan, store).full("cpu")
             self._s = _RoutedSampler(cache, scene, partition, self.plan.seed, routed_stream(slot=slot), 2 * B)
         self._stats = BatchStats()
 
