@@ -252,7 +252,7 @@ def test_run_ahead_close_has_a_deadline():
     warns; a thread that ends in time returns True."""
     import threading
 
-    from dali_nerf.sources.base import RunAhead
+    from dali_nerf.sources.runner import RunAhead
 
     gate = threading.Event()
 

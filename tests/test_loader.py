@@ -79,7 +79,7 @@ def test_prefetch_and_rays_per_run_do_not_change_stream(scene, cache, mode):
 def test_paced_hand_over_keeps_the_stream(scene, monkeypatch):
     """Co-located ranks release their run-ahead thread at different steps of a run (run_phase);
     the batches do not depend on it, nor on a seek that lands after the release point."""
-    from dali_nerf.sources.base import run_phase
+    from dali_nerf.sources.runner import run_phase
 
     shard = decode_cache(scene, 3, 4)
     kw = dict(rays_per_batch=96, cache=shard, rank=3, world_size=4)
@@ -257,7 +257,7 @@ def test_defaults_follow_the_host_budget(scene, cache, monkeypatch):
 def test_run_ahead_order_errors_and_close():
     """Runs come back in order from another thread; a failure reaches every later get(); close()
     ends a producer blocked on the full queue."""
-    from dali_nerf.sources.base import RunAhead
+    from dali_nerf.sources.runner import RunAhead
 
     callers, counter = [], iter(range(1000))
 
@@ -287,7 +287,7 @@ def test_run_ahead_order_errors_and_close():
 def test_run_ahead_paced_produces_when_released():
     """After the first run the thread produces only on release() or when get() finds the queue
     empty (not as soon as the queue has room)."""
-    from dali_nerf.sources.base import RunAhead
+    from dali_nerf.sources.runner import RunAhead
 
     def settle(ra, n):
         deadline = time.time() + 5
@@ -312,7 +312,7 @@ def test_run_ahead_frees_retired_runs_on_its_thread():
     """A run handed back with retire() is freed by the RunAhead thread, not the caller's."""
     import weakref
 
-    from dali_nerf.sources.base import RunAhead
+    from dali_nerf.sources.runner import RunAhead
 
     class Run:
         pass

@@ -140,7 +140,7 @@ def test_starved_background_loader_returns_to_normal_priority(scene, cache):
     import warnings
 
     from dali_nerf.data.hostbudget import usable_cores
-    from dali_nerf.sources.base import SamplerStarvedWarning
+    from dali_nerf.sources.runner import SamplerStarvedWarning
 
     kw = dict(rays_per_batch=64, rays_per_run=256, cache=cache, prefetch=2, num_threads=1)
     ctx = mp.get_context("fork")
@@ -196,7 +196,7 @@ def test_spatial_loader_demotes_at_a_run_boundary(tmp_path):
     from dali_nerf.partition import Partition
     from dali_nerf.scenegen import make_scene
     from dali_nerf.scenes import load_scene
-    from dali_nerf.sources.base import SamplerStarvedWarning
+    from dali_nerf.sources.runner import SamplerStarvedWarning
 
     root = make_scene("city", tmp_path / "city", width=24, height=16, n_train=4, n_val=1)
     sc = load_scene(root, "train", format="mega_nerf")
@@ -219,7 +219,7 @@ def test_spatial_loader_demotes_at_a_run_boundary(tmp_path):
 def test_starvation_guard_windows():
     """The guard skips the first wait (build, first run), closes a window only at a wait at least
     window_s after its start, and fires when the waits filled more than max_stall of it."""
-    from dali_nerf.sources.base import StarvationGuard
+    from dali_nerf.sources.runner import StarvationGuard
 
     g = StarvationGuard(max_stall=0.2, window_s=1.0)
     assert not g.add(0.0, 5.0)               # the build: never counted

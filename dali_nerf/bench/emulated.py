@@ -52,7 +52,7 @@ from dali_nerf.partition import Partition
 from dali_nerf.data.plan import SamplingPlan, plan_from_config
 from dali_nerf.scenes import scene_from_config
 from dali_nerf.sources import make_source
-from dali_nerf.sources.base import was_demoted
+from dali_nerf.sources.runner import was_demoted
 from dali_nerf.sources.shm_scatter import ShmLink, ShmScatter
 
 __all__ = ["Segment", "schedule", "pair_order", "with_floor", "launch", "launch_budget", "ss_grid", "segment_plan",

@@ -50,45 +50,184 @@ True
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import deque
-from time import perf_counter
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from dali_nerf.errors import ConfigError
-from dali_nerf.data.hostbudget import dali_threads
 from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.data.plan import SamplingPlan
+from dali_nerf.errors import ConfigError
 from dali_nerf.pipelines.decode import shard_range, shard_sizes
-from dali_nerf.pipelines.rays import GLOBAL_STREAM, INT64_MAX, SHARD_STREAM, ray_pipeline
-from dali_nerf.sources.base import (BATCH_KEYS, BatchSource, BatchStats, RunAhead, check_cache_device, check_common,
-                                    check_int, check_positive, check_run_size, check_scene_state, demote_if_starved, PlanView,
-                                    global_epoch_steps, run_graph, run_phase, scene_state, step_views)
+from dali_nerf.pipelines.rays import GLOBAL_STREAM, INT64_MAX, SHARD_STREAM, ray_pipeline, release_pipeline
+from dali_nerf.sources.base import BATCH_KEYS, PlanView, global_epoch_steps
+from dali_nerf.sources.checks import check_cache_device, check_common, check_int, check_positive, check_run_size
+from dali_nerf.sources.dalirun import run_graph, step_views
+from dali_nerf.sources.runner import Run, RunSource
 from dali_nerf.sources.streaming import WindowStream, plan_window_images
 
-__all__ = ["RayLoader", "DEFAULT_OUTPUTS"]
+__all__ = ["RayLoader", "RayProducer", "WindowProducer", "DEFAULT_OUTPUTS"]
 
 DEFAULT_OUTPUTS = ("origins", "directions", "rgb", "indices", "near", "far")
 """RayLoader's batch keys by default (with ``stream="global"`` also ``positions``)."""
 
 
-def _produce(pipe, keys, K: int, B: int, device: str, copy: bool, split: bool):
-    """One run of the ray graph: (consumed, {key: (R, ...)}, K step tuples of views in ``keys``
-    order, the steps' ray counts or None). Shard stream: K steps of B rays; global stream
-    (``split``): the steps' counts from the op's ``step_counts`` (they vary; 0 is possible)."""
-    if not split:
-        consumed, run = run_graph(pipe, device, keys, copy)
-        return consumed, run, step_views(run, K, B), None
-    consumed, run = run_graph(pipe, device, tuple(keys) + ("step_counts",), copy)
-    counts = run.pop("step_counts").tolist()  # K ints (CUDA: one small copy to the host per run)
-    return consumed, run, list(zip(*(v.split(counts) for v in run.values()))), counts
+class RayProducer:
+    """The runs of our ray graph over a rank's cached shard: the producer of a :class:`RayLoader`
+    (the contract of :mod:`dali_nerf.sources.runner`). A graph is the op's DALI pipeline started at
+    a stream position (:meth:`~dali_nerf.data.plan.SamplingPlan.ray_graph`); a run is K steps of B
+    rays (the shard stream) or the shard's part of K global batches of G positions (the global
+    stream: the steps' counts from the op's ``step_counts``; they vary, 0 is possible)."""
+
+    kind = "RayLoader"
+    linear = True
+
+    def __init__(self, loader: "RayLoader", cache):
+        p = self.plan = loader.plan
+        self.scene, self.cache, self.keys = loader.scene, cache, loader.output_map
+        self.who, self.thread_name = f"RayLoader rank {p.rank}", f"dali_nerf-rays-r{p.rank}"
+        # runs handed over by the run-ahead thread on the CPU; CUDA keeps the hand-over on the
+        # training thread, where the outputs are copied on torch's current stream
+        self.ahead = p.prefetch > 0 and p.device == "cpu"
+        self.steps_per_run, self.phase_rank = p.steps_per_run, p.rank
+        self.split = p.ray_stream == "global"
+        self.stride = p.global_batch if self.split else p.rays_per_batch
+        self.split_pixels = loader.split_pixels
+        self.num_pixels = cache.num_pixels if cache is not None else int(loader._shard_pixels[p.rank])
+        self.window_images = self.rays_per_window = 0
+
+    def build(self, start: int):
+        return ray_pipeline(self.cache, self.plan.ray_graph(self.scene, start))
+
+    def produce(self, pipe) -> Run:
+        """One run of the graph: K step tuples of views in ``keys`` order (a synchronous graph's
+        outputs copied out of the executor's buffers, which its next run reuses)."""
+        p = self.plan
+        copy = p.prefetch == 0
+        if not self.split:
+            consumed, run = run_graph(pipe, p.device, self.keys, copy)
+            steps, counts = step_views(run, p.steps_per_run, p.rays_per_batch), None
+        else:
+            consumed, run = run_graph(pipe, p.device, tuple(self.keys) + ("step_counts",), copy)
+            counts = run.pop("step_counts").tolist()  # K ints (CUDA: one small copy to the host per run)
+            steps = list(zip(*(v.split(counts) for v in run.values())))
+        if consumed != p.positions_per_run:
+            raise RuntimeError(f"ray_sampler consumed {consumed} positions for {p.positions_per_run}")
+        return Run(steps, self.stride, consumed, keys=self.keys, counts=counts, data=run)
+
+    def release(self, pipe) -> None:
+        release_pipeline(pipe)
+
+    def state(self, start: int, offset: int) -> dict:
+        """{"position", "mode", "seed", "rank", "world_size", "rays_per_batch", "stream"} and: shard
+        stream "num_pixels" (the rank's; + "window_images", "rays_per_window" when streaming);
+        global stream "step" (position / G), "global_batch" (G) and "split_pixels" (P); "stream" is
+        the stream's formula version."""
+        p, pos = self.plan, start + offset
+        state = {"position": pos, "mode": p.mode, "seed": p.seed, "rank": p.rank, "world_size": p.world_size,
+                 "rays_per_batch": p.rays_per_batch}
+        if self.split:  # rank-free: any world size continues it
+            state.update(stream=GLOBAL_STREAM, step=pos // self.stride, global_batch=p.global_batch,
+                         split_pixels=self.split_pixels)
+        else:
+            state.update(stream=SHARD_STREAM, num_pixels=self.num_pixels)
+        return state
+
+    def load_state(self, state: dict) -> tuple:
+        """The state's (position, 0), refused in one line when it was saved with other stream
+        settings; a global-stream state loads into any rank and world size with the same G."""
+        p = self.plan
+        mine = GLOBAL_STREAM if self.split else SHARD_STREAM
+        saved = state.get("stream", SHARD_STREAM)  # states before versions were shard streams
+        if saved != mine:
+            raise ConfigError(f"load_state_dict: saved stream {saved!r} but this loader samples {mine!r}; resume with "
+                              f"the stream the state was saved from (pipeline.stream / RayLoader stream=)")
+        have = {"mode": p.mode, "seed": p.seed, "global_batch": p.global_batch, "split_pixels": self.split_pixels,
+                "rank": p.rank, "world_size": p.world_size, "num_pixels": self.num_pixels,
+                "window_images": self.window_images, "rays_per_window": self.rays_per_window}
+        keys = (("mode", "seed", "global_batch", "split_pixels") if self.split else
+                ("mode", "seed", "rank", "world_size", "num_pixels", "window_images", "rays_per_window"))
+        for k in keys:
+            if state.get(k, 0 if k in ("window_images", "rays_per_window") else have[k]) != have[k]:
+                hint = (f"; the global batch G = rays_per_batch x world size is kept across world sizes: use "
+                        f"rays_per_batch = {state[k]} / world_size" if k == "global_batch" else "")
+                raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this loader has {have[k]!r}"
+                                  f"{hint or '; resume with the same settings'}")
+        check_int("load_state_dict: position", state.get("position"), 0, INT64_MAX - p.positions_per_run)
+        if state["position"] % self.stride and self.split:
+            raise ConfigError(f"load_state_dict: position={state['position']} is not a multiple of the global batch "
+                              f"{self.stride}; the state is damaged")
+        return int(state["position"]), 0
+
+    def info(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
-class RayLoader(PlanView, BatchSource):
+class _Chunks:
+    """A streamed shard's "graph": the engine's runs not yet fully handed out, ``(start, end,
+    {key: tensor})``, and the stream positions of the next step and of the next run to sample."""
+
+    def __init__(self, start: int):
+        self.chunks, self.pos, self.prod = deque(), int(start), int(start)
+
+
+class WindowProducer(RayProducer):
+    """A shard larger than ``max_bytes`` through decoded windows (:class:`WindowStream`, which owns
+    the windows' decode threads): the producer of a streaming :class:`RayLoader`. Each run is one
+    step of B rays from the engine's runs of one or two windows (a copy only when the step
+    straddles two runs), made in ``next()``."""
+
+    def __init__(self, loader: "RayLoader", stream: WindowStream):
+        super().__init__(loader, None)
+        self.ahead, self.stream = False, stream
+        self.window_images, self.rays_per_window = loader.window_images, loader.rays_per_window
+
+    def build(self, start: int) -> _Chunks:
+        return _Chunks(start)  # the engine switches windows / rebuilds their graphs as needed
+
+    def produce(self, cur: _Chunks) -> Run:
+        """Positions [pos, pos + B) from the engine's runs."""
+        B = self.plan.rays_per_batch
+        lo, hi = cur.pos, cur.pos + B
+        pieces, p, made = [], lo, 0
+        while p < hi:
+            while cur.chunks and cur.chunks[0][1] <= p:
+                cur.chunks.popleft()
+            if not cur.chunks:
+                cur.chunks.append(self.stream.produce(cur.prod))
+                made += 1
+                cur.prod = cur.chunks[-1][1]
+                continue
+            c0, c1, run = cur.chunks[0]
+            q = min(c1, hi)
+            pieces.append({k: v[p - c0:q - c0] for k, v in run.items()})
+            p = q
+        batch = pieces[0] if len(pieces) == 1 else {k: torch.cat([pc[k] for pc in pieces]) for k in pieces[0]}
+        cur.pos = hi
+        return Run([batch], B, B, graph_runs=made)
+
+    def release(self, cur: _Chunks) -> None:
+        cur.chunks.clear()
+
+    def state(self, start: int, offset: int) -> dict:
+        # the window layout is part of the stream's definition
+        return dict(super().state(start, offset), window_images=self.window_images,
+                    rays_per_window=self.rays_per_window)
+
+    def info(self) -> dict:
+        return self.stream.info()
+
+    def close(self) -> None:
+        """Cancel an in-flight window decode, join its thread and free both windows."""
+        self.stream.close()
+
+
+class RayLoader(PlanView, RunSource):
     """Prefetching iterator of ray batches from our DALI pipeline (infinite; see module doc).
 
     Args:
@@ -137,9 +276,6 @@ class RayLoader(PlanView, BatchSource):
         rays of the step, and positions (n,) i64, each ray's global stream position (increasing).
     """
 
-    starvation_guard = True
-    """Background priority: return a starved sampler to normal priority (see ``thread_priority``)."""
-
     def __init__(self, scene, rays_per_batch: int = 4096, rank: int = 0, world_size: int = 1, seed: int = 0,
                  prefetch: int = 2, mode: str = "random", device: str = "cpu", num_threads: Optional[int] = None,
                  rays_per_run: Optional[int] = None, cache=None,
@@ -170,18 +306,16 @@ class RayLoader(PlanView, BatchSource):
             if k not in valid:
                 raise ConfigError(f"output_map: unknown key {k!r}; valid: {', '.join(valid)}"
                                   + ("; positions needs stream='global'" if k == "positions" else ""))
-        self.plan = plan
-        self.scene = scene
-        self.thread_priority = plan.priority  # the sampler's priority now (a starved one returns to normal)
+        self.plan, self.scene = plan, scene
         self.output_map = tuple(k for k in output_map if scene.has_bounds or k not in ("near", "far"))
         self._shard_pixels = shard_sizes(scene, self.world_size)
         self.split_pixels = int(self._shard_pixels.sum())
+        self.epoch = 0
         # the rays a run holds: K x B, or this shard's share of K x G positions (global)
         held = (self.rays_per_batch if not is_global else
                 -(-self.global_batch * int(self._shard_pixels[self.rank]) // self.split_pixels))
         check_run_size(self.steps_per_run, held, self.prefetch + 2, self.device)
         need = int(self._shard_pixels[self.rank]) * 3
-        self._stream: Optional[WindowStream] = None
         self.window_images = 0
         self.rays_per_window = 0
         if cache is None and plan.max_bytes is not None and need > plan.max_bytes and is_global:
@@ -196,29 +330,20 @@ class RayLoader(PlanView, BatchSource):
             px = (scene.width[lo:hi] * scene.height[lo:hi]).astype(np.int64)
             self.window_images = plan_window_images(px, int(plan.max_bytes), plan.window_images, self.rank)
             self.rays_per_window = plan.rays_per_window if self.mode == "random" else 0
-            self._stream = WindowStream(store, plan, np.arange(lo, hi), px, self.window_images, self.rays_per_window,
-                                        output_map=self.output_map)
-            self._chunks = deque()  # (start, end, {key: tensor}) runs not yet fully handed out
-            self._prod = 0  # stream position of the next run to sample
+            stream = WindowStream(store, plan, np.arange(lo, hi), px, self.window_images, self.rays_per_window,
+                                  output_map=self.output_map)
+            producer = WindowProducer(self, stream)
         elif cache is None:
             cache = store.shard(plan.device)  # where this loader samples
         elif (cache.rank, cache.world_size) != (self.rank, self.world_size):
             raise ConfigError(f"cache: holds shard {cache.rank}/{cache.world_size}, loader is {self.rank}/{self.world_size}")
         else:
             check_cache_device(cache, self.device, "RayLoader")
+        if cache is not None:
+            producer = RayProducer(self, cache)
         self.cache = cache
-        self.num_pixels = cache.num_pixels if cache is not None else int(self._shard_pixels[self.rank])
-        self.position = 0
-        self.epoch = 0
-        self._stats = BatchStats()
-        self._pipe = None
-        self._ahead: Optional[RunAhead] = None  # the background hand-over of self._pipe's runs (CPU, prefetch > 0)
-        self._phase = 0  # the step of each run at which self._ahead may produce the next (run_phase)
-        self._run = None  # dict of torch tensors (K*B, ...) of the current run
-        self._steps = None  # K tuples of (B, ...) views of self._run, in output_map order
-        self._counts = None  # global stream: the K steps' ray counts of self._run
-        self._run_start = 0  # stream position of self._run's first ray
-        self._closed = False
+        self.num_pixels = producer.num_pixels
+        super().__init__(producer, plan.priority)
 
     @property
     def stream(self) -> str:
@@ -228,9 +353,9 @@ class RayLoader(PlanView, BatchSource):
     @property
     def streaming(self) -> bool:
         """True when the shard is streamed through decoded windows instead of cached whole."""
-        return self._stream is not None
+        return isinstance(self.producer, WindowProducer)
 
-    # ---- iteration ------------------------------------------------------------------------------
+    # ---- epochs ---------------------------------------------------------------------------------
     def __len__(self) -> int:
         """Steps per epoch (epoch mode): ceil(max over ranks of shard pixels / B); global stream:
         the steps of the current epoch e (``set_epoch``), ceil((e+1)P/G) - ceil(eP/G), P the
@@ -243,107 +368,6 @@ class RayLoader(PlanView, BatchSource):
             return global_epoch_steps(self.epoch, self.split_pixels, self.global_batch)[1]
         return math.ceil(int(self._shard_pixels.max()) / self.rays_per_batch)
 
-    @property
-    def _stride(self) -> int:
-        """Stream positions one step takes: G (global stream) or B."""
-        return self.global_batch if self.stream == "global" else self.rays_per_batch
-
-    def _build(self):
-        before = dali_threads() if self.thread_priority == "background" else None
-        self._pipe = ray_pipeline(self.cache, self.plan.ray_graph(self.scene, self.position))
-        self._next_run_start = self.position
-        if self.prefetch > 0 and self.device == "cpu":
-            # runs handed over by a background thread (RunAhead); CUDA keeps the hand-over on the
-            # training thread, where the outputs are copied on torch's current stream
-            produce = functools.partial(_produce, keys=self.output_map, K=self.steps_per_run, B=self.rays_per_batch,
-                                        device="cpu", copy=False, split=self.stream == "global")
-            # released at this rank's step of each run (run_phase), so co-located ranks in
-            # lockstep do not all hand over and schedule their next runs on the same step
-            self._ahead = RunAhead(self._pipe, produce, name=f"dali_nerf-rays-r{self.rank}", background=before,
-                                   guard=self.starvation_guard)
-            self._phase = run_phase(self.rank, self.steps_per_run)
-
-    def _fetch_run(self):
-        if self._pipe is None:
-            self._build()
-        if self._ahead is not None:
-            consumed, run, steps, counts = self._ahead.get()
-        else:
-            consumed, run, steps, counts = _produce(self._pipe, self.output_map, self.steps_per_run, self.rays_per_batch,
-                                                    self.device, self.prefetch == 0, self.stream == "global")
-        self._stats.runs += 1
-        if consumed != self.positions_per_run:
-            raise RuntimeError(f"ray_sampler consumed {consumed} positions for {self.positions_per_run}")
-        self._run = run
-        self._steps = steps  # __next__ hands out dict(zip(keys, steps[i]))
-        self._counts = counts
-        self._run_start = self._next_run_start
-        self._next_run_start += self.positions_per_run
-
-    def __next__(self) -> dict:
-        if self._closed:
-            raise RuntimeError("RayLoader is closed")
-        if self._stream is not None:
-            return self._next_streaming()
-        st = self._stats
-        t = perf_counter()
-        if st.t0 is None:
-            st.t0 = t
-        S = self._stride
-        off = self.position - self._run_start
-        if self._run is None or off < 0 or off + S > self.positions_per_run:
-            if self._run is not None and self._pipe is not None and self.position != self._next_run_start:
-                self._drop_pipeline()
-            if self._ahead is not None and self._run is not None:
-                self._ahead.retire((self._run, self._steps))
-                demote_if_starved(self, f"RayLoader rank {self.rank}")
-            self._run = self._steps = None
-            self._fetch_run()
-            off = self.position - self._run_start
-        k, r = divmod(off, S)
-        if r == 0:  # the usual case: a precomputed step (a fresh dict, so callers may mutate it)
-            batch = dict(zip(self.output_map, self._steps[k]))
-            if k == self._phase and self._ahead is not None:
-                self._ahead.release()
-            n = S if self._counts is None else self._counts[k]
-        else:  # a seek landed inside the run off the step grid (the shard stream only)
-            batch = {key: v[off:off + S] for key, v in self._run.items()}
-            n = S
-        self.position += S
-        waited = perf_counter() - t  # BatchStats.stop, inlined (this is the per-step hot path)
-        st.wait_s += waited
-        if st.steps == 0:
-            st.warmup_s = waited
-        st.steps += 1
-        st.rays += n
-        return batch
-
-    def _next_streaming(self) -> dict:
-        """Positions [position, position + B) from the runs of one or two windows (a copy only
-        when the step straddles two runs)."""
-        t = self._stats.start()
-        B = self.rays_per_batch
-        lo, hi = self.position, self.position + B
-        pieces = []
-        p = lo
-        while p < hi:
-            while self._chunks and self._chunks[0][1] <= p:
-                self._chunks.popleft()
-            if not self._chunks:
-                self._chunks.append(self._stream.produce(self._prod))
-                self._stats.runs += 1
-                self._prod = self._chunks[-1][1]
-                continue
-            c0, c1, run = self._chunks[0]
-            q = min(c1, hi)
-            pieces.append({k: v[p - c0:q - c0] for k, v in run.items()})
-            p = q
-        batch = pieces[0] if len(pieces) == 1 else {k: torch.cat([pc[k] for pc in pieces]) for k in pieces[0]}
-        self.position = hi
-        self._stats.stop(t, B)
-        return batch
-
-    # ---- epochs, state --------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Epoch mode: move to the start of permutation ``epoch`` (position epoch * P); with the
         global stream to the first step that starts in the epoch, ceil(epoch P / G) (a step that
@@ -361,7 +385,7 @@ class RayLoader(PlanView, BatchSource):
     @property
     def step(self) -> int:
         """Global stream: the global step of the next batch (its first position / G)."""
-        return self.position // self._stride
+        return self.position // self.producer.stride
 
     def set_step(self, step: int) -> None:
         """Global stream: move to global step ``step`` (positions [step G, (step + 1) G)), whatever
@@ -371,46 +395,12 @@ class RayLoader(PlanView, BatchSource):
         check_int("set_step: step", step, 0, (INT64_MAX - self.positions_per_run) // self.global_batch)
         self._seek(int(step) * self.global_batch)
 
-    def _seek(self, position: int) -> None:
-        if self._stream is not None:
-            if position != self.position:
-                self.position = self._prod = int(position)
-                self._chunks.clear()  # produce() switches window / rebuilds the pipeline as needed
-            return
-        if position != self.position:
-            self.position = int(position)
-            if self._pipe is not None and self.position != self._next_run_start:
-                # keep the current run if the position falls inside it, else rebuild lazily
-                off = self.position - self._run_start
-                if self._run is None or off < 0 or off + self._stride > self.positions_per_run:
-                    self._drop_pipeline()
-
-    def _drop_pipeline(self):
-        self._run = None
-        self._steps = None
-        if self._ahead is not None:
-            self._ahead.close()
-            self._ahead = None
-        pipe, self._pipe = self._pipe, None
-        del pipe
-
+    # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """{"stream", "position", "epoch", "steps", "mode", "seed", "rank", "world_size", "rays_per_batch",
-        "scene"} and: shard stream "num_pixels" (the rank's; + "window_images", "rays_per_window"
-        when streaming); global stream "step" (position / G), "global_batch" (G) and
-        "split_pixels" (P). "scene" is the split's fingerprint
-        (:func:`dali_nerf.scenes.scene_fingerprint`); "stream" the stream's formula version."""
-        state = {"position": self.position, "epoch": self.epoch, "steps": self._stats.steps, "mode": self.mode,
-                 "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
-                 "rays_per_batch": self.rays_per_batch, **scene_state(self.scene)}
-        if self.stream == "global":  # rank-free: any world size continues it
-            state.update(stream=GLOBAL_STREAM, step=self.step, global_batch=self.global_batch,
-                         split_pixels=self.split_pixels)
-            return state
-        state.update(stream=SHARD_STREAM, num_pixels=self.num_pixels)
-        if self._stream is not None:  # the window layout is part of the stream's definition
-            state.update(window_images=self.window_images, rays_per_window=self.rays_per_window)
-        return state
+        """{"position", "epoch", "steps", "mode", "seed", "rank", "world_size", "rays_per_batch",
+        "scene", "stream"} and the stream's own keys (:meth:`RayProducer.state`). "scene" is the
+        split's fingerprint (:func:`dali_nerf.scenes.scene_fingerprint`)."""
+        return dict(super().state_dict(), epoch=self.epoch, steps=self._stats.steps)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume exactly: the next batch is the one the saved loader would have returned. A state
@@ -418,49 +408,17 @@ class RayLoader(PlanView, BatchSource):
         other stream settings is refused with one line naming what differs. A global-stream state
         loads into a loader of any rank and world size with the same global batch: the union of
         the ranks' streams continues exactly (each rank takes its part of the saved next step)."""
-        check_scene_state(state, self.scene, "RayLoader")
-        mine = GLOBAL_STREAM if self.stream == "global" else SHARD_STREAM
-        saved = state.get("stream", SHARD_STREAM)  # states before versions were shard streams
-        if saved != mine:
-            raise ConfigError(f"load_state_dict: saved stream {saved!r} but this loader samples {mine!r}; resume with "
-                              f"the stream the state was saved from (pipeline.stream / RayLoader stream=)")
-        keys = (("mode", "seed", "global_batch", "split_pixels") if self.stream == "global" else
-                ("mode", "seed", "rank", "world_size", "num_pixels", "window_images", "rays_per_window"))
-        for k in keys:
-            if state.get(k, 0 if k in ("window_images", "rays_per_window") else getattr(self, k)) != getattr(self, k):
-                hint = (f"; the global batch G = rays_per_batch x world size is kept across world sizes: use "
-                        f"rays_per_batch = {state[k]} / world_size" if k == "global_batch" else "")
-                raise ConfigError(f"load_state_dict: saved {k}={state[k]!r} but this loader has {getattr(self, k)!r}"
-                                  f"{hint or '; resume with the same settings'}")
-        check_int("load_state_dict: position", state.get("position"), 0, INT64_MAX - self.positions_per_run)
-        if state["position"] % self._stride and self.stream == "global":
-            raise ConfigError(f"load_state_dict: position={state['position']} is not a multiple of the global batch "
-                              f"{self.global_batch}; the state is damaged")
+        super().load_state_dict(state)
         self.epoch = int(state.get("epoch", 0))
-        self._seek(int(state["position"]))
 
-    # ---- stats, shutdown ------------------------------------------------------------------------
     def stats(self) -> dict:
         """{"steps", "wait_s", "stall_fraction", "warmup_s", "stall_fraction_steady", "rays_per_s",
         "elapsed_s", "runs"} since the first next() (definitions: :class:`~.base.BatchStats`);
         when streaming also {"streaming", "window_images", "windows_per_cycle", "windows_decoded",
         "bytes_held", "peak_bytes", "decode_wait_s"} (decoded-window bytes now / at most so far)."""
-        d = self._stats.as_dict()
-        if self._stream is not None:
-            d.update(self._stream.info())
-        return d
-
-    def close(self) -> None:
-        """Release the DALI pipeline(s) (their threads end with them) and, when streaming, stop and
-        join the window-decode thread and free both windows. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._drop_pipeline()
-            if self._stream is not None:
-                self._chunks.clear()
-                self._stream.close()
+        return super().stats()
 
     def __repr__(self) -> str:
         return (f"RayLoader(rank={self.rank}/{self.world_size}, B={self.rays_per_batch}, K={self.steps_per_run}, "
                 f"mode={self.mode}, seed={self.seed}, prefetch={self.prefetch}, device={self.device}, "
-                f"pixels={self.num_pixels}" + (f", streaming W={self.window_images}" if self._stream else "") + ")")
+                f"pixels={self.num_pixels}" + (f", streaming W={self.window_images}" if self.streaming else "") + ")")

@@ -25,7 +25,8 @@ from dali_nerf.data import seeds
 from dali_nerf.errors import ConfigError
 from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.data.plan import SamplingPlan
-from dali_nerf.sources.base import MAX_PREFETCH, BatchSource, BatchStats, check_int, check_scene_state, scene_state
+from dali_nerf.sources.base import BatchSource, BatchStats, check_scene_state, scene_state
+from dali_nerf.sources.checks import MAX_PREFETCH, check_int
 from dali_nerf.sources.sync import (PixelSampler, WorkerBatches, WorkerLoader, check_workers, routed_plan,
                                     routed_rays)
 

@@ -49,7 +49,8 @@ from dali_nerf.errors import ConfigError
 from dali_nerf.data.imagecache import DecodeCancelled
 from dali_nerf.pipelines.rays import ray_pipeline, release_pipeline
 from dali_nerf.data.seeds import window_key, window_order_keys
-from dali_nerf.sources.base import CLOSE_TIMEOUT_S, run_graph
+from dali_nerf.sources.base import CLOSE_TIMEOUT_S
+from dali_nerf.sources.dalirun import run_graph
 
 __all__ = ["WindowStream", "window_plan", "plan_window_images", "WINDOW_IMAGE_OVERHEAD"]
 

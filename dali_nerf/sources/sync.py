@@ -50,8 +50,8 @@ from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
 from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.data.rays import rays_from_indices
 from dali_nerf.data.seeds import block_seed, perm_seed, routed_stream
-from dali_nerf.sources.base import (BatchSource, BatchStats, PlanView, check_common, check_int, check_run_size,
-                                    check_scene_state, global_epoch_steps, scene_state)
+from dali_nerf.sources.base import BatchSource, BatchStats, PlanView, check_scene_state, global_epoch_steps, scene_state
+from dali_nerf.sources.checks import check_common, check_int, check_run_size
 
 __all__ = ["SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "PixelSampler", "RoutedSyncLocal",
            "RoutedSyncGlobal", "scatter_batches", "collective_device", "WorkerBatches", "WorkerLoader", "routed_rays"]

@@ -41,7 +41,7 @@ from dali_nerf.data.hostbudget import usable_cores
 from dali_nerf.train.runtime import load_scenes, prepare_run_dir, setup_distributed, torch_threads_kept
 from dali_nerf.data.plan import RAY_GRAPH_SOURCES
 from dali_nerf.sources import floor_source
-from dali_nerf.sources.base import was_demoted
+from dali_nerf.sources.runner import was_demoted
 from dali_nerf.sources.registry import rank_feed
 from dali_nerf.sources.shm_scatter import ShmLink, ShmScatter
 
