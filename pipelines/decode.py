@@ -17,17 +17,9 @@ import numpy as np
 
 from dali_nerf.data._dali import dali_api
 from dali_nerf.errors import SceneError
+from dali_nerf.ops.limits import shard_range  # DALI's shard rule (re-exported)
 
 __all__ = ["decode_pipeline", "shard_range", "shard_sizes", "check_shard"]
-
-
-def shard_range(num_items: int, rank: int, world_size: int) -> tuple[int, int]:
-    """DALI's shard rule: ``[floor(rank * N / S), floor((rank + 1) * N / S))``.
-
-    >>> shard_range(7, 1, 3)
-    (2, 4)
-    """
-    return (num_items * rank) // world_size, (num_items * (rank + 1)) // world_size
 
 
 def check_shard(scene, rank: int, world_size: int) -> None:

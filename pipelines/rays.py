@@ -54,18 +54,11 @@ import numpy as np
 
 from dali_nerf.data._dali import ray_graph_api
 from dali_nerf.errors import ConfigError
+from dali_nerf.ops.limits import INT32_MAX, INT64_MAX, MAX_CELLS, RAY_BYTES  # the op's limits (re-exported)
 
 __all__ = ["RayGraph", "ray_pipeline", "release_pipeline", "RAY_OUTPUTS", "GLOBAL_OUTPUTS", "GLOBAL_STREAM", "SHARD_STREAM", "pixel_feed", "OP_ARGS", "check_op_args",
            "INT32_MAX", "INT64_MAX", "MAX_CELLS", "RAY_BYTES"]
 
-INT32_MAX = 2**31 - 1
-"""Largest value of the op's ``int`` arguments (``rays``, ``stream``, ``num_streams``, ...)."""
-INT64_MAX = 2**63 - 1
-"""Largest value of the op's ``int64_t`` arguments (``seed``, ``start``)."""
-MAX_CELLS = 64
-"""Most centroids one routed op accepts (``kMaxCells`` in ``dali_nerf/ops/csrc/ray_math.h``)."""
-RAY_BYTES = 3 * 4 + 3 * 4 + 3 * 4 + 3 * 8 + 4 + 4
-"""Bytes of one output ray (origins, directions, rgb f32 x3, indices i64 x3, near, far f32)."""
 _FLOAT_MAX = float(np.finfo(np.float32).max)
 
 

@@ -159,6 +159,16 @@ def test_pipelines_hold_graphs_only():
             assert not bad, f"{path.relative_to(REPO)} imports {bad}: pipelines/ holds DALI graph definitions only"
 
 
+def test_the_config_and_the_op_read_the_op_limits_low():
+    """The op's limits and DALI's shard rule are dali_nerf/ops/limits.py's: the config and the op
+    package (its numpy reference) read them there, never from the graphs or the sources above them."""
+    for name, path in MODULES.items():
+        if _under(name, ("dali_nerf.config", "dali_nerf.ops")):
+            bad = sorted({i for i in _imports(path, name) if _under(i, ("dali_nerf.pipelines", "dali_nerf.sources",
+                                                                          "dali_nerf.data.plan", "dali_nerf.data.imagecache"))})
+            assert not bad, f"{path.relative_to(REPO)} imports {bad}; take the op's limits from dali_nerf.ops.limits"
+
+
 def test_the_loop_does_not_import_the_emulated_mode_or_the_study():
     for name, path in MODULES.items():
         if _under(name, ("dali_nerf.train.loop", "dali_nerf.train.runtime", "dali_nerf.train.resume", "dali_nerf.train.evaluation",

@@ -131,3 +131,15 @@ def test_the_largest_seed_samples(scene):
         torch.manual_seed(init_seed(top, cell))  # an SS sub-model's seed above 2**64 is reduced, not refused
     torch.Generator().manual_seed(step_seed(top, 7, 10**9, 63))
     assert init_seed(5, 3) == 5 * 1009 + 3  # unchanged below 2**64
+
+
+def test_the_op_limits_are_the_ops():
+    """dali_nerf/ops/limits.py states the op's limits once (the config, the sources and the graphs
+    read them there): the most cells is the C++ op's kMaxCells, the integers its argument types."""
+    from dali_nerf.ops import limits
+
+    header = (SCHEMA.parent / "ray_math.h").read_text()
+    assert int(re.search(r"constexpr int kMaxCells = (\d+);", header).group(1)) == limits.MAX_CELLS
+    assert (limits.INT32_MAX, limits.INT64_MAX) == (2**31 - 1, 2**63 - 1)
+    assert OP_ARGS["cell"].hi == limits.MAX_CELLS - 1 and OP_ARGS["rays"].hi == limits.INT32_MAX
+

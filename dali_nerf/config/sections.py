@@ -11,7 +11,7 @@ from dali_nerf.errors import ConfigError
 from dali_nerf.config.checks import (MAX_THREADS, STREAMS, SOURCE_NAMES, choice, in_range, nonneg,
                                      positive)
 from dali_nerf.data.hostbudget import PRIORITIES
-from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, MAX_CELLS
+from dali_nerf.ops.limits import INT32_MAX, INT64_MAX, MAX_CELLS
 
 __all__ = ["SceneConfig", "CacheConfig", "PipelineConfig", "ModelConfig", "TrainConfig", "PartitionConfig"]
 

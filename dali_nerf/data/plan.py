@@ -37,7 +37,8 @@ from typing import List, Optional, Sequence, Tuple
 from dali_nerf.errors import ConfigError
 from dali_nerf.data.hostbudget import HostBudget, check_priority, host_budget, resolve_priority, run_size
 from dali_nerf.pipelines.decode import shard_range, shard_sizes
-from dali_nerf.pipelines.rays import GLOBAL_STREAM, INT32_MAX, SHARD_STREAM, RayGraph
+from dali_nerf.ops.limits import INT32_MAX
+from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM, RayGraph
 
 __all__ = ["SamplingPlan", "plan_from_config", "resolve_device", "sampling_device", "rays_per_rank_spread",
            "uneven_rays_note", "nearest_divisors", "global_batch_share", "run_stream", "RAY_GRAPH_SOURCES"]

@@ -36,6 +36,7 @@ from math import isqrt
 import numpy as np
 
 from dali_nerf.data.seeds import op_global_key
+from dali_nerf.ops.limits import shard_range
 
 __all__ = ["MODES", "weyl_multiplier", "global_key", "epoch_shifts", "slots", "pixels", "kept",
            "step_counts", "shard_pixel_range"]
@@ -215,13 +216,11 @@ def step_counts(seed: int, mode: str, P: int, lo: int, hi: int, start: int, step
 
 def shard_pixel_range(sizes, rank: int, world_size: int) -> tuple[int, int]:
     """Global pixel range [lo, hi) of DALI's image shard ``rank`` of ``world_size``
-    (pipelines/decode.py ``shard_range``: images ``[N r // W, N (r + 1) // W)``).
+    (:func:`dali_nerf.ops.limits.shard_range`: images ``[N r // W, N (r + 1) // W)``).
 
     >>> shard_pixel_range([5, 7, 9], 1, 2)
     (5, 21)
     """
-    from dali_nerf.pipelines.decode import shard_range
-
     sizes = np.asarray(sizes, np.int64)
     a, b = shard_range(len(sizes), rank, world_size)
     return int(sizes[:a].sum()), int(sizes[:b].sum())

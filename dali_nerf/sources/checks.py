@@ -9,7 +9,7 @@ import numpy as np
 
 from dali_nerf.data.imagecache import available_memory
 from dali_nerf.errors import ConfigError
-from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, RAY_BYTES
+from dali_nerf.ops.limits import INT32_MAX, INT64_MAX, RAY_BYTES
 
 __all__ = ["MAX_PREFETCH", "check_int", "check_positive", "check_run_size", "check_cache_device", "check_common"]
 

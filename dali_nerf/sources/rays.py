@@ -61,7 +61,8 @@ from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.errors import ConfigError
 from dali_nerf.pipelines.decode import shard_range, shard_sizes
-from dali_nerf.pipelines.rays import GLOBAL_STREAM, INT64_MAX, SHARD_STREAM, ray_pipeline, release_pipeline
+from dali_nerf.ops.limits import INT64_MAX
+from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM, ray_pipeline, release_pipeline
 from dali_nerf.sources.base import BATCH_KEYS, PlanView, global_epoch_steps
 from dali_nerf.sources.checks import check_cache_device, check_common, check_int, check_positive, check_run_size
 from dali_nerf.sources.dalirun import run_graph, step_views

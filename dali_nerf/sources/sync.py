@@ -46,7 +46,7 @@ from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.interrupt import ignore_interrupts, interrupts_deferred
 from dali_nerf.partition import ray_cells
 from dali_nerf.pipelines.decode import shard_sizes
-from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX
+from dali_nerf.ops.limits import INT32_MAX, INT64_MAX
 from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.data.rays import rays_from_indices
 from dali_nerf.data.seeds import block_seed, perm_seed, routed_stream
