@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 
 from dali_nerf.atomic import atomic_write_text
-from dali_nerf.config import load_config
+from dali_nerf.config import config_file, load_config
 from dali_nerf.errors import DaliNerfError
 from dali_nerf.scenegen import make_scene
 from dali_nerf.cli.validate import validate_scene
 
 __all__ = ["main", "launch_trainer", "write_report", "warmup_wait_s"]
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ddp_objects.yaml"
+DEFAULT_CONFIG = config_file("ddp_objects.yaml")
 
 
 def launch_trainer(module: str, nproc: int, config: str | None, overrides, resume: bool = False) -> int:

@@ -29,7 +29,7 @@ from dali_nerf.config.checks import choice
 from dali_nerf.config.sections import (CacheConfig, ModelConfig, PartitionConfig, PipelineConfig, SceneConfig,
                                        TrainConfig)
 
-__all__ = ["Config", "load_config", "config_to_dict", "apply_overrides"]
+__all__ = ["Config", "load_config", "config_to_dict", "apply_overrides", "config_file"]
 
 
 @dataclass
@@ -187,3 +187,15 @@ def load_config(path=None, overrides: Sequence[str] = (), check_paths: bool = Tr
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     return cfg
+
+
+def config_file(name: str) -> Path:
+    """One of the configs shipped with dali_nerf (``configs/<name>``): the copy installed inside the
+    package (``dali_nerf/configs/``, setup.cfg), else this checkout's ``configs/`` folder.
+
+    >>> config_file("ddp_objects.yaml").name
+    'ddp_objects.yaml'
+    """
+    pkg = Path(__file__).resolve().parents[1]  # dali_nerf/
+    installed, checkout = pkg / "configs" / name, pkg.parent / "configs" / name
+    return installed if installed.is_file() or not checkout.is_file() else checkout
