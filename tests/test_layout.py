@@ -1,11 +1,13 @@
-"""The package's layering, pinned so it cannot drift back (ARCHITECTURE.md, "Layout").
+"""The package's layering, pinned so it cannot drift back (ARCHITECTURE.md, "The map" and "The walk").
 
-The data path is one walk: config -> scene (``scenes.scene_from_config``) -> plan (``plan.py``, the
-only caller of the host budget, the priority and the device resolution) -> image cache
-(``imagecache.py``, the one place that decodes, with ``finish.py``) -> DALI graphs + op
-(``pipelines/``, ``ops/``) -> sources (``sources/``; the registry the only constructor) -> the loop
-(``training.py`` and its parts) -> trainers, the emulated mode, the study. Imports go one way,
-function-level imports included; modules stay under 600 lines and functions under 100.
+The data path is one walk: config -> scene (``scenes.scene_from_config``) -> plan (``data/plan.py``,
+the only caller of the host budget, the priority, the device and the global batch's share; every
+exception listed with its reason in ``RESOLVERS``) -> image cache (``data/imagecache.py``, the one
+place that decodes, with ``finish.py``) -> DALI graphs + op (``pipelines/``, ``ops/``, the op's
+limits in ``ops/limits.py``) -> sources (``sources/``: the producers and the runner; the registry the
+only constructor) -> the loop (``train/loop.py`` and its parts) -> trainers, the emulated mode, the
+study. Imports go one way, function-level imports included; modules stay under 600 lines and
+functions under 100.
 """
 
 from __future__ import annotations
