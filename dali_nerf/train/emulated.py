@@ -25,7 +25,6 @@ and the label: "device compute emulated by a timed wait; host work real".
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import List, Optional
 
@@ -37,6 +36,7 @@ from dali_nerf.config import Config
 from dali_nerf.train.emulation import (EMULATED_LABEL, KEEPS_UP_STEP, DeviceLinks, EmulatedDevice, LockstepBarrier,
                                  PhaseTimer, emulated_step, keeps_up, model_grad_bytes, shared_block)
 from dali_nerf.errors import ConfigError
+from dali_nerf.launch_env import launch_env
 from dali_nerf.data.hostbudget import usable_cores
 from dali_nerf.train.runtime import load_scenes, prepare_run_dir, setup_distributed, torch_threads_kept
 from dali_nerf.data.plan import RAY_GRAPH_SOURCES
@@ -118,8 +118,8 @@ def _train_emulated(cfg: Config, method, resume: bool) -> dict:
     if resume:
         raise ConfigError("--resume: train.device=emulated trains no model and writes no checkpoints; run without --resume")
     t, p = cfg.train, cfg.pipeline
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    launch = launch_env()
+    world, local = launch.world_size, launch.local_world_size
     if local != world:
         raise ConfigError(f"train.device=emulated: every rank must run on this host (the emulated GPUs share its "
                           f"cores); got WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}: use one node")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
-import os
 import random
 import sys
 from pathlib import Path
@@ -43,6 +42,7 @@ from dali_nerf.train.checkpoint import (MODEL_FILE, RUN_FILE, CheckpointUnreadab
                          checkpoint_format, commit_checkpoint, load_file, load_rank_state, resume_checkpoint, save_file)
 from dali_nerf.config import Config, config_to_dict
 from dali_nerf.errors import DaliNerfError
+from dali_nerf.launch_env import launch_env
 from dali_nerf.partition import assign_rank
 from dali_nerf.data.plan import RAY_GRAPH_SOURCES, global_batch_share, nearest_divisors
 from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
@@ -248,7 +248,7 @@ def load_checkpoint(folder, rank: int = 0, world_size: Optional[int] = None) -> 
 def elastic_launch() -> bool:
     """Whether torch's elastic agent (torchrun) started this process: it sets
     ``TORCHELASTIC_RUN_ID`` on every worker of every group start."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
+    return launch_env().elastic
 
 
 RUN_ID_FILE = "torchelastic_run_id"
@@ -269,7 +269,7 @@ def agree_on_checkpoints(ckpt_root: Path, env: DistEnv) -> bool:
     launch of the same config) starts anew, as without torchrun, with a note; ``--resume``
     continues it instead. Rank 0 records the job's id (a write it cannot make is left to the
     checkpoint's own one-line error)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    run_id = launch_env().run_id or ""
     same = False
     if env.rank == 0:
         record = ckpt_root / RUN_ID_FILE

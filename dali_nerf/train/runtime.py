@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dali_nerf.config import Config
 from dali_nerf.errors import ConfigError, DaliNerfError
+from dali_nerf.launch_env import group_env, launch_env
 from dali_nerf.models.metrics import SSIM_WINDOW
 from dali_nerf.scenes import scene_from_config
 from dali_nerf.data.seeds import process_seed, step_seed
@@ -55,14 +56,13 @@ class DistEnv:
 
 
 def setup_distributed(device: str = "cpu", torch_threads: int = 0) -> DistEnv:
-    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); initialise
-    the process group (nccl on GPU, gloo on CPU) when world size > 1. World size 1 runs without
+    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT: :mod:`dali_nerf.launch_env`, checked before any rendezvous); initialise the
+    process group (nccl on GPU, gloo on CPU) when world size > 1. World size 1 runs without
     torchrun. ``device``: cpu | cuda, resolved (``train.device``'s auto and its checks:
     :func:`dali_nerf.data.plan.sampling_device`)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    launch = launch_env() if dist.is_initialized() else group_env()
+    world, rank, local_rank, local_world = launch.world_size, launch.rank, launch.local_rank, launch.local_world_size
     use_cuda = device == "cuda"
     if use_cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -72,8 +72,7 @@ def setup_distributed(device: str = "cpu", torch_threads: int = 0) -> DistEnv:
         threads = torch_threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
         torch.set_num_threads(threads)
     if world > 1 and not dist.is_initialized():
-        if (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and rank == 0
-                and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        if launch.restart_count > 0 and rank == 0 and launch.agent_store:
             # torchrun shares its rendezvous store with the process group and does not isolate its
             # keys per restart (pytorch/pytorch#135712): the new group may read a dead rank's address
             print("warning: restarted by torchrun with its shared TCPStore; if the process group does not form, "
