@@ -38,7 +38,7 @@ from dali_nerf.train.emulation import (EMULATED_LABEL, KEEPS_UP_STEP, DeviceLink
 from dali_nerf.errors import ConfigError
 from dali_nerf.launch_env import launch_env
 from dali_nerf.data.hostbudget import usable_cores
-from dali_nerf.train.runtime import load_scenes, prepare_run_dir, setup_distributed, torch_threads_kept
+from dali_nerf.train.runtime import load_scenes, run_folder, setup_distributed, torch_threads_kept
 from dali_nerf.data.plan import RAY_GRAPH_SOURCES
 from dali_nerf.sources import floor_source
 from dali_nerf.sources.runner import was_demoted
@@ -124,8 +124,14 @@ def _train_emulated(cfg: Config, method, resume: bool) -> dict:
         raise ConfigError(f"train.device=emulated: every rank must run on this host (the emulated GPUs share its "
                           f"cores); got WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}: use one node")
     env = setup_distributed("cpu", t.torch_threads)
+    with run_folder(cfg.run_dir, env):  # rank 0 holds the run folder's lock to the end
+        return _train_emulated_in(cfg, method, env)
+
+
+def _train_emulated_in(cfg: Config, method, env) -> dict:
+    """:func:`train_emulated` in its run folder."""
+    t, p = cfg.train, cfg.pipeline
     W, rank = env.world_size, env.rank
-    prepare_run_dir(cfg.run_dir, env)
     scene, _ = load_scenes(cfg, env)
     if p.name == "sync_global" and not scene.has_bounds:
         raise ConfigError(f"{cfg.scene.path}: sync_global under train.device=emulated needs a scene with near/far "

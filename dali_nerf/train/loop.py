@@ -22,7 +22,7 @@ Gradient sync is timed by a DDP communication hook that performs the all-reduce 
 long it took (:func:`dali_nerf.train.runtime.wrap_ddp`); ``backward_s`` excludes it.
 
 :func:`train` is the sequence of named steps: the runtime's :func:`~dali_nerf.train.runtime.setup_distributed`,
-:func:`~dali_nerf.train.runtime.prepare_run_dir`, :func:`~dali_nerf.train.runtime.load_scenes`, the resume's
+:func:`~dali_nerf.train.runtime.run_folder` (the folder's lock), :func:`~dali_nerf.train.runtime.load_scenes`, the resume's
 :func:`~dali_nerf.train.resume.read_resume_state`, :func:`~dali_nerf.train.runtime.seed_everything`,
 the rank's plan and sources (:func:`dali_nerf.sources.registry.rank_feed`, ``Feed.build``),
 ``method.build_tasks`` (the fields around those sources),
@@ -57,7 +57,7 @@ from dali_nerf.train.phases import PHASES, PhaseTimer, runq_seconds
 from dali_nerf.data.plan import SamplingPlan, sampling_device
 from dali_nerf.train.resume import read_resume_state, restore_tasks, resumed_config, save_checkpoint
 from dali_nerf.train.runlog import MetricsWriter, append_metrics_row, bar_stall, progress_bar, steady_stall
-from dali_nerf.train.runtime import (DistEnv, gpu_memory, load_scenes, prepare_run_dir, seed_everything, setup_distributed,
+from dali_nerf.train.runtime import (DistEnv, gpu_memory, load_scenes, run_folder, seed_everything, setup_distributed,
                       step_generator, to_device, torch_threads_kept)
 from dali_nerf.data.seeds import ray_key
 from dali_nerf.sources.registry import rank_feed
@@ -87,23 +87,23 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
                           "(or the trainers, trainers/ddp.py and trainers/spatial.py)")
     with torch_threads_kept():  # setup_distributed sets them per rank; a caller's process gets them back
         env = setup_distributed(sampling_device(cfg.train.device), cfg.train.torch_threads)
-        prepare_run_dir(cfg.run_dir, env)
-        scene, eval_scene = load_scenes(cfg, env)
-        resume, saved, folder = read_resume_state(cfg.run_dir, env, resume, scene, cfg)
-        cfg = resumed_config(cfg, saved, env)  # the checkpoint's stream and global batch (any world size)
-        seed_everything(cfg.pipeline.seed, env.rank)
-        # the rank's plan, resolved once (SS: the partition and the cells), and nothing decoded yet
-        feed = rank_feed(cfg, scene, env.rank, env.world_size, device=env.device.type)
-        method.check(cfg, scene)
-        feed.build()  # the rank's sources (the registry)
-        tasks = method.build_tasks(cfg, scene, env, feed)
-        start_step = restore_tasks(cfg, tasks, saved, folder, env)
-        result = run_steps(cfg, method, env, tasks, scene, eval_scene, start_step, resume, feed.plan)
-        summary = evaluate_and_summarise(cfg, method, env, tasks, eval_scene, result, feed.plan)
-        env.barrier()
-        if env.distributed:
-            dist.destroy_process_group()
-        return summary
+        with run_folder(cfg.run_dir, env):  # rank 0 holds the run folder's lock to the end
+            scene, eval_scene = load_scenes(cfg, env)
+            resume, saved, folder = read_resume_state(cfg.run_dir, env, resume, scene, cfg)
+            cfg = resumed_config(cfg, saved, env)  # the checkpoint's stream and global batch (any world size)
+            seed_everything(cfg.pipeline.seed, env.rank)
+            # the rank's plan, resolved once (SS: the partition and the cells), and nothing decoded yet
+            feed = rank_feed(cfg, scene, env.rank, env.world_size, device=env.device.type)
+            method.check(cfg, scene)
+            feed.build()  # the rank's sources (the registry)
+            tasks = method.build_tasks(cfg, scene, env, feed)
+            start_step = restore_tasks(cfg, tasks, saved, folder, env)
+            result = run_steps(cfg, method, env, tasks, scene, eval_scene, start_step, resume, feed.plan)
+            summary = evaluate_and_summarise(cfg, method, env, tasks, eval_scene, result, feed.plan)
+            env.barrier()
+            if env.distributed:
+                dist.destroy_process_group()
+            return summary
 
 
 @dataclass

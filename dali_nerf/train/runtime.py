@@ -2,7 +2,8 @@
 a timed all-reduce, the run folder and its scenes, the per-process and per-step seeds.
 
 >>> env = setup_distributed("cpu")          # world size 1 without torchrun
->>> prepare_run_dir(cfg.run_dir, env); scene, eval_scene = load_scenes(cfg, env)
+>>> with run_folder(cfg.run_dir, env):      # rank 0 holds the folder's lock for the block
+...     scene, eval_scene = load_scenes(cfg, env)
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from torch.nn.parallel import DistributedDataParallel
 from dali_nerf.config import Config
 from dali_nerf.errors import ConfigError, DaliNerfError
 from dali_nerf.launch_env import group_env, launch_env
+from dali_nerf.train.runlock import RunLock
 from dali_nerf.models.metrics import SSIM_WINDOW
 from dali_nerf.scenes import scene_from_config
 from dali_nerf.data.seeds import process_seed, step_seed
 from dali_nerf.cli.validate import scan_images
 
-__all__ = ["DistEnv", "setup_distributed", "wrap_ddp", "prepare_run_dir", "load_scenes", "seed_everything",
+__all__ = ["DistEnv", "setup_distributed", "wrap_ddp", "run_folder", "load_scenes", "seed_everything",
            "step_generator", "gather_codes", "gpu_memory", "to_device", "torch_threads_kept"]
 
 
@@ -142,16 +144,40 @@ def gather_codes(env: DistEnv, code: int) -> List[int]:
 # the run folder, its scenes, seeds
 
 
-def prepare_run_dir(run_dir: Path, env: DistEnv) -> None:
-    """Rank 0 creates ``run_dir`` and checks it is writable (a one-line error if not)."""
+@contextlib.contextmanager
+def run_folder(run_dir: Path, env: DistEnv):
+    """Rank 0 creates ``run_dir``, takes its lock (:class:`~dali_nerf.train.runlock.RunLock`: one
+    trainer per run folder, a dead one's lock taken over) and checks the folder is writable; the
+    lock is held for the block. Every rank learns whether rank 0 could (one collective), so a
+    refusal is a one-line error on every rank, never ranks waiting in a barrier for a rank 0 that
+    left. Raises :class:`DaliNerfError` (one line) naming the folder."""
+    lock, err = None, None
     if env.rank == 0:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / ".write_test").write_text("ok")
-            (run_dir / ".write_test").unlink()
-        except OSError as e:
-            raise DaliNerfError(f"{run_dir}: output folder is not writable ({e.strerror}); set train.runs_dir to a writable folder") from None
-    env.barrier()
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise DaliNerfError(f"{run_dir}: output folder is not writable ({e.strerror}); set train.runs_dir to a "
+                                    f"writable folder") from None
+            lock = RunLock(run_dir).acquire()
+            try:
+                (run_dir / ".write_test").write_text("ok")
+                (run_dir / ".write_test").unlink()
+            except OSError as e:
+                raise DaliNerfError(f"{run_dir}: output folder is not writable ({e.strerror}); set train.runs_dir to a "
+                                    f"writable folder") from None
+        except DaliNerfError as e:
+            err = e
+    try:
+        failed = gather_codes(env, int(err is not None))[0]
+        if err is not None:
+            raise err
+        if failed:
+            raise DaliNerfError(f"{run_dir}: rank 0 could not take the run folder (its error says why)")
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def load_scenes(cfg: Config, env: DistEnv):
