@@ -11,6 +11,7 @@ from dali_nerf.errors import ConfigError, shown
 from dali_nerf.config.checks import (MAX_THREADS, STREAMS, SOURCE_NAMES, choice, in_range, nonneg, path_value,
                                      positive)
 from dali_nerf.data.hostbudget import PRIORITIES
+from dali_nerf.interrupt import CHECKPOINT_SIGNALS
 from dali_nerf.pipelines.rays import INT32_MAX, INT64_MAX, MAX_CELLS
 
 __all__ = ["SceneConfig", "CacheConfig", "PipelineConfig", "ModelConfig", "TrainConfig", "PartitionConfig"]
@@ -229,6 +230,12 @@ class TrainConfig:
     stop_after: int = 0
     """Stop this run after this step (0 = run to train.steps), checkpointing there; continue later
     with --resume (e.g. to fit a cluster job's time limit). The schedule still spans train.steps."""
+    checkpoint_signal: str = "TERM"
+    """The signal on which a run finishes its step, checkpoints the last step every rank completed
+    and exits with 128 + the signal (143 for TERM): TERM (what torchrun sends its workers, and
+    SLURM before a preemption or the time limit, ``--signal=TERM@60``) | USR2 | HUP | XCPU (for
+    clusters that warn with another) | none (the signal's default: the process dies). USR1 prints
+    every thread's stack; Ctrl-C (INT) stops without a new checkpoint (docs/RELIABILITY.md)."""
     tensorboard: str = "auto"
     """TensorBoard event files in runs/<name>/tensorboard/ (rank 0): auto = when the tensorboard
     package is installed | always (an error without it) | never."""
@@ -251,6 +258,7 @@ class TrainConfig:
             raise ConfigError(f"{key}.target_psnr: needs periodic evaluations to stop at; set {key}.eval_every "
                               f"(steps) or {key}.eval_every_s (seconds)")
         choice(f"{key}.tensorboard", self.tensorboard, ("auto", "always", "never"))
+        choice(f"{key}.checkpoint_signal", self.checkpoint_signal, CHECKPOINT_SIGNALS + ("none",))
         path_value(f"{key}.runs_dir", self.runs_dir)
 
 

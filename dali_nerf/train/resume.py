@@ -46,6 +46,7 @@ from dali_nerf.launch_env import launch_env
 from dali_nerf.partition import assign_rank
 from dali_nerf.data.plan import RAY_GRAPH_SOURCES, global_batch_share, nearest_divisors
 from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
+from dali_nerf.train.record import last_step
 from dali_nerf.train.runtime import DistEnv, gather_codes
 from dali_nerf.scenes import describe_change, scene_fingerprint
 from dali_nerf.train.tasks import Task, close_sources
@@ -402,7 +403,7 @@ def restore_tasks(cfg: Config, tasks: List[Task], st: Optional[dict], folder, en
                 raise DaliNerfError(f"{where}: does not match this run's config ({type(e).__name__}: {what}); "
                                     f"resume with the config the run was saved with") from None
             start_step = int(st["step"])
-        if env.rank == 0:
+        if env.rank == 0 and not (st is not None and start_step >= last_step(cfg)):  # a finished run's is kept
             atomic_write_text(cfg.run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     except BaseException:
         close_sources(tasks)
