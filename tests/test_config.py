@@ -238,7 +238,7 @@ def test_messages_are_bounded_whatever_the_value(tmp_path):
     ("train.runs_dir", "runs/\x00", r"train.runs_dir: 'runs/\x00' holds a NUL byte"),
     ("scene.path", "data\x00", r"scene.path: 'data\x00' holds a NUL byte"),
     ("bench.out", "d/" * 2100, "bench.out: 'd/d/d/"),
-])
+], ids=["nul-name", "long-name", "nul-runs_dir", "nul-scene.path", "long-path"])
 def test_a_path_no_file_system_holds_is_one_line(tmp_path, key, value, message):
     """A NUL byte in ``name`` was a 28-line traceback from mkdir (exit 1); now one line naming the
     key, and the trainer exits 2 with nothing written."""
