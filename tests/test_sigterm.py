@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dali_nerf.errors import DaliNerfError
 from dali_nerf.interrupt import Terminated, stop_signal
 from dali_nerf.scenegen import make_scene
 from dali_nerf.train.checkpoint import MODEL_FILE, latest_checkpoint, load_file
+from dali_nerf.train.runlock import RunLock
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -187,6 +189,21 @@ def _finish(p: subprocess.Popen, timeout=400):
     return p.returncode, out, err
 
 
+def _worker(agent: int, rank: str) -> int:
+    """The pid of the worker of torchrun ``agent`` whose RANK is ``rank`` (/proc)."""
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+            env = Path(f"/proc/{d}/environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if int(stat[1]) == agent and f"RANK={rank}" in env:
+            return int(d)
+    raise AssertionError(f"no worker with RANK={rank} under {agent}")
+
+
 def _model(run: Path) -> dict:
     return load_file(latest_checkpoint(run / "checkpoints"), MODEL_FILE)["tasks"]["ddp"]
 
@@ -197,7 +214,8 @@ def test_sigterm_to_torchrun_checkpoints_the_last_common_step_and_resume_continu
     that it stopped after step T, the last step both ranks completed (both metrics files end at
     T), and T's checkpoint is ``latest``; ``--resume`` then runs T+1..12 and ends with every
     step's loss and the final model (field and Adam state) bitwise equal to an uninterrupted run's.
-    While the run trains, a second trainer on its folder is refused, naming rank 0's pid and host.
+    While the run trains, the folder's lock is refused to another trainer, naming rank 0's pid and
+    host (the trainer's own refusal of it: tests/test_runlock.py).
     A resume of the finished uninterrupted run trains nothing and changes no file but
     summary.json, whose figures stay, the resume noted beside them; one of a run without a summary
     of its last step evaluates it (the same test PSNR), its timing figures null."""
@@ -216,15 +234,17 @@ def test_sigterm_to_torchrun_checkpoints_the_last_common_step_and_resume_continu
     while max(_rows(metrics1), default=0) < at:
         assert cut.poll() is None and time.time() < deadline, _finish(cut)[2][-3000:]
         time.sleep(0.02)
-    # a second trainer on the folder the run holds: refused, naming the holder (rank 0)
-    cfg = tmp_path / "second.yaml"
-    cfg.write_text(f"name: cut\nscene:\n  path: {scene}\ntrain:\n  runs_dir: {runs}\n  device: cpu\n")
-    capsys.readouterr()
-    assert ddp_main(["--config", str(cfg)]) == 2
-    err = capsys.readouterr().err.strip()
-    pid = int(err.split("(pid ")[1].split()[0])
-    assert err.startswith(f"error: {runs / 'cut'}: in use by another trainer (pid {pid} on host {socket.gethostname()}")
-    assert "RANK=0" in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    # another trainer on the folder the run holds is refused, naming the holder: rank 0's worker,
+    # paused meanwhile (SIGSTOP), so the run cannot end and release it first on a busy host
+    rank0 = _worker(cut.pid, "0")
+    os.kill(rank0, signal.SIGSTOP)
+    try:
+        with pytest.raises(DaliNerfError) as e:
+            RunLock(runs / "cut").acquire()
+    finally:
+        os.kill(rank0, signal.SIGCONT)
+    assert str(e.value).startswith(f"{runs / 'cut'}: in use by another trainer (pid {rank0} on host "
+                                   f"{socket.gethostname()}, since "), str(e.value)
     cut.send_signal(signal.SIGTERM)
     _, _, err = _finish(cut)
     line = [l for l in err.splitlines() if l.startswith("stopped by SIGTERM after step ")]
