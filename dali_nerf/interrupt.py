@@ -25,6 +25,19 @@ happen then, whatever state the process is in:
 ``SIGUSR1`` prints every thread's stack while the run goes on (``kill -USR1 <pid>``): how to see
 where a run that seems stuck is.
 
+**The checkpoint signal** (``SIGTERM`` by default, ``train.checkpoint_signal``): what torchrun
+sends its workers when it stops or restarts them, and what SLURM sends before a preemption or the
+time limit (``--signal=TERM@60``). :func:`stop_signal` installs its handler for a run. While the
+training loop runs (:meth:`StopRequest.deferred`) the signal is only recorded: the loop finishes
+its step, the ranks agree on a step they all complete (:mod:`dali_nerf.train.stopping`), write its
+checkpoint and leave with :class:`Terminated`; the command exits with ``128 + signal`` (143 for
+SIGTERM). Outside the loop (setup, the final evaluation) it raises :class:`Terminated` at once, so
+``finally`` blocks close what is open. A watchdog bounds both: ``$DALI_NERF_TERM_GRACE_S`` (default
+25, inside torchrun's 30 s before its SIGKILL) after the signal, if the run has not left the
+handler's block, it prints every thread's stack and exits; a second signal one second or more
+after the first exits at once. DataLoader workers
+ignore it (torchrun signals each worker's whole process group): the main process shuts them down.
+
 >>> with interrupt_guard():
 ...     pass                # handlers installed for the block, the previous ones restored after
 """
@@ -44,7 +57,8 @@ from typing import List, Optional
 from dali_nerf.errors import stderr_line
 
 __all__ = ["interrupt_guard", "quiet_startup", "exit_process", "ignore_interrupts", "interrupts_deferred", "interrupted", "descendants", "kill_descendants",
-           "EXIT_INTERRUPTED", "DEFAULT_GRACE_S", "ECHO_S"]
+           "EXIT_INTERRUPTED", "DEFAULT_GRACE_S", "ECHO_S", "Terminated", "StopRequest", "stop_signal",
+           "CHECKPOINT_SIGNALS", "DEFAULT_TERM_GRACE_S"]
 
 EXIT_INTERRUPTED = 130
 """Exit code after an interrupt (128 + SIGINT, as shells report it)."""
@@ -55,6 +69,13 @@ DEFAULT_GRACE_S = 10.0
 ECHO_S = 1.0
 """A second SIGINT sooner than this after the first is the same Ctrl-C delivered twice (by the
 terminal and again by torchrun) and is absorbed; a later one ends the process at once."""
+
+DEFAULT_TERM_GRACE_S = 25.0
+"""Seconds from the checkpoint signal to the watchdog's exit (torchrun sends SIGKILL after 30)."""
+
+CHECKPOINT_SIGNALS = ("TERM", "USR2", "HUP", "XCPU")
+"""Signals ``train.checkpoint_signal`` may name (``none``: no handler, the signal's default action).
+Not INT (Ctrl-C: :func:`interrupt_guard`), USR1 (the stack dump), KILL or STOP (not catchable)."""
 
 _state = {"first": None, "grace_s": DEFAULT_GRACE_S, "watchdog": None}
 
@@ -180,13 +201,17 @@ def interrupt_guard(grace_s: Optional[float] = None):
 
 
 def exit_process(code: int) -> None:
-    """End a command with ``code``. After an interrupt (``code`` 130 or :func:`interrupted`): flush
-    and ``os._exit`` without interpreter shutdown (see the module doc); otherwise ``sys.exit``."""
+    """End a command with ``code``. After an interrupt (``code`` 130 or :func:`interrupted`) or the
+    checkpoint signal (``code`` 128 + one of :data:`CHECKPOINT_SIGNALS`): flush and ``os._exit``
+    without interpreter shutdown (see the module doc); otherwise ``sys.exit``."""
     code = int(code or 0)
-    if code == EXIT_INTERRUPTED or interrupted():
-        kill_descendants(signal.SIGTERM)  # normally none are left: the sources closed their workers
+    signalled = code - 128 in {getattr(signal, f"SIG{n}") for n in CHECKPOINT_SIGNALS}
+    if code == EXIT_INTERRUPTED or interrupted() or signalled:
+        # normally none are left (the sources closed their workers); a leftover gets SIGKILL, since
+        # DataLoader workers ignore SIGINT and the checkpoint signals (ignore_interrupts)
+        kill_descendants(signal.SIGKILL)
         _flush()
-        os._exit(EXIT_INTERRUPTED)
+        os._exit(EXIT_INTERRUPTED if interrupted() else code)
     sys.exit(code)
 
 
@@ -217,9 +242,117 @@ def interrupts_deferred():
 
 
 def ignore_interrupts(*_args) -> None:
-    """In a worker process (DataLoader ``worker_init_fn``): leave SIGINT to the main process, which
-    shuts the workers down itself; then unblock it (see :func:`interrupts_deferred`: a pending
-    SIGINT is discarded by the ignore)."""
+    """In a worker process (DataLoader ``worker_init_fn``): leave SIGINT and the checkpoint signals
+    (:data:`CHECKPOINT_SIGNALS`: torchrun sends SIGTERM to each worker's whole process group) to
+    the main process, which shuts the workers down itself (and a worker whose parent died exits by
+    itself: torch's worker watchdog); then unblock SIGINT (see :func:`interrupts_deferred`: a
+    pending SIGINT is discarded by the ignore)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in CHECKPOINT_SIGNALS:
+        signal.signal(getattr(signal, f"SIG{name}"), signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+class Terminated(BaseException):
+    """The checkpoint signal ended a run (a ``BaseException``, like ``KeyboardInterrupt``: ``except
+    Exception`` does not swallow it, ``finally`` blocks run). ``exit_code`` = 128 + the signal;
+    ``str()`` is the one line to print (default: what the handler says when it raises; empty on
+    ranks that have nothing to add)."""
+
+    def __init__(self, signum: int, message: Optional[str] = None):
+        if message is None:
+            message = (f"terminated by {signal.Signals(signum).name} outside the training loop; the last complete "
+                       f"checkpoint is kept")
+        super().__init__(message)
+        self.signum = int(signum)
+        self.exit_code = 128 + int(signum)
+
+
+class StopRequest:
+    """The checkpoint signal's state in this process: :attr:`signum` once received (None before);
+    :meth:`deferred` for the block in which it is only recorded."""
+
+    def __init__(self, signum: Optional[int], grace_s: float):
+        self.signum_wanted = signum
+        self.signum: Optional[int] = None
+        self.first: Optional[float] = None
+        self.defer = False
+        self.grace_s = grace_s
+        self.disarmed = threading.Event()  # set when the handler's block ends: the watchdog stands down
+
+    @property
+    def received(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum or self.signum_wanted).name if (self.signum or self.signum_wanted) else "none"
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Record the signal inside the block (the training loop reads :attr:`received` at step
+        boundaries); outside it the signal raises :class:`Terminated`."""
+        self.defer = True
+        try:
+            yield self
+        finally:
+            self.defer = False
+
+    def raise_if_received(self, message: Optional[str] = None) -> None:
+        if self.signum is not None:
+            raise Terminated(self.signum, message)
+
+    def _handle(self, signum, frame):
+        now = time.monotonic()
+        if self.first is not None:  # the first is being handled
+            if now - self.first >= ECHO_S:
+                _exit_now(f"{signal.Signals(signum).name} again; exiting without finishing the checkpoint", 128 + signum)
+            return  # the same signal delivered twice (torchrun signals each worker's process group)
+        self.signum, self.first = signum, now
+        threading.Thread(target=self._watchdog, name="dali_nerf-term-watchdog", daemon=True).start()
+        if not self.defer:
+            raise Terminated(signum)
+
+    def _watchdog(self):
+        if self.disarmed.wait(self.grace_s):  # the block ended in time (the process may go on: tests, notebooks)
+            return
+        try:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        except Exception:
+            pass
+        _exit_now(f"still running {self.grace_s:g} s after {self.name} (DALI_NERF_TERM_GRACE_S); the stacks above "
+                  f"show where it was", 128 + (self.signum or 0))
+
+
+def _exit_now(why: str, code: int) -> None:
+    try:
+        stderr_line(f"error: {why} (exit {code})")
+    except Exception:
+        pass
+    kill_descendants()
+    _flush()
+    os._exit(code)
+
+
+@contextlib.contextmanager
+def stop_signal(name: str = "TERM", grace_s: Optional[float] = None):
+    """Handle the checkpoint signal ``name`` (one of :data:`CHECKPOINT_SIGNALS`, or ``none``) for
+    the block: yields a :class:`StopRequest` (see the module doc); the previous handler is put back
+    after. ``none``, or a thread other than the main one: no handler, the request never fires."""
+    if grace_s is None:
+        try:
+            grace_s = float(os.environ.get("DALI_NERF_TERM_GRACE_S", DEFAULT_TERM_GRACE_S))
+        except ValueError:
+            grace_s = DEFAULT_TERM_GRACE_S
+    if name == "none" or threading.current_thread() is not threading.main_thread():
+        yield StopRequest(None, grace_s)
+        return
+    signum = getattr(signal, f"SIG{name}")
+    req = StopRequest(signum, max(0.1, grace_s))
+    prev = signal.signal(signum, req._handle)
+    try:
+        yield req
+    finally:
+        signal.signal(signum, prev)
+        req.disarmed.set()

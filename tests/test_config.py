@@ -86,8 +86,8 @@ def test_cli_exit_code_two_no_traceback(tmp_path):
 def test_numbers_too_large_are_one_line_errors(tmp_path):
     """An integer beyond the float range in a float key (found by tests/test_properties_config.py:
     OverflowError escaped), and an integer literal over Python's 4300-digit str->int limit in a
-    YAML file (ValueError escaped from yaml.safe_load) or an override (kept as text, then a type
-    error), each give one line naming the key or the file."""
+    YAML file (ValueError escaped from yaml.safe_load) or an override (kept as text: a numeric
+    string, refused by its size), each give one line naming the key or the file."""
     msg = err(tmp_path, "{}\n", ["train.lr=1" + "0" * 400])
     assert "train.lr" in msg and "401-digit integer" in msg
     msg = err(tmp_path, "train:\n  lr: 1" + "0" * 400 + "\n")
@@ -95,7 +95,7 @@ def test_numbers_too_large_are_one_line_errors(tmp_path):
     msg = err(tmp_path, "train:\n  steps: " + "9" * 5000 + "\n")
     assert "a value cannot be read" in msg and "4300 digits" in msg
     msg = err(tmp_path, "{}\n", ["train.steps=" + "9" * 5000])
-    assert "train.steps: expected an integer, got str" in msg
+    assert msg.endswith("train.steps: 5000-digit integer is beyond what a config holds; give a smaller value")
 
 
 @pytest.mark.parametrize("override,message", [
@@ -180,3 +180,108 @@ def test_values_at_the_edge_of_a_check_are_refused_naming_the_key(overrides, mes
 def test_every_valid_choice_is_accepted(override, key, value):
     section, leaf = key.split(".")
     assert getattr(getattr(load_config(None, [override], check_paths=False), section), leaf) == value
+
+
+def _alias_bomb(levels: int) -> str:
+    """``scene.background`` whose last item is 10 aliases of 10 aliases ... (``levels`` deep) of a
+    list of 10 scalars: 10^(levels+1) values once expanded, in a few hundred bytes."""
+    items = ["&a0 [x, x, x, x, x, x, x, x, x, x]"]
+    items += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels + 1)]
+    return "scene:\n  background: [" + ", ".join(items) + "]\n"
+
+
+@pytest.mark.parametrize("levels", [4, 9])
+def test_an_alias_bomb_is_refused_before_it_is_built(tmp_path, levels):
+    """A YAML alias bomb (the issue's: 39 MB of message at 7 levels, no answer at 9) is refused from
+    its node graph, before any Python value is built: one short line naming the key and the count,
+    in well under a second whatever the level (timing is not asserted: the bound is the message's
+    size and the node count)."""
+    msg = err(tmp_path, _alias_bomb(levels))
+    assert "scene.background: expands to" in msg and "over the limit of 100000" in msg, msg
+    assert len(msg) < 400
+    # within the limit, aliases are fine (the refusal is of the value, bounded in the message)
+    msg = err(tmp_path, _alias_bomb(2))
+    assert "scene.background: must be one of" in msg and len(msg) < 500, msg
+
+
+def test_recursive_and_too_deep_yaml_is_one_line(tmp_path):
+    """A recursive alias, nesting past 100 levels as written (refused as it is read: PyYAML's
+    scanner is quadratic in it, its composer recursive), and past 100 through an alias."""
+    assert "a value contains itself (a recursive YAML alias at line 2)" in err(tmp_path, "scene:\n  background: &a [1, *a]\n")
+    for levels in (101, 3000):
+        deep = "scene:\n  background: " + "[" * levels + "]" * levels + "\n"
+        assert "nested over 100 levels deep at line 2; a config nests 2 or 3" in err(tmp_path, deep)
+    through_alias = "scene:\n  background: [&x " + "[" * 60 + "]" * 60 + ", " + "[" * 50 + "*x" + "]" * 50 + "]\n"
+    assert "scene.background: nested 111 levels deep, over the limit of 100" in err(tmp_path, through_alias)
+    with pytest.raises(ConfigError, match="override 'scene.background': a value contains itself"):
+        load_config(None, ["scene.background=&a [1, *a]"], check_paths=False)
+
+
+def test_messages_are_bounded_whatever_the_value(tmp_path):
+    """Every value a message shows is cut (reprlib): a long string, a long list, a deep list; and
+    a message is cut at 2000 characters whatever built it."""
+    from dali_nerf.errors import MAX_MESSAGE, DaliNerfError
+
+    for text in ("pipeline:\n  mode: " + "x" * 20000 + "\n",
+                 "scene:\n  background: [" + ", ".join(["2"] * 2000) + "]\n",
+                 "pipeline:\n  rays_per_batch: [" + ", ".join(["1"] * 2000) + "]\n",
+                 "partition:\n  grid: [" + ", ".join(["1"] * 2000) + "]\n"):
+        msg = err(tmp_path, text)
+        assert len(msg) < 400, msg[:500]
+    long = str(DaliNerfError("x" * 10 ** 6))
+    assert len(long) < MAX_MESSAGE + 40 and long.endswith(f"... ({10 ** 6 - MAX_MESSAGE} more characters)")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("name", "a\x00b", r"name: 'a\x00b' holds a NUL byte, which no path can; remove it"),
+    ("name", "n" * 256, "has a name of 256 bytes, over the 255 a file system holds; shorten it"),
+    ("train.runs_dir", "runs/\x00", r"train.runs_dir: 'runs/\x00' holds a NUL byte"),
+    ("scene.path", "data\x00", r"scene.path: 'data\x00' holds a NUL byte"),
+    ("bench.out", "d/" * 2100, "bench.out: 'd/d/d/"),
+], ids=["nul-name", "long-name", "nul-runs_dir", "nul-scene.path", "long-path"])
+def test_a_path_no_file_system_holds_is_one_line(tmp_path, key, value, message):
+    """A NUL byte in ``name`` was a 28-line traceback from mkdir (exit 1); now one line naming the
+    key, and the trainer exits 2 with nothing written."""
+    import yaml
+
+    section, _, field = key.rpartition(".")
+    p = write(tmp_path, yaml.safe_dump({section: {field: value}} if section else {field: value}))
+    with pytest.raises(ConfigError) as e:
+        load_config(p, check_paths=False)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_nul_byte_in_the_name_exits_2_from_the_trainer(tmp_path, capsys):
+    from dali_nerf.trainers.ddp import main
+
+    cfg = write(tmp_path, f"name: \"a\\0b\"\ntrain:\n  runs_dir: {tmp_path / 'runs'}\n")
+    assert main(["--config", str(cfg)]) == 2
+    err_lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err_lines) == 1 and err_lines[0].startswith("error: ") and "NUL byte" in err_lines[0], err_lines
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("key,text,value", [
+    ("train.lr", "1e-3", 1e-3), ("train.lr", "'2.5E-2'", 0.025), ("train.lr", ".5", 0.5), ("train.steps", "'12'", 12),
+    ("train.max_seconds", "+1e2", 100.0), ("partition.margin", "'1.2'", 1.2),
+])
+def test_numeric_strings_are_numbers_where_the_field_is_a_number(tmp_path, key, text, value):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string; most ML configs write the learning rate so."""
+    section, field = key.split(".")
+    cfg = load_config(write(tmp_path, f"{section}:\n  {field}: {text}\n"), check_paths=False)
+    got = getattr(getattr(cfg, section), field)
+    assert got == value and type(got) is type(value)
+
+
+@pytest.mark.parametrize("key,text,message", [
+    ("train.steps", "1e3", "train.steps: expected an integer, got str '1e3'; write an integer without a decimal point"),
+    ("train.lr", "nan", "train.lr: expected a number, got str 'nan'"),
+    ("train.lr", "'0x10'", "train.lr: expected a number, got str '0x10'"),
+    ("train.lr", "'1_000'", "train.lr: expected a number, got str '1_000'"),
+    ("train.lr", "1e999", "train.lr: '1e999' is beyond the range of a number"),
+    ("train.lr", "'-1e-3'", "train.lr: must be > 0, got -0.001"),
+    ("pipeline.mode", "1e-3", "pipeline.mode: must be one of random, epoch, got '1e-3'"),
+])
+def test_other_strings_in_numeric_fields_are_refused_as_before(tmp_path, key, text, message):
+    section, field = key.split(".")
+    assert message in err(tmp_path, f"{section}:\n  {field}: {text}\n")

@@ -103,7 +103,7 @@ def test_ddp_emulated_two_ranks(tmp_path, scene, pipeline):
     assert s["device"] == "emulated" and s["label"] == "device compute emulated by a timed wait; host work real"
     assert s["world_size"] == 2 and s["pipeline"] == pipeline and s["grad_bytes"] > 0
     assert s["floor_step_s"] > 0.5e-3 and s["step_over_floor"] == pytest.approx(s["step_s"] / s["floor_step_s"])
-    assert len(s["stall_fraction_ranks"]) == 2 and 0 < s["barrier_s"] < 0.05
+    assert len(s["stall_fraction_ranks"]) == 2 and s["barrier_s"] > 0  # measured, not bounded: a busy host slows it
     # the study's one rule, on the slowest rank's stall
     assert s["host_keeps_up"] is keeps_up(max(s["stall_fraction_ranks"]), s["step_over_floor"])
     # rays_sync: nothing samples ahead (its DALI threads at normal priority, never "starved to normal")

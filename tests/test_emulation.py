@@ -33,19 +33,47 @@ def _batch(n=64, fill=0.0):
             "near": torch.zeros((n, 1)), "far": torch.ones((n, 1))}
 
 
-class _SleepySource:
-    """Hands out a ready batch after sleeping ``s`` seconds (a slow sampler)."""
+class FakeClock:
+    """``time`` for the modules under test: ``perf_counter`` reads a counter that only ``sleep``
+    advances, by exactly what was asked, so the phases come out exact whatever the host's load
+    (the real waits are the emulated launches', measured by the study)."""
 
-    def __init__(self, s):
-        self.s, self.b = s, _batch()
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+    def __getattr__(self, name):  # process_time and the rest: the real ones
+        return getattr(time, name)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    from dali_nerf.train import emulation, phases
+
+    c = FakeClock()
+    monkeypatch.setattr(emulation, "time", c)
+    monkeypatch.setattr(phases, "time", c)
+    return c
+
+
+class _SleepySource:
+    """Hands out a ready batch after sleeping ``s`` seconds (a slow sampler) on ``clock``."""
+
+    def __init__(self, s, clock):
+        self.s, self.b, self.clock = s, _batch(), clock
 
     def __next__(self):
-        time.sleep(self.s)
+        self.clock.sleep(self.s)
         return self.b
 
 
 def _run(src, dev, steps=12):
-    """Per phase: (min, median) seconds over the steps (min: robust to preemption on a busy machine)."""
+    """Per phase: (min, median) seconds over the steps."""
     t = PhaseTimer()
     recs = []
     for k in range(steps):
@@ -58,27 +86,27 @@ def _run(src, dev, steps=12):
     return out
 
 
-def test_slow_source_is_wait_and_compute_unchanged():
+def test_slow_source_is_wait_and_compute_unchanged(clock):
     dev = EmulatedDevice(step_ms=5.0 * 4096 / 64)  # 5 ms for the 64-ray batch
     fast = _run(ReadyBatch(_batch()), dev)
-    slow = _run(_SleepySource(0.020), dev)
-    assert 0.0199 <= slow["wait"][0] and slow["wait"][1] < 0.040  # the 20 ms went to wait
-    assert fast["wait"][1] < 0.002
+    slow = _run(_SleepySource(0.020, clock), dev)
+    exact = lambda v: pytest.approx(v, abs=1e-9)  # noqa: E731
+    assert slow["wait"] == (exact(0.020), exact(0.020)) and fast["wait"] == (exact(0), exact(0))  # the 20 ms is wait
     # the device phase is the same with either source: compute unchanged
-    assert 0.005 <= fast["forward"][0] < 0.009 and 0.005 <= slow["forward"][0] < 0.009
-    assert slow["forward"][0] == pytest.approx(fast["forward"][0], abs=0.0015)
-    assert 0 <= slow["gap"][0] and slow["gap"][1] < 0.004 and fast["gap"][1] < 0.004  # the phases cover the step
+    assert fast["forward"] == slow["forward"] == (exact(0.005), exact(0.005))
+    assert slow["h2d"] == fast["h2d"] == (exact(dev.links.h2d_s(4 * 11 * 64 + 8 * 3 * 64)),) * 2
+    assert slow["gap"] == fast["gap"] == (exact(0), exact(0))  # the phases cover the step
 
 
-def test_slow_device_is_its_own_phase_not_wait():
+def test_slow_device_is_its_own_phase_not_wait(clock):
     ms = _run(ReadyBatch(_batch()), EmulatedDevice(step_ms=20.0 * 4096 / 64))
-    assert 0.0199 <= ms["forward"][0] and ms["forward"][1] < 0.040
-    assert ms["wait"][1] < 0.002 and ms["sync"][1] == 0.0
+    assert ms["forward"] == (pytest.approx(0.020, abs=1e-9),) * 2
+    assert ms["wait"] == (0.0, 0.0) and ms["sync"] == (0.0, 0.0)
     # a lockstep that takes time shows up as sync
     t = PhaseTimer()
-    emulated_step(ReadyBatch(_batch()), EmulatedDevice(0.0), t, lockstep=lambda: time.sleep(0.015))
+    emulated_step(ReadyBatch(_batch()), EmulatedDevice(0.0), t, lockstep=lambda: clock.sleep(0.015))
     rec = t.record(1, 64)
-    assert 0.0149 <= rec["sync_s"] < 0.04 and rec["wait_s"] < 0.005
+    assert rec["sync_s"] == pytest.approx(0.015, abs=1e-9) and rec["wait_s"] == 0.0
     with pytest.raises(ValueError, match="unknown phase"):
         with t.phase("nope"):
             pass

@@ -234,16 +234,19 @@ def test_interrupt_path_is_bounded(tmp_path, how):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    # which path ended the process is read from what it printed, not from how long it took (a busy
+    # host delays any exit): the watchdog, and only it, prints "still shutting down"; the bound is
+    # communicate's timeout, the grace's lower bound the watchdog's own sleep
     assert proc.returncode == EXIT_INTERRUPTED, err
     if how == "clean":
-        assert err.strip() == "interrupted" and took < 2.0, (took, err)
+        assert err.strip() == "interrupted", (took, err)  # at once: no watchdog line
     elif how in ("hang", "echo"):
-        assert 1.9 <= took < 8.0, took
+        assert took >= 1.9, took
         assert "still shutting down 2 s after the interrupt" in err and "in work" in err, err  # the stacks name the frame
         assert "interrupted again" not in err, err
     else:
-        assert 1.2 <= took < 1.9, took
         assert err.strip().splitlines()[-1].startswith("error: interrupted again during shutdown"), err
+        assert "still shutting down" not in err, err  # the second Ctrl-C, not the watchdog, ended it
         assert "Thread 0x" not in err and "Current thread" not in err, err  # no stacks for a user's second Ctrl-C
 
 
@@ -265,7 +268,7 @@ def test_run_ahead_close_has_a_deadline():
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         assert ahead.close(timeout=0.3) is False
-    assert 0.25 <= time.monotonic() - t0 < 3.0
+    assert 0.25 <= time.monotonic() - t0 < 30.0  # the deadline, not a speed: without it close() never returns
     assert any(issubclass(x.category, ResourceWarning) and "test-stuck" in str(x.message) for x in w)
     gate.set()
     ok = RunAhead(object(), lambda pipe: 1, name="test-ok")
@@ -275,7 +278,9 @@ def test_run_ahead_close_has_a_deadline():
 
 def test_dataloader_workers_ignore_sigint(scene_dir):
     """A SIGINT that reaches a worker first (a busy main process) does not kill it: the main
-    process decides, and its close() shuts the workers down."""
+    process decides, and its close() shuts the workers down. The same for SIGTERM (torchrun
+    signals each worker's whole process group: the main process finishes its step and
+    checkpoints, its workers must live until it closes them)."""
     from dali_nerf.scenes import load_scene
     from dali_nerf.sources.sync import TorchWorkersSampler
 
@@ -287,6 +292,7 @@ def test_dataloader_workers_ignore_sigint(scene_dir):
         assert len(workers) == 2 and set(workers) <= set(descendants())
         for p in workers:
             os.kill(p, signal.SIGINT)
+            os.kill(p, signal.SIGTERM)
         time.sleep(0.5)
         for _ in range(5):
             b = next(src)  # would raise "DataLoader worker ... exited unexpectedly" had they died

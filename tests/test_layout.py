@@ -138,7 +138,7 @@ def test_the_cycle_check_sees_one(tmp_path):
 # the layers below must not import the layers above them (modules or packages, prefix match)
 LOWER = ("dali_nerf.partition", "dali_nerf.sources", "dali_nerf.pipelines", "dali_nerf.data.plan", "dali_nerf.data.imagecache",
          "dali_nerf.data.finish", "dali_nerf.scenes", "dali_nerf.ops", "dali_nerf.data.hostbudget", "dali_nerf.data.seeds",
-         "dali_nerf.config", "dali_nerf.data.imageio")
+         "dali_nerf.config", "dali_nerf.data.imageio", "dali_nerf.launch_env", "dali_nerf.interrupt", "dali_nerf.errors")
 UPPER = ("dali_nerf.models", "dali_nerf.train.loop", "dali_nerf.bench", "dali_nerf.train.emulation", "dali_nerf.train.emulated",
          "dali_nerf.trainers", "dali_nerf.cli.trainer", "dali_nerf.train.evaluation", "dali_nerf.train.resume", "dali_nerf.train.runtime",
          "dali_nerf.train.tasks", "dali_nerf.train.runlog", "dali_nerf.train.fieldsetup", "dali_nerf.cli.demo", "dali_nerf.cli.render",

@@ -10,7 +10,10 @@ YAML config file. For each drawn (key, value):
   where floats are, as floats) and the whole config equal after a dump and reload of
   ``config_to_dict``, or is out of range and raises ConfigError: one line, naming the key and
   the file (``<defaults>`` for overrides alone);
-* a value of another type always raises that one-line ConfigError naming the key.
+* a value of another type always raises that one-line ConfigError naming the key;
+* a numeric string (YAML 1.1 reads ``1e-3`` as one) in a numeric field is that number: a decimal
+  integer for an int field, a decimal with an optional exponent for a float field; other strings
+  there are of another type.
 
 Values of a field with fixed choices (``must be one of ...``) are drawn from the choices the
 validator itself states, found by probing it with a value outside them; free strings from text.
@@ -122,11 +125,21 @@ def typed_values(key):
     return _scalar(tp, key)
 
 
+NUMERIC = {int: re.compile(r"\s*[+-]?[0-9]+\s*"),
+           float: re.compile(r"\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*")}
+"""The strings a numeric field takes for numbers (the rule as documented in dali_nerf/config/load.py)."""
+
+
+def _not_numeric_for(tp):
+    pattern = NUMERIC.get(_item_type(tp) or tp)
+    return (lambda s: s != "" and not pattern.fullmatch(s)) if pattern is not None else (lambda s: s != "")
+
+
 def wrong_values(key):
     """Values of another type than the field's (none for Any)."""
     tp = TYPES[key]
     scalars = {bool: st.booleans(), int: st.integers(-5, 10 ** 6), float: st.floats(-1e6, 1e6).filter(lambda v: v != int(v)),
-               str: text.filter(lambda s: s != ""), type(None): st.none()}
+               str: text.filter(_not_numeric_for(tp)), type(None): st.none()}
     mapping = st.dictionaries(st.sampled_from(["a", "b"]), st.integers(0, 3), min_size=1, max_size=2)
     item = _item_type(tp)
     if item is not None:  # a scalar or mapping instead of a list, or a list with an item of another type
@@ -247,3 +260,47 @@ def test_trainer_wrong_type_exits_2_with_one_line(data, key, capsys, monkeypatch
     lines = [line for line in err.splitlines() if line.strip()]
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], err
     assert "Traceback" not in err
+
+
+def numeric_strings(tp):
+    """(text, number): a number of the field's type written as a string, in the ways configs
+    write them (``1e-3``, ``+2.5E4``, ``.5``, ``  7 ``), and the number it is."""
+    if tp is int:
+        return st.integers(-10, 10 ** 12).flatmap(
+            lambda v: st.sampled_from([str(v), f"+{v}" if v >= 0 else str(v), f" {v} "]).map(lambda t: (t, v)))
+    floats = st.floats(-1e30, 1e30, allow_nan=False, allow_infinity=False)
+    return floats.flatmap(lambda v: st.sampled_from([repr(v), f"{v:e}", f"{v:.3E}", f"{v:.6g}", f"{v:f}"]).map(
+        lambda t: (t, float(t)))).filter(lambda tv: NUMERIC[float].fullmatch(tv[0]))
+
+
+NUMERIC_KEYS = sorted(k for k, tp in TYPES.items() if (_item_type(tp) or tp) in (int, float) and not CHOICES.get(k))
+
+
+@settings(max_examples=200)
+@given(data=st.data(), key=st.sampled_from(NUMERIC_KEYS), as_yaml_file=st.booleans())
+def test_numeric_strings_are_numbers_in_numeric_fields(data, key, as_yaml_file):
+    """A numeric field given its number as a (quoted) string loads as that number (or is out of
+    range, one line naming the key), as a YAML file and as an override."""
+    tp = TYPES[key]
+    item = _item_type(tp)
+    text, number = data.draw(numeric_strings(item or tp), label="text")
+    value = [text] if item else text
+    want = [float(number)] if item is float else [number] if item else float(number) if tp is float else number
+    with tempfile.TemporaryDirectory() as tmp:
+        if as_yaml_file:
+            path = as_file(Path(tmp), key, value)
+            where, load = str(path), lambda: load_config(path, check_paths=False)
+        else:  # quoted, so that YAML keeps it a string whatever it looks like
+            where = "<defaults>"
+            quoted = f"['{text}']" if item else f"'{text}'"
+            load = lambda: load_config(None, [f"{key}={quoted}"], check_paths=False)
+        try:
+            cfg = load()
+        except ConfigError as e:
+            assert_one_line(e, key, where)
+            assert "expected" not in str(e), str(e)  # refused by its range, not by its type
+            event("refused (out of range)")
+            return
+    event("loaded")
+    got = get(cfg, key)
+    assert got == want and type(got) is type(want), (got, want, text)

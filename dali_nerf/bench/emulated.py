@@ -46,6 +46,7 @@ import yaml
 from dali_nerf.train.emulated import warmup_steps, whole_runs
 from dali_nerf.train.emulation import DeviceLinks, EmulatedDevice, LockstepBarrier, PhaseTimer, emulated_step
 from dali_nerf.errors import DaliNerfError
+from dali_nerf.launch_env import children_env
 from dali_nerf.data.hostbudget import HostBudget, pinned
 from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.partition import Partition
@@ -338,13 +339,12 @@ def launch(cfg, method: str, ranks: int, segments: List[Segment], out: Path, bud
     maxB = max(s.rays for s in segments)
     buf = ctx.RawArray("B", ShmScatter.buffer_bytes(ranks, maxB))
     msgs = ctx.Queue()
-    env_keep = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")}
+    env_keep = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS",)}
     os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["LOCAL_WORLD_SIZE"] = str(ranks)
     t0 = time.perf_counter()
     procs = []
     try:
-        with pinned(cpus):
+        with pinned(cpus), children_env(local_world_size=ranks):
             for r in range(ranks):
                 p = ctx.Process(target=_rank_main, args=(r, ranks, cfg, method, segments, str(out), barrier, buf,
                                                          budget, links, grad_bytes, steps, warmup, timeout_s, msgs),

@@ -11,7 +11,7 @@ import os
 import sys
 
 from dali_nerf.errors import DaliNerfError, stderr_line
-from dali_nerf.interrupt import interrupt_guard
+from dali_nerf.interrupt import Terminated, interrupt_guard
 
 __all__ = ["run_cli"]
 
@@ -38,8 +38,9 @@ def _command_scope():
 
 def run_cli(fn, *args, **kwargs) -> int:
     """Call ``fn`` under :func:`~dali_nerf.interrupt.interrupt_guard`; a :class:`DaliNerfError`
-    becomes one line on stderr and exit code 2, Ctrl-C the line ``interrupted`` and 130 (end the
-    process with :func:`~dali_nerf.interrupt.exit_process`, which bounds the exit too)."""
+    becomes one line on stderr and exit code 2, Ctrl-C the line ``interrupted`` and 130, the
+    checkpoint signal (:class:`~dali_nerf.interrupt.Terminated`) its line and 128 + the signal (end
+    the process with :func:`~dali_nerf.interrupt.exit_process`, which bounds the exit too)."""
     try:
         with interrupt_guard(), _command_scope():
             rc = fn(*args, **kwargs)
@@ -50,5 +51,9 @@ def run_cli(fn, *args, **kwargs) -> int:
     except KeyboardInterrupt:
         stderr_line("interrupted")
         return 130
+    except Terminated as e:
+        if str(e):
+            stderr_line(str(e))
+        return e.exit_code
     except BrokenPipeError:
         return 0

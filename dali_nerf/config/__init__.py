@@ -7,6 +7,7 @@ train, partition; ``bench``: the study's grid; ``checks``: the value checks and 
 4096
 """
 
+from dali_nerf.errors import ConfigError  # noqa: F401  (dali_nerf.config.ConfigError, as before the package split)
 from dali_nerf.config.bench import BenchConfig
 from dali_nerf.config.checks import MAX_THREADS, SOURCE_NAMES, STREAMS, STUDY_SAMPLERS
 from dali_nerf.config.load import Config, apply_overrides, config_file, config_to_dict, load_config

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import List
 
 
-from dali_nerf.errors import ConfigError
-from dali_nerf.config.checks import STUDY_SAMPLERS, choice, nonneg, positive
+from dali_nerf.errors import ConfigError, shown
+from dali_nerf.config.checks import STUDY_SAMPLERS, choice, nonneg, path_value, positive
 
 __all__ = ["BenchConfig"]
 
@@ -82,6 +82,8 @@ class BenchConfig:
 
     def validate(self, key: str):
         positive(f"{key}.steps", self.steps)
+        path_value(f"{key}.out", self.out)
+        path_value(f"{key}.device_step_file", self.device_step_file)
         nonneg(f"{key}.warmup", self.warmup)
         choice(f"{key}.scene_kind", self.scene_kind, ("objects", "city"))
         positive(f"{key}.scene_images", self.scene_images)
@@ -94,7 +96,7 @@ class BenchConfig:
         positive(f"{key}.cores_per_gpu", self.cores_per_gpu)
         nonneg(f"{key}.sampler_seconds", self.sampler_seconds)
         if self.ranks and min(self.ranks) < 1:
-            raise ConfigError(f"{key}.ranks: must be a list of integers >= 1 ([] = no CPU rows), got {self.ranks}")
+            raise ConfigError(f"{key}.ranks: must be a list of integers >= 1 ([] = no CPU rows), got {shown(self.ranks)}")
         for m in self.methods:
             choice(f"{key}.methods", m, ("ddp", "ss"))
         for name in ("samplers", "emulated_samplers"):
@@ -111,6 +113,6 @@ class BenchConfig:
                 positive(f"{key}.{name}[{i}]", v)
         for i, v in enumerate(self.emulated_step_ms):
             if not v > 0:
-                raise ConfigError(f"{key}.emulated_step_ms[{i}]: must be > 0 ms, got {v}")
+                raise ConfigError(f"{key}.emulated_step_ms[{i}]: must be > 0 ms, got {shown(v)}")
         if not self.check_step_ms > 0:
-            raise ConfigError(f"{key}.check_step_ms: must be > 0 ms, got {self.check_step_ms}")
+            raise ConfigError(f"{key}.check_step_ms: must be > 0 ms, got {shown(self.check_step_ms)}")

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any, List
 
 
-from dali_nerf.errors import ConfigError
-from dali_nerf.config.checks import (MAX_THREADS, STREAMS, SOURCE_NAMES, choice, in_range, nonneg,
+from dali_nerf.errors import ConfigError, shown
+from dali_nerf.config.checks import (MAX_THREADS, STREAMS, SOURCE_NAMES, choice, in_range, nonneg, path_value,
                                      positive)
 from dali_nerf.data.hostbudget import PRIORITIES
+from dali_nerf.interrupt import CHECKPOINT_SIGNALS
 from dali_nerf.ops.limits import INT32_MAX, INT64_MAX, MAX_CELLS
 
 __all__ = ["SceneConfig", "CacheConfig", "PipelineConfig", "ModelConfig", "TrainConfig", "PartitionConfig"]
@@ -36,6 +37,7 @@ class SceneConfig:
     """Split evaluated (PSNR) and rendered at the end of training."""
 
     def validate(self, key: str):
+        path_value(f"{key}.path", self.path)
         choice(f"{key}.format", self.format, ("auto", "blender", "nerfstudio", "llff", "mega_nerf"))
         positive(f"{key}.downscale", self.downscale)
         bg = self.background
@@ -44,7 +46,7 @@ class SceneConfig:
             choice(f"{key}.background", bg, names)
         elif (not isinstance(bg, (list, tuple)) or len(bg) != 3
               or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b <= 1.0 for b in bg)):
-            raise ConfigError(f"{key}.background: must be one of {', '.join(names)} or 3 numbers in [0, 1], got {bg!r}")
+            raise ConfigError(f"{key}.background: must be one of {', '.join(names)} or 3 numbers in [0, 1], got {shown(bg)}")
         for k in ("train_split", "eval_split"):
             choice(f"{key}.{k}", getattr(self, k), ("train", "val", "test"))
 
@@ -168,18 +170,18 @@ class ModelConfig:
         choice(f"{key}.kind", self.kind, ("vm",))
         choice(f"{key}.space", self.space, ("auto", "world", "ndc", "contract"))
         if not self.contract_inner > 0:
-            raise ConfigError(f"{key}.contract_inner: must be > 0, got {self.contract_inner}")
+            raise ConfigError(f"{key}.contract_inner: must be > 0, got {shown(self.contract_inner)}")
         for k in ("resolution", "density_components", "color_components", "hidden", "samples_per_ray",
                   "occupancy_every"):
             positive(f"{key}.{k}", getattr(self, k))
         if self.resolution < 2:
-            raise ConfigError(f"{key}.resolution: must be >= 2, got {self.resolution}")
+            raise ConfigError(f"{key}.resolution: must be >= 2, got {shown(self.resolution)}")
         for k in ("occupancy_resolution", "occupancy_warmup"):
             nonneg(f"{key}.{k}", getattr(self, k))
         if not self.sigma_init > 0:
-            raise ConfigError(f"{key}.sigma_init: must be > 0, got {self.sigma_init}")
+            raise ConfigError(f"{key}.sigma_init: must be > 0, got {shown(self.sigma_init)}")
         if not 0.0 < self.occupancy_threshold < 1.0:
-            raise ConfigError(f"{key}.occupancy_threshold: must be in (0, 1), got {self.occupancy_threshold}")
+            raise ConfigError(f"{key}.occupancy_threshold: must be in (0, 1), got {shown(self.occupancy_threshold)}")
 
 
 @dataclass
@@ -228,6 +230,12 @@ class TrainConfig:
     stop_after: int = 0
     """Stop this run after this step (0 = run to train.steps), checkpointing there; continue later
     with --resume (e.g. to fit a cluster job's time limit). The schedule still spans train.steps."""
+    checkpoint_signal: str = "TERM"
+    """The signal on which a run finishes its step, checkpoints the last step every rank completed
+    and exits with 128 + the signal (143 for TERM): TERM (what torchrun sends its workers, and
+    SLURM before a preemption or the time limit, ``--signal=TERM@60``) | USR2 | HUP | XCPU (for
+    clusters that warn with another) | none (the signal's default: the process dies). USR1 prints
+    every thread's stack; Ctrl-C (INT) stops without a new checkpoint (docs/RELIABILITY.md)."""
     tensorboard: str = "auto"
     """TensorBoard event files in runs/<name>/tensorboard/ (rank 0): auto = when the tensorboard
     package is installed | always (an error without it) | never."""
@@ -235,21 +243,23 @@ class TrainConfig:
     def validate(self, key: str):
         positive(f"{key}.steps", self.steps)
         if not self.lr > 0:
-            raise ConfigError(f"{key}.lr: must be > 0, got {self.lr}")
+            raise ConfigError(f"{key}.lr: must be > 0, got {shown(self.lr)}")
         positive(f"{key}.log_every", self.log_every)
         for k in ("eval_every", "checkpoint_every", "eval_images", "torch_threads", "stop_after"):
             nonneg(f"{key}.{k}", getattr(self, k))
         choice(f"{key}.device", self.device, ("auto", "cpu", "cuda", "emulated"))
         if not self.emulated_step_ms > 0:
-            raise ConfigError(f"{key}.emulated_step_ms: must be > 0 ms, got {self.emulated_step_ms}")
+            raise ConfigError(f"{key}.emulated_step_ms: must be > 0 ms, got {shown(self.emulated_step_ms)}")
         nonneg(f"{key}.emulated_floor_steps", self.emulated_floor_steps)
         for k in ("eval_every_s", "max_seconds", "target_psnr"):
             if not getattr(self, k) >= 0:  # NaN too
-                raise ConfigError(f"{key}.{k}: must be >= 0 (0 = off), got {getattr(self, k)}")
+                raise ConfigError(f"{key}.{k}: must be >= 0 (0 = off), got {shown(getattr(self, k))}")
         if self.target_psnr > 0 and not (self.eval_every or self.eval_every_s):
             raise ConfigError(f"{key}.target_psnr: needs periodic evaluations to stop at; set {key}.eval_every "
                               f"(steps) or {key}.eval_every_s (seconds)")
         choice(f"{key}.tensorboard", self.tensorboard, ("auto", "always", "never"))
+        choice(f"{key}.checkpoint_signal", self.checkpoint_signal, CHECKPOINT_SIGNALS + ("none",))
+        path_value(f"{key}.runs_dir", self.runs_dir)
 
 
 @dataclass
@@ -268,14 +278,14 @@ class PartitionConfig:
     def validate(self, key: str):
         choice(f"{key}.kind", self.kind, ("grid", "kmeans"))
         if len(self.grid) != 2 or min(self.grid) < 1:
-            raise ConfigError(f"{key}.grid: must be two integers >= 1, got {self.grid}")
+            raise ConfigError(f"{key}.grid: must be two integers >= 1, got {shown(self.grid)}")
         positive(f"{key}.cells", self.cells)
         if self.num_cells > MAX_CELLS:
-            what = f"grid {self.grid[0]}x{self.grid[1]} = " if self.kind == "grid" else ""
-            raise ConfigError(f"{key}.{'grid' if self.kind == 'grid' else 'cells'}: {what}{self.num_cells} cells; "
+            what = f"grid {shown(self.grid[0])}x{shown(self.grid[1])} = " if self.kind == "grid" else ""
+            raise ConfigError(f"{key}.{'grid' if self.kind == 'grid' else 'cells'}: {what}{shown(self.num_cells)} cells; "
                               f"the op routes among at most {MAX_CELLS}")
         if not 1.0 <= self.margin < math.inf:
-            raise ConfigError(f"{key}.margin: must be a finite number >= 1.0, got {self.margin}")
+            raise ConfigError(f"{key}.margin: must be a finite number >= 1.0, got {shown(self.margin)}")
         choice(f"{key}.dims", self.dims, (2, 3))
 
     @property

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 from dali_nerf.errors import ConfigError
+from dali_nerf.launch_env import launch_env
 
 __all__ = ["HostBudget", "host_budget", "run_size", "usable_cores", "first_cores", "pinned", "local_world_size",
            "RAYS_PER_THREAD",
@@ -112,15 +113,9 @@ def pinned(cpus: Optional[Sequence[int]]):
 
 
 def local_world_size() -> int:
-    """Ranks on this node: ``LOCAL_WORLD_SIZE`` (set by torchrun), else 1."""
-    v = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    try:
-        n = int(v)
-    except ValueError:
-        raise ConfigError(f"LOCAL_WORLD_SIZE={v!r}: must be an integer >= 1 (set by torchrun)") from None
-    if n < 1:
-        raise ConfigError(f"LOCAL_WORLD_SIZE={v!r}: must be an integer >= 1 (set by torchrun)")
-    return n
+    """Ranks on this node: ``LOCAL_WORLD_SIZE`` (set by torchrun), else ``WORLD_SIZE``, else 1
+    (:func:`dali_nerf.launch_env.launch_env`, which checks the launcher's variables)."""
+    return launch_env().local_world_size
 
 
 def host_budget(rays_per_batch: int, local_ranks: Optional[int] = None, cores: Optional[int] = None,

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 from typing import Optional
 
@@ -43,6 +42,7 @@ import torch.distributed as dist
 from dali_nerf.errors import ConfigError
 from dali_nerf.data.hostbudget import to_background
 from dali_nerf.data.imagecache import CacheStore
+from dali_nerf.launch_env import launch_env
 from dali_nerf.interrupt import ignore_interrupts, interrupts_deferred
 from dali_nerf.partition import ray_cells
 from dali_nerf.pipelines.decode import shard_sizes
@@ -64,7 +64,7 @@ def collective_device(backend: str, device="cpu") -> torch.device:
     on this process's GPU (``torch.device("cuda", LOCAL_RANK)``); other backends (gloo) use
     ``device``."""
     if backend == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", launch_env().local_rank)
     return torch.device(device)
 
 

@@ -25,7 +25,6 @@ and the label: "device compute emulated by a timed wait; host work real".
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import List, Optional
 
@@ -37,8 +36,10 @@ from dali_nerf.config import Config
 from dali_nerf.train.emulation import (EMULATED_LABEL, KEEPS_UP_STEP, DeviceLinks, EmulatedDevice, LockstepBarrier,
                                  PhaseTimer, emulated_step, keeps_up, model_grad_bytes, shared_block)
 from dali_nerf.errors import ConfigError
+from dali_nerf.interrupt import stop_signal
+from dali_nerf.launch_env import launch_env
 from dali_nerf.data.hostbudget import usable_cores
-from dali_nerf.train.runtime import load_scenes, prepare_run_dir, setup_distributed, torch_threads_kept
+from dali_nerf.train.runtime import load_scenes, run_folder, setup_distributed, torch_threads_kept
 from dali_nerf.data.plan import RAY_GRAPH_SOURCES
 from dali_nerf.sources import floor_source
 from dali_nerf.sources.runner import was_demoted
@@ -109,23 +110,30 @@ def _mean_after(recs: List[dict], warm: int, key: str, n: Optional[int] = None) 
 
 def train_emulated(cfg: Config, method, resume: bool = False) -> dict:
     """Run the emulated-device mode for ``method`` (a trainer's Method: ``ddp`` or ``ss``); returns
-    the summary on rank 0, {} on the others."""
-    with torch_threads_kept():  # setup_distributed sets them per rank; a caller's process gets them back
+    the summary on rank 0, {} on the others. The checkpoint signal (``train.checkpoint_signal``)
+    ends it as Ctrl-C does (it writes no checkpoints): cleanup, then exit 128 + the signal."""
+    # setup_distributed sets torch's threads per rank; a caller's process gets them back
+    with torch_threads_kept(), stop_signal(cfg.train.checkpoint_signal):
         return _train_emulated(cfg, method, resume)
 
 
 def _train_emulated(cfg: Config, method, resume: bool) -> dict:
     if resume:
         raise ConfigError("--resume: train.device=emulated trains no model and writes no checkpoints; run without --resume")
-    t, p = cfg.train, cfg.pipeline
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    launch = launch_env()
+    world, local = launch.world_size, launch.local_world_size
     if local != world:
         raise ConfigError(f"train.device=emulated: every rank must run on this host (the emulated GPUs share its "
                           f"cores); got WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}: use one node")
-    env = setup_distributed("cpu", t.torch_threads)
+    env = setup_distributed("cpu", cfg.train.torch_threads)
+    with run_folder(cfg.run_dir, env):  # rank 0 holds the run folder's lock to the end
+        return _train_emulated_in(cfg, method, env)
+
+
+def _train_emulated_in(cfg: Config, method, env) -> dict:
+    """:func:`train_emulated` in its run folder."""
+    t, p = cfg.train, cfg.pipeline
     W, rank = env.world_size, env.rank
-    prepare_run_dir(cfg.run_dir, env)
     scene, _ = load_scenes(cfg, env)
     if p.name == "sync_global" and not scene.has_bounds:
         raise ConfigError(f"{cfg.scene.path}: sync_global under train.device=emulated needs a scene with near/far "

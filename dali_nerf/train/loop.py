@@ -22,7 +22,7 @@ Gradient sync is timed by a DDP communication hook that performs the all-reduce 
 long it took (:func:`dali_nerf.train.runtime.wrap_ddp`); ``backward_s`` excludes it.
 
 :func:`train` is the sequence of named steps: the runtime's :func:`~dali_nerf.train.runtime.setup_distributed`,
-:func:`~dali_nerf.train.runtime.prepare_run_dir`, :func:`~dali_nerf.train.runtime.load_scenes`, the resume's
+:func:`~dali_nerf.train.runtime.run_folder` (the folder's lock), :func:`~dali_nerf.train.runtime.load_scenes`, the resume's
 :func:`~dali_nerf.train.resume.read_resume_state`, :func:`~dali_nerf.train.runtime.seed_everything`,
 the rank's plan and sources (:func:`dali_nerf.sources.registry.rank_feed`, ``Feed.build``),
 ``method.build_tasks`` (the fields around those sources),
@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import List, Optional
@@ -48,6 +49,7 @@ import torch.distributed as dist
 from dali_nerf.atomic import atomic_write_text
 from dali_nerf.config import Config
 from dali_nerf.errors import ConfigError
+from dali_nerf.interrupt import StopRequest, Terminated, stop_signal
 from dali_nerf.train.evaluation import EvalViews, PeriodicEval, evaluate_field, mean_color_psnr, write_renders
 from dali_nerf.train.fieldsetup import train_background
 from dali_nerf.models import render_rays
@@ -55,10 +57,12 @@ from dali_nerf.models.keyed import ray_keys
 from dali_nerf.models.ray_space import RaySpace
 from dali_nerf.train.phases import PHASES, PhaseTimer, runq_seconds
 from dali_nerf.data.plan import SamplingPlan, sampling_device
+from dali_nerf.train.record import NO_FIGURES, last_step, loss_at, note_resume, summary_of_record, write_noted
 from dali_nerf.train.resume import read_resume_state, restore_tasks, resumed_config, save_checkpoint
 from dali_nerf.train.runlog import MetricsWriter, append_metrics_row, bar_stall, progress_bar, steady_stall
-from dali_nerf.train.runtime import (DistEnv, gpu_memory, load_scenes, prepare_run_dir, seed_everything, setup_distributed,
-                      step_generator, to_device, torch_threads_kept)
+from dali_nerf.train.runtime import (DistEnv, gather_codes, gpu_memory, load_scenes, run_folder, seed_everything,
+                                     setup_distributed, step_generator, to_device, torch_threads_kept)
+from dali_nerf.train.stopping import LAG, StopVote
 from dali_nerf.data.seeds import ray_key
 from dali_nerf.sources.registry import rank_feed
 from dali_nerf.train.tasks import Method, Task, close_sources
@@ -85,25 +89,64 @@ def train(cfg: Config, method: Method, resume: bool = False) -> dict:
     if cfg.train.device == "emulated":
         raise ConfigError("train.device=emulated trains no model: run it with dali_nerf.cli.trainer.run_training "
                           "(or the trainers, trainers/ddp.py and trainers/spatial.py)")
-    with torch_threads_kept():  # setup_distributed sets them per rank; a caller's process gets them back
+    # setup_distributed sets torch's threads per rank (a caller's process gets them back); the
+    # checkpoint signal raises Terminated outside the loop, and is only recorded inside it
+    with torch_threads_kept(), stop_signal(cfg.train.checkpoint_signal) as stop:
         env = setup_distributed(sampling_device(cfg.train.device), cfg.train.torch_threads)
-        prepare_run_dir(cfg.run_dir, env)
-        scene, eval_scene = load_scenes(cfg, env)
-        resume, saved, folder = read_resume_state(cfg.run_dir, env, resume, scene, cfg)
-        cfg = resumed_config(cfg, saved, env)  # the checkpoint's stream and global batch (any world size)
-        seed_everything(cfg.pipeline.seed, env.rank)
-        # the rank's plan, resolved once (SS: the partition and the cells), and nothing decoded yet
-        feed = rank_feed(cfg, scene, env.rank, env.world_size, device=env.device.type)
-        method.check(cfg, scene)
-        feed.build()  # the rank's sources (the registry)
-        tasks = method.build_tasks(cfg, scene, env, feed)
-        start_step = restore_tasks(cfg, tasks, saved, folder, env)
-        result = run_steps(cfg, method, env, tasks, scene, eval_scene, start_step, resume, feed.plan)
-        summary = evaluate_and_summarise(cfg, method, env, tasks, eval_scene, result, feed.plan)
-        env.barrier()
-        if env.distributed:
-            dist.destroy_process_group()
-        return summary
+        with run_folder(cfg.run_dir, env):  # rank 0 holds the run folder's lock to the end
+            scene, eval_scene = load_scenes(cfg, env)
+            resume, saved, folder = read_resume_state(cfg.run_dir, env, resume, scene, cfg)
+            cfg = resumed_config(cfg, saved, env)  # the checkpoint's stream and global batch (any world size)
+            seed_everything(cfg.pipeline.seed, env.rank)
+            # the rank's plan, resolved once (SS: the partition and the cells), and nothing decoded yet
+            feed = rank_feed(cfg, scene, env.rank, env.world_size, device=env.device.type)
+            method.check(cfg, scene)
+            feed.build()  # the rank's sources (the registry)
+            tasks = method.build_tasks(cfg, scene, env, feed)
+            start_step = restore_tasks(cfg, tasks, saved, folder, env)
+            if saved is not None and start_step >= last_step(cfg):  # nothing to train: the run's record stays
+                summary = finished_run(cfg, method, env, tasks, eval_scene, start_step, feed.plan)
+            else:
+                with stop.deferred():
+                    result = run_steps(cfg, method, env, tasks, scene, eval_scene, start_step, resume, feed.plan, stop)
+                if result.signalled:
+                    raise Terminated(stop.signum_wanted, _stopped_line(cfg, env, result, stop) if env.rank == 0 else "")
+                stop.raise_if_received()  # a signal as the loop ended: no evaluation
+                summary = evaluate_and_summarise(cfg, method, env, tasks, eval_scene, result, feed.plan)
+            env.barrier()
+            if env.distributed:
+                dist.destroy_process_group()
+            return summary
+
+
+def _stopped_line(cfg: Config, env: DistEnv, r: "LoopResult", stop: StopRequest) -> str:
+    seen = stop.name if stop.received else f"{stop.name} (received by another rank)"
+    return (f"stopped by {seen} after step {r.end_step} of {cfg.train.steps}, the last step every rank completed: its "
+            f"checkpoint is in {cfg.run_dir / 'checkpoints'}; --resume continues it (a torchrun restart does by itself)")
+
+
+def finished_run(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], eval_scene, step: int,
+                 plan: SamplingPlan) -> dict:
+    """A resume at (or past) the run's last step: nothing to train, the run's record kept
+    (:mod:`dali_nerf.train.record`). With a summary of record it is kept, the resume noted beside
+    it; without one the final evaluation writes it. Returns the summary (rank 0), {} elsewhere."""
+    close_sources(tasks)
+    record = summary_of_record(cfg.run_dir, step) if env.rank == 0 else None
+    has = bool(gather_codes(env, int(record is not None))[0])  # rank 0 decides, every rank follows
+    if env.rank == 0:
+        print(f"note: {cfg.run_dir} is at step {step}, its last ({last_step(cfg)}): nothing to train; "
+              + ("its summary of record is kept, the resume noted in summary.json (resumed_at_end)" if has else
+                 "it has no summary of that step: evaluating it"), file=sys.stderr, flush=True)
+    if has:
+        summary = note_resume(record, step, env.world_size, record=True) if env.rank == 0 else {}
+    else:
+        r = LoopResult(step, step, {}, None, 0, {"loss": loss_at(cfg.run_dir, step)}, 0.0, [], figures=False)
+        summary = evaluate_and_summarise(cfg, method, env, tasks, eval_scene, r, plan)
+        if env.rank == 0:
+            summary = note_resume(summary, step, env.world_size, record=False)
+    if env.rank == 0:
+        write_noted(cfg.run_dir, summary)
+    return summary
 
 
 @dataclass
@@ -125,6 +168,8 @@ class LoopResult:
     evals: list = dataclasses.field(default_factory=list)  # rank 0's periodic evaluation rows (with train_s)
     target_reached_s: Optional[float] = None   # training seconds at the evaluation that reached train.target_psnr
     views: Optional[EvalViews] = None   # the run's evaluated views (decoded once)
+    signalled: bool = False       # the checkpoint signal stopped it (some rank got it): no evaluation
+    figures: bool = True          # False: no segment ran (a resume at the end without a summary of record)
 
 
 def train_task_step(cfg: Config, env: DistEnv, task: Task, step: int, scene, bg, sync_timers, timer: "PhaseTimer"):
@@ -246,8 +291,9 @@ class _Loop:
         self.sync_timers = getattr(method, "sync_timers", {})
         self.timer = PhaseTimer(env.device)
         self.last = {}
-        self.end_step = min(cfg.train.stop_after or cfg.train.steps, cfg.train.steps)
+        self.end_step = last_step(cfg)
         self.stopped_by = "stop_after" if self.end_step < cfg.train.steps else "steps"
+        self.vote = StopVote(env, LAG.get(method.name, LAG["ss"]))
         self.clock = _TrainClock(cfg, env)
         self.evals, self.target_reached_s, self.saved_step = [], None, None
 
@@ -305,7 +351,7 @@ class _Loop:
         and the target-PSNR stop after ``step``."""
         cfg = self.cfg
         stop, timed_eval = self.clock.due()
-        if stop:
+        if stop and self.stopped_by != "signal":
             self.end_step, self.stopped_by = step, "max_seconds"
         if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step != self.end_step:
             self.writer.flush()
@@ -339,17 +385,25 @@ class _Loop:
 
 
 def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scene, eval_scene, start_step: int,
-              resume: bool, plan: SamplingPlan) -> LoopResult:
+              resume: bool, plan: SamplingPlan, stop: Optional[StopRequest] = None) -> LoopResult:
     """The timed loop from ``start_step + 1`` to the last step: metrics rows, progress, periodic
     checkpoints and evaluations, the final checkpoint. Closes the tasks' sources. ``plan``: the
-    rank's (its decode threads, the stream and global batch its checkpoints record)."""
+    rank's (its decode threads, the stream and global batch its checkpoints record).
+
+    ``stop`` (the checkpoint signal, :func:`dali_nerf.interrupt.stop_signal`): once any rank has it,
+    every rank stops after the same step (:class:`~dali_nerf.train.stopping.StopVote`), which is
+    checkpointed; the result's ``signalled`` is then True on every rank."""
     loop = _Loop(cfg, method, env, tasks, scene, eval_scene, start_step, plan)
+    received = (lambda: stop.received) if stop is not None else (lambda: False)
     t_start = time.perf_counter()
     source_stats = []
     try:
         for step in range(start_step + 1, loop.end_step + 1):
             rec = loop.step(step)
             loop.report(step, rec)
+            target = loop.vote.after_step(step, received())
+            if target is not None and step >= target:  # every rank completed this step: stop after it
+                loop.end_step, loop.stopped_by = step, "signal"
             loop.checkpoint_and_evaluate(step)
             if step == loop.end_step:
                 break
@@ -358,11 +412,12 @@ def run_steps(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], scen
         loop.writer.flush()
         if (loop.end_step > start_step or resume) and loop.saved_step != loop.end_step:
             save_checkpoint(cfg.run_dir, loop.end_step, tasks, env, cfg, scene, plan)
+        signalled = loop.vote.finish(received())  # every rank alike: leave, or evaluate
     finally:
         source_stats = loop.close()
     return LoopResult(start_step, loop.end_step, loop.totals, loop.first_step_wait, loop.rays_total, loop.last, wall,
                       source_stats, loop.timer.kind, all(t.measured for t in loop.sync_timers.values()), train_s,
-                      loop.stopped_by, loop.evals, loop.target_reached_s, loop.views)
+                      loop.stopped_by, loop.evals, loop.target_reached_s, loop.views, signalled)
 
 
 def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: List[Task], eval_scene,
@@ -388,7 +443,7 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
         append_metrics_row(cfg.run_dir / "metrics.jsonl",
                             {"step": r.end_step, "eval_psnr": p, "eval_ssim": s, "eval_render_s": seconds,
                              "train_s": r.train_s})
-    totals, steps_run = r.totals, r.end_step - r.start_step
+    totals, steps_run = r.totals or {p_: 0.0 for p_ in (*PHASES, "step")}, r.end_step - r.start_step
     summary = {
         "name": cfg.name, "method": method.name, "world_size": env.world_size, "device": str(env.device),
         "steps": r.end_step, "steps_planned": cfg.train.steps, "steps_this_run": steps_run, "resumed_from": r.start_step,
@@ -413,6 +468,8 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
     if periodic:  # held-out PSNR against training seconds, the final evaluation last
         summary["eval_curve"] = [{"step": e["step"], "train_s": e["train_s"], "eval_psnr": e["eval_psnr"]}
                                  for e in r.evals] + [{"step": r.end_step, "train_s": r.train_s, "eval_psnr": p}]
+    if not r.figures:  # no segment ran: its figures would be zeros, not the run's (dali_nerf.train.record)
+        summary.update({k: None for k in NO_FIGURES}, stopped_by=None)
     if cfg.train.target_psnr:
         reached = r.target_reached_s if r.target_reached_s is not None else (r.train_s if p >= cfg.train.target_psnr else None)
         summary.update(target_psnr=cfg.train.target_psnr, target_reached_s=reached)

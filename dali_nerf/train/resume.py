@@ -28,7 +28,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
-import os
 import random
 import sys
 from pathlib import Path
@@ -43,9 +42,11 @@ from dali_nerf.train.checkpoint import (MODEL_FILE, RUN_FILE, CheckpointUnreadab
                          checkpoint_format, commit_checkpoint, load_file, load_rank_state, resume_checkpoint, save_file)
 from dali_nerf.config import Config, config_to_dict
 from dali_nerf.errors import DaliNerfError
+from dali_nerf.launch_env import launch_env
 from dali_nerf.partition import assign_rank
 from dali_nerf.data.plan import RAY_GRAPH_SOURCES, global_batch_share, nearest_divisors
 from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
+from dali_nerf.train.record import last_step
 from dali_nerf.train.runtime import DistEnv, gather_codes
 from dali_nerf.scenes import describe_change, scene_fingerprint
 from dali_nerf.train.tasks import Task, close_sources
@@ -248,7 +249,7 @@ def load_checkpoint(folder, rank: int = 0, world_size: Optional[int] = None) -> 
 def elastic_launch() -> bool:
     """Whether torch's elastic agent (torchrun) started this process: it sets
     ``TORCHELASTIC_RUN_ID`` on every worker of every group start."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
+    return launch_env().elastic
 
 
 RUN_ID_FILE = "torchelastic_run_id"
@@ -269,7 +270,7 @@ def agree_on_checkpoints(ckpt_root: Path, env: DistEnv) -> bool:
     launch of the same config) starts anew, as without torchrun, with a note; ``--resume``
     continues it instead. Rank 0 records the job's id (a write it cannot make is left to the
     checkpoint's own one-line error)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    run_id = launch_env().run_id or ""
     same = False
     if env.rank == 0:
         record = ckpt_root / RUN_ID_FILE
@@ -402,7 +403,7 @@ def restore_tasks(cfg: Config, tasks: List[Task], st: Optional[dict], folder, en
                 raise DaliNerfError(f"{where}: does not match this run's config ({type(e).__name__}: {what}); "
                                     f"resume with the config the run was saved with") from None
             start_step = int(st["step"])
-        if env.rank == 0:
+        if env.rank == 0 and not (st is not None and start_step >= last_step(cfg)):  # a finished run's is kept
             atomic_write_text(cfg.run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     except BaseException:
         close_sources(tasks)

@@ -2,7 +2,8 @@
 a timed all-reduce, the run folder and its scenes, the per-process and per-step seeds.
 
 >>> env = setup_distributed("cpu")          # world size 1 without torchrun
->>> prepare_run_dir(cfg.run_dir, env); scene, eval_scene = load_scenes(cfg, env)
+>>> with run_folder(cfg.run_dir, env):      # rank 0 holds the folder's lock for the block
+...     scene, eval_scene = load_scenes(cfg, env)
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dali_nerf.config import Config
 from dali_nerf.errors import ConfigError, DaliNerfError
+from dali_nerf.launch_env import group_env, launch_env
+from dali_nerf.train.runlock import RunLock
 from dali_nerf.models.metrics import SSIM_WINDOW
 from dali_nerf.scenes import scene_from_config
 from dali_nerf.data.seeds import process_seed, step_seed
 from dali_nerf.cli.validate import scan_images
 
-__all__ = ["DistEnv", "setup_distributed", "wrap_ddp", "prepare_run_dir", "load_scenes", "seed_everything",
+__all__ = ["DistEnv", "setup_distributed", "wrap_ddp", "run_folder", "load_scenes", "seed_everything",
            "step_generator", "gather_codes", "gpu_memory", "to_device", "torch_threads_kept"]
 
 
@@ -55,14 +58,13 @@ class DistEnv:
 
 
 def setup_distributed(device: str = "cpu", torch_threads: int = 0) -> DistEnv:
-    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); initialise
-    the process group (nccl on GPU, gloo on CPU) when world size > 1. World size 1 runs without
+    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT: :mod:`dali_nerf.launch_env`, checked before any rendezvous); initialise the
+    process group (nccl on GPU, gloo on CPU) when world size > 1. World size 1 runs without
     torchrun. ``device``: cpu | cuda, resolved (``train.device``'s auto and its checks:
     :func:`dali_nerf.data.plan.sampling_device`)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    launch = launch_env() if dist.is_initialized() else group_env()
+    world, rank, local_rank, local_world = launch.world_size, launch.rank, launch.local_rank, launch.local_world_size
     use_cuda = device == "cuda"
     if use_cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -72,8 +74,7 @@ def setup_distributed(device: str = "cpu", torch_threads: int = 0) -> DistEnv:
         threads = torch_threads or max(1, (os.cpu_count() or 1) // max(1, local_world))
         torch.set_num_threads(threads)
     if world > 1 and not dist.is_initialized():
-        if (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and rank == 0
-                and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        if launch.restart_count > 0 and rank == 0 and launch.agent_store:
             # torchrun shares its rendezvous store with the process group and does not isolate its
             # keys per restart (pytorch/pytorch#135712): the new group may read a dead rank's address
             print("warning: restarted by torchrun with its shared TCPStore; if the process group does not form, "
@@ -143,16 +144,40 @@ def gather_codes(env: DistEnv, code: int) -> List[int]:
 # the run folder, its scenes, seeds
 
 
-def prepare_run_dir(run_dir: Path, env: DistEnv) -> None:
-    """Rank 0 creates ``run_dir`` and checks it is writable (a one-line error if not)."""
+@contextlib.contextmanager
+def run_folder(run_dir: Path, env: DistEnv):
+    """Rank 0 creates ``run_dir``, takes its lock (:class:`~dali_nerf.train.runlock.RunLock`: one
+    trainer per run folder, a dead one's lock taken over) and checks the folder is writable; the
+    lock is held for the block. Every rank learns whether rank 0 could (one collective), so a
+    refusal is a one-line error on every rank, never ranks waiting in a barrier for a rank 0 that
+    left. Raises :class:`DaliNerfError` (one line) naming the folder."""
+    lock, err = None, None
     if env.rank == 0:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / ".write_test").write_text("ok")
-            (run_dir / ".write_test").unlink()
-        except OSError as e:
-            raise DaliNerfError(f"{run_dir}: output folder is not writable ({e.strerror}); set train.runs_dir to a writable folder") from None
-    env.barrier()
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise DaliNerfError(f"{run_dir}: output folder is not writable ({e.strerror}); set train.runs_dir to a "
+                                    f"writable folder") from None
+            lock = RunLock(run_dir).acquire()
+            try:
+                (run_dir / ".write_test").write_text("ok")
+                (run_dir / ".write_test").unlink()
+            except OSError as e:
+                raise DaliNerfError(f"{run_dir}: output folder is not writable ({e.strerror}); set train.runs_dir to a "
+                                    f"writable folder") from None
+        except DaliNerfError as e:
+            err = e
+    try:
+        failed = gather_codes(env, int(err is not None))[0]
+        if err is not None:
+            raise err
+        if failed:
+            raise DaliNerfError(f"{run_dir}: rank 0 could not take the run folder (its error says why)")
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def load_scenes(cfg: Config, env: DistEnv):

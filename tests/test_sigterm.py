@@ -1,0 +1,297 @@
+"""The checkpoint signal (SIGTERM: torchrun stopping or restarting its workers, SLURM before a
+preemption): the run finishes its step, the ranks agree on a step they all complete, its
+checkpoint is written, and the trainer exits 143; ``--resume`` continues it exactly. Also, on the
+same torchrun run: a second trainer on its folder is refused, and a resume of a finished run keeps
+its record (docs/RELIABILITY.md, "Signals and preemption")."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dali_nerf.errors import DaliNerfError
+from dali_nerf.interrupt import Terminated, stop_signal
+from dali_nerf.scenegen import make_scene
+from dali_nerf.train.checkpoint import MODEL_FILE, latest_checkpoint, load_file
+from dali_nerf.train.runlock import RunLock
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    return dict(env, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **extra)
+
+
+def _rows(path: Path) -> dict:
+    """{step: row} of a metrics file's training rows (a torn last line skipped)."""
+    out = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in row:
+            out[row["step"]] = row
+    return out
+
+
+# ------------------------------------------------------------------------------------ the handler
+
+def test_outside_the_loop_the_signal_raises_inside_it_is_recorded():
+    """Inside ``deferred()`` the signal is recorded (a second one within a second absorbed), outside
+    it raises Terminated (exit 128 + the signal); the block's end disarms the watchdog (this
+    process lives on past its 0.5 s grace: in a test or a notebook the process is not the run)."""
+    with stop_signal("TERM", grace_s=0.5) as stop:
+        with stop.deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # the handler runs between two bytecodes of the main thread
+            assert stop.received and stop.signum == signal.SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)  # the same signal again within a second: absorbed
+            time.sleep(0.01)
+        with pytest.raises(Terminated) as e:
+            stop.raise_if_received()
+        assert e.value.exit_code == 143 and "terminated by SIGTERM" in str(e.value)
+    with stop_signal("USR2", grace_s=60) as stop:
+        with pytest.raises(Terminated) as e:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            time.sleep(1.0)
+        assert e.value.exit_code == 140 and stop.name == "SIGUSR2"
+    with stop_signal("none") as stop:  # no handler: nothing to record
+        assert not stop.received and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    time.sleep(1.0)  # past the first block's grace: its watchdog stood down
+
+
+STUCK = r"""
+import sys, time
+from dali_nerf.interrupt import stop_signal
+with stop_signal("TERM", grace_s=float(sys.argv[1])) as stop, stop.deferred():
+    print("ready", flush=True)
+    while True:            # a loop that never reaches a step boundary
+        time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("how", ["watchdog", "echo", "twice"])
+def test_the_watchdog_and_a_second_signal_bound_the_exit(how):
+    """A process that never gets to act on the signal leaves with the stacks after the grace
+    (DALI_NERF_TERM_GRACE_S; watchdog), also when the same signal comes twice within a second
+    (echo: absorbed); a second signal a second or more later leaves at once, without waiting for
+    the grace (twice: 30 s here). Exit 143 each; which path ended it is read from what it printed."""
+    grace = "30" if how == "twice" else "0.5"
+    p = subprocess.Popen([sys.executable, "-c", STUCK, grace], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=REPO)
+    assert p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGTERM)
+    if how != "watchdog":
+        time.sleep(0.2 if how == "echo" else 1.2)
+        p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=25)
+    assert p.returncode == 143, err
+    if how == "twice":
+        assert err.strip().splitlines() == ["error: SIGTERM again; exiting without finishing the checkpoint (exit 143)"]
+    else:
+        assert "still running 0.5 s after SIGTERM" in err and "File " in err and "again" not in err, err  # the stacks
+
+
+# ------------------------------------------------------------------------------------ the vote
+
+VOTER = r"""
+import datetime, sys, time, types, torch.distributed as dist
+from dali_nerf.interrupt import stop_signal
+from dali_nerf.train.stopping import StopVote
+rank, store, lag, delay, steps = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+vote = StopVote(types.SimpleNamespace(distributed=True), lag=lag)  # what it reads of the run's DistEnv
+seen, last = None, 0
+with stop_signal("TERM", grace_s=60) as stop, stop.deferred():
+    for step in range(1, steps + 1):
+        time.sleep(delay)
+        print(f"step {step}", flush=True)
+        if stop.received and seen is None:
+            seen = step
+        target = vote.after_step(step, stop.received)
+        last = step
+        if target is not None and step >= target:
+            break
+    any_rank = vote.finish(stop.received)
+print(f"done {last} seen {seen} any {any_rank}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _voters(tmp_path, lag, delays, steps, signal_rank=None, after_step=3):
+    store = tmp_path / f"store{lag}{signal_rank}"
+    procs = [subprocess.Popen([sys.executable, "-c", VOTER, str(r), str(store), str(lag), str(delays[r]), str(steps)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for r in (0, 1)]
+    try:
+        if signal_rank is not None:
+            p = procs[signal_rank]
+            while p.stdout.readline().strip() != f"step {after_step}":
+                assert p.poll() is None, p.stderr.read()
+            p.send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    return [out.strip().splitlines()[-1] for out, _ in outs]
+
+
+def test_ranks_that_drift_apart_stop_after_the_same_step(tmp_path):
+    """Two gloo ranks with the spatial-segmentation lag (8): rank 0 at full speed, rank 1 slower,
+    so rank 0 runs ahead (up to 8 steps). SIGTERM to one rank only (the slow one; then the fast
+    one): both stop after the same step, which neither had passed when it learned of the signal,
+    and agree that a rank had it (the run without a signal: the torchrun test's reference)."""
+    for victim in (1, 0):
+        ends = _voters(tmp_path, 8, (0.0, 0.05), 40, signal_rank=victim)
+        steps = {int(e.split()[1]) for e in ends}
+        assert len(steps) == 1 and all(e.endswith("any True") for e in ends), ends
+        seen = int(ends[victim].split()[3])
+        assert seen <= steps.pop() < 40, ends
+
+
+# ------------------------------------------------------------------------------------ torchrun
+
+TINY = ["model.resolution=12", "model.samples_per_ray=12", "model.occupancy_resolution=0", "model.hidden=16",
+        "pipeline.rays_per_batch=256", "pipeline.rays_per_run=1024", "train.steps=12", "train.checkpoint_every=0",
+        "train.log_every=1", "train.eval_images=1", "train.device=cpu"]
+
+
+def _torchrun(scene, runs, name, *extra):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "dali_nerf.trainers.ddp", "--config", "configs/ddp_objects.yaml", f"scene.path={scene}",
+           f"train.runs_dir={runs}", f"name={name}", *TINY, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO,
+                            start_new_session=True)
+
+
+def _finish(p: subprocess.Popen, timeout=400):
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # torchrun and anything it left
+        except ProcessLookupError:
+            pass
+    return p.returncode, out, err
+
+
+def _worker(agent: int, rank: str) -> int:
+    """The pid of the worker of torchrun ``agent`` whose RANK is ``rank`` (/proc)."""
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+            env = Path(f"/proc/{d}/environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if int(stat[1]) == agent and f"RANK={rank}" in env:
+            return int(d)
+    raise AssertionError(f"no worker with RANK={rank} under {agent}")
+
+
+def _model(run: Path) -> dict:
+    return load_file(latest_checkpoint(run / "checkpoints"), MODEL_FILE)["tasks"]["ddp"]
+
+
+@pytest.mark.slow  # 3 torchrun launches of 2 CPU ranks (2 at once) and one resume in this process
+def test_sigterm_to_torchrun_checkpoints_the_last_common_step_and_resume_continues_it(tmp_path, capsys):
+    """SIGTERM to the torchrun agent at a random step (it signals both workers): rank 0 prints
+    that it stopped after step T, the last step both ranks completed (both metrics files end at
+    T), and T's checkpoint is ``latest``; ``--resume`` then runs T+1..12 and ends with every
+    step's loss and the final model (field and Adam state) bitwise equal to an uninterrupted run's.
+    While the run trains, the folder's lock is refused to another trainer, naming rank 0's pid and
+    host (the trainer's own refusal of it: tests/test_runlock.py).
+    A resume of the finished uninterrupted run trains nothing and changes no file but
+    summary.json, whose figures stay, the resume noted beside them; one of a run without a summary
+    of its last step evaluates it (the same test PSNR), its timing figures null."""
+    import random
+
+    from dali_nerf.trainers.ddp import main as ddp_main
+
+    scene = make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=8, n_val=1, n_test=2, seed=5)
+    runs = tmp_path / "runs"
+    at = random.Random().randint(2, 5)
+    print(f"SIGTERM after rank 1 logged step {at}")
+    ref = _torchrun(scene, runs, "whole")
+    cut = _torchrun(scene, runs, "cut")
+    metrics1 = runs / "cut" / "metrics.rank1.jsonl"
+    deadline = time.time() + 300
+    while max(_rows(metrics1), default=0) < at:
+        assert cut.poll() is None and time.time() < deadline, _finish(cut)[2][-3000:]
+        time.sleep(0.02)
+    # another trainer on the folder the run holds is refused, naming the holder: rank 0's worker,
+    # paused meanwhile (SIGSTOP), so the run cannot end and release it first on a busy host
+    rank0 = _worker(cut.pid, "0")
+    os.kill(rank0, signal.SIGSTOP)
+    try:
+        with pytest.raises(DaliNerfError) as e:
+            RunLock(runs / "cut").acquire()
+    finally:
+        os.kill(rank0, signal.SIGCONT)
+    assert str(e.value).startswith(f"{runs / 'cut'}: in use by another trainer (pid {rank0} on host "
+                                   f"{socket.gethostname()}, since "), str(e.value)
+    cut.send_signal(signal.SIGTERM)
+    _, _, err = _finish(cut)
+    line = [l for l in err.splitlines() if l.startswith("stopped by SIGTERM after step ")]
+    assert len(line) == 1, err[-3000:]
+    T = int(line[0].split("after step ")[1].split()[0])
+    ends = [max(_rows(runs / "cut" / f)) for f in ("metrics.jsonl", "metrics.rank1.jsonl")]
+    assert ends == [T, T] and at <= T < 12, (ends, T, err[-2000:])
+    assert latest_checkpoint(runs / "cut" / "checkpoints").name == f"step_{T:07d}"
+    assert not (runs / "cut" / "summary.json").exists() and not (runs / "cut" / ".lock").exists()
+
+    code, _, err = _finish(_torchrun(scene, runs, "cut", "--resume"))
+    assert code == 0, err[-3000:]
+    code, _, err = _finish(ref)
+    assert code == 0, err[-3000:]
+    a, b = _rows(runs / "cut" / "metrics.jsonl"), _rows(runs / "whole" / "metrics.jsonl")
+    assert sorted(a) == list(range(1, 13)) and {s: r["loss"] for s, r in a.items()} == {s: r["loss"] for s, r in b.items()}
+    ma, mb = _model(runs / "cut"), _model(runs / "whole")
+    for k, v in mb["field"].items():
+        assert torch.equal(ma["field"][k], v), k
+    for p, st in mb["optimizer"]["state"].items():
+        assert all(torch.equal(torch.as_tensor(ma["optimizer"]["state"][p][k]), torch.as_tensor(x)) for k, x in st.items())
+    summary = json.loads((runs / "cut" / "summary.json").read_text())
+    assert summary["resumed_from"] == T and summary["steps"] == 12
+
+    # the finished run resumed at its last step (on 1 rank: the global stream resumes on any)
+    whole = runs / "whole"
+    files = {p: p.read_bytes() for p in whole.rglob("*") if p.is_file()}
+    before = json.loads(files[whole / "summary.json"])
+    assert ddp_main(["--config", "configs/ddp_objects.yaml", f"scene.path={scene}", f"train.runs_dir={runs}",
+                     "name=whole", *TINY, "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: {whole} is at step 12, its last (12): nothing to train; its summary of record is kept" in err
+    after = {p: p.read_bytes() for p in whole.rglob("*") if p.is_file()}
+    assert {p for p in after if after[p] != files.get(p)} == {whole / "summary.json"}
+    now = json.loads(after[whole / "summary.json"])
+    notes = now.pop("resumed_at_end")
+    assert now == before and len(notes) == 1 and notes[0]["step"] == 12 and notes[0]["world_size"] == 1
+    assert notes[0]["trained_steps"] == 0 and notes[0]["summary"] == "of record, kept"
+
+    # a run that ended after its last checkpoint and before its summary: the resume evaluates it
+    cut = runs / "cut"
+    (cut / "summary.json").unlink()
+    metrics = (cut / "metrics.jsonl").read_bytes()
+    assert ddp_main(["--config", "configs/ddp_objects.yaml", f"scene.path={scene}", f"train.runs_dir={runs}",
+                     "name=cut", *TINY, "--resume"]) == 0
+    assert "it has no summary of that step: evaluating it" in capsys.readouterr().err
+    new = json.loads((cut / "summary.json").read_text())
+    assert new["test_psnr"] == summary["test_psnr"] and new["steps"] == 12 and (cut / "metrics.jsonl").read_bytes() == metrics
+    assert new["final_train_loss"] == a[12]["loss"] and new["rays_per_s"] is None and new["phase_totals_s"] is None
+    assert new["resumed_at_end"][0]["summary"] == "written by this resume: the run had none at its last step"
