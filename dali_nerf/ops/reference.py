@@ -18,6 +18,11 @@ Every pixel is visited exactly once per epoch; global batch ``k`` of ``G`` posit
 ``[lo, hi)`` (a contiguous image range, DALI's shard rule) keeps the positions whose slot lies
 there (:func:`kept`), in position order: that is what the op outputs for that cache, ray for ray.
 
+Masked splits (the op's ``valid`` input): the same stream over the split's *valid* pixels, image
+``i`` holding ``v_i`` of them (``sizes`` = the valid counts), gives valid-pixel numbers; the k-th
+valid pixel of the split (in pixel order) is the ray's pixel (:func:`masked_pixels`). A rank
+keeps the positions whose slot lies in its shard's valid range.
+
 This module is the specification the C++ operator is tested against bit for bit
 (tests/test_op_global.py); it is also usable by a loader that needs the global batch in numpy
 (``pixels(seed, mode, sizes, np.arange(k * G, (k + 1) * G))``).
@@ -38,7 +43,7 @@ import numpy as np
 from dali_nerf.data.seeds import op_global_key
 from dali_nerf.ops.limits import shard_range
 
-__all__ = ["MODES", "weyl_multiplier", "global_key", "epoch_shifts", "slots", "pixels", "kept",
+__all__ = ["MODES", "weyl_multiplier", "global_key", "epoch_shifts", "slots", "pixels", "masked_pixels", "kept",
            "step_counts", "shard_pixel_range"]
 
 MODES = {"random": 0, "epoch": 1}
@@ -198,6 +203,27 @@ def pixels(seed: int, mode: str, sizes, g) -> np.ndarray:
     with np.errstate(over="ignore"):
         h = _mix(_U(key) + (g.astype(_U) + _U(1)) * _U(_GOLDEN))
     return off + _mulhi(h, n.astype(_U)).astype(np.int64)
+
+
+def masked_pixels(seed: int, mode: str, valid, sizes, g) -> np.ndarray:
+    """Global pixel id of each global position of a masked split.
+
+    Args:
+        valid: (P,) bool, the split's pixels (images in split order, row-major) that may be drawn.
+        sizes: (N,) pixels of each image (width * height), summing to P.
+        g: (n,) global positions >= 0.
+    Returns:
+        (n,) int64 pixel ids of the split, all valid: :func:`pixels` over the images' valid
+        counts gives valid-pixel numbers, and number k is the split's k-th valid pixel.
+
+    >>> masked_pixels(3, "epoch", [1, 0, 1, 1, 0, 1], [2, 4], [0, 1, 2, 3]).tolist()
+    [2, 5, 0, 3]
+    """
+    valid = np.asarray(valid, bool).reshape(-1)
+    sizes = np.asarray(sizes, np.int64)
+    ends = np.cumsum(sizes)
+    counts = np.diff(np.concatenate([[0], np.cumsum(valid)[ends - 1]]))
+    return np.flatnonzero(valid)[pixels(seed, mode, counts, g)]
 
 
 def kept(seed: int, mode: str, P: int, g, lo: int, hi: int) -> np.ndarray:

@@ -159,9 +159,8 @@ struct PermTable {
     for (auto &r : rk) r.resize(n);
   }
   void build(size_t img, uint64_t e, const Cache &c, const detail::GlobalStream &gs) {
-    const Image &im = c.imgs[img];
     detail::EpochPerm p;
-    p.init(detail::image_key(gs.key, gs.lo + im.off), e, im.W * im.H);
+    p.init(detail::image_key(gs.key, gs.lo + c.dom.offs[img]), e, c.dom.sizes[img]);
     const int lb_ = p.bits / 2;
     lb[img] = (static_cast<uint64_t>(p.bits - lb_) << 32) | static_cast<uint64_t>(lb_);
     for (int r = 0; r < kFeistelRoundsCpu; r++) rk[r][img] = p.rk[r];
@@ -169,7 +168,7 @@ struct PermTable {
   }
 };
 
-/// The offsets (in the cache) of the images holding cache slots ql, for equal-size images
+/// The offsets (in the cache's domain) of the images holding cache slots ql, for equal-size images
 /// (ql < 2^52: a cache in memory). Under round-to-nearest (the default) the estimate
 /// trunc(fl(ql * fl(1 / WH))) is at most ql / WH (1 + 2^-53)^2, below the next integer for
 /// ql < 2^52, and at least the true quotient minus one (1 / 49 rounds down: 49 k / 49 truncates to
@@ -188,8 +187,8 @@ DN_AVX512 inline __m512i image_offsets(__m512i ql, __m512d iWH, __m512i vWH, __m
 DN_AVX512 int epoch_level2_uniform(const Cache &c, const detail::GlobalStream &gs, uint64_t base, uint64_t e,
                                    const uint32_t *js, const uint64_t *qs, int w, uint64_t *pix, int64_t *positions,
                                    PermTable &tab, Walks &out) {
-  const __m512d iWH = _mm512_set1_pd(c.invWH);
-  const __m512i vWH = _mm512_set1_epi64(static_cast<int64_t>(c.WH)), lo = _mm512_set1_epi64(static_cast<int64_t>(gs.lo));
+  const __m512d iWH = _mm512_set1_pd(c.dom.invWH);
+  const __m512i vWH = _mm512_set1_epi64(static_cast<int64_t>(c.dom.WH)), lo = _mm512_set1_epi64(static_cast<int64_t>(gs.lo));
   const __m512i vbase = _mm512_set1_epi64(static_cast<int64_t>(base)), ve = _mm512_set1_epi64(static_cast<int64_t>(e));
   const __m512i lane = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
   int o = 0;
@@ -229,8 +228,8 @@ DN_AVX512 int epoch_level2_uniform(const Cache &c, const detail::GlobalStream &g
 DN_AVX512 void random_level2_uniform(const Cache &c, const detail::GlobalStream &gs, uint64_t base,
                                      const uint32_t *js, const uint64_t *qs, int w, uint64_t *pix,
                                      int64_t *positions) {
-  const __m512d iWH = _mm512_set1_pd(c.invWH);
-  const __m512i vWH = _mm512_set1_epi64(static_cast<int64_t>(c.WH)), lo = _mm512_set1_epi64(static_cast<int64_t>(gs.lo));
+  const __m512d iWH = _mm512_set1_pd(c.dom.invWH);
+  const __m512i vWH = _mm512_set1_epi64(static_cast<int64_t>(c.dom.WH)), lo = _mm512_set1_epi64(static_cast<int64_t>(gs.lo));
   const __m512i vbase = _mm512_set1_epi64(static_cast<int64_t>(base + 1));  // + 1: random_pixel's (s + 1)
   const __m512i golden = _mm512_set1_epi64(static_cast<int64_t>(detail::kGolden));
   const __m512i key = _mm512_set1_epi64(static_cast<int64_t>(gs.key)), one = _mm512_set1_epi64(1);
@@ -270,8 +269,9 @@ DN_AVX2 int random_level2_uniform_avx2(const Cache &c, const detail::GlobalStrea
   const __m256i glo = set_lo4(detail::kGolden), ghi = set_hi4(detail::kGolden);
   const __m256i key = _mm256_set1_epi64x(static_cast<int64_t>(gs.key)), lo = _mm256_set1_epi64x(static_cast<int64_t>(gs.lo));
   const __m256i vbase = _mm256_set1_epi64x(static_cast<int64_t>(base)), one = _mm256_set1_epi64x(1);
-  const __m256i vWH = _mm256_set1_epi64x(static_cast<int64_t>(c.WH)), WHm1 = _mm256_set1_epi64x(static_cast<int64_t>(c.WH) - 1);
-  const __m256d two52 = _mm256_set1_pd(4503599627370496.0), iWH = _mm256_set1_pd(c.invWH);
+  const __m256i vWH = _mm256_set1_epi64x(static_cast<int64_t>(c.dom.WH)),
+                WHm1 = _mm256_set1_epi64x(static_cast<int64_t>(c.dom.WH) - 1);
+  const __m256d two52 = _mm256_set1_pd(4503599627370496.0), iWH = _mm256_set1_pd(c.dom.invWH);
   int i = 0;
   for (; i + 4 <= w; i += 4) {
     const __m256i pos = _mm256_add_epi64(vbase, _mm256_cvtepu32_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i *>(js + i))));
@@ -297,13 +297,14 @@ DN_AVX2 int random_level2_uniform_avx2(const Cache &c, const detail::GlobalStrea
 
 constexpr int kBatch = 1024;  // kept positions per batch: level 2, then one write_pixels call
 
-/// Level 2 of a chunk's batches of kept positions: their pixels and positions, by the fastest of
-/// the paths the CPU and the cache allow (every path gives the same values).
+/// Level 2 of a chunk's batches of kept positions: their ids in the cache's domain (its pixels, or
+/// its valid pixels: Cache::dom) and positions, by the fastest of the paths the CPU and the cache
+/// allow (every path gives the same values).
 class Level2 {
  public:
   Level2(const Cache &c, const detail::GlobalStream &gs, bool simd)
       : c_(c), gs_(gs), avx2_(simd && kHasAvx2), avx512_(simd && kHasAvx512),
-        uniform_(c.uniform && c.WH < (uint64_t(1) << 32)) {
+        uniform_(c.dom.uniform && c.dom.WH < (uint64_t(1) << 32)) {
     if (gs.mode != kEpoch) return;
     if (!avx512_) {
       perms_.resize(c.imgs.size());
@@ -327,7 +328,8 @@ class Level2 {
       }
       for (; i < w; i++) {
         const uint64_t ql = qs[i] - gs_.lo, pos = base + js[i];
-        pix[i] = fast_div(ql, c_.WH, c_.invWH) * c_.WH + detail::random_pixel(gs_.key, pos, c_.WH);
+        const uint64_t WH = c_.dom.WH;
+        pix[i] = fast_div(ql, WH, c_.dom.invWH) * WH + detail::random_pixel(gs_.key, pos, WH);
         positions[i] = static_cast<int64_t>(pos);
       }
     } else if (tab_ && uniform_) {  // epoch, equal-size images, AVX-512: the first evaluations with the images
@@ -348,27 +350,26 @@ class Level2 {
     Walks *v = w1_.get();
     for (int i = 0; i < w; i++) {
       uint64_t ql = qs[i] - gs_.lo, pos = base + js[i];
-      size_t img = c_.image_of(ql);
-      const Image &im = c_.imgs[img];
-      uint64_t t = ql - im.off, n = im.W * im.H;
+      const size_t img = c_.dom.image_of(ql);
+      const uint64_t off = c_.dom.offs[img], t = ql - off, n = c_.dom.sizes[img];
       positions[i] = static_cast<int64_t>(pos);
       if (gs_.mode != kEpoch) {
-        pix[i] = im.off + detail::random_pixel(gs_.key, pos, n);
+        pix[i] = off + detail::random_pixel(gs_.key, pos, n);
         continue;
       }
       if (v) {  // t now, its pixel by feistel_pass
         if (tab_->epoch[img] != e) tab_->build(img, e, c_, gs_);
-        v->x[i] = t; v->n[i] = n; v->off[i] = im.off; v->idx[i] = static_cast<uint64_t>(i);
+        v->x[i] = t; v->n[i] = n; v->off[i] = off; v->idx[i] = static_cast<uint64_t>(i);
         v->lb[i] = tab_->lb[img];
         for (int r = 0; r < kFeistelRoundsCpu; r++) v->rk[r][i] = tab_->rk[r][img];
       } else {  // t now, its pixel by epoch_pixels
         ImagePerm &ip = perms_[img];
         if (ip.epoch != e) {
-          ip.perm.init(detail::image_key(gs_.key, gs_.lo + im.off), e, n);
+          ip.perm.init(detail::image_key(gs_.key, gs_.lo + off), e, n);
           ip.epoch = e;
         }
         pix[i] = t;
-        offs_[i] = im.off;
+        offs_[i] = off;
         which_[i] = &ip.perm;
       }
     }
@@ -430,6 +431,8 @@ int64_t run_global_chunk(const Cache &c, const Outputs &out, int64_t *positions,
       }
       const int w = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(m, limit - kept)));
       level2->run(base, e, js, qs, w, pix, positions + slot + kept);
+      if (c.masked)  // the domain's ids are valid-pixel numbers: their pixels
+        for (int i = 0; i < w; i++) pix[i] = c.vi.select(pix[i]);
       write_pixels(c, out, pix, slot + kept, w, simd);
       kept += m;
     }

@@ -55,9 +55,12 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
   const bool simd = simd_ && cpu::kHasAvx2;
   std::vector<Cache> caches(nsamples);
   std::vector<Outputs> outs(nsamples);
+  const int vidx = valid_input(ws);  // a masked cache: the streams draw its valid pixels only
   for (int s = 0; s < nsamples; s++) {
+    const uint64_t *valid = vidx < 0 ? nullptr : ws.Input<CPUBackend>(vidx).tensor<uint64_t>(s);
+    const int64_t L = vidx < 0 ? 0 : ws.Input<CPUBackend>(vidx).tensor_shape(s)[0];
     caches[s].init(pix_in.tensor<uint8_t>(s), pix_in.tensor_shape(s)[0], cam_in.tensor<float>(s),
-                   lay_in.tensor<int64_t>(s), cam_in.tensor_shape(s)[0]);
+                   lay_in.tensor<int64_t>(s), cam_in.tensor_shape(s)[0], valid, L);
     outs[s] = {ws.Output<CPUBackend>(0).mutable_tensor<float>(s),
                ws.Output<CPUBackend>(1).mutable_tensor<float>(s),
                ws.Output<CPUBackend>(2).mutable_tensor<float>(s),
@@ -74,7 +77,7 @@ void RaySampler<::dali::CPUBackend>::RunImpl(::dali::Workspace &ws) {
     if (!scratch_) scratch_ = std::make_shared<GlobalScratch>();
     GlobalScratch &gscratch = *std::static_pointer_cast<GlobalScratch>(scratch_);
     for (int s = 0; s < nsamples; s++) {
-      detail::GlobalStream gs = global_stream(static_cast<int64_t>(caches[s].P));
+      detail::GlobalStream gs = global_stream(static_cast<int64_t>(caches[s].dom.n));
       if (gscratch.n != gs.n) {
         gscratch.jumps = cpu::global_jumps(gs);
         gscratch.n = gs.n;
@@ -245,15 +248,23 @@ split once per epoch in ``epoch`` mode): the run walks the ``rays`` global posit
 ``step_positions``) and emits, in position order, the rays of the positions whose slot lies in
 the cache's pixel range ``[shard_begin, shard_begin + P)`` of the split. ``consumed`` = ``rays``.
 
+Masks: a cache whose images carry masks gives one more input, ``valid`` (its valid-pixel index,
+``dali_nerf.data.masks.valid_index``: a bit per pixel and a small rank/select directory). Every
+stream then draws among the V valid pixels alone, with the formulas above over V for P (random:
+uniform over the valid pixels; epoch: each valid pixel once per V positions; the global stream:
+``global_pixels`` and ``shard_begin`` count the split's valid pixels), and the k-th valid pixel
+is the ray's pixel: no masked pixel is ever sampled. Without ``valid`` nothing changes.
+
 Outputs: origins (R,3) f32, directions (R,3) f32 unit, rgb (R,3) f32 = pixel / 255,
 indices (R,3) int64 (camera index in split, row, col), near (R,1) f32, far (R,1) f32,
 consumed (1,) int64; with ``global_pixels`` > 0, R is the number of kept positions and two more
 outputs follow: step_counts (K,) int64 (kept rays of each of the run's K steps, in order) and
 positions (R,) int64 (the global position of each ray).)")
-    .NumInput(3, 4)
-    // cameras, layout, centroids: CPU inputs allowed for the GPU backend too (its host-side
-    // checks and tables then need no device-to-host copy; ARCHITECTURE.md "The operator")
-    .InputDevice(1, 4, ::dali::InputDevice::MatchBackendOrCPU)
+    .NumInput(3, 5)
+    // cameras, layout, centroids, valid: CPU inputs allowed for the GPU backend too (its host-side
+    // checks and tables then need no device-to-host copy; ARCHITECTURE.md "The operator"); `valid`
+    // must be a CPU input (its counts are read on the host; the GPU backend uploads it)
+    .InputDevice(1, 5, ::dali::InputDevice::MatchBackendOrCPU)
     .NumOutput(7)
     .OutputFn([](const ::dali::OpSpec &spec) {
       return spec.GetArgument<int64_t>("global_pixels") > 0 ? 9 : 7;
@@ -264,7 +275,11 @@ positions (R,) int64 (the global position of each ray).)")
     .InputDox(2, "layout", "TensorList (N, 4) int64",
               "Per image: pixel offset into `pixels`, width, height, camera index in the split.")
     .InputDox(3, "centroids", "TensorList (C, 3) float32",
-              "Optional: cell centroids for spatial routing (needs `cell` >= 0).")
+              "Optional: cell centroids for spatial routing (needs `cell` >= 0). Without routing, "
+              "input 3 is `valid` when given.")
+    .InputDox(4, "valid", "TensorList (L,) uint64",
+              "Optional (input 3 without routing, 4 with it): the cache's valid-pixel index "
+              "(dali_nerf.data.masks.valid_index), a CPU input; the streams then draw valid pixels only.")
     .AddArg("rays", "Rays per output sample; with `global_pixels` > 0, global positions walked per run "
             "(K * `step_positions`).", DALI_INT32)
     .AddOptionalArg("mode", "\"random\" (iid hash of the position) or \"epoch\" (a permutation "

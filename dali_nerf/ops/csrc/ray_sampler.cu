@@ -9,6 +9,9 @@
 // layout and, routed, the routing constants and table (route_consts, route_row) are built there
 // and uploaded in one copy. The kernels evaluate the shared formula (row_ray, route_decide),
 // compiled with -fmad=false, so rays and routing decisions are the CPU's bits.
+//   * masked caches (a `valid` input, always on the host): the index is uploaded once per run
+//     (about P / 6 bytes) and the streams draw valid-pixel numbers that detail::ValidIndex::select
+//     maps to pixels (mask.h, the CPU's code); the per-image valid counts come from the host copy.
 //   * unrouted: one thread per output ray; `consumed` (= rays) is written by thread 0.
 //   * global stream (`global_pixels` > 0): the kept counts come from host floor sums; one
 //     thread per chunk of 64 positions walks their slots (detail::walk_kept), a count pass +
@@ -48,6 +51,14 @@ struct GpuCache {
   const float *tab;    // (N, kRow): detail::fill_row of each camera
   int N;
   uint64_t P;
+  uint64_t n = 0;                     // stream ids: P, or the valid pixels V (masked)
+  bool masked = false;
+  detail::ValidIndex vi;              // masked: the index, in device memory
+  const uint64_t *doffs = nullptr;    // global stream: per image its first stream id and count
+  const uint64_t *dsizes = nullptr;
+
+  /// The pixel id of stream id k: itself, or the k-th valid pixel.
+  __device__ __forceinline__ uint64_t pixel_of(uint64_t k) const { return masked ? vi.select(k) : k; }
 };
 
 struct GpuOut {
@@ -60,6 +71,17 @@ __device__ __forceinline__ int find_image(const GpuCache &g, uint64_t pix) {
   while (lo < hi) {
     int mid = (lo + hi) >> 1;
     if (static_cast<uint64_t>(g.lay[4 * mid]) <= pix) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo - 1;
+}
+
+/// The image holding stream id `id` of the global stream's domain (the last whose first id is <= id).
+__device__ __forceinline__ int find_domain(const GpuCache &g, uint64_t id) {
+  int lo = 0, hi = g.N;
+  while (lo < hi) {
+    int mid = (lo + hi) >> 1;
+    if (g.doffs[mid] <= id) lo = mid + 1;
     else hi = mid;
   }
   return lo - 1;
@@ -97,7 +119,7 @@ __global__ void sample_kernel(GpuCache g, GpuOut out, int mode, uint64_t key, ui
                               int64_t R, int64_t *consumed) {
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i == 0) consumed[0] = R;
-  if (i < R) write_ray(g, out, i, detail::stream_pixel(mode, key, s0 + i, g.P));
+  if (i < R) write_ray(g, out, i, g.pixel_of(detail::stream_pixel(mode, key, s0 + i, g.n)));
 }
 
 // the split's global stream: one thread per chunk of kGlobalChunk consecutive positions walks its
@@ -127,11 +149,10 @@ __global__ void global_write_kernel(GpuCache g, GpuOut out, int64_t *positions, 
   detail::walk_kept(gs, g0 + c0, n, [&](uint64_t j, uint64_t q, uint64_t e) {
     if (slot < M) {  // (Setup's count of M and this walk agree; never write past the output)
       uint64_t ql = q - gs.lo;
-      int img = find_image(g, ql);
-      uint64_t off = static_cast<uint64_t>(g.lay[4 * img]);
-      uint64_t npix = static_cast<uint64_t>(g.lay[4 * img + 1]) * static_cast<uint64_t>(g.lay[4 * img + 2]);
+      int img = find_domain(g, ql);
+      uint64_t off = g.doffs[img], npix = g.dsizes[img];
       uint64_t pos = g0 + c0 + j;
-      write_ray(g, out, slot, off + detail::image_pixel(gs, pos, e, gs.lo + off, npix, ql - off));
+      write_ray(g, out, slot, g.pixel_of(off + detail::image_pixel(gs, pos, e, gs.lo + off, npix, ql - off)));
       positions[slot] = static_cast<int64_t>(pos);
     }
     slot++;
@@ -142,7 +163,7 @@ __global__ void flag_kernel(GpuCache g, const detail::RouteConsts *rc, const dou
                             uint64_t key, uint64_t s0, int64_t K, uint64_t *pix_out, uint32_t *flags) {
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= K) return;
-  uint64_t pix = detail::stream_pixel(mode, key, s0 + i, g.P);
+  uint64_t pix = g.pixel_of(detail::stream_pixel(mode, key, s0 + i, g.n));
   int img;
   int64_t row, col;
   locate(g, pix, img, row, col);
@@ -163,6 +184,33 @@ __global__ void scatter_kernel(GpuCache g, GpuOut out, const uint64_t *pix, cons
 
 __global__ void advance_kernel(int64_t *accepted, const uint32_t *scan, int64_t K) {
   accepted[0] += scan[K - 1];
+}
+
+/// A masked sample's valid-pixel index (hv: its host view, checked) uploaded (queued on `stream`);
+/// g.vi then points at the device copy and g.n counts the valid pixels.
+void upload_valid(GpuCache &g, const uint64_t *host, uint64_t L, const detail::ValidIndex &hv,
+                  ::dali::kernels::DynamicScratchpad &scratch, cudaStream_t stream) {
+  uint64_t *dev = scratch.AllocateGPU<uint64_t>(L);
+  CUDA_CALL(cudaMemcpyAsync(dev, host, L * sizeof(uint64_t), cudaMemcpyHostToDevice, stream));
+  g.masked = true;
+  g.vi = hv;
+  g.vi.bits = dev;
+  g.vi.dir = dev + 8 * hv.nb;
+  g.vi.sel = dev + 10 * hv.nb + 2;
+  g.n = hv.V;
+}
+
+/// Per image of the cache: its first stream id and count (its pixels, or its valid pixels).
+void domain_rows(const int64_t *lay, int64_t N, const detail::ValidIndex *hv, std::vector<uint64_t> &offs,
+                 std::vector<uint64_t> &sizes) {
+  offs.resize(N);
+  sizes.resize(N);
+  for (int64_t i = 0; i < N; i++) {
+    uint64_t off = static_cast<uint64_t>(lay[4 * i]);
+    uint64_t end = off + static_cast<uint64_t>(lay[4 * i + 1]) * static_cast<uint64_t>(lay[4 * i + 2]);
+    offs[i] = hv ? hv->rank(off) : off;
+    sizes[i] = (hv ? hv->rank(end) : end) - offs[i];
+  }
 }
 
 inline unsigned blocks_for(int64_t n, int threads) {
@@ -226,9 +274,22 @@ void RaySampler<::dali::GPUBackend>::RunImpl(::dali::Workspace &ws) {
                ws.Output<GPUBackend>(3).mutable_tensor<int64_t>(s)};
     int64_t *consumed = ws.Output<GPUBackend>(6).mutable_tensor<int64_t>(s);
     uint64_t s0 = static_cast<uint64_t>(starts_[s]);
+    // a masked cache: its index read on the host (checks, per-image counts), uploaded per run
+    const int vidx = valid_input(ws);
+    const uint64_t *vhost = vidx < 0 ? nullptr : ws.Input<::dali::CPUBackend>(vidx).tensor<uint64_t>(s);
+    const uint64_t vlen = vidx < 0 ? 0 : ws.Input<::dali::CPUBackend>(vidx).tensor_shape(s)[0];
+    detail::ValidIndex hv;
+    if (vhost) {
+      err = hv.init(vhost, vlen, static_cast<uint64_t>(P));
+      DALI_ENFORCE(err.empty(), err);
+    }
+    auto with_mask = [&](GpuCache &g) {
+      g.n = static_cast<uint64_t>(P);
+      if (vhost) upload_valid(g, vhost, vlen, hv, scratch, stream);
+    };
 
     if (global()) {
-      detail::GlobalStream gs = global_stream(P);
+      detail::GlobalStream gs = global_stream(domain_[s]);
       const uint64_t g0 = s0, total = static_cast<uint64_t>(R);
       const int64_t M = kept_[s];
       std::array<int64_t, 1> consumed_host = {R};
@@ -236,9 +297,14 @@ void RaySampler<::dali::GPUBackend>::RunImpl(::dali::Workspace &ws) {
       std::vector<int64_t> step_counts(R / G);  // host floor sums, uploaded with the tables
       for (size_t k = 0; k < step_counts.size(); k++)
         step_counts[k] = static_cast<int64_t>(detail::count_kept(gs, g0 + k * G, static_cast<uint64_t>(G)));
-      auto dev = scratch.ToContiguousGPU(stream, tab, lay, step_counts, consumed_host);
+      std::vector<uint64_t> doffs, dsizes;  // the stream's domain, image by image
+      domain_rows(lays[s], N, vhost ? &hv : nullptr, doffs, dsizes);
+      auto dev = scratch.ToContiguousGPU(stream, tab, lay, step_counts, consumed_host, doffs, dsizes);
       GpuCache g{pix_in.tensor<uint8_t>(s), std::get<1>(dev), std::get<0>(dev), static_cast<int>(N),
                  static_cast<uint64_t>(P)};
+      with_mask(g);
+      g.doffs = std::get<4>(dev);
+      g.dsizes = std::get<5>(dev);
       const int64_t nchunks = static_cast<int64_t>((total + kGlobalChunk - 1) / kGlobalChunk);
       uint32_t *counts = scratch.AllocateGPU<uint32_t>(nchunks);
       uint32_t *first = scratch.AllocateGPU<uint32_t>(nchunks);
@@ -264,6 +330,7 @@ void RaySampler<::dali::GPUBackend>::RunImpl(::dali::Workspace &ws) {
       auto dev = scratch.ToContiguousGPU(stream, tab, lay);
       GpuCache g{pix_in.tensor<uint8_t>(s), std::get<1>(dev), std::get<0>(dev), static_cast<int>(N),
                  static_cast<uint64_t>(P)};
+      with_mask(g);
       sample_kernel<<<blocks_for(R, kThreads), kThreads, 0, stream>>>(g, out, mode_, key_, s0, R, consumed);
       CUDA_CALL(cudaGetLastError());
       next_start_[s] = starts_[s] + R;
@@ -279,6 +346,7 @@ void RaySampler<::dali::GPUBackend>::RunImpl(::dali::Workspace &ws) {
     auto dev = scratch.ToContiguousGPU(stream, tab, lay, route, rc);
     GpuCache g{pix_in.tensor<uint8_t>(s), std::get<1>(dev), std::get<0>(dev), static_cast<int>(N),
                static_cast<uint64_t>(P)};
+    with_mask(g);
     const double *d_route = std::get<2>(dev);
     const detail::RouteConsts *d_rc = std::get<3>(dev);
 

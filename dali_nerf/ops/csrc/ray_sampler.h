@@ -7,7 +7,9 @@
 // (GPU). What both backends compute lives in the host/device headers:
 //   * streams.h   stream position -> pixel id (random hash, epoch Feistel bijection), stream_key;
 //                 the split's global stream (`global_pixels` > 0): slot walk, level 2, counts;
-//   * ray_math.h  pixel -> ray (the folded camera), the exact routing decision, the input checks.
+//   * ray_math.h  pixel -> ray (the folded camera), the exact routing decision, the input checks;
+//   * mask.h      a masked cache's valid-pixel index (the optional `valid` input): the streams draw
+//                 valid-pixel numbers, and select maps them to pixel ids.
 // The CPU backend's own parts: writer.h/.cc (cache view, scalar and AVX2 ray writers) and
 // routing.h/.cc (routing tables, tile map, batched decision pass), global.h/.cc (the global
 // stream's slot walk, scalar and AVX2, and its chunk runner).
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "dali/pipeline/operator/operator.h"
+#include "mask.h"
 #include "ray_math.h"
 #include "streams.h"
 
@@ -83,8 +86,17 @@ class RaySampler : public ::dali::Operator<Backend> {
     DALI_ENFORCE(ws.GetInputDataType(1) == DALI_FLOAT, "dali_nerf ray_sampler: `cameras` must be float32");
     DALI_ENFORCE(ws.GetInputDataType(2) == DALI_INT64, "dali_nerf ray_sampler: `layout` must be int64");
     bool routed = cell_ >= 0;
-    DALI_ENFORCE(!routed || ws.NumInput() == 4,
+    DALI_ENFORCE(!routed || ws.NumInput() >= 4,
                  "dali_nerf ray_sampler: `cell` >= 0 needs the `centroids` input");
+    const int vidx = valid_input(ws);
+    if (vidx >= 0) {
+      DALI_ENFORCE(ws.GetInputDataType(vidx) == DALI_UINT64,
+                   "dali_nerf ray_sampler: input " + std::to_string(vidx) + " is `valid`, the cache's valid-pixel "
+                   "index (uint64, dali_nerf.data.masks.valid_index)" +
+                   (routed ? "" : "; `centroids` go with `cell` >= 0 only"));
+      DALI_ENFORCE(ws.template InputIsType<::dali::CPUBackend>(vidx),
+                   "dali_nerf ray_sampler: `valid` must be a CPU input (the op reads its counts on the host)");
+    }
     for (int i = 0; i < nsamples; i++) {
       auto ps = ps_all[i], cs = cs_all[i], ls = ls_all[i];
       DALI_ENFORCE(ps.size() == 2 && ps[1] == 3 && ps[0] > 0,
@@ -115,6 +127,21 @@ class RaySampler : public ::dali::Operator<Backend> {
                    "dali_nerf ray_sampler: `start` must be >= 0, or -1 to continue after the previous run");
     }
     if (static_cast<int>(next_start_.size()) < nsamples) next_start_.resize(nsamples, -1);
+    domain_.resize(nsamples);
+    for (int i = 0; i < nsamples; i++) {
+      domain_[i] = ps_all[i][0];
+      if (vidx < 0) continue;
+      const auto &vin = ws.template Input<::dali::CPUBackend>(vidx);
+      auto vs = vin.tensor_shape(i);
+      DALI_ENFORCE(vs.size() == 1, "dali_nerf ray_sampler: `valid` must be (L,) uint64");
+      detail::ValidIndex vi;
+      std::string err = vi.init(vin.template tensor<uint64_t>(i), static_cast<uint64_t>(vs[0]),
+                                static_cast<uint64_t>(ps_all[i][0]));
+      DALI_ENFORCE(err.empty(), err);
+      DALI_ENFORCE(vi.V > 0 || global(), "dali_nerf ray_sampler: `valid` marks no pixel of the cache as valid "
+                                         "(every pixel masked): nothing to sample");
+      domain_[i] = static_cast<int64_t>(vi.V);
+    }
     if (global()) return setup_global(output_desc, ws);
     output_desc.resize(7);
     auto vec3 = ::dali::uniform_list_shape(nsamples, ::dali::TensorShape<2>(rays_, 3));
@@ -133,6 +160,12 @@ class RaySampler : public ::dali::Operator<Backend> {
   void RunImpl(::dali::Workspace &ws) override;
 
   bool global() const { return global_pixels_ > 0; }
+
+  /// Index of the optional `valid` input (after `centroids` when routed), -1 when absent.
+  int valid_input(const ::dali::Workspace &ws) const {
+    const int idx = cell_ >= 0 ? 4 : 3;
+    return ws.NumInput() > idx ? idx : -1;
+  }
 
   /// The constructor's checks of the global stream's arguments (one-line errors).
   void check_global_args() {
@@ -164,7 +197,8 @@ class RaySampler : public ::dali::Operator<Backend> {
     weyl_ = detail::weyl_multiplier(static_cast<uint64_t>(global_pixels_));
   }
 
-  /// The global stream of a cache of P_local pixels (its slot range [shard_begin, + P_local)).
+  /// The global stream of a cache of P_local stream ids (its pixels, or its valid pixels; its slot
+  /// range [shard_begin, + P_local)).
   detail::GlobalStream global_stream(int64_t P_local) const {
     return {gkey_, static_cast<uint64_t>(global_pixels_), weyl_, static_cast<uint64_t>(shard_begin_),
             static_cast<uint64_t>(P_local), mode_};
@@ -180,7 +214,7 @@ class RaySampler : public ::dali::Operator<Backend> {
     ::dali::TensorListShape<2> vec3(nsamples), vec1(nsamples);
     ::dali::TensorListShape<1> pos(nsamples), counts(nsamples);
     for (int i = 0; i < nsamples; i++) {
-      int64_t P_local = ps_all[i][0];
+      int64_t P_local = domain_[i];  // with `valid`: the split's and the cache's valid pixels
       DALI_ENFORCE(shard_begin_ + P_local <= global_pixels_,
                    "dali_nerf ray_sampler: the cache's pixels [shard_begin, shard_begin + " + std::to_string(P_local) +
                    ") = [" + std::to_string(shard_begin_) + ", " + std::to_string(shard_begin_ + P_local) +
@@ -227,6 +261,7 @@ class RaySampler : public ::dali::Operator<Backend> {
   int64_t global_pixels_, shard_begin_, step_positions_;
   uint64_t gkey_ = 0, weyl_ = 0;
   std::vector<int64_t> kept_;
+  std::vector<int64_t> domain_;  // per sample of the current run: stream ids (pixels or valid pixels)
   int mode_;
   double up_[3];
   bool has_bounds_ = false;

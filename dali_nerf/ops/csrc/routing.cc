@@ -199,7 +199,7 @@ template <int Mode>
 void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTable &rt, const TileMap *tm,
                   uint64_t key, uint64_t s0, int64_t n, Accepted &acc, bool avx2) {
   acc.reserve(n);
-  detail::Stream<Mode> st(key, c.P, s0);
+  detail::Stream<Mode> st(key, c.dom.n, s0);  // stream ids: pixels, or valid pixels (c.pixel_of)
   int64_t cnt = 0;
   uint32_t *pos = acc.pos.data();
   uint64_t *apix = acc.pix.data();
@@ -211,7 +211,8 @@ void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTabl
   uint8_t dec[kBatch];
   for (int64_t i0 = 0; i0 < n; i0 += kBatch) {
     const int m = static_cast<int>(std::min<int64_t>(kBatch, n - i0));
-    for (int j = 0; j < m; j++) bpix[j] = st.next();
+    if (c.masked) for (int j = 0; j < m; j++) bpix[j] = c.vi.select(st.next());
+    else for (int j = 0; j < m; j++) bpix[j] = st.next();
     int j0 = simd ? locate_avx2(c, bpix, m, bimg, brow, bcol) : 0;
     for (int j = j0; j < m; j++) {
       uint64_t row, col;

@@ -26,9 +26,15 @@ const RgbTable kRgb;
 
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 
-void Cache::init(const uint8_t *px, int64_t P_, const float *cams, const int64_t *lay, int64_t N) {
+void Cache::init(const uint8_t *px, int64_t P_, const float *cams, const int64_t *lay, int64_t N,
+                 const uint64_t *valid, int64_t L) {
   std::string err = detail::check_cache(cams, lay, N, P_);
   DALI_ENFORCE(err.empty(), err);
+  masked = valid != nullptr;
+  if (masked) {
+    err = vi.init(valid, static_cast<uint64_t>(L), static_cast<uint64_t>(P_));
+    DALI_ENFORCE(err.empty(), err);
+  }
   pixels = px;
   P = static_cast<uint64_t>(P_);
   imgs.resize(N);
@@ -51,6 +57,19 @@ void Cache::init(const uint8_t *px, int64_t P_, const float *cams, const int64_t
   }
   WH = static_cast<uint64_t>(lay[1]) * static_cast<uint64_t>(lay[2]);
   invWH = 1.0 / static_cast<double>(WH);
+  // the streams' domain: the pixels, or per image its valid pixels (ranks at the image offsets)
+  dom.n = masked ? vi.V : P;
+  dom.offs.resize(N);
+  dom.sizes.resize(N);
+  for (int64_t i = 0; i < N; i++) {
+    uint64_t end = imgs[i].off + imgs[i].W * imgs[i].H;
+    dom.offs[i] = masked ? vi.rank(imgs[i].off) : imgs[i].off;
+    dom.sizes[i] = (masked ? vi.rank(end) : end) - dom.offs[i];
+  }
+  dom.uniform = masked ? dom.sizes[0] > 0 : uniform;
+  for (int64_t i = 1; i < N && dom.uniform; i++) dom.uniform = dom.sizes[i] == dom.sizes[0];
+  dom.WH = dom.sizes[0];
+  dom.invWH = dom.WH ? 1.0 / static_cast<double>(dom.WH) : 0.0;
 }
 
 void Outputs::write(const Cache &c, int64_t i, uint64_t pix) const {
@@ -197,16 +216,30 @@ __attribute__((target("avx2"))) void write8_avx2(const Cache &c, const Outputs &
                         _mm256_cvtepi32_epi64(_mm_load_si128(reinterpret_cast<const __m128i *>(tri + 4 * k))));
 }
 
-template <int Mode>
-void run_chunk(const Cache &c, const Outputs &out_, uint64_t key, uint64_t s0, int64_t i0, int64_t n,
-               bool simd) {
+namespace {
+
+/// Pixel ids of a stream: the stream's ids themselves (unmasked), or the valid pixels they number.
+template <int Mode, bool Masked>
+struct PixelStream {
+  detail::Stream<Mode> st;
+  const detail::ValidIndex &vi;
+  PixelStream(const Cache &c, uint64_t key, uint64_t s0) : st(key, c.dom.n, s0), vi(c.vi) {}
+  inline uint64_t next() {
+    if constexpr (Masked) return vi.select(st.next());
+    else return st.next();
+  }
+};
+
+template <int Mode, bool Masked>
+void run_chunk_in(const Cache &c, const Outputs &out_, uint64_t key, uint64_t s0, int64_t i0, int64_t n,
+                  bool simd) {
   const Outputs out = out_;  // a local copy: its pointers stay in registers across the stores
   // pixel ids run kAhead rays ahead of the writes, each prefetched when generated: a large cache
   // is random-access DRAM-latency bound, and a steady prefetch distance keeps the misses in flight
   // (a burst of prefetches per group stalls on the fill buffers)
   constexpr int64_t kAhead = 32;
   uint64_t ring[kAhead];
-  detail::Stream<Mode> st(key, c.P, s0);
+  PixelStream<Mode, Masked> st(c, key, s0);
   for (int64_t k = 0; k < std::min(kAhead, n); k++) {
     ring[k] = st.next();
     __builtin_prefetch(c.pixels + 3 * ring[k]);
@@ -236,6 +269,14 @@ void run_chunk(const Cache &c, const Outputs &out_, uint64_t key, uint64_t s0, i
     }
     out.write(c, i0 + i, pix);
   }
+}
+
+}  // namespace
+
+template <int Mode>
+void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, int64_t i0, int64_t n, bool simd) {
+  if (c.masked) run_chunk_in<Mode, true>(c, out, key, s0, i0, n, simd);
+  else run_chunk_in<Mode, false>(c, out, key, s0, i0, n, simd);
 }
 
 /// Writes the rays of the pixel ids pix[0, n) to output slots [slot, slot + n).

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "mask.h"
 #include "ray_math.h"
 #include "streams.h"
 
@@ -36,6 +37,24 @@ struct Image {
   const float *t;  // its row of Cache::tab
 };
 
+/// What the streams draw from, image by image: the cache's pixels (unmasked), or its valid pixels
+/// (masked: image i's valid pixels are ids [offs[i], offs[i] + sizes[i]) of [0, n), in pixel order;
+/// an image may have none). A stream picks an id; Cache::pixel_of maps it to its pixel.
+struct Domain {
+  uint64_t n = 0;
+  std::vector<uint64_t> offs, sizes;
+  bool uniform = false;  // all images of one size > 0: the image by one division
+  uint64_t WH = 0;
+  double invWH = 0;
+
+  /// Index of the image holding id `id` < n (with empty images: the last image whose offset is
+  /// <= id, the one that holds it).
+  inline size_t image_of(uint64_t id) const {
+    if (uniform) return fast_div(id, WH, invWH);
+    return std::upper_bound(offs.begin(), offs.end(), id) - offs.begin() - 1;
+  }
+};
+
 /// One sample's cache: pixel id -> (image, row, col) -> ray, and the outputs it writes.
 struct Cache {
   const uint8_t *pixels = nullptr;
@@ -47,9 +66,17 @@ struct Cache {
   double invWH = 0;
   std::vector<float> tab;  // detail::kRow floats per image (fill_row), read by both ray writers
   bool simd = false;       // every camera index and size fits the AVX2 writer's int32 lanes
+  bool masked = false;     // the sample has a `valid` input: the streams draw valid pixels only
+  detail::ValidIndex vi;   // masked: its valid-pixel index
+  Domain dom;              // what the streams draw from (the pixels, or the valid pixels)
 
-  /// Checks the inputs (detail::check_cache; a DALI error when invalid) and builds the view.
-  void init(const uint8_t *px, int64_t P_, const float *cams, const int64_t *lay, int64_t N);
+  /// Checks the inputs (detail::check_cache, and the `valid` index's shape when given: valid /
+  /// L words; a DALI error when invalid) and builds the view.
+  void init(const uint8_t *px, int64_t P_, const float *cams, const int64_t *lay, int64_t N,
+            const uint64_t *valid = nullptr, int64_t L = 0);
+
+  /// The pixel id of stream id k (k < dom.n): itself, or the k-th valid pixel.
+  inline uint64_t pixel_of(uint64_t k) const { return masked ? vi.select(k) : k; }
 
   /// Index of the image holding pixel id `pix`.
   inline size_t image_of(uint64_t pix) const {
