@@ -32,10 +32,11 @@ def check_shard(scene, rank: int, world_size: int) -> None:
         )
 
 
-def shard_sizes(scene, world_size: int) -> np.ndarray:
-    """Pixels per rank's shard, (world_size,) int64, without decoding anything."""
+def shard_sizes(scene, world_size: int, sizes=None) -> np.ndarray:
+    """Pixels per rank's shard, (world_size,) int64, without decoding anything (``sizes``: (N,)
+    per-image counts to sum instead of width x height, e.g. a masked scene's valid pixels)."""
     check_shard(scene, 0, world_size)
-    px = (scene.width * scene.height).astype(np.int64)
+    px = (scene.width * scene.height).astype(np.int64) if sizes is None else np.asarray(sizes, np.int64)
     out = np.zeros(world_size, np.int64)
     for r in range(world_size):
         a, b = shard_range(scene.num_images, r, world_size)

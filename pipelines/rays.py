@@ -23,6 +23,12 @@ The split's global stream (``global_pixels=P`` > 0; DDP, unrouted): the stream i
 ``step_positions`` = G, the global batch; ``s0`` a multiple of G) and emits the rays of the
 positions that fall in the cache, in position order, plus two outputs (:data:`GLOBAL_OUTPUTS`):
 ``step_counts`` (K,) (rays of each step) and ``positions`` (M,) (each ray's global position).
+
+Masked caches (``cache.valid``, the valid-pixel index of a scene with masks) feed it as one more
+input: every stream then draws among the cache's valid pixels only (random: uniform over them;
+epoch: each once per ``num_valid`` positions; global: ``global_pixels`` / ``shard_begin`` count
+the split's valid pixels), and no ray ever lands on a masked pixel.
+
 Outputs (one sample each):
 
 =========== ========= ======= ==============================================
@@ -212,9 +218,11 @@ class RayGraph:
     """Route to ``cell`` of this :class:`~dali_nerf.partition.Partition` (None: no routing)."""
     cell: int = -1
     global_pixels: int = 0
-    """P of the split's global stream (0: the cache's own stream)."""
+    """P of the split's global stream (0: the cache's own stream); a masked cache's: the split's
+    valid pixels."""
     shard_begin: int = 0
-    """The split's pixel id of the cache's first pixel (global stream)."""
+    """The split's pixel id of the cache's first pixel (global stream); a masked cache's: the
+    split's valid pixels before it."""
     step_positions: int = 0
     """G, global positions per step (global stream; 0: ``rays``)."""
 
@@ -256,6 +264,10 @@ def ray_pipeline(cache, graph: RayGraph):
     if routing:
         names.append("centroids")
         srcs.append([np.ascontiguousarray(g.partition.centroids, np.float32)])
+    masked = getattr(cache, "valid", None) is not None
+    if masked:  # the streams draw the valid pixels only (always a CPU input of the op)
+        names.append("valid")
+        srcs.append([cache.valid])
 
     @pipeline_def
     def _rays():
@@ -267,6 +279,8 @@ def ray_pipeline(cache, graph: RayGraph):
                   fn.external_source(device="cpu", dtype=types.INT64, ndim=2, name="layout", **fed)]
         if routing:
             inputs.append(fn.external_source(device="cpu", dtype=types.FLOAT, ndim=2, name="centroids", **fed))
+        if masked:
+            inputs.append(fn.external_source(device="cpu", dtype=types.UINT64, ndim=1, name="valid", **fed))
         # the GPU op takes cameras, layout and centroids as CPU inputs (its host-side checks and
         # tables read them there); only the pixels live on the device
         return tuple(fn.dali_nerf.ray_sampler(

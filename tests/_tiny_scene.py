@@ -23,10 +23,30 @@ def _look_at(eye, target=(0.0, 0.0, 0.0), up=(0.0, 1.0, 0.0)):
     return np.stack([right, true_up, back, eye], axis=1)  # (3, 4) OpenGL
 
 
+def write_masks(root, scene_sizes, seed=0, density=0.5, full=()) -> list:
+    """Write one 8-bit single-channel PNG mask per image (0 = masked): a masked band (a sky or an
+    occluder) plus iid pixels at ``density`` kept; images in ``full`` are masked entirely.
+    Returns their paths."""
+    rng = np.random.default_rng(seed + 1000)
+    (root / "masks").mkdir(parents=True, exist_ok=True)
+    out = []
+    for i, (w, h) in enumerate(scene_sizes):
+        m = (rng.random((h, w)) < density).astype(np.uint8) * 255
+        m[: max(1, h // 4)] = 0
+        m[h // 2, :] = 200  # any nonzero value keeps the pixel
+        if i in full:
+            m[:] = 0
+        p = root / "masks" / f"mask_{i:03d}.png"
+        assert cv2.imwrite(str(p), m)
+        out.append(str(p))
+    return out
+
+
 def tiny_scene(root, n=4, width=24, height=16, kinds=("png_rgba", "jpg"), seed=0, bounds=True,
-               background=(1.0, 1.0, 1.0), sizes=None) -> Scene:
+               background=(1.0, 1.0, 1.0), sizes=None, masks=None) -> Scene:
     """Write ``n`` images (cycling through ``kinds``: png_rgba | png_rgb | png_gray | png16 | jpg)
-    and return the Scene. ``sizes``: optional list of (w, h) per image."""
+    and return the Scene. ``sizes``: optional list of (w, h) per image. ``masks``: None, or a dict
+    of :func:`write_masks` arguments (density, full) for a masked scene."""
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
     paths, c2w, K, ws, hs = [], [], [], [], []
@@ -63,10 +83,18 @@ def tiny_scene(root, n=4, width=24, height=16, kinds=("png_rgba", "jpg"), seed=0
         K.append((f, f * 1.01, w / 2 + 0.25, h / 2 - 0.25))
         ws.append(w)
         hs.append(h)
+    extra = {}
+    if masks is not None:
+        extra = dict(mask_paths=write_masks(root, list(zip(ws, hs)), seed, **masks), mask_wh=np.stack([ws, hs], 1))
     return Scene(image_paths=paths, c2w=np.array(c2w), intrinsics=np.array(K), width=ws, height=hs,
                  split="train", format="blender", root=str(root),
                  near=np.full(n, 0.5) if bounds else None, far=np.full(n, 6.0) if bounds else None,
-                 background=background)
+                 background=background, **extra)
+
+
+def reference_mask(scene, i) -> np.ndarray:
+    """(H, W) bool independent reference for image i's mask (no resize, no lens): cv2 read, != 0."""
+    return cv2.imread(scene.mask_paths[i], cv2.IMREAD_UNCHANGED) != 0
 
 
 def reference_pixels(scene, i) -> np.ndarray:

@@ -20,6 +20,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from dali_nerf.errors import stderr_line
+from dali_nerf.data.masks import stream_sizes
 from dali_nerf.data.plan import RAY_GRAPH_SOURCES, uneven_rays_note
 from dali_nerf.models import build_field, build_occupancy, make_optimizer
 from dali_nerf.data.seeds import init_seed
@@ -42,7 +43,7 @@ class DDPMethod(Method):
         (source,) = feed.sources
         # the DALI ray sources keep their shard's part of each global batch (the baselines split it evenly)
         ray_graph = cfg.pipeline.name in RAY_GRAPH_SOURCES
-        note = uneven_rays_note(feed.plan, scene.width * scene.height) if env.rank == 0 and ray_graph else None
+        note = uneven_rays_note(feed.plan, stream_sizes(scene)) if env.rank == 0 and ray_graph else None
         if note:
             stderr_line(note)
         self.space = scene_space(cfg, scene)  # world / ndc / contract; the field's box is in it

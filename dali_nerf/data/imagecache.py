@@ -5,13 +5,21 @@ GPU), finished per image (:func:`finish_image`: composited over the scene backgr
 area-downscaled) and packed into three arrays the ray-sampler operator reads (see
 ARCHITECTURE.md, "ImageCache"):
 
-=========  ========  =======  ===============================================================
-field      shape     dtype    meaning
-=========  ========  =======  ===============================================================
-pixels     (P, 3)    uint8    the shard's images, row-major, concatenated, RGB over background
-cameras    (N, 18)   float32  c2w row-major (12), fx, fy, cx, cy, near, far (0, 1e10 unknown)
-layout     (N, 4)    int64    pixel offset into ``pixels``, width, height, camera index in split
-=========  ========  =======  ===============================================================
+============  ========  =======  ============================================================
+field         shape     dtype    meaning
+============  ========  =======  ============================================================
+pixels        (P, 3)    uint8    the shard's images, row-major, concatenated, RGB over background
+cameras       (N, 18)   float32  c2w row-major (12), fx, fy, cx, cy, near, far (0, 1e10 unknown)
+layout        (N, 4)    int64    pixel offset into ``pixels``, width, height, camera index in split
+valid         (L,)      uint64   masked scenes only: the valid-pixel index (a bit per pixel +
+                                 rank/select directory, :func:`dali_nerf.data.masks.valid_index`)
+valid_counts  (N,)      int64    masked scenes only: each image's valid pixels
+============  ========  =======  ============================================================
+
+Masks (``Scene.mask_paths``) are read and finished with their images, once, by
+:func:`dali_nerf.data.masks.load_mask` (nearest-neighbour, undistorted with the image's maps,
+checked like the images: present, single-channel, of the declared size); ``valid`` lives on the
+host also for a GPU cache (the op reads its counts there).
 
 Sharding is DALI's own: shard ``i`` of ``S`` over ``N`` files is the index range
 ``[floor(i * N / S), floor((i + 1) * N / S))`` (:func:`shard_range`), read with ``pad_last_batch``
@@ -57,6 +65,7 @@ from dali_nerf.data import hostmem
 from dali_nerf.errors import DataError, SceneError
 from dali_nerf.data.finish import background_u8, finish_gpu, finish_image, finish_torch, undistort_maps
 from dali_nerf.data.imageio import check_image, decode_image_cv2
+from dali_nerf.data.masks import check_mask_file, load_mask, unpack_valid, valid_index
 from dali_nerf.pipelines.decode import check_shard, decode_pipeline, shard_range
 
 __all__ = ["ImageCache", "decode_cache", "pack_cameras", "FAR_UNKNOWN", "DecodeCancelled", "available_memory",
@@ -80,6 +89,9 @@ class ImageCache:
         layout: (N, 4) int64 pixel offset, width, height, camera index in the split.
         rank, world_size: the shard this cache holds.
         device: "cpu" or "cuda" (where ``pixels`` lives).
+        valid: masked scenes: (L,) uint64 the valid-pixel index (on the host; the op's ``valid``
+            input), else None.
+        valid_counts: masked scenes: (N,) int64 valid pixels per image, else None.
 
     Example:
         >>> cache.num_pixels == cache.pixels.shape[0] == int((cache.layout[:, 1] * cache.layout[:, 2]).sum())
@@ -92,10 +104,21 @@ class ImageCache:
     rank: int = 0
     world_size: int = 1
     device: str = "cpu"
+    valid: Optional[np.ndarray] = None
+    valid_counts: Optional[np.ndarray] = None
 
     @property
     def num_pixels(self) -> int:
         return int(self.pixels.shape[0])
+
+    @property
+    def masked(self) -> bool:
+        return self.valid is not None
+
+    @property
+    def num_valid(self) -> int:
+        """Pixels the streams draw from: the valid ones (masked), else all."""
+        return self.num_pixels if self.valid_counts is None else int(self.valid_counts.sum())
 
     @property
     def num_images(self) -> int:
@@ -108,12 +131,20 @@ class ImageCache:
 
     @property
     def nbytes(self) -> int:
-        return self.num_pixels * 3 + self.cameras.nbytes + self.layout.nbytes
+        extra = 0 if self.valid is None else self.valid.nbytes + self.valid_counts.nbytes
+        return self.num_pixels * 3 + self.cameras.nbytes + self.layout.nbytes + extra
 
     def image(self, i: int):
         """(H, W, 3) uint8 view of the i-th cached image."""
         off, w, h, _ = (int(v) for v in self.layout[i])
         return self.pixels[off:off + w * h].reshape(h, w, 3)
+
+    def image_mask(self, i: int) -> Optional[np.ndarray]:
+        """(H, W) bool valid pixels of the i-th cached image (a new array), or None when unmasked."""
+        if self.valid is None:
+            return None
+        off, w, h, _ = (int(v) for v in self.layout[i])
+        return unpack_valid(self.valid, self.num_pixels)[off:off + w * h].reshape(h, w)
 
 
 def pack_cameras(scene, idx: Sequence[int]) -> np.ndarray:
@@ -160,6 +191,8 @@ def _check_files(scene, want: np.ndarray, max_pixels: Optional[int]) -> np.ndarr
                 f"{path}: has an alpha channel but scene.background={scene.background_mode} keeps no alpha "
                 f"(the cache is RGB); set scene.background to white, black or [r, g, b] to composite at decode"
             )
+        if scene.mask_paths is not None:  # validated like the image: present, size, single-channel
+            check_mask_file(scene.mask_paths[int(i)], scene.mask_wh[int(i)], max_pixels)
     return out
 
 
@@ -273,7 +306,9 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
         labels, shard_id, num_shards = [int(i) for i in want[~by_cv2]], 0, 1
     use_gpu = device == "cuda"
     out = _Assembly(scene, want, header[:, :2], bg, use_gpu)
-    _check_memory(scene, out.total * 3, len(want), rank, world_size, device if use_gpu else "cpu", indices is not None)
+    per_pixel = 3 + (scene.mask_paths is not None)  # a masked scene: one more byte a pixel while its index is built
+    _check_memory(scene, out.total * per_pixel, len(want), rank, world_size, device if use_gpu else "cpu",
+                  indices is not None)
     out.allocate()
     for k in np.flatnonzero(by_cv2):  # the files DALI gets wrong: OpenCV, per file
         _check_stop(stop, scene, len(want))
@@ -285,7 +320,8 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
     if not out.done.all():
         missing = scene.image_paths[int(want[np.flatnonzero(~out.done)[0]])]
         raise DataError(f"{missing}: the decode pipeline did not return this image; check the file")
-    return _packed(scene, want, out.offsets, out.pixels, use_gpu, rank, world_size)
+    valid = _masks(out, stop, max_pixels) if scene.mask_paths is not None else None
+    return _packed(scene, want, out.offsets, out.pixels, use_gpu, rank, world_size, valid)
 
 
 def _selection(scene, rank: int, world_size: int, indices):
@@ -400,8 +436,25 @@ def _decode_with_dali(out: _Assembly, files, labels, shard_id, num_shards, n: in
         del pipe
 
 
-def _packed(scene, want, offsets, pixels, use_gpu: bool, rank: int, world_size: int) -> ImageCache:
-    """The :class:`ImageCache` of the decoded ``pixels`` of split indices ``want`` (arrays frozen)."""
+def _masks(out: _Assembly, stop, max_pixels) -> tuple:
+    """The masks of the decoded images, finished like them (their undistortion maps): (the
+    valid-pixel index, (N,) valid pixels per image)."""
+    scene = out.scene
+    valid = np.empty(out.total, bool)
+    counts = np.zeros(len(out.want), np.int64)
+    for k, cam in enumerate(out.want):
+        _check_stop(stop, scene, len(out.want))
+        cam = int(cam)
+        m = load_mask(scene, cam, out.maps_of(cam), max_pixels).reshape(-1)
+        valid[int(out.offsets[k]):int(out.offsets[k]) + m.size] = m
+        counts[k] = int(np.count_nonzero(m))
+    counts.setflags(write=False)
+    return valid_index(valid), counts
+
+
+def _packed(scene, want, offsets, pixels, use_gpu: bool, rank: int, world_size: int, valid=None) -> ImageCache:
+    """The :class:`ImageCache` of the decoded ``pixels`` of split indices ``want`` (arrays frozen;
+    ``valid``: (index, counts) of a masked scene)."""
     layout = np.stack([offsets, scene.width[want], scene.height[want], want], axis=1).astype(np.int64)
     cameras = pack_cameras(scene, want)
     for a in (cameras, layout):
@@ -409,7 +462,8 @@ def _packed(scene, want, offsets, pixels, use_gpu: bool, rank: int, world_size: 
     if not use_gpu:
         pixels.setflags(write=False)
     return ImageCache(pixels=pixels, cameras=cameras, layout=layout, rank=rank, world_size=world_size,
-                      device="cuda" if use_gpu else "cpu")
+                      device="cuda" if use_gpu else "cpu", valid=None if valid is None else valid[0],
+                      valid_counts=None if valid is None else valid[1])
 
 
 # ---------------------------------------------------------------------------------------------

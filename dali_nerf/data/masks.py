@@ -33,8 +33,8 @@ import numpy as np
 from dali_nerf.data.imageio import check_image
 from dali_nerf.errors import DataError
 
-__all__ = ["valid_index", "index_length", "index_counts", "unpack_valid", "select_reference", "check_mask_file",
-           "read_mask", "finish_mask", "load_mask", "valid_counts", "stream_sizes", "BLOCK", "SAMPLE"]
+__all__ = ["valid_index", "index_length", "index_counts", "unpack_valid", "valid_pixel_ids", "select_reference",
+           "check_mask_file", "read_mask", "finish_mask", "load_mask", "valid_counts", "stream_sizes", "BLOCK", "SAMPLE"]
 
 BLOCK = 512
 """Pixels per block of the valid-pixel index (8 words of bits, one directory entry)."""
@@ -99,6 +99,14 @@ def unpack_valid(index: np.ndarray, P: int) -> np.ndarray:
     nb = -(-P // BLOCK)
     words = np.ascontiguousarray(index[:8 * nb]).astype("<u8")
     return np.unpackbits(words.view(np.uint8), bitorder="little")[:P].astype(bool)
+
+
+def valid_pixel_ids(cache) -> Optional[np.ndarray]:
+    """(V,) int64 the pixel ids of a masked cache's valid pixels, in order (None when unmasked):
+    the table the torch baselines draw through."""
+    if getattr(cache, "valid", None) is None:
+        return None
+    return np.flatnonzero(unpack_valid(cache.valid, cache.num_pixels))
 
 
 def select_reference(valid: np.ndarray, k) -> np.ndarray:

@@ -159,9 +159,13 @@ class SamplingPlan:
             return RayGraph(self.rays_per_run, stream=stream, num_streams=n, partition=partition, cell=int(cell),
                             **common)
         if self.ray_stream == "global":  # the split's stream: the seed's alone; the cache is the shard [lo, ...)
-            px = shard_sizes(scene, self.world_size)
-            return RayGraph(self.positions_per_run, global_pixels=int(px.sum()),
-                            shard_begin=int(px[:self.rank].sum()), step_positions=self.global_batch, **common)
+            from dali_nerf.data.masks import stream_sizes
+
+            px = shard_sizes(scene, self.world_size, stream_sizes(scene))  # a masked split's: its valid pixels
+            total = int(px.sum())  # (a fully masked shard keeps no position wherever it begins: inside the op's range)
+            return RayGraph(self.positions_per_run, global_pixels=total,
+                            shard_begin=min(int(px[:self.rank].sum()), total - 1), step_positions=self.global_batch,
+                            **common)
         return RayGraph(self.rays_per_run, stream=self.rank, num_streams=self.world_size, **common)
 
     def for_source(self, name: str) -> "SamplingPlan":

@@ -264,6 +264,27 @@ def resolve_downscale(paths: list, k_full: np.ndarray, wh_full: np.ndarray, d: i
     return list(paths), scale_intrinsics(k_full, wh_full, wh), wh, wh_full
 
 
+def resolve_masks(mask_paths: Sequence[str], wh_full: np.ndarray, file_wh: np.ndarray, d: int, source):
+    """The mask files of a split and their declared sizes, after ``downscale`` d.
+
+    Masks go with the image files the scene reads: at d = 1, or when the decode downscales the
+    full-resolution images, the masks at full resolution; when the scene reads pre-downscaled
+    images (``file_wh`` differs from ``wh_full``), the pre-downscaled masks ``masks_<d>/<name>``
+    (nerfstudio's layout) when they all exist, with their header sizes, else the full-resolution
+    masks (resized nearest-neighbour at decode). Every file must exist (one line naming them).
+
+    Returns:
+        (paths (N,), mask_wh (N, 2) int64).
+    """
+    check_images_exist(mask_paths, source, "masks")
+    wh_full = np.asarray(wh_full, np.int64)
+    if d > 1 and not np.array_equal(np.asarray(file_wh), wh_full):
+        pre = prescaled_paths(mask_paths, d)
+        if pre is not None:
+            return pre, prescaled_sizes(pre, wh_full)
+    return list(mask_paths), wh_full.copy()
+
+
 def image_path(root: Path, rel: str, default_ext: str = ".png") -> str:
     """Absolute path of an image named relative to ``root``; ``default_ext`` is appended when the
     name has no image extension and the name itself is not an existing file (Blender style)."""
@@ -309,8 +330,9 @@ def undistorted_intrinsics(k: np.ndarray, dist: np.ndarray, fisheye: bool, wh) -
     The new camera sees only points the distorted image saw, so the undistorted image has no
     invalid (black) border for the field to learn, at the cost of the periphery that falls outside
     the inner rectangle. Keeping the pinhole K instead (nerfstudio's choice for ray-based models,
-    which distort rays rather than images) leaves unseen corners under barrel distortion, and
-    the ray-sampler has no per-pixel mask to drop them.
+    which distort rays rather than images) leaves unseen corners under barrel distortion (a
+    scene's masks are undistorted with nearest-neighbour and mask such corners, but unmasked
+    scenes have none).
     """
     kk = opencv_matrix(k)
     size = (int(wh[0]), int(wh[1]))

@@ -78,6 +78,14 @@ class Scene:
             ``distortion`` is None.
         file_intrinsics: (N, 4) float64 fx, fy, cx, cy of the distorted files as stored (at
             ``file_wh``); None iff ``distortion`` is None. Requires ``file_wh``.
+        mask_paths: (N,) absolute paths of per-image masks (single-channel images: 0 = never
+            sample the pixel, else keep it; nerfstudio's ``mask_path``), or None (no masks: every
+            pixel is sampled). The decode finishes each with its image (nearest-neighbour to the
+            file size, undistorted with it, nearest-neighbour to ``width`` x ``height``:
+            :mod:`dali_nerf.data.masks`); the ray streams draw valid pixels only.
+        mask_wh: (N, 2) int64 width, height of each mask file as declared (the image file's size,
+            or the full-resolution size when the scene's downscaled images have no downscaled
+            masks); given iff ``mask_paths`` is.
 
     Example:
         >>> scene = load_scene("data/default", split="train")
@@ -105,6 +113,8 @@ class Scene:
     distortion: Optional[np.ndarray] = None
     fisheye: Optional[np.ndarray] = None
     file_intrinsics: Optional[np.ndarray] = None
+    mask_paths: Optional[tuple] = None
+    mask_wh: Optional[np.ndarray] = None
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
@@ -136,7 +146,12 @@ class Scene:
             set_("distortion", _frozen_array(self.distortion, np.float64, (8,), "distortion"))
             set_("fisheye", _frozen_array(self.fisheye, bool, (), "fisheye"))
             set_("file_intrinsics", _frozen_array(self.file_intrinsics, np.float64, (4,), "file_intrinsics"))
-        for k in ("c2w", "intrinsics", "width", "height") + lens:
+        if (self.mask_paths is None) != (self.mask_wh is None):
+            raise ValueError("Scene.mask_paths and mask_wh must be given together")
+        if self.mask_paths is not None:
+            set_("mask_paths", tuple(str(p) for p in self.mask_paths))
+            set_("mask_wh", _frozen_array(self.mask_wh, np.int64, (2,), "mask_wh"))
+        for k in ("c2w", "intrinsics", "width", "height", "mask_paths", "mask_wh") + lens:
             if getattr(self, k) is not None and len(getattr(self, k)) != n:
                 raise ValueError(f"Scene.{k} has {len(getattr(self, k))} entries for {n} images")
 
@@ -157,6 +172,11 @@ class Scene:
         return np.any(self.distortion != 0, axis=1) | self.fisheye
 
     @property
+    def masked(self) -> bool:
+        """True when the images carry masks (``mask_paths``)."""
+        return self.mask_paths is not None
+
+    @property
     def has_bounds(self) -> bool:
         return self.near is not None and self.far is not None
 
@@ -167,15 +187,18 @@ class Scene:
         kw["image_paths"] = [self.image_paths[i] for i in idx]
         for k in ("c2w", "intrinsics", "width", "height"):
             kw[k] = getattr(self, k)[idx]
-        for k in ("near", "far", "file_wh", "distortion", "fisheye", "file_intrinsics"):
+        for k in ("near", "far", "file_wh", "distortion", "fisheye", "file_intrinsics", "mask_wh"):
             if kw[k] is not None:
                 kw[k] = kw[k][idx]
+        if kw["mask_paths"] is not None:
+            kw["mask_paths"] = [self.mask_paths[i] for i in idx]
         return Scene(**kw)
 
     def __repr__(self) -> str:
         res = sorted({(int(w), int(h)) for w, h in zip(self.width, self.height)})
         res_s = ", ".join(f"{w}x{h}" for w, h in res[:3]) + (" ..." if len(res) > 3 else "")
-        return f"Scene({self.format}, split={self.split!r}, {self.num_images} images {res_s}, root={self.root!r})"
+        masks = ", masked" if self.masked else ""
+        return f"Scene({self.format}, split={self.split!r}, {self.num_images} images {res_s}{masks}, root={self.root!r})"
 
 
 # name -> (detect(root) -> bool, parse(root, split, downscale, background) -> Scene)

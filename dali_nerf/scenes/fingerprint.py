@@ -17,6 +17,8 @@ key             value
 ``poses``       (N,) 8 hex digits: a hash of the image's camera-to-world matrix rounded to 1e-5
 ``cameras``     (N,) 8 hex digits: a hash of its intrinsics (rounded to 1e-3 pixel), near / far
                 (1e-5) and lens distortion (1e-7)
+``masks``       only for a masked split: (N,) mask paths relative to the scene folder (a split
+                that gains or loses masks, or changes which file masks an image, differs)
 ``digest``      16 hex digits: a SHA-256 of everything above (equal digests: equal fingerprints)
 =============== ==================================================================================
 
@@ -64,7 +66,8 @@ def _h8(a: np.ndarray) -> str:
 
 def fingerprint_digest(fp: dict) -> str:
     """16 hex digits: SHA-256 of the fingerprint's keys (without ``digest``)."""
-    body = json.dumps({k: fp.get(k) for k in _KEYS}, sort_keys=True, separators=(",", ":"))
+    keys = _KEYS + (("masks",) if fp.get("masks") is not None else ())  # unmasked splits: as before masks
+    body = json.dumps({k: fp.get(k) for k in keys}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
@@ -97,6 +100,8 @@ def scene_fingerprint(scene) -> dict:
         fp = {"version": FINGERPRINT_VERSION, "split": str(scene.split), "downscale": int(scene.downscale),
               "names": names, "sizes": [[int(w), int(h)] for w, h in zip(scene.width, scene.height)],
               "poses": [_h8(r) for r in c2w], "cameras": [_h8(r) for r in cam]}
+        if getattr(scene, "mask_paths", None) is not None:
+            fp["masks"] = [os.path.relpath(os.path.abspath(p), root).replace(os.sep, "/") for p in scene.mask_paths]
         fp["digest"] = fingerprint_digest(fp)
         _CACHE[scene] = fp
     return json.loads(json.dumps(fp))  # a copy: callers may keep or change it
@@ -163,4 +168,12 @@ def describe_change(saved: Optional[dict], current: dict) -> Optional[str]:
         moved = [n for n in common if f_old(n) != current[key][new_i[n]]]
         if moved:
             parts.append(f"{what} changed ({_images(len(moved))}: {_some(moved)})")
+    m_old, m_new = saved.get("masks"), current.get("masks")
+    if (m_old is None) != (m_new is None):
+        parts.append("masks added" if m_new is not None else "masks removed")
+    elif m_new is not None:
+        f_old = field("masks")
+        moved = [n for n in common if f_old(n) != m_new[new_i[n]]]
+        if moved:
+            parts.append(f"mask files changed ({_images(len(moved))}: {_some(moved)})")
     return "; ".join(parts) if parts else "the scene's fingerprint differs"

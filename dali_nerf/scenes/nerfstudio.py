@@ -32,6 +32,12 @@ own world frame; we keep that frame (``world_from_source`` = identity; nerfstudi
 * ``downscale`` d: the ``images_d/`` copies (same names, nerfstudio's layout) when all exist, with
   their header sizes; else sizes floor(w/d), images area-averaged at decode. Intrinsics are
   scaled by the exact size ratio.
+* Masks: ``mask_path`` per frame (on every frame or on none, as nerfstudio requires), relative to
+  the scene folder: single-channel images of the frame's size, 0 = the pixel is never sampled,
+  anything else = keep (nerfstudio's reading). With pre-downscaled images the ``masks_d/`` copies
+  (nerfstudio's ``downsample_folder_prefix="masks_"``) when they all exist, else the full-size
+  masks resized nearest-neighbour at decode (:func:`._util.resolve_masks`,
+  :mod:`dali_nerf.data.masks`).
 
 >>> scene = load_scene("data/city", split="train", format="nerfstudio")
 """
@@ -48,7 +54,7 @@ from dali_nerf.errors import SceneError
 from dali_nerf.data.imageio import read_header
 from dali_nerf.scenes.base import Scene, register_format
 from dali_nerf.scenes._util import (as_float, as_matrix, check_bounds, check_focal, check_images_exist, check_poses,
-                    check_sizes, load_json, mean_up, parse_aabb, require, resolve_downscale,
+                    check_sizes, load_json, mean_up, parse_aabb, require, resolve_downscale, resolve_masks,
                     scale_intrinsics, undistorted_intrinsics)
 
 __all__ = ["detect", "parse", "train_eval_split", "TRAIN_SPLIT_FRACTION"]
@@ -166,6 +172,18 @@ def _lens(k_full, wh_full, file_wh, wh, dist, fisheye):
     return scale_intrinsics(k_und, file_wh, wh), dist, fisheye, k_file
 
 
+def _mask_rels(frames: list, rels: list, path) -> list | None:
+    """Every frame's ``mask_path`` (None when no frame has one); some but not all: SceneError."""
+    masks = [fr.get("mask_path") for fr in frames]
+    if all(m is None for m in masks):
+        return None
+    for fr_rel, m in zip(rels, masks):
+        if not isinstance(m, str) or not m:
+            raise SceneError(f"{path}: frame {fr_rel!r} has no mask_path but other frames have one; give mask_path "
+                             f"(a non-empty string) on every frame or on none")
+    return masks
+
+
 def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1.0)) -> Scene:
     """Parse one split of ``root/transforms.json``.
 
@@ -185,6 +203,7 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
     order = sorted(range(len(frames)), key=lambda i: _norm(frames[i]["file_path"]))  # nerfstudio sorts by name
     frames = [frames[i] for i in order]
     rels = [fr["file_path"] for fr in frames]
+    mask_rels = _mask_rels(frames, rels, path)
     idx = _split_indices(meta, rels, split, path)
     if len(idx) == 0:
         raise SceneError(f"{path}: split {split!r} has no images ({len(frames)} frames in all)")
@@ -213,6 +232,11 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
     check_focal(k_full, names, path)
     check_images_exist(paths, path)
     paths, k, wh, file_wh = resolve_downscale(paths, k_full, wh_full, downscale)
+    masks = None
+    if mask_rels is not None:
+        rel_m = [mask_rels[i] for i in idx]
+        masks = resolve_masks([str((root / r).resolve()) if not os.path.isabs(r) else r for r in rel_m], wh_full,
+                              file_wh, downscale, path)
     lens = _lens(k_full, wh_full, file_wh, wh, np.array(dists), np.array(fishes, bool))
     if lens is not None:
         k = lens[0]
@@ -255,6 +279,7 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
         background=background, downscale=downscale, world_from_source=np.eye(4),
         up=up, aabb=aabb, file_wh=file_wh,
         **({} if lens is None else dict(distortion=lens[1], fisheye=lens[2], file_intrinsics=lens[3])),
+        **({} if masks is None else dict(mask_paths=masks[0], mask_wh=masks[1])),
     )
 
 

@@ -40,6 +40,12 @@ ceil(e P / G): epoch loops partition the steps (a step that straddles an epoch b
 the earlier epoch's loop; sync_global likewise). A shard over
 ``max_bytes`` cannot be sampled this way (every step touches every image of the shard): refused.
 
+Masks (``Scene.mask_paths``): every stream above runs over the valid pixels instead of all pixels
+(P, P_r, an epoch, ``len()``, the global stream's G positions all count valid pixels; the op
+draws the k-th valid pixel, :mod:`dali_nerf.data.masks`), so no batch holds a masked pixel. A
+rank whose whole shard is masked is refused with the shard stream (nothing to sample); the
+global stream gives it empty batches.
+
 >>> loader = RayLoader(scene, rays_per_batch=4096, rank=0, world_size=1, seed=0, prefetch=2)
 >>> batch = next(loader)
 >>> batch["origins"].shape, batch["indices"].dtype
@@ -58,6 +64,7 @@ import numpy as np
 import torch
 
 from dali_nerf.data.imagecache import CacheStore
+from dali_nerf.data.masks import stream_sizes
 from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.errors import ConfigError
 from dali_nerf.pipelines.decode import shard_range, shard_sizes
@@ -73,6 +80,21 @@ __all__ = ["RayLoader", "RayProducer", "WindowProducer", "DEFAULT_OUTPUTS"]
 
 DEFAULT_OUTPUTS = ("origins", "directions", "rgb", "indices", "near", "far")
 """RayLoader's batch keys by default (with ``stream="global"`` also ``positions``)."""
+
+
+def _check_valid(scene, shard_valid, rank: int, is_global: bool) -> None:
+    """A masked split must leave something to sample: one line naming the split (every pixel
+    masked) or, with the shard stream, this rank's shard (every pixel of its images masked)."""
+    if not scene.masked:
+        return
+    if int(shard_valid.sum()) == 0:
+        raise ConfigError(f"{scene.root}: every pixel of split {scene.split!r} is masked (its masks are all 0); "
+                          f"fix the masks or drop mask_path")
+    if not is_global and int(shard_valid[rank]) == 0:
+        lo, hi = shard_range(scene.num_images, rank, len(shard_valid))
+        raise ConfigError(f"{scene.root}: rank {rank}'s shard (images {lo}..{hi - 1} of split {scene.split!r}) is "
+                          f"fully masked, so its stream has nothing to sample; use the global stream "
+                          f"(pipeline.stream=global, RayLoader stream='global') or fewer ranks")
 
 
 class RayProducer:
@@ -96,7 +118,8 @@ class RayProducer:
         self.split = p.ray_stream == "global"
         self.stride = p.global_batch if self.split else p.rays_per_batch
         self.split_pixels = loader.split_pixels
-        self.num_pixels = cache.num_pixels if cache is not None else int(loader._shard_pixels[p.rank])
+        # the rank's stream's epoch: its shard's pixels (masked: its valid pixels)
+        self.num_pixels = cache.num_valid if cache is not None else int(loader._shard_pixels[p.rank])
         self.window_images = self.rays_per_window = 0
 
     def build(self, start: int):
@@ -309,14 +332,16 @@ class RayLoader(PlanView, RunSource):
                                   + ("; positions needs stream='global'" if k == "positions" else ""))
         self.plan, self.scene = plan, scene
         self.output_map = tuple(k for k in output_map if scene.has_bounds or k not in ("near", "far"))
-        self._shard_pixels = shard_sizes(scene, self.world_size)
+        # what each shard's stream draws from: its pixels, or (masks) its valid pixels
+        self._shard_pixels = shard_sizes(scene, self.world_size, stream_sizes(scene))
         self.split_pixels = int(self._shard_pixels.sum())
+        _check_valid(scene, self._shard_pixels, self.rank, is_global)
         self.epoch = 0
         # the rays a run holds: K x B, or this shard's share of K x G positions (global)
         held = (self.rays_per_batch if not is_global else
                 -(-self.global_batch * int(self._shard_pixels[self.rank]) // self.split_pixels))
         check_run_size(self.steps_per_run, held, self.prefetch + 2, self.device)
-        need = int(self._shard_pixels[self.rank]) * 3
+        need = int(shard_sizes(scene, self.world_size)[self.rank]) * 3  # decoded bytes
         self.window_images = 0
         self.rays_per_window = 0
         if cache is None and plan.max_bytes is not None and need > plan.max_bytes and is_global:
@@ -332,12 +357,16 @@ class RayLoader(PlanView, RunSource):
             self.window_images = plan_window_images(px, int(plan.max_bytes), plan.window_images, self.rank)
             self.rays_per_window = plan.rays_per_window if self.mode == "random" else 0
             stream = WindowStream(store, plan, np.arange(lo, hi), px, self.window_images, self.rays_per_window,
-                                  output_map=self.output_map)
+                                  output_map=self.output_map, positions_per_image=stream_sizes(scene)[lo:hi])
             producer = WindowProducer(self, stream)
         elif cache is None:
             cache = store.shard(plan.device)  # where this loader samples
         elif (cache.rank, cache.world_size) != (self.rank, self.world_size):
             raise ConfigError(f"cache: holds shard {cache.rank}/{cache.world_size}, loader is {self.rank}/{self.world_size}")
+        elif cache.masked != scene.masked or cache.num_valid != int(self._shard_pixels[self.rank]):
+            raise ConfigError(f"cache: {'has' if cache.masked else 'has no'} masks and {cache.num_valid} pixels to sample "
+                              f"but the scene's shard {'has' if scene.masked else 'has no'} masks and "
+                              f"{int(self._shard_pixels[self.rank])}; decode the cache from this scene")
         else:
             check_cache_device(cache, self.device, "RayLoader")
         if cache is not None:

@@ -7,7 +7,9 @@ count for which two windows of the shard's ``W`` largest images fit in ``max_byt
 a (seed, rank, c) hash shuffle of the shard's images cut into ``m = ceil(N / W)`` windows of
 near-equal size (:func:`window_plan`), so every cycle groups the images differently. Window
 ``j`` of cycle ``c`` owns a contiguous block of stream positions: its pixel count ``P_j`` (epoch
-mode, and random mode by default) or ``rays_per_window`` (random mode), so a cycle is ``P``
+mode, and random mode by default; a masked scene's windows count their valid pixels, and a window
+whose images are all masked owns none) or ``rays_per_window`` (random mode; refused for a window
+of only fully masked images), so a cycle is ``P``
 positions (or ``m * rays_per_window``) and position ``s`` maps to (cycle, window, local offset)
 with no state. Within a window the operator runs over that window's ImageCache with the window
 key :func:`dali_nerf.data.seeds.window_key` ``(seed, rank, c, j)`` as its seed and the local offset as
@@ -133,21 +135,25 @@ class WindowStream:
         image_ids: (N,) split indices of the shard; px_per_image: (N,) their pixel counts.
         window_images: W (from :func:`plan_window_images`); rays_per_window: 0 = pixel count.
         output_map: batch keys of the chunks.
+        positions_per_image: (N,) what the streams draw from in each (a masked scene's valid
+            pixels; None: the pixels).
     """
 
     def __init__(self, store, plan, image_ids, px_per_image, window_images: int, rays_per_window: int,
-                 output_map: Sequence[str] = ("origins", "directions", "rgb", "indices", "near", "far")):
+                 output_map: Sequence[str] = ("origins", "directions", "rgb", "indices", "near", "far"),
+                 positions_per_image=None):
         self.store, self.plan = store, plan
         self.device_id = torch.cuda.current_device() if self.plan.device == "cuda" else None
         self.output_map = tuple(output_map)
         self.ids = np.asarray(image_ids, np.int64)
         self.px = {int(i): int(p) for i, p in zip(self.ids, px_per_image)}
+        per = px_per_image if positions_per_image is None else positions_per_image
+        self.valid = {int(i): int(p) for i, p in zip(self.ids, per)}
         self.W = int(window_images)
         self.m = math.ceil(len(self.ids) / self.W)
         self.rays_per_window = int(rays_per_window)
-        shard_px = int(sum(self.px.values()))
-        self.cycle_len = shard_px if self.rays_per_window == 0 else self.m * self.rays_per_window
         self._plans = {}
+        self.cycle_len = int(self._plan(0)[2][-1])  # the same every cycle (a partition of the shard)
         self.cur: Optional[_Window] = None
         self.nxt: Optional[_Window] = None
         self._lock = threading.Lock()
@@ -163,7 +169,8 @@ class WindowStream:
             if len(self._plans) > 4:
                 self._plans.clear()
             ws = window_plan(self.ids, self.W, self.plan.seed, self.plan.rank, cycle)
-            lens = [sum(self.px[int(i)] for i in w) if self.rays_per_window == 0 else self.rays_per_window for w in ws]
+            lens = [sum(self.valid[int(i)] for i in w) if self.rays_per_window == 0 else self.rays_per_window
+                    for w in ws]  # its pixels (a masked scene's: the valid ones), or random mode's fixed share
             offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
             plan = self._plans[cycle] = (ws, lens, offs)
         return plan
@@ -267,6 +274,10 @@ class WindowStream:
         if w is None or not w.offset <= pos < w.end:
             w = self._switch(*self.locate(pos))
         t = pos - w.offset
+        if w.cache.num_valid == 0:  # only with rays_per_window: a window of masked images has nothing to sample
+            raise ConfigError(f"cache.rays_per_window={self.rays_per_window}: streaming window {w.index} of cycle "
+                              f"{w.cycle} (rank {self.plan.rank}) holds only fully masked images; use "
+                              f"cache.rays_per_window=0 (windows own their valid pixels)")
         if w.pipe is None or w.next_local != t:
             if w.pipe is not None:
                 pipe, w.pipe = w.pipe, None

@@ -21,7 +21,7 @@ draws position block k with a generator seeded by :func:`dali_nerf.data.seeds.bl
 stream, k); epoch mode maps position s through ``torch.randperm(P)`` of epoch ``s // P`` seeded
 by :func:`dali_nerf.data.seeds.perm_seed` (seed, stream, epoch). The stream id is the rank (or
 :func:`dali_nerf.data.seeds.routed_stream` for the routed ones). They are deterministic and resumable
-but are not the same random stream as the operator's.
+but are not the same random stream as the operator's. Masks: valid pixels alone, by a table of ids.
 
 >>> src = SyncLocalSampler(scene, rays_per_batch=4096, rank=0, world_size=1)
 >>> next(src)["rgb"].shape
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from dali_nerf.errors import ConfigError
 from dali_nerf.data.hostbudget import to_background
 from dali_nerf.data.imagecache import CacheStore
+from dali_nerf.data.masks import stream_sizes, valid_pixel_ids
 from dali_nerf.launch_env import launch_env
 from dali_nerf.interrupt import ignore_interrupts, interrupts_deferred
 from dali_nerf.partition import ray_cells
@@ -117,7 +118,11 @@ class PixelSampler:
         self.intrinsics = torch.from_numpy(np.array(scene.intrinsics)).to(device)
         self.near = torch.from_numpy(np.array(scene.near)).to(device) if scene.has_bounds else None
         self.far = torch.from_numpy(np.array(scene.far)).to(device) if scene.has_bounds else None
-        self.P = int(cache.num_pixels)
+        ids = valid_pixel_ids(cache)  # masked: valid pixel k -> its pixel id, by a table (as torch samplers do)
+        self.valid_ids = None if ids is None else torch.from_numpy(ids).to(device)
+        self.P = int(cache.num_pixels) if ids is None else len(ids)
+        if self.P == 0:
+            raise ConfigError("PixelSampler: every pixel of the cache is masked; nothing to sample")
         self.seed, self.rank, self.mode = int(seed), int(rank), mode
         self._perms: dict = {}
 
@@ -131,7 +136,12 @@ class PixelSampler:
         return p
 
     def pixel_ids(self, position: int, n: int) -> torch.Tensor:
-        """(n,) int64 pixel ids of stream positions [position, position + n)."""
+        """(n,) int64 pixel ids of stream positions [position, position + n) (masked: the stream
+        draws valid-pixel numbers, mapped to their pixels)."""
+        ids = self._ids(position, n)
+        return ids if self.valid_ids is None else self.valid_ids[ids]
+
+    def _ids(self, position: int, n: int) -> torch.Tensor:
         if self.mode == "random":
             g = torch.Generator().manual_seed(block_seed(self.seed, self.rank, position))
             return torch.randint(0, self.P, (n,), generator=g).to(self.device)
@@ -209,6 +219,13 @@ class _Source(PlanView, BatchSource):
             raise TypeError(f"{type(self).__name__} in random mode is an infinite stream and has no len()")
         return self._epoch_steps()
 
+    def _epoch_pixels(self) -> int:  # a rank's own shard stream (sync_global: the split's)
+        return self.sampler.P
+
+    def _epoch_steps(self) -> int:  # the largest shard's pixels (masked: valid ones) over B
+        return math.ceil(int(shard_sizes(self.scene, self.world_size, stream_sizes(self.scene)).max()) /
+                         self.rays_per_batch)
+
     def set_epoch(self, epoch: int) -> None:
         """Epoch mode: move to the start of permutation ``epoch``; random mode: recorded only."""
         if not isinstance(epoch, (int, np.integer)) or epoch < 0:
@@ -257,12 +274,6 @@ class SyncLocalSampler(_Source):
         self.cache = cache if cache is not None else _store(scene, self.plan, store).shard("cpu")
         self.sampler = PixelSampler(self.cache, scene, self.seed, self.rank, self.mode, self.device)
 
-    def _epoch_pixels(self) -> int:
-        return self.sampler.P
-
-    def _epoch_steps(self) -> int:
-        return math.ceil(int(shard_sizes(self.scene, self.world_size).max()) / self.rays_per_batch)
-
     def __next__(self) -> dict:
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
@@ -297,7 +308,7 @@ class SyncGlobalSampler(_Source):
         if self.rank == 0:
             self.cache = cache if cache is not None else _store(scene, self.plan, store).full("cpu")
             self.sampler = PixelSampler(self.cache, scene, self.seed, 0, self.mode, self.device)
-        self._P = scene.num_pixels
+        self._P = int(stream_sizes(scene).sum())  # the split's pixels (masked: its valid pixels)
 
     def _epoch_pixels(self) -> int:
         return self._P
@@ -442,12 +453,6 @@ class TorchWorkersSampler(WorkerLoader, _Source):
         # workers sample on the CPU; batches are pinned and moved to the GPU by the consumer side
         self.sampler = PixelSampler(self.cache, scene, self.seed, self.rank, self.mode, "cpu")
         self._it = None
-
-    def _epoch_pixels(self) -> int:
-        return self.sampler.P
-
-    def _epoch_steps(self) -> int:
-        return math.ceil(int(shard_sizes(self.scene, self.world_size).max()) / self.rays_per_batch)
 
     def _seek(self, position: int) -> None:
         if int(position) != self.position:
