@@ -30,3 +30,24 @@ def test_bench_sampler_bad_rounds_is_one_line():
     r = subprocess.run([sys.executable, "-m", "dali_nerf", "bench", "sampler", "--rounds", "0", "--batches", "64"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "--rounds" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_sampler_mask_comparison_runs(tmp_path):
+    """``--mask 0.5``: the masked-vs-unmasked table of RayLoader (run in-process: the rates are never
+    asserted on); a fraction outside (0, 1) is one line."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from dali_nerf.bench import sampler
+    from dali_nerf.errors import ConfigError
+
+    make_scene("objects", tmp_path / "s", width=32, height=24, n_train=6, n_val=1, n_test=1, seed=0)
+    out = tmp_path / "mask.md"
+    args = SimpleNamespace(scene=str(tmp_path / "s"), batches="256", seconds=0.05, rounds=2, decode_images=3,
+                           stream="global", mask=0.5, mask_kind="iid", out=str(out))
+    assert sampler.main(args) == 0
+    table = out.read_text()
+    assert "| 256 | " in table and "masked cost per ray" in table and "masks iid" in table
+    with pytest.raises(ConfigError, match=r"--mask 1.5: the masked fraction must be in \(0, 1\)"):
+        sampler.main(SimpleNamespace(**{**vars(args), "mask": 1.5}))

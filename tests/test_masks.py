@@ -274,3 +274,42 @@ def test_the_fingerprint_names_the_masks(tmp_path):
     assert describe_change(scene_fingerprint(plain), scene_fingerprint(scene)) == "masks added"
     swapped = dataclasses.replace(scene, mask_paths=scene.mask_paths[::-1])
     assert describe_change(scene_fingerprint(scene), scene_fingerprint(swapped)).startswith("mask files changed (4 images")
+
+
+@pytest.mark.parametrize("kind", ["city", "unbounded"])
+def test_generated_occluders_are_exactly_their_masks(tmp_path, kind):
+    """make-scene --occluders: each image differs from the scene without occluders only where its
+    mask is 0 (and there it does differ), and the nerfstudio scene loads with those masks."""
+    import cv2
+
+    from dali_nerf.scenegen import make_scene
+    from dali_nerf.scenes import load_scene
+
+    kw = dict(width=32, n_train=4, n_val=1, seed=5, image_format="png")
+    make_scene(kind, tmp_path / "clean", **kw)
+    make_scene(kind, tmp_path / "occl", occluders=True, **kw)
+    scene = load_scene(tmp_path / "occl", "train", format="nerfstudio")
+    clean = load_scene(tmp_path / "clean", "train", format="nerfstudio")
+    assert scene.masked and not clean.masked
+    for i in range(scene.num_images):
+        a = cv2.imread(scene.image_paths[i], cv2.IMREAD_UNCHANGED)
+        b = cv2.imread(clean.image_paths[i], cv2.IMREAD_UNCHANGED)
+        keep = reference_mask(scene, i)
+        assert (a[keep] == b[keep]).all() and (a[~keep] != b[~keep]).any(axis=-1).mean() > 0.9
+        assert 0.05 < (~keep).mean() < 0.35
+    with pytest.raises(ConfigError, match="occluders: objects scenes have no mask convention"):
+        make_scene("objects", tmp_path / "o", occluders=True, width=16, n_train=2)
+
+
+def test_validate_checks_the_masks(tmp_path):
+    """``dali-nerf validate`` (and the trainers' scan before training) check every mask's header:
+    a mask of another size is one line naming it."""
+    import cv2
+
+    from dali_nerf.cli.validate import scan_images
+
+    scene = _scene(tmp_path)
+    scan_images(scene)
+    cv2.imwrite(scene.mask_paths[3], np.zeros((3, 3), np.uint8))
+    with pytest.raises(DataError, match=r"mask_003.png: .*3x3"):
+        scan_images(scene)

@@ -22,7 +22,9 @@ no source. Also decode images/s of DALI's decoder (JPEG and PNG RGBA, 800x800, 2
 through :func:`~dali_nerf.data.imagecache.decode_cache`.
 
 Default scene (no ``--scene``): a 100-image 400x400 ``objects`` scene generated once into
-``~/.cache/dali_nerf/bench/objects_400x400_100``.
+``~/.cache/dali_nerf/bench/objects_400x400_100``. ``--mask F`` measures masks instead: RayLoader
+on the scene with a fraction F of every image masked against it unmasked, interleaved
+(:mod:`dali_nerf.bench.masked`).
 
     dali-nerf bench sampler --seconds 2 --rounds 3 --out docs/sampler.md
 """
@@ -226,6 +228,10 @@ def main(args) -> int:
         raise ConfigError(f"--decode-images {n_dec}: must be > 0")
     stream = getattr(args, "stream", "global")
     scene = load_scene(args.scene, split="train") if args.scene else default_scene()
+    if getattr(args, "mask", None) is not None:  # masked against unmasked RayLoader, nothing else
+        from dali_nerf.bench.masked import mask_main
+
+        return mask_main(args, scene, measure)
     cache = decode_cache(scene, 0, 1)
     print(f"scene: {scene}  ({cache.num_pixels / 1e6:.1f} M pixels cached, {rounds} rounds of {seconds:g} s "
           f"per source)", flush=True)

@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--jpeg", action="store_true", help="write JPEG instead of PNG (forward, unbounded: always JPEG)")
     m.add_argument("--force", action="store_true", help="overwrite an existing folder")
+    m.add_argument("--occluders", action="store_true",
+                   help="city, unbounded: a transient occluder in every image, masked (masks/, nerfstudio mask_path)")
 
     v = sub.add_parser("validate", help="scan a scene before training")
     v.add_argument("scene")
@@ -79,6 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--stream", choices=("global", "shard"), default="global",
                     help="RayLoader's stream (default global: the trainers' pipeline.stream; shard: the per-rank "
                          "stream, what this benchmark measured before the global stream)")
+    bs.add_argument("--mask", type=float, default=None, metavar="F",
+                    help="measure masks instead: RayLoader with a fraction F of every image masked against none, "
+                         "interleaved rounds (the cost per ray)")
+    bs.add_argument("--mask-kind", choices=("iid", "sky"), default="iid",
+                    help="with --mask: pixels masked at random (iid, default) or the top F of every image (sky)")
     bt = bsub.add_parser("study", help="the characterization study: DDP vs SS x samplers x ranks")
     bt.add_argument("--config", default="configs/study.yaml")
     bt.add_argument("overrides", nargs="*")

@@ -46,7 +46,7 @@ def trainer_main(method_factory: Callable[[], Method], default_config: str, argv
             raise ConfigError(f"{args.config}: method: is {cfg.method!r} but this trainer runs {method.name!r}; use trainers/{'ddp' if cfg.method == 'ddp' else 'spatial'}.py")
         summary = run_training(cfg, method, resume=args.resume)
         if summary:
-            keys = ("name", "test_psnr", "stall_fraction", "stall_fraction_after_first_step", "warmup_wait_s", "rays_per_s",
+            keys = ("name", "test_psnr_unmasked", "test_psnr", "stall_fraction", "stall_fraction_after_first_step", "warmup_wait_s", "rays_per_s",
                     "wall_s", "device", "step_s", "floor_step_s", "step_over_floor", "host_keeps_up")
             print(json.dumps({k: summary[k] for k in keys if k in summary}), flush=True)
         return 0

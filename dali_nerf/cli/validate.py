@@ -3,7 +3,9 @@
 For each split present: the parser's own checks (poses, intrinsics, files exist), then every image
 through :func:`dali_nerf.data.imageio.check_image`: a readable PNG/JPEG header, not truncated, at most
 :data:`dali_nerf.data.imageio.MAX_PIXELS` pixels, and the on-disk size equal to ``Scene.file_wh`` (the
-size the dataset declares). The first problem is raised as a one-line error naming the file.
+size the dataset declares); a masked scene's masks the same way, and single-channel
+(:func:`dali_nerf.data.masks.check_mask_file`). The first problem is raised as a one-line error
+naming the file.
 Image files outside the scene folder (absolute paths, ``..``) are allowed but reported, one
 ``warning:`` line per split naming them (:func:`paths_outside`).
 
@@ -23,6 +25,7 @@ from tqdm import tqdm
 
 from dali_nerf.errors import SceneError
 from dali_nerf.data.imageio import check_image
+from dali_nerf.data.masks import check_mask_file
 from dali_nerf.scenes import SPLITS, FORMATS, detect_format, load_scene
 from dali_nerf.scenes._util import load_json
 
@@ -82,7 +85,8 @@ def validate_scene(root, format: str = "auto", splits: Optional[Sequence[str]] =
 def scan_images(scene, progress: bool = True, max_pixels: Optional[int] = None) -> None:
     """Check every image of a parsed split from its header and last bytes (no decoding): readable
     PNG/JPEG, not truncated, at most ``max_pixels`` pixels, on-disk size equal to ``Scene.file_wh``
-    (or width/height). About 50 us per image; the trainers call it before training starts.
+    (or width/height); masks likewise, and single-channel. About 50 us per image; the trainers call
+    it before training starts.
 
     Args:
         scene: a :class:`~dali_nerf.scenes.Scene` (N images).
@@ -97,6 +101,8 @@ def scan_images(scene, progress: bool = True, max_pixels: Optional[int] = None) 
         items = tqdm(items, desc=f"check {scene.split} images", unit="img", leave=False)
     for path, wh in items:
         check_image(path, expected_wh=wh, max_pixels=max_pixels)
+    for path, wh in zip(scene.mask_paths or (), scene.mask_wh if scene.masked else ()):
+        check_mask_file(path, wh, max_pixels)  # present, readable, the declared size, single-channel
 
 
 def paths_outside(scene) -> list:
@@ -122,7 +128,8 @@ def _summary(scene) -> str:
     res_s = ", ".join(f"{k} ({v})" if len(res) > 1 else k for k, v in res.most_common(3))
     bounds = f"near {scene.near.min():.3g}..{scene.near.max():.3g}, far {scene.far.min():.3g}..{scene.far.max():.3g}" \
         if scene.has_bounds else "no bounds"
-    return (f"  {scene.split:<5} {scene.num_images:6d} images  {res_s}  {scene.num_pixels / 1e6:.2f} Mpix  {bounds}"
+    masks = "  masked" if scene.masked else ""
+    return (f"  {scene.split:<5} {scene.num_images:6d} images  {res_s}  {scene.num_pixels / 1e6:.2f} Mpix  {bounds}{masks}"
             f"  up {tuple(round(float(u), 3) for u in scene.up)}")
 
 

@@ -35,10 +35,16 @@ class SceneConfig:
     """Split the trainer samples rays from."""
     eval_split: str = "test"
     """Split evaluated (PSNR) and rendered at the end of training."""
+    masks: str = "use"
+    """use | ignore. use: where the scene has masks (nerfstudio ``mask_path``), masked pixels are
+    never sampled, and evaluation reports the PSNR of the unmasked pixels too. ignore: the training
+    split's masks are dropped (every pixel trains, as if it had none; for comparisons); the
+    evaluation split keeps them for its unmasked-pixel PSNR."""
 
     def validate(self, key: str):
         path_value(f"{key}.path", self.path)
         choice(f"{key}.format", self.format, ("auto", "blender", "nerfstudio", "llff", "mega_nerf"))
+        choice(f"{key}.masks", self.masks, ("use", "ignore"))
         positive(f"{key}.downscale", self.downscale)
         bg = self.background
         names = ("auto", "white", "black", "random", "learned")

@@ -1,6 +1,8 @@
 """Writing generated scenes: ``objects`` as a Blender synthetic folder, ``city`` as a Mega-NeRF
 folder plus a nerfstudio transforms.json, ``forward`` as an LLFF folder, ``unbounded`` as a
 nerfstudio transforms.json (layouts in :mod:`dali_nerf.scenegen`); every folder written atomically.
+``occluders`` (city, unbounded): a transient occluder drawn into every image and a mask naming it
+(``masks/``, each frame's ``mask_path``; :mod:`dali_nerf.scenegen.occluders`).
 
 >>> make_scene("objects", "data/default")                       # doctest: +SKIP
 PosixPath('data/default')
@@ -22,6 +24,7 @@ import torch
 
 from dali_nerf.errors import ConfigError, DaliNerfError
 from dali_nerf.scenegen.cameras import BLENDER_CAMERA_ANGLE_X, OBJECTS_FAR, OBJECTS_NEAR, intrinsics, pixel_rays, resolve, scene_cameras
+from dali_nerf.scenegen.occluders import occlude
 from dali_nerf.scenegen.tracer import CHUNK, trace
 from dali_nerf.scenegen.worlds import CITY_AABB, OBJECTS_AABB, scene_world
 
@@ -96,6 +99,18 @@ def _write_image(path: Path, rgba: np.ndarray, image_format: str) -> None:
         raise DaliNerfError(f"{path}: could not write the image; check the disk and folder permissions")
 
 
+def _occluded(tmp: Path, img: np.ndarray, rel: str, frame: dict, seed: int, gid: int) -> np.ndarray:
+    """With occluders: image ``gid``'s occluder drawn into ``img``, its mask written to
+    ``masks/<name>.png`` and named by ``frame["mask_path"]``; returns the image to write."""
+    img, mask = occlude(img, seed, gid)
+    (tmp / "masks").mkdir(exist_ok=True)
+    mrel = f"masks/{Path(rel).stem}.png"
+    if not cv2.imwrite(str(tmp / mrel), mask):
+        raise DaliNerfError(f"{tmp / mrel}: could not write the mask; check the disk and folder permissions")
+    frame["mask_path"] = mrel
+    return img
+
+
 def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
@@ -141,7 +156,7 @@ def _city_bounds(cams):
     return near, far
 
 
-def _write_city(tmp: Path, seed, width, height, cams, image_format):
+def _write_city(tmp: Path, seed, width, height, cams, image_format, occluders=False):
     ext = ".png" if image_format == "png" else ".jpg"
     k = intrinsics("city", width, height)
     near, far = _city_bounds(cams)
@@ -165,6 +180,10 @@ def _write_city(tmp: Path, seed, width, height, cams, image_format):
         (tmp / split / "metadata").mkdir()
         for i, img in enumerate(_render_images("city", seed, cams[split], k, width, height)):
             name = f"{gid:06d}"
+            rel = f"{split}/rgbs/{name}{ext}"
+            frame = {"file_path": rel}
+            if occluders:
+                img = _occluded(tmp, img, rel, frame, seed, gid)
             gid += 1
             _write_image(tmp / split / "rgbs" / f"{name}{ext}", img, image_format)
             c2w = drb[split][i].copy()
@@ -172,10 +191,9 @@ def _write_city(tmp: Path, seed, width, height, cams, image_format):
             torch.save({"W": int(width), "H": int(height),
                         "intrinsics": torch.tensor(k, dtype=torch.float32),
                         "c2w": torch.tensor(c2w, dtype=torch.float32)}, tmp / split / "metadata" / f"{name}.pt")
-            rel = f"{split}/rgbs/{name}{ext}"
             names[split].append(rel)
             c2w4 = np.concatenate([cams[split][i], [[0.0, 0.0, 0.0, 1.0]]])
-            frames.append({"file_path": rel, "transform_matrix": _mat_list(c2w4)})
+            frames.append({**frame, "transform_matrix": _mat_list(c2w4)})
     _write_json(tmp / "transforms.json", {
         "camera_model": "PINHOLE", "fl_x": float(k[0]), "fl_y": float(k[1]), "cx": float(k[2]), "cy": float(k[3]),
         "w": int(width), "h": int(height), "near": near, "far": far,
@@ -209,7 +227,7 @@ def _write_forward(tmp: Path, seed, width, height, cams, image_format):
     np.save(tmp / "poses_bounds.npy", np.stack(rows))
 
 
-def _write_unbounded(tmp: Path, seed, width, height, cams, image_format):
+def _write_unbounded(tmp: Path, seed, width, height, cams, image_format, occluders=False):
     """nerfstudio transforms.json (PINHOLE, no near/far, no aabb, no up: as COLMAP-made captures
     come) + images/frame_<id>, RGB without alpha."""
     ext = ".png" if image_format == "png" else ".jpg"
@@ -220,11 +238,14 @@ def _write_unbounded(tmp: Path, seed, width, height, cams, image_format):
     for split in ("train", "val", "test"):
         for i, img in enumerate(_render_images("unbounded", seed, cams[split], k, width, height)):
             rel = f"images/frame_{gid:05d}{ext}"
+            frame = {"file_path": rel}
+            if occluders:
+                img = _occluded(tmp, img, rel, frame, seed, gid)
             gid += 1
             _write_image(tmp / rel, np.ascontiguousarray(img[..., :3]), image_format)
             names[split].append(rel)
             c2w4 = np.concatenate([cams[split][i], [[0.0, 0.0, 0.0, 1.0]]])
-            frames.append({"file_path": rel, "transform_matrix": _mat_list(c2w4)})
+            frames.append({**frame, "transform_matrix": _mat_list(c2w4)})
     _write_json(tmp / "transforms.json", {
         "camera_model": "PINHOLE", "fl_x": float(k[0]), "fl_y": float(k[1]), "cx": float(k[2]), "cy": float(k[3]),
         "w": int(width), "h": int(height), "frames": frames,
@@ -238,7 +259,8 @@ DEFAULT_FORMAT = {"objects": "png", "city": "png", "forward": "jpeg", "unbounded
 
 def make_scene(kind: str, out, *, width: Optional[int] = None, height: Optional[int] = None,
                n_train: Optional[int] = None, n_val: Optional[int] = None, n_test: Optional[int] = None,
-               seed: int = 0, image_format: Optional[str] = None, force: bool = False) -> Path:
+               seed: int = 0, image_format: Optional[str] = None, force: bool = False,
+               occluders: bool = False) -> Path:
     """Render and write a scene folder (layouts in the module docstring); returns ``out``.
 
     Args:
@@ -256,6 +278,8 @@ def make_scene(kind: str, out, *, width: Optional[int] = None, height: Optional[
             unbounded (RGB: every pixel sees a surface). JPEG holds no alpha: objects and city
             JPEGs are composited over white.
         force: replace an existing non-empty ``out``.
+        occluders: city and unbounded: a transient occluder in every image and its mask
+            (``masks/``, nerfstudio ``mask_path``; :mod:`dali_nerf.scenegen.occluders`).
     Written atomically: into a temporary folder beside ``out``, renamed when complete.
 
     Example:
@@ -266,6 +290,9 @@ def make_scene(kind: str, out, *, width: Optional[int] = None, height: Optional[
     if fmt not in ("png", "jpeg"):
         raise ConfigError(f"image_format={image_format!r}: use png or jpeg")
     width, height, n_train, n_val, n_test = resolve(kind, width, height, n_train, n_val, n_test)
+    if occluders and kind not in ("city", "unbounded"):
+        raise ConfigError(f"occluders: {kind} scenes have no mask convention (Blender, LLFF); use city or unbounded "
+                          f"(nerfstudio transforms.json with mask_path)")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2 ** 63:
         raise ConfigError(f"seed={seed!r}: must be an integer in [0, 2**63)")
     out = Path(out)
@@ -285,7 +312,7 @@ def make_scene(kind: str, out, *, width: Optional[int] = None, height: Optional[
     try:
         cams = scene_cameras(kind, width=width, height=height, n_train=n_train, n_val=n_val, n_test=n_test, seed=seed)
         cams = {s: v["c2w"] for s, v in cams.items()}
-        _WRITERS[kind](tmp, int(seed), width, height, cams, fmt)
+        _WRITERS[kind](tmp, int(seed), width, height, cams, fmt, **({"occluders": True} if occluders else {}))
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             out.rename(old)

@@ -97,5 +97,8 @@ def scene_from_config(cfg, split: Optional[str] = None) -> Scene:
     """The split ``split`` (default ``cfg.scene.train_split``) of the scene a config names, with
     its format, downscale and background: the one config -> Scene."""
     s = cfg.scene
-    return load_scene(s.path, split=s.train_split if split is None else split, format=s.format,
-                      downscale=s.downscale, background=s.background)
+    split = s.train_split if split is None else split
+    scene = load_scene(s.path, split=split, format=s.format, downscale=s.downscale, background=s.background)
+    if getattr(s, "masks", "use") == "ignore" and split == s.train_split and scene.masked:
+        scene = dataclasses.replace(scene, mask_paths=None, mask_wh=None)  # train on every pixel
+    return scene

@@ -2,6 +2,12 @@
 the renders written, and the periodic held-out curve (``train.eval_every`` / ``eval_every_s``).
 
 The evaluated views are decoded once per run (:class:`EvalViews`, :func:`dali_nerf.data.imagecache.eval_cache`).
+
+Masked evaluation splits (``Scene.mask_paths``): PSNR is reported on the full image, as for every
+scene (``test_psnr``, comparable with unmasked runs), and on the unmasked pixels alone
+(``test_psnr_unmasked``: each view's PSNR over its valid pixels, averaged over the views that
+have any), which the summary leads with (``psnr_lead``): a capture's masked pixels (people, cars,
+the rig) are what the field was told not to learn.
 """
 
 from __future__ import annotations
@@ -21,7 +27,30 @@ from dali_nerf.data.imagecache import eval_cache
 from dali_nerf.models import psnr as psnr_fn, render_image, ssim as ssim_fn
 from dali_nerf.models.ray_space import RaySpace
 
-__all__ = ["eval_subset", "evaluate_field", "mean_color_psnr", "write_renders", "EvalViews", "PeriodicEval"]
+__all__ = ["eval_subset", "evaluate_field", "EvalResult", "unmasked_psnr", "mean_color_psnr", "write_renders",
+           "EvalViews", "PeriodicEval"]
+
+
+class EvalResult(tuple):
+    """``(pairs, psnr, ssim, seconds)`` of :func:`evaluate_field` (it unpacks as that 4-tuple),
+    plus ``psnr_unmasked``: the PSNR over the views' unmasked pixels (None when the split has no
+    masks) and ``masks``: the views' (H, W) bool masks (None when unmasked)."""
+
+    psnr_unmasked: Optional[float]
+    masks: Optional[list]
+
+    def __new__(cls, pairs, psnr, ssim, seconds, masks=None):
+        out = super().__new__(cls, (pairs, psnr, ssim, seconds))
+        out.masks = masks
+        out.psnr_unmasked = None if masks is None else unmasked_psnr(pairs, masks)
+        return out
+
+
+def unmasked_psnr(pairs, masks) -> Optional[float]:
+    """Mean over the views with any unmasked pixel of the PSNR over those pixels (None if none has).
+    ``pairs``: (pred, gt) HxWx3; ``masks``: (H, W) bool per view (True = unmasked)."""
+    ps = [psnr_fn(pred[torch.from_numpy(m)], gt[torch.from_numpy(m)]) for (pred, gt), m in zip(pairs, masks) if m.any()]
+    return float(np.mean(ps)) if ps else None
 
 
 def eval_subset(scene, max_images: int = 0):
@@ -33,7 +62,8 @@ def eval_subset(scene, max_images: int = 0):
 @torch.no_grad()
 def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int = 0, decode=None,
                    space: Optional[RaySpace] = None):
-    """Render held-out views; returns (list of (pred, gt) HxWx3 float tensors, psnr, ssim, seconds).
+    """Render held-out views; returns an :class:`EvalResult`: (list of (pred, gt) HxWx3 float
+    tensors, psnr, ssim, seconds), with ``psnr_unmasked`` and ``masks`` for a masked split.
 
     Args:
         field: radiance field (``forward(x, d) -> sigma, rgb``), eval mode.
@@ -57,7 +87,8 @@ def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int
         ps.append(psnr_fn(pred, gt))
         ss.append(ssim_fn(pred, gt))
     seconds = time.perf_counter() - t0
-    return pairs, float(np.mean(ps)), float(np.mean(ss)), seconds
+    masks = [cache.image_mask(i) for i in range(sub.num_images)] if cache.masked else None
+    return EvalResult(pairs, float(np.mean(ps)), float(np.mean(ss)), seconds, masks)
 
 
 def mean_color_psnr(pairs) -> float:
@@ -102,7 +133,8 @@ class EvalViews:
 
 class PeriodicEval:
     """``train.eval_every``: held-out PSNR of the current field(s) every N steps, as a metrics row
-    ``{"step", "eval_psnr", "eval_ssim", "eval_render_s"}`` (rank 0). Every rank calls it (the SS
+    ``{"step", "eval_psnr", "eval_ssim", "eval_render_s"}`` (+ ``eval_psnr_unmasked`` for a masked
+    split) (rank 0). Every rank calls it (the SS
     method gathers the sub-models); the views come from the run's :class:`EvalViews`. Its time is
     outside every phase."""
 
@@ -115,10 +147,12 @@ class PeriodicEval:
         if self.env.rank == 0:
             was_training = field.training
             field.eval()
-            _, p, s, seconds = evaluate_field(field, occupancy, self.views.scene, self.cfg, self.env.device,
-                                              self.views.max_images, decode=self.views.cache(),
-                                              space=self.method.space)
+            res = evaluate_field(field, occupancy, self.views.scene, self.cfg, self.env.device,
+                                 self.views.max_images, decode=self.views.cache(), space=self.method.space)
+            _, p, s, seconds = res
             field.train(was_training)
             row = {"step": step, "eval_psnr": p, "eval_ssim": s, "eval_render_s": seconds}
+            if res.masks is not None:
+                row["eval_psnr_unmasked"] = res.psnr_unmasked
         self.env.barrier()  # the other ranks wait here, not inside the next step's timed phases
         return row

@@ -11,7 +11,9 @@ loop times every step by phase and writes ``runs/<name>/``:
   every N steps and at the last step (held-out PSNR curve; its time is outside every phase), and
   with ``train.eval_every_s`` = S > 0 the same row at the first step after every S seconds of
   training time (``train_s``: the loop's wall time minus these evaluations');
-* ``summary.json``     test PSNR/SSIM (and ``mean_color_psnr``, the floor), stall fraction, rays/s, per-phase totals, wall time,
+* ``summary.json``     test PSNR/SSIM (and ``mean_color_psnr``, the floor; a masked evaluation split also
+  ``test_psnr_unmasked``, the PSNR over its unmasked pixels, which ``psnr_lead`` names as the lead
+  metric), stall fraction, rays/s, per-phase totals, wall time,
   training time and why the run stopped (``stopped_by``: steps, stop_after, max_seconds,
   target_psnr), the ``eval_curve`` (PSNR vs training seconds) with periodic evaluations, the GPU
   memory on a GPU (``gpu_memory``), and method specifics (SS: fusion overhead);
@@ -431,24 +433,28 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
     sc = cfg.scene
     field.eval()
     views = r.views or EvalViews(cfg, eval_scene)
-    pairs, p, s, seconds = evaluate_field(field, occupancy, eval_scene, cfg, env.device, cfg.train.eval_images,
-                                          decode=views.cache(), space=method.space)
+    res = evaluate_field(field, occupancy, eval_scene, cfg, env.device, cfg.train.eval_images,
+                         decode=views.cache(), space=method.space)
+    pairs, p, s, seconds = res
+    masked = {} if res.masks is None else {"test_psnr_unmasked": res.psnr_unmasked}
     renders = write_renders(pairs, cfg.run_dir / "renders", prefix=sc.eval_split)
     with TBWriter(cfg.run_dir, cfg.train.tensorboard) as tb:
         for i, (pred, gt) in enumerate(pairs):
             tb.image(r.end_step, f"{sc.eval_split}/{i}", torch.cat([pred, gt], 1))  # prediction | ground truth
-        tb.scalars(r.end_step, {f"eval/{sc.eval_split}_psnr": p, f"eval/{sc.eval_split}_ssim": s})
+        tb.scalars(r.end_step, {f"eval/{sc.eval_split}_psnr": p, f"eval/{sc.eval_split}_ssim": s,
+                                **{f"eval/{sc.eval_split}_psnr_unmasked": v for v in masked.values()}})
     periodic = bool(cfg.train.eval_every or cfg.train.eval_every_s)
     if periodic:
         append_metrics_row(cfg.run_dir / "metrics.jsonl",
                             {"step": r.end_step, "eval_psnr": p, "eval_ssim": s, "eval_render_s": seconds,
-                             "train_s": r.train_s})
+                             "train_s": r.train_s, **{"eval_psnr_unmasked": v for v in masked.values()}})
     totals, steps_run = r.totals or {p_: 0.0 for p_ in (*PHASES, "step")}, r.end_step - r.start_step
     summary = {
         "name": cfg.name, "method": method.name, "world_size": env.world_size, "device": str(env.device),
         "steps": r.end_step, "steps_planned": cfg.train.steps, "steps_this_run": steps_run, "resumed_from": r.start_step,
         "rays_per_batch": plan.rays_per_batch, "pipeline": cfg.pipeline.name,
         "stream": plan.stream_version, "global_batch": plan.run_global_batch or None,
+        "psnr_lead": "unmasked" if masked else "full", **masked,
         "test_psnr": p, "test_ssim": s, "mean_color_psnr": mean_color_psnr(pairs), "eval_split": sc.eval_split, "eval_images": len(pairs),
         "eval_render_s": seconds,
         "final_train_loss": r.last.get("loss"),
