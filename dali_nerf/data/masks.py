@@ -7,7 +7,7 @@ resized nearest-neighbour (``cv2.INTER_NEAREST_EXACT``, PIL's ``NEAREST``, which
 to the image file's size, undistorted with the image (``cv2.remap`` nearest, pixels whose source
 falls outside the file masked: the undistortion border is never trained on), then resized
 nearest-neighbour to the declared image size. The cache keeps one bit per pixel plus a small
-directory (:func:`valid_index`, the op's ``valid`` input, about 1.3 bits a pixel) and the valid
+directory (:func:`valid_index`, the op's ``valid`` input, about 1.5 bits a pixel) and the valid
 pixels of each image; the streams draw among valid pixels only.
 
 Every rank needs the split's valid-pixel counts (a global stream's ``global_pixels`` and a rank's
@@ -34,70 +34,74 @@ from dali_nerf.data.imageio import check_image
 from dali_nerf.errors import DataError
 
 __all__ = ["valid_index", "index_length", "index_counts", "unpack_valid", "valid_pixel_ids", "select_reference",
-           "check_mask_file", "read_mask", "finish_mask", "load_mask", "valid_counts", "stream_sizes", "BLOCK", "SAMPLE"]
+           "check_mask_file", "read_mask", "finish_mask", "load_mask", "valid_counts", "stream_sizes", "LINE", "SAMPLE"]
 
-BLOCK = 512
-"""Pixels per block of the valid-pixel index (8 words of bits, one directory entry)."""
+LINE = 384
+"""Pixels per line of the valid-pixel index (6 words of bits and their rank directory: 64 bytes)."""
 SAMPLE = 256
 """Valid pixels between two select samples of the index."""
 
 
 def index_length(P: int, V: int) -> int:
-    """Words of the valid-pixel index of P pixels, V of them valid: 10 nb + ns + 3."""
-    nb, ns = -(-P // BLOCK), -(-V // SAMPLE)
-    return 10 * nb + ns + 3
+    """Words of the valid-pixel index of P pixels, V of them valid: 9 nb + 13 + ns + 1."""
+    nb, ns = -(-P // LINE), -(-V // SAMPLE)
+    return 9 * nb + 13 + ns + 1
 
 
 def valid_index(valid: np.ndarray) -> np.ndarray:
     """The op's ``valid`` input for a cache whose pixel ``p`` is valid iff ``valid[p]``.
 
-    Layout (uint64, ``dali_nerf/ops/csrc/mask.h``): with nb = ceil(P / 512) blocks and
-    ns = ceil(V / 256): the bits (8 nb words; bit j of word w = pixel 64 w + j), the directory
-    (2 (nb + 1) words: per block the valid pixels before it, and the valid pixels of its words
-    0..k-1 for k = 1..7 in 9-bit fields), the select samples (ns + 1 words: the block of every
-    256th valid pixel, then the block of the last valid one).
+    Layout (uint64, ``dali_nerf/ops/csrc/mask.h``): with nb = ceil(P / 384) lines and
+    ns = ceil(V / 256): nb lines of 8 words (the valid pixels before the line; the valid pixels of
+    its words 0..k-1 for k = 0..5 in 9-bit fields at bit 9 k, field 6 = 511; its 6 words of bits, bit j
+    of word w = pixel 384 b + 64 w + j), a sentinel line whose first word is V, the lines' first
+    words again (nb + 1 words, contiguous) and 4 more words of V, then the select samples (ns + 1 words: the line of
+    every 256th valid pixel, then the line of the last one). The lines start on a 64-byte
+    boundary (one cache line each).
 
     Args:
         valid: (P,) bool (any shape: flattened row-major).
     Returns:
-        (10 nb + ns + 3,) uint64, read-only.
+        (9 nb + 13 + ns + 1,) uint64, read-only.
     """
     v = np.ascontiguousarray(valid, bool).reshape(-1)
     P = v.size
-    nb = -(-P // BLOCK)
-    padded = np.zeros(nb * BLOCK, bool)
+    nb = -(-P // LINE)
+    padded = np.zeros(nb * LINE, bool)
     padded[:P] = v
-    bits = np.packbits(padded, bitorder="little").view("<u8").astype(np.uint64)
-    words = padded.reshape(nb * 8, 64).sum(1, dtype=np.int64).reshape(nb, 8)
-    within = np.cumsum(words, axis=1)  # valid pixels of words 0..k of each block
+    bits = np.packbits(padded, bitorder="little").view("<u8").astype(np.uint64).reshape(nb, 6)
+    within = np.cumsum(padded.reshape(nb, 6, 64).sum(2, dtype=np.int64), axis=1)  # words 0..k of each line
     before = np.zeros(nb + 1, np.int64)
-    np.cumsum(within[:, 7], out=before[1:])
+    np.cumsum(within[:, 5], out=before[1:])
     V = int(before[-1])
-    sub = np.zeros(nb, np.uint64)
-    for k in range(1, 8):
-        sub |= within[:, k - 1].astype(np.uint64) << np.uint64(9 * (k - 1))
-    dirs = np.zeros((nb + 1, 2), np.uint64)
-    dirs[:, 0] = before
-    dirs[:nb, 1] = sub
+    sub = np.full(nb, 511 << 54, np.uint64)  # field k at bit 9 k: words 0..k-1's valid pixels; field 0 = 0
+    for k in range(1, 6):
+        sub |= within[:, k - 1].astype(np.uint64) << np.uint64(9 * k)
     ns = -(-V // SAMPLE)
+    L = index_length(P, V)
+    buf = np.zeros(L + 8, np.uint64)
+    at = (-buf.ctypes.data // 8) % 8  # the first line on a 64-byte boundary
+    out = buf[at:at + L]
+    lines = out[:8 * (nb + 1)].reshape(nb + 1, 8)
+    lines[:nb, 0], lines[:nb, 1], lines[:nb, 2:] = before[:nb], sub, bits
+    lines[nb, 0] = V
+    out[8 * (nb + 1):9 * nb + 9] = before
+    out[9 * nb + 9:9 * nb + 13] = V
     targets = np.minimum(np.arange(ns + 1, dtype=np.int64) * SAMPLE, max(V - 1, 0))
-    sel = np.searchsorted(before[1:], targets, side="right").astype(np.uint64)  # the block holding each
-    out = np.concatenate([bits, dirs.reshape(-1), sel])
-    assert len(out) == index_length(P, V)
+    out[9 * nb + 13:] = np.searchsorted(before[1:], targets, side="right")  # the line holding each
     out.setflags(write=False)
     return out
 
 
 def index_counts(index: np.ndarray, P: int) -> int:
     """V, the valid pixels a valid-pixel index of P pixels counts."""
-    nb = -(-P // BLOCK)
-    return int(index[8 * nb + 2 * nb])
+    return int(index[8 * -(-P // LINE)])
 
 
 def unpack_valid(index: np.ndarray, P: int) -> np.ndarray:
     """(P,) bool: the valid pixels of a valid-pixel index (the inverse of :func:`valid_index`'s bits)."""
-    nb = -(-P // BLOCK)
-    words = np.ascontiguousarray(index[:8 * nb]).astype("<u8")
+    nb = -(-P // LINE)
+    words = np.ascontiguousarray(np.asarray(index[:8 * nb]).reshape(nb, 8)[:, 2:]).astype("<u8")
     return np.unpackbits(words.view(np.uint8), bitorder="little")[:P].astype(bool)
 
 

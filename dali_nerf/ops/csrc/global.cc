@@ -64,14 +64,7 @@ void epoch_pixels(uint64_t *pix, const uint64_t *offs, const detail::EpochPerm *
 // pass evaluates one Feistel network per ray still walking, 8 lanes at a time, writes the rays
 // that landed and packs the others (vpcompressq) for the next pass (about 1.6 evaluations a ray).
 
-// DALI_NERF_NO_AVX512 set to anything but "" or "0" turns these paths off at load (the AVX2 and
-// scalar code give the same bits): for checks, and for CPUs that lower their clock under AVX-512.
-bool avx512_wanted() {
-  const char *v = std::getenv("DALI_NERF_NO_AVX512");
-  return v == nullptr || v[0] == '\0' || (v[0] == '0' && v[1] == '\0');
-}
-const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                        __builtin_cpu_supports("avx512vl") && avx512_wanted();
+// kHasAvx512 (writer.h): DALI_NERF_NO_AVX512 turns these paths off at load.
 
 #define DN_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl")))
 
@@ -245,6 +238,41 @@ DN_AVX512 void random_level2_uniform(const Cache &c, const detail::GlobalStream 
   }
 }
 
+/// Random-mode level 2 of a masked cache (images of several valid counts, each < 2^32), 8 kept
+/// positions at a time: the image from the domain's bucket table and a step or two forward (the
+/// lanes that still pass the next image's offset, again), then the random_pixel hash as
+/// random_level2_uniform; the same values as by_table.
+DN_AVX512 void random_level2_buckets(const Cache &c, const detail::GlobalStream &gs, uint64_t base,
+                                     const uint32_t *js, const uint64_t *qs, int w, uint64_t *pix,
+                                     int64_t *positions) {
+  const Domain &d = c.dom;
+  const long long *offs = reinterpret_cast<const long long *>(d.offs.data());
+  const long long *sizes = reinterpret_cast<const long long *>(d.sizes.data());
+  const int *bucket = reinterpret_cast<const int *>(d.bucket.data());
+  const __m512i lo = _mm512_set1_epi64(static_cast<int64_t>(gs.lo));
+  const __m512i vbase = _mm512_set1_epi64(static_cast<int64_t>(base + 1));  // + 1: random_pixel's (s + 1)
+  const __m512i golden = _mm512_set1_epi64(static_cast<int64_t>(detail::kGolden));
+  const __m512i key = _mm512_set1_epi64(static_cast<int64_t>(gs.key)), one = _mm512_set1_epi64(1);
+  for (int i = 0; i < w; i += 8) {
+    const __mmask8 live = w - i >= 8 ? 0xFF : static_cast<__mmask8>((1u << (w - i)) - 1);
+    __m512i g1 = _mm512_add_epi64(vbase, _mm512_cvtepu32_epi64(_mm256_maskz_loadu_epi32(live, js + i)));
+    _mm512_mask_storeu_epi64(positions + i, live, _mm512_sub_epi64(g1, one));
+    const __m512i ql = _mm512_maskz_sub_epi64(live, _mm512_maskz_loadu_epi64(live, qs + i), lo);
+    __m512i img = _mm512_cvtepu32_epi64(_mm512_mask_i64gather_epi32(_mm256_setzero_si256(), live,
+                                                                     _mm512_srli_epi64(ql, d.bshift), bucket, 4));
+    for (__mmask8 step = live; step;) {  // forward while the next image starts at or before ql
+      const __m512i nxt = _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), step, _mm512_add_epi64(img, one),
+                                                      offs, 8);
+      step = _mm512_mask_cmple_epu64_mask(step, nxt, ql);
+      img = _mm512_mask_add_epi64(img, step, img, one);
+    }
+    const __m512i off = _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), live, img, offs, 8);
+    const __m512i n = _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), live, img, sizes, 8);
+    const __m512i h = mix64x8(_mm512_add_epi64(key, _mm512_mullo_epi64(g1, golden)));
+    _mm512_mask_storeu_epi64(pix + i, live, _mm512_add_epi64(off, mulhi32x8(h, n)));
+  }
+}
+
 // ---------------------------------------------------------------- AVX2 random level 2
 // Without AVX-512: random_level2_uniform 4 positions at a time, its 64-bit multiplies by constants
 // from three vpmuludq each, the image estimate in doubles as the writer's locate4 (ids < 2^52).
@@ -332,6 +360,9 @@ class Level2 {
         pix[i] = fast_div(ql, WH, c_.dom.invWH) * WH + detail::random_pixel(gs_.key, pos, WH);
         positions[i] = static_cast<int64_t>(pos);
       }
+    } else if (gs_.mode == kRandom && avx512_ && !c_.dom.bucket.empty() &&
+               c_.dom.max_size < (uint64_t(1) << 32)) {  // masked: the images from the bucket table
+      random_level2_buckets(c_, gs_, base, js, qs, w, pix, positions);
     } else if (tab_ && uniform_) {  // epoch, equal-size images, AVX-512: the first evaluations with the images
       Walks *a = w2_.get(), *b = w1_.get();
       for (int L = epoch_level2_uniform(c_, gs_, base, e, js, qs, w, pix, positions, *tab_, *a); L > 0;
@@ -431,8 +462,7 @@ int64_t run_global_chunk(const Cache &c, const Outputs &out, int64_t *positions,
       }
       const int w = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(m, limit - kept)));
       level2->run(base, e, js, qs, w, pix, positions + slot + kept);
-      if (c.masked)  // the domain's ids are valid-pixel numbers: their pixels
-        for (int i = 0; i < w; i++) pix[i] = c.vi.select(pix[i]);
+      if (c.masked) select_batch(c, pix, pix, w, simd);  // the domain's ids are valid-pixel numbers: their pixels
       write_pixels(c, out, pix, slot + kept, w, simd);
       kept += m;
     }

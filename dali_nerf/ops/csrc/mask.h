@@ -1,21 +1,28 @@
 // dali_nerf ray sampler: the valid-pixel index of a masked cache, for both backends.
 //
 // A cache whose images carry masks feeds the op one more input, `valid` (L,) uint64, built once
-// at decode by dali_nerf.data.masks.valid_index; it is a bit per pixel plus a small directory, so
-// the k-th valid pixel is found in O(1) (a sampled block, a binary search over the few blocks
-// between two samples, a broadword select) without a table of 4-8 bytes per pixel. With P pixels,
-// nb = ceil(P / 512) blocks of 512 pixels (8 words) and V valid pixels, ns = ceil(V / 256):
-//   [0, 8 nb)                 bits: bit j of word w = pixel 64 w + j is valid (0 past P);
-//   [8 nb, 10 nb + 2)         dir: per block b <= nb, dir[2 b] = valid pixels before block b
-//                             (dir[2 nb] = V) and dir[2 b + 1] = the valid pixels of words 0..k-1
-//                             of the block for k = 1..7, 9 bits each (field k at bit 9 (k - 1));
-//   [10 nb + 2, 10 nb + ns + 3) sel: sel[j] = the block of valid pixel 256 j (j < ns), sel[ns] =
-//                             the block of the last valid pixel.
-// L = 10 nb + ns + 3 (about 1.3 bits a pixel). The streams draw a valid-pixel number k in [0, V)
-// (the unmasked formulas with V for P) and select(k) gives its pixel id; unmasked caches skip
-// this entirely (no input, the same streams and bits as before).
+// at decode by dali_nerf.data.masks.valid_index: a bit per pixel in 64-byte lines that also carry
+// their rank directory, a compact copy of the lines' counts and select samples, so the k-th valid
+// pixel is found in O(1) without a table of 4-8 bytes per pixel: a sample and a few counts (small
+// arrays a core keeps in its L2 cache) give the line, then one line (one cache miss) the pixel.
+// With P pixels, nb = ceil(P / 384) lines of 384 pixels (6 words) and V valid pixels,
+// ns = ceil(V / 256):
+//   [0, 8 (nb + 1))               lines, 8 words each: [0] the valid pixels before the line, [1]
+//                                 the valid pixels of its words 0..k-1 for k = 0..5 (9-bit fields,
+//                                 field k at bit 9 k: field 0 is 0; field 6 holds 511), [2..7] the
+//                                 bits (bit j of word w: pixel 384 b + 64 w + j is valid; 0 past
+//                                 P); then one sentinel line whose [0] is V;
+//   [8 (nb + 1), 9 nb + 13)       before: each line's [0] again (before[nb] = V), contiguous, then
+//                                 4 more words of V (a count past the last line never counts);
+//   [9 nb + 13, + ns + 1)         sel: sel[j] = the line of valid pixel 256 j (j < ns), sel[ns] =
+//                                 the line of the last valid pixel (0 when V = 0).
+// L = 9 nb + 13 + ns + 1 (about 1.5 bits a pixel + 0.25 a valid pixel). The streams draw a
+// valid-pixel number k in [0, V) (the unmasked formulas with V for P) and select(k) gives its
+// pixel id; unmasked caches skip all of this (no input, the same streams and bits as before).
 // select never reads outside the index and always returns a pixel id < P, whatever the index
 // holds; an index that does not describe its bits (not built by valid_index) selects wrong pixels.
+// The CPU selects a batch at a time, each line found and prefetched a few selects ahead
+// (select_batch), with BMI2's pdep for the in-word select where it is fast.
 #ifndef DALI_NERF_OPS_MASK_H_
 #define DALI_NERF_OPS_MASK_H_
 
@@ -27,8 +34,8 @@
 namespace dali_nerf {
 namespace detail {
 
-constexpr int kValidBlockShift = 9;   // 512 pixels (8 words) a block
-constexpr int kValidSampleShift = 8;  // a select sample every 256 valid pixels
+constexpr uint64_t kLinePixels = 384;  // pixels per index line (6 words of bits)
+constexpr int kValidSampleShift = 8;    // a select sample every 256 valid pixels
 constexpr uint64_t kOnesStep9 = 1ull << 0 | 1ull << 9 | 1ull << 18 | 1ull << 27 | 1ull << 36 | 1ull << 45 | 1ull << 54;
 constexpr uint64_t kMsbsStep9 = kOnesStep9 << 8;
 constexpr uint64_t kOnesStep8 = 0x0101010101010101ull;
@@ -92,27 +99,26 @@ DN_HD int select_in_word(uint64_t x, uint64_t r) {
 
 /// The valid-pixel index of one cache (a view of the `valid` input; see the top of this file).
 struct ValidIndex {
-  const uint64_t *bits = nullptr, *dir = nullptr, *sel = nullptr;
+  const uint64_t *lines = nullptr, *before = nullptr, *sel = nullptr;
   uint64_t P = 0, V = 0, nb = 0, ns = 0;
 
   /// Words the index of a cache of P pixels and V valid ones has.
   DN_HD static uint64_t length(uint64_t P, uint64_t V) {
-    uint64_t nb = (P + 511) >> kValidBlockShift, ns = (V + 255) >> kValidSampleShift;
-    return 10 * nb + ns + 3;
+    uint64_t nb = (P + kLinePixels - 1) / kLinePixels, ns = (V + 255) >> kValidSampleShift;
+    return 9 * nb + 13 + ns + 1;
   }
 
   /// The view of `data` (L words) for a cache of P pixels; "" or a one-line error when the shape is
-  /// not an index's (V read from the directory: 0 <= V <= P, L = length(P, V)).
+  /// not an index's (V read from the sentinel line: 0 <= V <= P, L = length(P, V)).
   std::string init(const uint64_t *data, uint64_t L, uint64_t P_) {
     P = P_;
-    nb = (P + 511) >> kValidBlockShift;
-    if (L < 10 * nb + 3)
+    nb = (P + kLinePixels - 1) / kLinePixels;
+    if (L < 9 * nb + 14)
       return "dali_nerf ray_sampler: `valid` has " + std::to_string(L) + " words, too few for the valid-pixel "
              "index of " + std::to_string(P) + " pixels: build it with dali_nerf.data.masks.valid_index";
-    bits = data;
-    dir = data + 8 * nb;
-    V = dir[2 * nb];
-    if (V > P || dir[0] != 0)
+    lines = data;
+    V = lines[8 * nb];
+    if (V > P || lines[0] != 0 || data[9 * nb + 8] != V || data[9 * nb + 12] != V)
       return "dali_nerf ray_sampler: `valid` is not a valid-pixel index (it counts " + std::to_string(V) +
              " valid pixels of " + std::to_string(P) + "): build it with dali_nerf.data.masks.valid_index";
     ns = (V + 255) >> kValidSampleShift;
@@ -120,40 +126,66 @@ struct ValidIndex {
       return "dali_nerf ray_sampler: `valid` has " + std::to_string(L) + " words but an index of " +
              std::to_string(V) + " valid pixels of " + std::to_string(P) + " has " + std::to_string(length(P, V)) +
              ": build it with dali_nerf.data.masks.valid_index";
-    sel = dir + 2 * nb + 2;
+    before = lines + 8 * (nb + 1);
+    sel = before + nb + 5;
     return "";
+  }
+
+  /// The line holding valid pixel k (k < V): between the lines of its two select samples, the
+  /// last whose count before it is <= k. `before` is nondecreasing and every line after the upper
+  /// sample's starts past k, so that line is lo + the number of the next 4 lines whose count is
+  /// <= k (branch-free; samples 256 valid pixels apart are 1-3 lines apart at a half-masked
+  /// density), after a binary search down to 4 lines when the samples are further apart.
+  DN_HD uint64_t line_of(uint64_t k) const {
+    const uint64_t j = k >> kValidSampleShift, last = nb - 1;
+    uint64_t lo = sel[j];
+    lo = lo > last ? last : lo;
+    uint64_t hi = sel[j + 1];
+    if (hi > lo + 4) {  // sparse valid pixels between the samples
+      hi = hi > last ? last : hi;
+      while (hi > lo + 4) {
+        const uint64_t mid = (lo + hi + 1) >> 1;
+        if (before[mid] <= k) lo = mid;
+        else hi = mid - 1;
+      }
+    }
+    const uint64_t *c = before + lo;  // before[lo + 4] exists: 4 words of V follow before[nb]
+    return lo + (c[1] <= k) + (c[2] <= k) + (c[3] <= k) + (c[4] <= k);
+  }
+
+  /// The pixel id of valid pixel k in line b (= line_of(k)); `sw` selects in a word
+  /// (select_in_word, or the host's pdep).
+  template <class SelectWord>
+  DN_HD uint64_t in_line(uint64_t k, uint64_t b, SelectWord sw) const {
+    const uint64_t *ln = lines + 8 * b;
+    const uint64_t r = k - ln[0], sub = ln[1];
+    // the fields <= r (field 0 always): the word holding k is their count - 1
+    uint64_t w = (((uleq_step9(sub, (r & 511) * kOnesStep9) * kOnesStep9) >> 54) & 7) - 1;
+    w = w > 5 ? 5 : w;
+    const uint64_t before_w = (sub >> (9 * w)) & 511;
+    const uint64_t pix = b * kLinePixels + (w << 6) + static_cast<uint64_t>(sw(ln[2 + w], r - before_w));
+    return pix < P ? pix : P - 1;
   }
 
   /// The pixel id of valid pixel k (k < V), in increasing order of k.
   DN_HD uint64_t select(uint64_t k) const {
-    const uint64_t j = k >> kValidSampleShift, last = nb - 1;
-    uint64_t lo = sel[j], hi = sel[j + 1];
-    lo = lo > last ? last : lo;
-    hi = hi > last ? last : hi;
-    while (lo < hi) {  // the last block b in [lo, hi] with dir[2 b] <= k: the one holding k
-      const uint64_t mid = (lo + hi + 1) >> 1;
-      if (dir[2 * mid] <= k) lo = mid;
-      else hi = mid - 1;
-    }
-    const uint64_t r = k - dir[2 * lo], sub = dir[2 * lo + 1];
-    const uint64_t w = ((uleq_step9(sub, (r & 511) * kOnesStep9) * kOnesStep9) >> 54) & 7;  // the word
-    const uint64_t before = w ? (sub >> (9 * (w - 1))) & 511 : 0;
-    const uint64_t pix = (lo << kValidBlockShift) + (w << 6) +
-                         static_cast<uint64_t>(select_in_word(bits[8 * lo + w], r - before));
-    return pix < P ? pix : P - 1;
+    return in_line(k, line_of(k), [](uint64_t x, uint64_t r) { return select_in_word(x, r); });
   }
 
   /// Valid pixels before pixel id p (p <= P); host only (the per-image counts, once per run).
   uint64_t rank(uint64_t p) const {
     if (p >= P) return V;
-    const uint64_t b = p >> kValidBlockShift, w = (p >> 6) & 7;
-    const uint64_t before = w ? (dir[2 * b + 1] >> (9 * (w - 1))) & 511 : 0;
-    const uint64_t part = bits[p >> 6] & ((uint64_t(1) << (p & 63)) - 1);
-    return dir[2 * b] + before + static_cast<uint64_t>(__builtin_popcountll(part));
+    const uint64_t b = p / kLinePixels, w = (p % kLinePixels) >> 6;
+    const uint64_t *ln = lines + 8 * b;
+    const uint64_t before_w = (ln[1] >> (9 * w)) & 511;
+    const uint64_t part = ln[2 + w] & ((uint64_t(1) << (p & 63)) - 1);
+    return ln[0] + before_w + static_cast<uint64_t>(__builtin_popcountll(part));
   }
 
   /// Is pixel p valid (p < P).
-  DN_HD bool valid(uint64_t p) const { return (bits[p >> 6] >> (p & 63)) & 1; }
+  DN_HD bool valid(uint64_t p) const {
+    return (lines[8 * (p / kLinePixels) + 2 + ((p % kLinePixels) >> 6)] >> (p & 63)) & 1;
+  }
 };
 
 }  // namespace detail

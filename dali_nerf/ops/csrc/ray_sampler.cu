@@ -10,7 +10,7 @@
 // and uploaded in one copy. The kernels evaluate the shared formula (row_ray, route_decide),
 // compiled with -fmad=false, so rays and routing decisions are the CPU's bits.
 //   * masked caches (a `valid` input, always on the host): the index is uploaded once per run
-//     (about P / 6 bytes) and the streams draw valid-pixel numbers that detail::ValidIndex::select
+//     (about P / 5 bytes) and the streams draw valid-pixel numbers that detail::ValidIndex::select
 //     maps to pixels (mask.h, the CPU's code); the per-image valid counts come from the host copy.
 //   * unrouted: one thread per output ray; `consumed` (= rays) is written by thread 0.
 //   * global stream (`global_pixels` > 0): the kept counts come from host floor sums; one
@@ -193,10 +193,10 @@ void upload_valid(GpuCache &g, const uint64_t *host, uint64_t L, const detail::V
   uint64_t *dev = scratch.AllocateGPU<uint64_t>(L);
   CUDA_CALL(cudaMemcpyAsync(dev, host, L * sizeof(uint64_t), cudaMemcpyHostToDevice, stream));
   g.masked = true;
-  g.vi = hv;
-  g.vi.bits = dev;
-  g.vi.dir = dev + 8 * hv.nb;
-  g.vi.sel = dev + 10 * hv.nb + 2;
+  g.vi = hv;  // the same layout, at the device copy
+  g.vi.lines = dev;
+  g.vi.before = dev + (hv.before - hv.lines);
+  g.vi.sel = dev + (hv.sel - hv.lines);
   g.n = hv.V;
 }
 

@@ -1,6 +1,7 @@
 // dali_nerf ray sampler, CPU backend: the ray writers (see writer.h).
 #include "writer.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -25,6 +26,16 @@ const RgbTable kRgb;
 }  // namespace
 
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+
+namespace {
+bool avx512_wanted() {
+  const char *v = std::getenv("DALI_NERF_NO_AVX512");
+  return v == nullptr || v[0] == '\0' || (v[0] == '0' && v[1] == '\0');
+}
+}  // namespace
+
+const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                        __builtin_cpu_supports("avx512vl") && avx512_wanted();
 
 void Cache::init(const uint8_t *px, int64_t P_, const float *cams, const int64_t *lay, int64_t N,
                  const uint64_t *valid, int64_t L) {
@@ -59,17 +70,36 @@ void Cache::init(const uint8_t *px, int64_t P_, const float *cams, const int64_t
   invWH = 1.0 / static_cast<double>(WH);
   // the streams' domain: the pixels, or per image its valid pixels (ranks at the image offsets)
   dom.n = masked ? vi.V : P;
-  dom.offs.resize(N);
-  dom.sizes.resize(N);
-  for (int64_t i = 0; i < N; i++) {
-    uint64_t end = imgs[i].off + imgs[i].W * imgs[i].H;
-    dom.offs[i] = masked ? vi.rank(imgs[i].off) : imgs[i].off;
-    dom.sizes[i] = (masked ? vi.rank(end) : end) - dom.offs[i];
+  dom.offs.resize(N + 1);
+  for (int64_t i = 0; i < N; i++) dom.offs[i] = masked ? vi.rank(imgs[i].off) : imgs[i].off;
+  dom.offs[N] = dom.n;
+  dom.finish(masked);
+  if (!masked) dom.uniform = uniform;
+}
+
+void Domain::finish(bool with_buckets) {
+  const size_t N = offs.size() - 1;
+  sizes.resize(N);
+  max_size = 0;
+  for (size_t i = 0; i < N; i++) {
+    sizes[i] = offs[i + 1] - offs[i];
+    max_size = std::max(max_size, sizes[i]);
   }
-  dom.uniform = masked ? dom.sizes[0] > 0 : uniform;
-  for (int64_t i = 1; i < N && dom.uniform; i++) dom.uniform = dom.sizes[i] == dom.sizes[0];
-  dom.WH = dom.sizes[0];
-  dom.invWH = dom.WH ? 1.0 / static_cast<double>(dom.WH) : 0.0;
+  uniform = sizes[0] > 0;
+  for (size_t i = 1; i < N && uniform; i++) uniform = sizes[i] == sizes[0];
+  WH = sizes[0];
+  invWH = WH ? 1.0 / static_cast<double>(WH) : 0.0;
+  bucket.clear();
+  if (!with_buckets || uniform || n == 0) return;
+  bshift = 0;
+  while ((n >> bshift) > 4 * N + 4) bshift++;  // about 4 buckets an image
+  bucket.resize((n >> bshift) + 1);
+  size_t img = 0;
+  for (size_t b = 0; b < bucket.size(); b++) {  // the image holding id b << bshift (the last one for ids past n)
+    const uint64_t id = std::min<uint64_t>(uint64_t(b) << bshift, n - 1);
+    while (offs[img + 1] <= id) img++;
+    bucket[b] = static_cast<uint32_t>(img);
+  }
 }
 
 void Outputs::write(const Cache &c, int64_t i, uint64_t pix) const {
@@ -218,19 +248,51 @@ __attribute__((target("avx2"))) void write8_avx2(const Cache &c, const Outputs &
 
 namespace {
 
-/// Pixel ids of a stream: the stream's ids themselves (unmasked), or the valid pixels they number.
-template <int Mode, bool Masked>
-struct PixelStream {
-  detail::Stream<Mode> st;
-  const detail::ValidIndex &vi;
-  PixelStream(const Cache &c, uint64_t key, uint64_t s0) : st(key, c.dom.n, s0), vi(c.vi) {}
-  inline uint64_t next() {
-    if constexpr (Masked) return vi.select(st.next());
-    else return st.next();
-  }
-};
+// BMI2's pdep is a 3-cycle instruction on Intel and AMD Zen 3+, microcoded (hundreds of cycles) on
+// AMD families 15h and 17h (Zen 1/2): there the broadword select_in_word is faster
+const bool kFastPdep = __builtin_cpu_supports("bmi2") && !__builtin_cpu_is("amdfam15h") &&
+                       !__builtin_cpu_is("amdfam17h");
 
-template <int Mode, bool Masked>
+/// The r-th set bit of x by pdep (inline assembly: no BMI2 code outside the path that checked for it).
+inline int pdep_select(uint64_t x, uint64_t r) {
+  uint64_t m;
+  asm("pdep %1, %2, %0" : "=r"(m) : "r"(x), "r"(uint64_t(1) << (r & 63)));
+  return m ? __builtin_ctzll(m) : 64;
+}
+
+template <bool Pdep>
+void select_batch_in(const detail::ValidIndex &vi, const uint64_t *in, uint64_t *out, int64_t n) {
+  // three prefetch stages kD selects apart: the sample (sel), then the compact counts it points at
+  // (before), then the line those give; a select then finds all three in cache (at 16 M pixels the
+  // lines are megabytes, and even sel and before miss the L2 cache once the pixels stream through it)
+  constexpr int64_t kD = 16;
+  const uint64_t last = vi.nb - 1;
+  uint64_t ring[kD];
+  auto at_sel = [&](int64_t i) { __builtin_prefetch(vi.sel + (in[i] >> detail::kValidSampleShift)); };
+  auto at_before = [&](int64_t i) {
+    const uint64_t lo = vi.sel[in[i] >> detail::kValidSampleShift], at = lo > last ? last : lo;
+    __builtin_prefetch(vi.before + at);
+    __builtin_prefetch(vi.before + at + 4);  // line_of reads before[lo + 1 .. lo + 4]: maybe the next line
+  };
+  auto at_line = [&](int64_t i) {
+    const uint64_t b = vi.line_of(in[i]);
+    ring[i & (kD - 1)] = b;
+    __builtin_prefetch(vi.lines + 8 * b);
+  };
+  for (int64_t i = 0; i < std::min(3 * kD, n); i++) at_sel(i);
+  for (int64_t i = 0; i < std::min(2 * kD, n); i++) at_before(i);
+  for (int64_t i = 0; i < std::min(kD, n); i++) at_line(i);
+  for (int64_t i = 0; i < n; i++) {
+    const uint64_t k = in[i], b = ring[i & (kD - 1)];
+    if (i + 3 * kD < n) at_sel(i + 3 * kD);
+    if (i + 2 * kD < n) at_before(i + 2 * kD);
+    if (i + kD < n) at_line(i + kD);
+    if constexpr (Pdep) out[i] = vi.in_line(k, b, pdep_select);
+    else out[i] = vi.in_line(k, b, [](uint64_t x, uint64_t r) { return detail::select_in_word(x, r); });
+  }
+}
+
+template <int Mode>
 void run_chunk_in(const Cache &c, const Outputs &out_, uint64_t key, uint64_t s0, int64_t i0, int64_t n,
                   bool simd) {
   const Outputs out = out_;  // a local copy: its pointers stay in registers across the stores
@@ -239,7 +301,7 @@ void run_chunk_in(const Cache &c, const Outputs &out_, uint64_t key, uint64_t s0
   // (a burst of prefetches per group stalls on the fill buffers)
   constexpr int64_t kAhead = 32;
   uint64_t ring[kAhead];
-  PixelStream<Mode, Masked> st(c, key, s0);
+  detail::Stream<Mode> st(key, c.P, s0);
   for (int64_t k = 0; k < std::min(kAhead, n); k++) {
     ring[k] = st.next();
     __builtin_prefetch(c.pixels + 3 * ring[k]);
@@ -271,32 +333,64 @@ void run_chunk_in(const Cache &c, const Outputs &out_, uint64_t key, uint64_t s0
   }
 }
 
+/// Masked: the stream's valid-pixel numbers in batches, selected (index lines prefetched ahead), then
+/// written by write_pixels (pixels prefetched ahead).
+template <int Mode>
+void run_chunk_masked(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, int64_t i0, int64_t n,
+                      bool simd) {
+  constexpr int64_t kSub = 512;
+  uint64_t pix[kSub];
+  detail::Stream<Mode> st(key, c.dom.n, s0);
+  for (int64_t done = 0; done < n; done += kSub) {
+    const int64_t m = std::min(kSub, n - done);
+    for (int64_t j = 0; j < m; j++) pix[j] = st.next();
+    select_batch(c, pix, pix, m, simd);
+    write_pixels(c, out, pix, i0 + done, m, simd);
+  }
+}
+
 }  // namespace
+
+void select_batch(const Cache &c, const uint64_t *in, uint64_t *out, int64_t n, bool simd) {
+  if (simd && kFastPdep) select_batch_in<true>(c.vi, in, out, n);
+  else select_batch_in<false>(c.vi, in, out, n);
+}
 
 template <int Mode>
 void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, int64_t i0, int64_t n, bool simd) {
-  if (c.masked) run_chunk_in<Mode, true>(c, out, key, s0, i0, n, simd);
-  else run_chunk_in<Mode, false>(c, out, key, s0, i0, n, simd);
+  if (c.masked) run_chunk_masked<Mode>(c, out, key, s0, i0, n, simd);
+  else run_chunk_in<Mode>(c, out, key, s0, i0, n, simd);
 }
 
 /// Writes the rays of the pixel ids pix[0, n) to output slots [slot, slot + n).
-void write_pixels(const Cache &c, const Outputs &out_, const uint64_t *pix, int64_t slot, int64_t n,
-                  bool simd) {
+namespace {
+
+template <int Locality>
+void write_pixels_in(const Cache &c, const Outputs &out_, const uint64_t *pix, int64_t slot, int64_t n, bool simd) {
   const Outputs out = out_;
   constexpr int64_t kAhead = 32;
-  for (int64_t k = 0; k < std::min(kAhead, n); k++) __builtin_prefetch(c.pixels + 3 * pix[k]);
+  for (int64_t k = 0; k < std::min(kAhead, n); k++) __builtin_prefetch(c.pixels + 3 * pix[k], 0, Locality);
   int64_t k = 0;
   if (simd && c.simd) {
     for (; k + 8 <= n; k += 8) {
       for (int j = 0; j < 8; j++)
-        if (k + j + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + j + kAhead]);
+        if (k + j + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + j + kAhead], 0, Locality);
       write8_avx2(c, out, slot + k, pix + k);
     }
   }
   for (; k < n; k++) {
-    if (k + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + kAhead]);
+    if (k + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + kAhead], 0, Locality);
     out.write(c, slot + k, pix[k]);
   }
+}
+
+}  // namespace
+
+void write_pixels(const Cache &c, const Outputs &out, const uint64_t *pix, int64_t slot, int64_t n, bool simd) {
+  // a masked cache's pixels are prefetched non-temporally (prefetchnta): a random pixel is read once,
+  // and the valid-pixel index lines it would evict from the caches are read again
+  if (c.masked) write_pixels_in<0>(c, out, pix, slot, n, simd);
+  else write_pixels_in<3>(c, out, pix, slot, n, simd);
 }
 
 template void run_chunk<kRandom>(const Cache &, const Outputs &, uint64_t, uint64_t, int64_t, int64_t, bool);

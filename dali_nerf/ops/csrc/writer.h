@@ -42,17 +42,30 @@ struct Image {
 /// an image may have none). A stream picks an id; Cache::pixel_of maps it to its pixel.
 struct Domain {
   uint64_t n = 0;
-  std::vector<uint64_t> offs, sizes;
+  std::vector<uint64_t> offs, sizes;  // offs: N + 1 entries (offs[N] = n)
   bool uniform = false;  // all images of one size > 0: the image by one division
   uint64_t WH = 0;
   double invWH = 0;
+  // masked, images of several sizes: bucket[id >> bshift] = the image holding id bshift-aligned ids
+  // (about 4 buckets an image), the search then a step or two forward (unmasked: empty)
+  std::vector<uint32_t> bucket;
+  int bshift = 0;
+  uint64_t max_size = 0;
 
   /// Index of the image holding id `id` < n (with empty images: the last image whose offset is
   /// <= id, the one that holds it).
   inline size_t image_of(uint64_t id) const {
     if (uniform) return fast_div(id, WH, invWH);
-    return std::upper_bound(offs.begin(), offs.end(), id) - offs.begin() - 1;
+    if (!bucket.empty()) {
+      size_t img = bucket[id >> bshift];
+      while (offs[img + 1] <= id) img++;  // offs[N] = n > id ends it
+      return img;
+    }
+    return std::upper_bound(offs.begin(), offs.end() - 1, id) - offs.begin() - 1;
   }
+
+  /// The per-image rows (offs, sizes from offs) and, masked, the image of each bucket.
+  void finish(bool with_buckets);
 };
 
 /// One sample's cache: pixel id -> (image, row, col) -> ray, and the outputs it writes.
@@ -94,6 +107,10 @@ struct Cache {
 };
 
 extern const bool kHasAvx2;
+/// AVX-512 F/DQ/VL on this CPU, unless DALI_NERF_NO_AVX512 is set to anything but "" or "0" (the
+/// AVX2 and scalar code give the same bits: for checks, and for CPUs that lower their clock under
+/// AVX-512): the global stream's level 2 and the masked select, 8 lanes at a time.
+extern const bool kHasAvx512;
 
 struct Outputs {
   float *o, *d, *rgb, *nr, *fr;
@@ -112,6 +129,11 @@ int locate_avx2(const Cache &c, const uint64_t *bpix, int m, int32_t *img, int32
 template <int Mode>
 void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, int64_t i0, int64_t n,
                bool simd);
+
+/// out[i] = the pixel of valid-pixel number in[i] (c.vi.select) for i < n, with the index lines
+/// prefetched a few selects ahead (in may be out). With BMI2 where its pdep is fast (not AMD
+/// families 15h/17h, which microcode it) the in-word select is pdep; the same pixels either way.
+void select_batch(const Cache &c, const uint64_t *in, uint64_t *out, int64_t n, bool simd);
 
 /// Writes the rays of the pixel ids pix[0, n) to output slots [slot, slot + n).
 void write_pixels(const Cache &c, const Outputs &out, const uint64_t *pix, int64_t slot, int64_t n, bool simd);
