@@ -9,6 +9,7 @@ masked band, iid pixels, a nonzero value that is not 255)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -313,3 +314,32 @@ def test_validate_checks_the_masks(tmp_path):
     cv2.imwrite(scene.mask_paths[3], np.zeros((3, 3), np.uint8))
     with pytest.raises(DataError, match=r"mask_003.png: .*3x3"):
         scan_images(scene)
+
+
+def test_the_ddp_trainer_reports_the_unmasked_psnr(tmp_path):
+    """A masked city trained 6 steps by the DDP trainer (1 rank, tiny model): its summary leads with
+    the PSNR of the evaluation views' unmasked pixels and keeps the full-image one."""
+    import json
+
+    from dali_nerf.scenegen import make_scene
+    from test_trainers import TINY_MODEL, run_trainer
+
+    root = make_scene("city", tmp_path / "city", width=32, n_train=6, n_val=2, seed=2, occluders=True)
+    common = ["--config", "configs/ss_city.yaml", "method=ddp", f"scene.path={root}", "scene.format=nerfstudio",
+              f"train.runs_dir={tmp_path / 'runs'}", "train.steps=6", "train.checkpoint_every=0", "train.eval_images=1",
+              "pipeline.rays_per_batch=256", "pipeline.rays_per_run=512", *TINY_MODEL]
+    run_trainer("dali_nerf.trainers.ddp", 1, common + ["name=use"])
+    s = json.loads((tmp_path / "runs" / "use" / "summary.json").read_text())
+    assert s["psnr_lead"] == "unmasked" and s["test_psnr_unmasked"] > 0 and s["test_psnr"] > 0
+    assert s["test_psnr_unmasked"] != s["test_psnr"]  # the occluders are in the views, not in the unmasked pixels
+
+
+def test_scene_masks_ignore_drops_the_training_masks_only(tmp_path):
+    from dali_nerf.config import load_config
+    from dali_nerf.scenegen import make_scene
+    from dali_nerf.scenes import scene_from_config
+
+    root = make_scene("unbounded", tmp_path / "u", width=24, n_train=3, n_val=1, seed=1, occluders=True)
+    config = Path(__file__).resolve().parent.parent / "configs" / "ddp_unbounded.yaml"
+    cfg = load_config(config, [f"scene.path={root}", "scene.masks=ignore", "scene.eval_split=val"])
+    assert not scene_from_config(cfg).masked and scene_from_config(cfg, "val").masked
