@@ -36,7 +36,9 @@ config and the rank key the stream (``stream: global``: the seed alone, global b
 ``global_batch`` rays, or ``train_num_rays_per_batch`` x ranks, see :class:`DaliDataManagerConfig`).
 
 **Unchanged from nerfstudio**: the eval dataset, ``next_eval``, ``next_eval_image`` and the eval
-dataloaders (inherited). **Not supported** (a one-line ConfigError at set-up): masks, patch
+dataloaders (inherited). **Masks** (the dataparser's ``mask_filenames``): our RayLoader samples the
+unmasked pixels only, as nerfstudio's pixel sampler does (the same pixels: tests/nerfstudio_extra/
+test_masks.py). **Not supported** (a one-line ConfigError at set-up): patch
 sampling (``patch_size > 1``), ``train_num_images_to_sample_from``, ``camera_res_scale_factor !=
 1`` (use the dataparser's ``downscale_factor``), RGBA images without an ``alpha_color``. A resumed
 ``ns-train`` run restarts the ray stream at its beginning with ``stream: shard`` (nerfstudio does
@@ -96,14 +98,12 @@ def scene_from_dataset(dataset, split: str = "train") -> Scene:
     """nerfstudio ``InputDataset`` (its cameras after the dataparser's transform and scale) ->
     our :class:`~dali_nerf.Scene` of the same images in the same order (camera index = position).
 
-    Raises ConfigError for what the RayLoader cannot reproduce (masks, RGBA without alpha colour).
+    Masks (``mask_filenames``) go with the images, which they match in size (nerfstudio asserts it).
+    Raises ConfigError for what the RayLoader cannot reproduce (RGBA without alpha colour).
     """
     out = dataset._dataparser_outputs
     cams = dataset.cameras
     paths = [Path(p) for p in out.image_filenames]
-    if out.mask_filenames is not None:
-        raise ConfigError("pipeline.datamanager: the dataparser returned masks, which DaliDataManager does not "
-                          "sample by; use nerfstudio's VanillaDataManager for masked data")
     n = len(paths)
     if cams.camera_to_worlds.shape[0] != n:
         raise ConfigError(f"pipeline.datamanager: {cams.camera_to_worlds.shape[0]} cameras for {n} images; "
@@ -118,10 +118,11 @@ def scene_from_dataset(dataset, split: str = "train") -> Scene:
     wfs[:3, :] = out.dataparser_transform.detach().cpu().numpy()
     wfs[:3, :] *= float(out.dataparser_scale)
     aabb = out.scene_box.aabb.detach().cpu().numpy() if out.scene_box is not None else None
-    return Scene(image_paths=tuple(str(p) for p in paths), c2w=c2w, intrinsics=intr,
-                 width=cams.width.reshape(-1).cpu().numpy(), height=cams.height.reshape(-1).cpu().numpy(),
+    wh = np.stack([cams.width.reshape(-1).cpu().numpy(), cams.height.reshape(-1).cpu().numpy()], 1)
+    masks = {} if out.mask_filenames is None else dict(mask_paths=[str(p) for p in out.mask_filenames], mask_wh=wh)
+    return Scene(image_paths=tuple(str(p) for p in paths), c2w=c2w, intrinsics=intr, width=wh[:, 0], height=wh[:, 1],
                  split=split, format="nerfstudio-dataparser", root=str(paths[0].parent if paths else "."),
-                 background=bg, world_from_source=wfs, aabb=aabb)
+                 background=bg, world_from_source=wfs, aabb=aabb, **masks)
 
 
 def _pinhole_ok(cams) -> bool:

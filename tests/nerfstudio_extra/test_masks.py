@@ -57,3 +57,21 @@ def test_the_pixels_each_can_draw_are_the_same(occluded_city, scale):
         ours = {tuple(r) for r in next(loader)["indices"].tolist()}
     assert ours == ns
     assert 0 < V < int((scene.width * scene.height).sum())  # the occluders are masked out
+
+
+def test_dali_datamanager_samples_the_unmasked_pixels(occluded_city):
+    """DaliDataManager on a masked nerfstudio scene: the scene it builds from nerfstudio's dataparser
+    carries the masks, and every training ray it hands out is on a pixel nerfstudio's mask keeps."""
+    from dali_nerf.integrations.nerfstudio import DaliDataManagerConfig
+
+    cfg = DaliDataManagerConfig(dataparser=NerfstudioDataParserConfig(data=Path(occluded_city), downscale_factor=1),
+                                train_num_rays_per_batch=1024)
+    dm = cfg.setup(device="cpu", test_mode="val", world_size=1, local_rank=0)
+    try:
+        assert dm.train_scene.masked
+        masks = [dm.train_dataset.get_data(i)["mask"][..., 0] for i in range(len(dm.train_dataset))]
+        for step in range(3):
+            _, batch = dm.next_train(step)
+            assert all(bool(masks[c][r, q]) for c, r, q in batch["indices"].tolist())
+    finally:
+        dm.close()
