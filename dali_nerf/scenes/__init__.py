@@ -95,7 +95,8 @@ def load_scene(
 
 def scene_from_config(cfg, split: Optional[str] = None) -> Scene:
     """The split ``split`` (default ``cfg.scene.train_split``) of the scene a config names, with
-    its format, downscale and background: the one config -> Scene."""
+    its format, downscale and background: the one config -> Scene. ``scene.masks: ignore`` drops
+    the training split's masks (every pixel trains); other splits keep theirs."""
     s = cfg.scene
     split = s.train_split if split is None else split
     scene = load_scene(s.path, split=split, format=s.format, downscale=s.downscale, background=s.background)
