@@ -43,9 +43,9 @@ SAMPLE = 256
 
 
 def index_length(P: int, V: int) -> int:
-    """Words of the valid-pixel index of P pixels, V of them valid: 9 nb + 13 + ns + 1."""
+    """Words of the valid-pixel index of P pixels, V of them valid: 9 nb + 13 + 2 (ns + 1)."""
     nb, ns = -(-P // LINE), -(-V // SAMPLE)
-    return 9 * nb + 13 + ns + 1
+    return 9 * nb + 13 + 2 * (ns + 1)
 
 
 def valid_index(valid: np.ndarray) -> np.ndarray:
@@ -55,14 +55,16 @@ def valid_index(valid: np.ndarray) -> np.ndarray:
     ns = ceil(V / 256): nb lines of 8 words (the valid pixels before the line; the valid pixels of
     its words 0..k-1 for k = 0..5 in 9-bit fields at bit 9 k, field 6 = 511; its 6 words of bits, bit j
     of word w = pixel 384 b + 64 w + j), a sentinel line whose first word is V, the lines' first
-    words again (nb + 1 words, contiguous) and 4 more words of V, then the select samples (ns + 1 words: the line of
-    every 256th valid pixel, then the line of the last one). The lines start on a 64-byte
-    boundary (one cache line each).
+    words again (nb + 1 words, contiguous) and 4 more words of V, then the select samples (ns + 1
+    of 2 words: the line lo of every 256th valid pixel, bit 63 set when the next sample's line is
+    more than 4 lines further, and the next 4 lines' counts minus 256 j in 16-bit fields, at most
+    65535; then the line of the last valid pixel and 0). The lines start on a 64-byte boundary
+    (one cache line each).
 
     Args:
         valid: (P,) bool (any shape: flattened row-major).
     Returns:
-        (9 nb + 13 + ns + 1,) uint64, read-only.
+        (9 nb + 13 + 2 (ns + 1),) uint64, read-only.
     """
     v = np.ascontiguousarray(valid, bool).reshape(-1)
     P = v.size
@@ -88,7 +90,17 @@ def valid_index(valid: np.ndarray) -> np.ndarray:
     out[8 * (nb + 1):9 * nb + 9] = before
     out[9 * nb + 9:9 * nb + 13] = V
     targets = np.minimum(np.arange(ns + 1, dtype=np.int64) * SAMPLE, max(V - 1, 0))
-    out[9 * nb + 13:] = np.searchsorted(before[1:], targets, side="right")  # the line holding each
+    lo = np.searchsorted(before[1:], targets, side="right")  # the line holding each
+    samples = out[9 * nb + 13:].reshape(ns + 1, 2)
+    padded = np.concatenate([before, np.full(4, V, np.int64)])
+    fields = np.zeros(ns + 1, np.uint64)
+    for d in range(1, 5):
+        delta = np.clip(padded[np.minimum(lo + d, nb + 4)] - np.arange(ns + 1) * SAMPLE, 0, 65535)
+        fields |= delta.astype(np.uint64) << np.uint64(16 * (d - 1))
+    sparse = np.zeros(ns + 1, bool)
+    sparse[:ns] = lo[1:] > lo[:ns] + 4
+    samples[:, 0] = lo.astype(np.uint64) | (sparse.astype(np.uint64) << np.uint64(63))
+    samples[:ns, 1] = fields[:ns]
     out.setflags(write=False)
     return out
 

@@ -3,8 +3,8 @@
 // A cache whose images carry masks feeds the op one more input, `valid` (L,) uint64, built once
 // at decode by dali_nerf.data.masks.valid_index: a bit per pixel in 64-byte lines that also carry
 // their rank directory, a compact copy of the lines' counts and select samples, so the k-th valid
-// pixel is found in O(1) without a table of 4-8 bytes per pixel: a sample and a few counts (small
-// arrays a core keeps in its L2 cache) give the line, then one line (one cache miss) the pixel.
+// pixel is found in O(1) without a table of 4-8 bytes per pixel: one 16-byte sample gives the
+// line (it holds the counts of the next 4 lines), then one 64-byte line gives the pixel.
 // With P pixels, nb = ceil(P / 384) lines of 384 pixels (6 words) and V valid pixels,
 // ns = ceil(V / 256):
 //   [0, 8 (nb + 1))               lines, 8 words each: [0] the valid pixels before the line, [1]
@@ -14,9 +14,13 @@
 //                                 P); then one sentinel line whose [0] is V;
 //   [8 (nb + 1), 9 nb + 13)       before: each line's [0] again (before[nb] = V), contiguous, then
 //                                 4 more words of V (a count past the last line never counts);
-//   [9 nb + 13, + ns + 1)         sel: sel[j] = the line of valid pixel 256 j (j < ns), sel[ns] =
-//                                 the line of the last valid pixel (0 when V = 0).
-// L = 9 nb + 13 + ns + 1 (about 1.5 bits a pixel + 0.25 a valid pixel). The streams draw a
+//   [9 nb + 13, + 2 (ns + 1))     samples, 2 words each: sample j < ns: [0] the line lo of valid
+//                                 pixel 256 j, bit 63 set when the next sample's line is more than
+//                                 4 lines further (sparse valid pixels); [1] for d = 1..4 the valid
+//                                 pixels before line lo + d minus 256 j, at most 65535, 16 bits each
+//                                 (field d at bit 16 (d - 1)); sample ns: [0] the line of the last
+//                                 valid pixel (0 when V = 0), [1] 0.
+// L = 9 nb + 13 + 2 (ns + 1) (about 1.5 bits a pixel + 0.5 a valid pixel). The streams draw a
 // valid-pixel number k in [0, V) (the unmasked formulas with V for P) and select(k) gives its
 // pixel id; unmasked caches skip all of this (no input, the same streams and bits as before).
 // select never reads outside the index and always returns a pixel id < P, whatever the index
@@ -99,13 +103,13 @@ DN_HD int select_in_word(uint64_t x, uint64_t r) {
 
 /// The valid-pixel index of one cache (a view of the `valid` input; see the top of this file).
 struct ValidIndex {
-  const uint64_t *lines = nullptr, *before = nullptr, *sel = nullptr;
+  const uint64_t *lines = nullptr, *before = nullptr, *samples = nullptr;
   uint64_t P = 0, V = 0, nb = 0, ns = 0;
 
   /// Words the index of a cache of P pixels and V valid ones has.
   DN_HD static uint64_t length(uint64_t P, uint64_t V) {
     uint64_t nb = (P + kLinePixels - 1) / kLinePixels, ns = (V + 255) >> kValidSampleShift;
-    return 9 * nb + 13 + ns + 1;
+    return 9 * nb + 13 + 2 * (ns + 1);
   }
 
   /// The view of `data` (L words) for a cache of P pixels; "" or a one-line error when the shape is
@@ -127,30 +131,35 @@ struct ValidIndex {
              std::to_string(V) + " valid pixels of " + std::to_string(P) + " has " + std::to_string(length(P, V)) +
              ": build it with dali_nerf.data.masks.valid_index";
     before = lines + 8 * (nb + 1);
-    sel = before + nb + 5;
+    samples = before + nb + 5;
     return "";
   }
 
-  /// The line holding valid pixel k (k < V): between the lines of its two select samples, the
-  /// last whose count before it is <= k. `before` is nondecreasing and every line after the upper
-  /// sample's starts past k, so that line is lo + the number of the next 4 lines whose count is
-  /// <= k (branch-free; samples 256 valid pixels apart are 1-3 lines apart at a half-masked
-  /// density), after a binary search down to 4 lines when the samples are further apart.
+  /// The line holding valid pixel k (k < V): from its sample j = k / 256 (the line lo of valid
+  /// pixel 256 j), lo + the number of the next 4 lines that start at or before k (their counts are
+  /// in the sample: one 16-byte read, no branch); a sample flagged sparse (the next sample's line
+  /// more than 4 lines further) searches the compact counts instead (`before` is nondecreasing and
+  /// every line after the next sample's starts past k).
   DN_HD uint64_t line_of(uint64_t k) const {
     const uint64_t j = k >> kValidSampleShift, last = nb - 1;
-    uint64_t lo = sel[j];
+    const uint64_t s0 = samples[2 * j], s1 = samples[2 * j + 1];
+    uint64_t lo = s0 & ~(uint64_t(1) << 63);
     lo = lo > last ? last : lo;
-    uint64_t hi = sel[j + 1];
-    if (hi > lo + 4) {  // sparse valid pixels between the samples
+    if (s0 >> 63) {  // sparse valid pixels between the samples
+      uint64_t hi = samples[2 * j + 2] & ~(uint64_t(1) << 63);
       hi = hi > last ? last : hi;
       while (hi > lo + 4) {
         const uint64_t mid = (lo + hi + 1) >> 1;
         if (before[mid] <= k) lo = mid;
         else hi = mid - 1;
       }
+      const uint64_t *c = before + lo;  // before[lo + 4] exists: 4 words of V follow before[nb]
+      lo += (c[1] <= k) + (c[2] <= k) + (c[3] <= k) + (c[4] <= k);
+    } else {
+      const uint64_t r = k & ((uint64_t(1) << kValidSampleShift) - 1);  // k - 256 j
+      lo += ((s1 & 0xFFFF) <= r) + (((s1 >> 16) & 0xFFFF) <= r) + (((s1 >> 32) & 0xFFFF) <= r) + ((s1 >> 48) <= r);
     }
-    const uint64_t *c = before + lo;  // before[lo + 4] exists: 4 words of V follow before[nb]
-    return lo + (c[1] <= k) + (c[2] <= k) + (c[3] <= k) + (c[4] <= k);
+    return lo > last ? last : lo;  // a no-op on an index valid_index built; keeps any other in bounds
   }
 
   /// The pixel id of valid pixel k in line b (= line_of(k)); `sw` selects in a word

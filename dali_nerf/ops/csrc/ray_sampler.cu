@@ -196,7 +196,7 @@ void upload_valid(GpuCache &g, const uint64_t *host, uint64_t L, const detail::V
   g.vi = hv;  // the same layout, at the device copy
   g.vi.lines = dev;
   g.vi.before = dev + (hv.before - hv.lines);
-  g.vi.sel = dev + (hv.sel - hv.lines);
+  g.vi.samples = dev + (hv.samples - hv.lines);
   g.n = hv.V;
 }
 

@@ -262,30 +262,21 @@ inline int pdep_select(uint64_t x, uint64_t r) {
 
 template <bool Pdep>
 void select_batch_in(const detail::ValidIndex &vi, const uint64_t *in, uint64_t *out, int64_t n) {
-  // three prefetch stages kD selects apart: the sample (sel), then the compact counts it points at
-  // (before), then the line those give; a select then finds all three in cache (at 16 M pixels the
-  // lines are megabytes, and even sel and before miss the L2 cache once the pixels stream through it)
+  // two prefetch stages kD selects apart: the sample (16 bytes: its line and the next lines'
+  // counts), then the line it gives; a select then finds both in cache
   constexpr int64_t kD = 16;
-  const uint64_t last = vi.nb - 1;
   uint64_t ring[kD];
-  auto at_sel = [&](int64_t i) { __builtin_prefetch(vi.sel + (in[i] >> detail::kValidSampleShift)); };
-  auto at_before = [&](int64_t i) {
-    const uint64_t lo = vi.sel[in[i] >> detail::kValidSampleShift], at = lo > last ? last : lo;
-    __builtin_prefetch(vi.before + at);
-    __builtin_prefetch(vi.before + at + 4);  // line_of reads before[lo + 1 .. lo + 4]: maybe the next line
-  };
+  auto at_sample = [&](int64_t i) { __builtin_prefetch(vi.samples + 2 * (in[i] >> detail::kValidSampleShift)); };
   auto at_line = [&](int64_t i) {
     const uint64_t b = vi.line_of(in[i]);
     ring[i & (kD - 1)] = b;
     __builtin_prefetch(vi.lines + 8 * b);
   };
-  for (int64_t i = 0; i < std::min(3 * kD, n); i++) at_sel(i);
-  for (int64_t i = 0; i < std::min(2 * kD, n); i++) at_before(i);
+  for (int64_t i = 0; i < std::min(2 * kD, n); i++) at_sample(i);
   for (int64_t i = 0; i < std::min(kD, n); i++) at_line(i);
   for (int64_t i = 0; i < n; i++) {
     const uint64_t k = in[i], b = ring[i & (kD - 1)];
-    if (i + 3 * kD < n) at_sel(i + 3 * kD);
-    if (i + 2 * kD < n) at_before(i + 2 * kD);
+    if (i + 2 * kD < n) at_sample(i + 2 * kD);
     if (i + kD < n) at_line(i + kD);
     if constexpr (Pdep) out[i] = vi.in_line(k, b, pdep_select);
     else out[i] = vi.in_line(k, b, [](uint64_t x, uint64_t r) { return detail::select_in_word(x, r); });
