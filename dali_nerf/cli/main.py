@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--images", type=int, default=None, help="training images")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--jpeg", action="store_true", help="write JPEG instead of PNG (forward, unbounded: always JPEG)")
+    m.add_argument("--format", choices=["native", "colmap"], default="native",
+                   help="native: the kind's own layout; colmap: a COLMAP sparse model + images (splatting trainers)")
     m.add_argument("--force", action="store_true", help="overwrite an existing folder")
     m.add_argument("--occluders", action="store_true",
                    help="city, unbounded: a transient occluder in every image, masked (masks/, nerfstudio mask_path)")

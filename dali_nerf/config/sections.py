@@ -22,7 +22,8 @@ class SceneConfig:
     path: str = "data/default"
     """Scene folder (any supported format)."""
     format: str = "auto"
-    """auto | blender | nerfstudio | llff | mega_nerf."""
+    """auto | blender | nerfstudio | llff | mega_nerf | colmap (auto tries them in this order: a
+    mip-NeRF 360 folder, with both poses_bounds.npy and sparse/0, is read as LLFF unless colmap is named)."""
     downscale: int = 1
     """Integer factor to decode images at (1 = full resolution)."""
     background: Any = "auto"
@@ -43,7 +44,7 @@ class SceneConfig:
 
     def validate(self, key: str):
         path_value(f"{key}.path", self.path)
-        choice(f"{key}.format", self.format, ("auto", "blender", "nerfstudio", "llff", "mega_nerf"))
+        choice(f"{key}.format", self.format, ("auto", "blender", "nerfstudio", "llff", "mega_nerf", "colmap"))
         choice(f"{key}.masks", self.masks, ("use", "ignore"))
         positive(f"{key}.downscale", self.downscale)
         bg = self.background

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from dali_nerf.errors import ConfigError, DaliNerfError
+from dali_nerf.scenegen.colmap_writer import write_colmap
 from dali_nerf.scenegen.cameras import BLENDER_CAMERA_ANGLE_X, OBJECTS_FAR, OBJECTS_NEAR, intrinsics, pixel_rays, resolve, scene_cameras
 from dali_nerf.scenegen.occluders import occlude
 from dali_nerf.scenegen.tracer import CHUNK, trace
@@ -260,7 +261,7 @@ DEFAULT_FORMAT = {"objects": "png", "city": "png", "forward": "jpeg", "unbounded
 def make_scene(kind: str, out, *, width: Optional[int] = None, height: Optional[int] = None,
                n_train: Optional[int] = None, n_val: Optional[int] = None, n_test: Optional[int] = None,
                seed: int = 0, image_format: Optional[str] = None, force: bool = False,
-               occluders: bool = False) -> Path:
+               occluders: bool = False, layout: str = "native", camera_model: str = "PINHOLE") -> Path:
     """Render and write a scene folder (layouts in the module docstring); returns ``out``.
 
     Args:
@@ -280,6 +281,9 @@ def make_scene(kind: str, out, *, width: Optional[int] = None, height: Optional[
         force: replace an existing non-empty ``out``.
         occluders: city and unbounded: a transient occluder in every image and its mask
             (``masks/``, nerfstudio ``mask_path``; :mod:`dali_nerf.scenegen.occluders`).
+        layout: "native" (the kind's format above) | "colmap": every view as a COLMAP sparse model
+            + images/ + images_2/, images_4/ + sparse points (:mod:`.colmap_writer`; RGB, PNG
+            unless ``image_format`` says jpeg); ``camera_model`` PINHOLE | SIMPLE_PINHOLE.
     Written atomically: into a temporary folder beside ``out``, renamed when complete.
 
     Example:
@@ -287,12 +291,18 @@ def make_scene(kind: str, out, *, width: Optional[int] = None, height: Optional[
     """
     fmt = str(DEFAULT_FORMAT.get(kind, "png") if image_format is None else image_format).lower()
     fmt = {"jpg": "jpeg"}.get(fmt, fmt)
+    if layout not in ("native", "colmap"):
+        raise ConfigError(f"layout={layout!r}: use native or colmap")
+    if layout == "colmap" and image_format is None:
+        fmt = "png"
     if fmt not in ("png", "jpeg"):
         raise ConfigError(f"image_format={image_format!r}: use png or jpeg")
     width, height, n_train, n_val, n_test = resolve(kind, width, height, n_train, n_val, n_test)
     if occluders and kind not in ("city", "unbounded"):
         raise ConfigError(f"occluders: {kind} scenes have no mask convention (Blender, LLFF); use city or unbounded "
                           f"(nerfstudio transforms.json with mask_path)")
+    if occluders and layout == "colmap":
+        raise ConfigError("occluders: the colmap layout writes no masks; use the native layout (--format native)")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2 ** 63:
         raise ConfigError(f"seed={seed!r}: must be an integer in [0, 2**63)")
     out = Path(out)
@@ -312,7 +322,10 @@ def make_scene(kind: str, out, *, width: Optional[int] = None, height: Optional[
     try:
         cams = scene_cameras(kind, width=width, height=height, n_train=n_train, n_val=n_val, n_test=n_test, seed=seed)
         cams = {s: v["c2w"] for s, v in cams.items()}
-        _WRITERS[kind](tmp, int(seed), width, height, cams, fmt, **({"occluders": True} if occluders else {}))
+        if layout == "colmap":
+            write_colmap(tmp, kind, int(seed), width, height, cams, fmt, _render_rgbd, _write_image, camera_model)
+        else:
+            _WRITERS[kind](tmp, int(seed), width, height, cams, fmt, **({"occluders": True} if occluders else {}))
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             out.rename(old)

@@ -1,4 +1,4 @@
-"""Scene parsers: Blender, nerfstudio / instant-ngp, LLFF, Mega-NeRF -> one frozen :class:`Scene`.
+"""Scene parsers: Blender, nerfstudio / instant-ngp, LLFF, Mega-NeRF, COLMAP -> one frozen :class:`Scene`.
 
 >>> from dali_nerf.scenes import load_scene
 >>> scene = load_scene("data/default", split="train")          # format detected
@@ -15,7 +15,7 @@ from dali_nerf.errors import SceneError
 from dali_nerf.scenes.base import FORMATS, Scene, register_format
 from dali_nerf.scenes._util import resolve_background
 from dali_nerf.scenes.fingerprint import describe_change, scene_fingerprint
-from dali_nerf.scenes import blender, nerfstudio, llff, mega_nerf  # noqa: F401  (register themselves)
+from dali_nerf.scenes import blender, nerfstudio, llff, mega_nerf, colmap  # noqa: F401  (register themselves)
 
 __all__ = ["Scene", "load_scene", "scene_from_config", "detect_format", "FORMATS", "register_format", "scene_fingerprint",
            "describe_change"]
@@ -50,8 +50,8 @@ def detect_format(root) -> str:
         if detect(root):
             return name
     raise SceneError(
-        f"{root}: unknown scene format (no transforms_train.json, transforms.json, poses_bounds.npy or "
-        f"coordinates.pt); pass format= one of {', '.join(FORMATS)} or convert the scene"
+        f"{root}: unknown scene format (no transforms_train.json, transforms.json, poses_bounds.npy, "
+        f"coordinates.pt or sparse/0/cameras.bin); pass format= one of {', '.join(FORMATS)} or convert the scene"
     )
 
 

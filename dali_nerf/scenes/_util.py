@@ -21,7 +21,7 @@ from dali_nerf.data.imageio import IMAGE_EXTENSIONS, check_pixel_limit, max_pixe
 __all__ = [
     "load_json", "require", "as_float", "check_poses", "check_focal", "check_images_exist", "visible_files",
     "downscaled_size", "scale_intrinsics", "prescaled_paths", "mean_up", "DRB_TO_GL", "check_sizes",
-    "undistorted_intrinsics", "opencv_matrix", "resolve_background", "BACKGROUND_NAMES", "finite32",
+    "undistorted_intrinsics", "lens_arrays", "opencv_matrix", "resolve_background", "BACKGROUND_NAMES", "finite32",
 ]
 
 #: Named backgrounds of ``scene.background`` / ``load_scene(background=)``: name -> (colour, mode).
@@ -342,6 +342,21 @@ def undistorted_intrinsics(k: np.ndarray, dist: np.ndarray, fisheye: bool, wh) -
     else:
         new, _ = cv2.getOptimalNewCameraMatrix(kk, d, size, 0.0, size)
     return np.array([new[0, 0], new[1, 1], new[0, 2] + 0.5, new[1, 2] + 0.5], np.float64)
+
+
+def lens_arrays(k_full, wh_full, file_wh, wh, dist, fisheye):
+    """The lens fields of a Scene from full-resolution intrinsics ``k_full`` (N, 4) at ``wh_full``
+    (N, 2), the files' sizes ``file_wh``, the scene's sizes ``wh``, OpenCV coefficients ``dist``
+    (N, 8) and ``fisheye`` (N,): None when no image is distorted; else (intrinsics (N, 4) of the
+    undistorted images at ``wh`` (:func:`undistorted_intrinsics` at the file size, then scaled),
+    distortion (N, 8), fisheye (N,), file intrinsics (N, 4) at ``file_wh``)."""
+    if not (np.any(dist != 0) or fisheye.any()):
+        return None
+    k_file = scale_intrinsics(k_full, wh_full, file_wh)  # the distorted camera of the files read
+    k_und = k_file.copy()
+    for i in np.flatnonzero(np.any(dist != 0, axis=1) | fisheye):
+        k_und[i] = undistorted_intrinsics(k_file[i], dist[i], bool(fisheye[i]), file_wh[i])
+    return scale_intrinsics(k_und, file_wh, wh), dist, fisheye, k_file
 
 
 def opencv_matrix(k) -> np.ndarray:

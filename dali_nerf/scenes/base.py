@@ -57,7 +57,7 @@ class Scene:
             as stored and the trainer supplies the background per ray (ARCHITECTURE.md, "Decode
             compositing").
         split: "train" | "val" | "test".
-        format: the parser that produced it ("blender", "nerfstudio", "llff", "mega_nerf").
+        format: the parser that produced it ("blender", "nerfstudio", "llff", "mega_nerf", "colmap").
         root: the scene folder.
         downscale: integer factor the images are decoded at (1 = full resolution).
         world_from_source: (4, 4) float64: x_world = world_from_source @ x_source, the
@@ -86,6 +86,12 @@ class Scene:
         mask_wh: (N, 2) int64 width, height of each mask file as declared (the image file's size,
             or the full-resolution size when the scene's downscaled images have no downscaled
             masks); given iff ``mask_paths`` is.
+        camera_idx: (N,) int64 the physical camera (intrinsics group) of each image, 0-based and
+            contiguous over the whole capture (COLMAP: its camera ids in increasing order, gsplat's
+            ``camera_idx``), or None when the format has no such notion.
+        points: (M, 3) float32 sparse points of the capture in the Scene's world (COLMAP's
+            points3D, for initialising Gaussian splats), the same for every split; or None.
+        points_rgb: (M, 3) uint8 their colours; None iff ``points`` is None.
 
     Example:
         >>> scene = load_scene("data/default", split="train")
@@ -115,6 +121,9 @@ class Scene:
     file_intrinsics: Optional[np.ndarray] = None
     mask_paths: Optional[tuple] = None
     mask_wh: Optional[np.ndarray] = None
+    camera_idx: Optional[np.ndarray] = None
+    points: Optional[np.ndarray] = None
+    points_rgb: Optional[np.ndarray] = None
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
@@ -151,7 +160,16 @@ class Scene:
         if self.mask_paths is not None:
             set_("mask_paths", tuple(str(p) for p in self.mask_paths))
             set_("mask_wh", _frozen_array(self.mask_wh, np.int64, (2,), "mask_wh"))
-        for k in ("c2w", "intrinsics", "width", "height", "mask_paths", "mask_wh") + lens:
+        if self.camera_idx is not None:
+            set_("camera_idx", _frozen_array(self.camera_idx, np.int64, (), "camera_idx"))
+        if (self.points is None) != (self.points_rgb is None):
+            raise ValueError("Scene.points and points_rgb must be given together")
+        if self.points is not None:
+            set_("points", _frozen_array(np.reshape(self.points, (-1, 3)), np.float32, (3,), "points"))
+            set_("points_rgb", _frozen_array(np.reshape(self.points_rgb, (-1, 3)), np.uint8, (3,), "points_rgb"))
+            if len(self.points) != len(self.points_rgb):
+                raise ValueError(f"Scene.points_rgb has {len(self.points_rgb)} rows for {len(self.points)} points")
+        for k in ("c2w", "intrinsics", "width", "height", "mask_paths", "mask_wh", "camera_idx") + lens:
             if getattr(self, k) is not None and len(getattr(self, k)) != n:
                 raise ValueError(f"Scene.{k} has {len(getattr(self, k))} entries for {n} images")
 
@@ -187,7 +205,7 @@ class Scene:
         kw["image_paths"] = [self.image_paths[i] for i in idx]
         for k in ("c2w", "intrinsics", "width", "height"):
             kw[k] = getattr(self, k)[idx]
-        for k in ("near", "far", "file_wh", "distortion", "fisheye", "file_intrinsics", "mask_wh"):
+        for k in ("near", "far", "file_wh", "distortion", "fisheye", "file_intrinsics", "mask_wh", "camera_idx"):
             if kw[k] is not None:
                 kw[k] = kw[k][idx]
         if kw["mask_paths"] is not None:

@@ -54,8 +54,8 @@ from dali_nerf.errors import SceneError
 from dali_nerf.data.imageio import read_header
 from dali_nerf.scenes.base import Scene, register_format
 from dali_nerf.scenes._util import (as_float, as_matrix, check_bounds, check_focal, check_images_exist, check_poses,
-                    check_sizes, load_json, mean_up, parse_aabb, require, resolve_downscale, resolve_masks,
-                    scale_intrinsics, undistorted_intrinsics)
+                    check_sizes, lens_arrays, load_json, mean_up, parse_aabb, require, resolve_downscale,
+                    resolve_masks)
 
 __all__ = ["detect", "parse", "train_eval_split", "TRAIN_SPLIT_FRACTION"]
 
@@ -160,18 +160,6 @@ def _camera(meta: dict, fr: dict, path, where: str, first_image: str):
     return (fx, fy, cx, cy), (int(w), int(h)), dist, fisheye
 
 
-def _lens(k_full, wh_full, file_wh, wh, dist, fisheye):
-    """None when no frame is distorted; else (intrinsics (N, 4) of the undistorted images at the
-    scene size ``wh``, distortion (N, 8), fisheye (N,), file intrinsics (N, 4) at ``file_wh``)."""
-    if not (np.any(dist != 0) or fisheye.any()):
-        return None
-    k_file = scale_intrinsics(k_full, wh_full, file_wh)  # the distorted camera of the files read
-    k_und = k_file.copy()
-    for i in np.flatnonzero(np.any(dist != 0, axis=1) | fisheye):
-        k_und[i] = undistorted_intrinsics(k_file[i], dist[i], bool(fisheye[i]), file_wh[i])
-    return scale_intrinsics(k_und, file_wh, wh), dist, fisheye, k_file
-
-
 def _mask_rels(frames: list, rels: list, path) -> list | None:
     """Every frame's ``mask_path`` (None when no frame has one); some but not all: SceneError."""
     masks = [fr.get("mask_path") for fr in frames]
@@ -237,7 +225,7 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
         rel_m = [mask_rels[i] for i in idx]
         masks = resolve_masks([str((root / r).resolve()) if not os.path.isabs(r) else r for r in rel_m], wh_full,
                               file_wh, downscale, path)
-    lens = _lens(k_full, wh_full, file_wh, wh, np.array(dists), np.array(fishes, bool))
+    lens = lens_arrays(k_full, wh_full, file_wh, wh, np.array(dists), np.array(fishes, bool))
     if lens is not None:
         k = lens[0]
 
