@@ -69,7 +69,7 @@ from dali_nerf.data.masks import check_mask_file, load_mask, unpack_valid, valid
 from dali_nerf.pipelines.decode import check_shard, decode_pipeline, shard_range
 
 __all__ = ["ImageCache", "decode_cache", "pack_cameras", "FAR_UNKNOWN", "DecodeCancelled", "available_memory",
-           "eval_cache", "CacheStore"]
+           "eval_cache", "CacheStore", "decode_into"]
 
 FAR_UNKNOWN = 1e10
 """``far`` written to ``cameras`` when the scene defines no bounds (``near`` is then 0)."""
@@ -262,7 +262,7 @@ def _batch_size(n: int, batch: int) -> int:
 
 def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cpu", num_threads: int = 2,
                  batch: int = 8, background=None, indices: Optional[Sequence[int]] = None,
-                 stop=None, max_pixels: Optional[int] = None) -> ImageCache:
+                 stop=None, max_pixels: Optional[int] = None, out: Optional[np.ndarray] = None) -> ImageCache:
     """Decode exactly DALI's shard ``rank`` of ``world_size`` of ``scene`` into an :class:`ImageCache`.
 
     Args:
@@ -278,6 +278,8 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
         stop: optional ``threading.Event``; checked before each decode run, and when set the decode
             ends with :class:`DecodeCancelled` (a background window decode stopping on ``close()``).
         max_pixels: per-image pixel limit (None: :func:`dali_nerf.data.imageio.max_pixels_limit`).
+        out: decode into this (P, 3) uint8 C-contiguous host array (memory shared between the ranks of
+            a node, :mod:`dali_nerf.data.nodeshare`) instead of a new one; no memory check then.
 
     Before anything is allocated, every file's header is checked (:func:`_check_files`: readable,
     not truncated, within the pixel limit, of the declared size) and the cache's size is compared
@@ -305,11 +307,17 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
         files = [scene.image_paths[int(i)] for i in want[~by_cv2]]
         labels, shard_id, num_shards = [int(i) for i in want[~by_cv2]], 0, 1
     use_gpu = device == "cuda"
-    out = _Assembly(scene, want, header[:, :2], bg, use_gpu)
-    per_pixel = 3 + (scene.mask_paths is not None)  # a masked scene: one more byte a pixel while its index is built
-    _check_memory(scene, out.total * per_pixel, len(want), rank, world_size, device if use_gpu else "cpu",
-                  indices is not None)
-    out.allocate()
+    asm = _Assembly(scene, want, header[:, :2], bg, use_gpu)
+    if out is None:
+        per_pixel = 3 + (scene.mask_paths is not None)  # a masked scene: one more byte a pixel while its index is built
+        _check_memory(scene, asm.total * per_pixel, len(want), rank, world_size, device if use_gpu else "cpu",
+                      indices is not None)
+        asm.allocate()
+    else:
+        if use_gpu or out.shape != (asm.total, 3) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            raise ValueError(f"decode_cache: out must be a ({asm.total}, 3) uint8 C-contiguous host array")
+        asm.pixels = out
+    out = asm
     for k in np.flatnonzero(by_cv2):  # the files DALI gets wrong: OpenCV, per file
         _check_stop(stop, scene, len(want))
         cam = int(want[k])
@@ -468,6 +476,13 @@ def _packed(scene, want, offsets, pixels, use_gpu: bool, rank: int, world_size: 
 
 # ---------------------------------------------------------------------------------------------
 # the caches a run needs, each decoded by the rule of its kind (the one place that decodes)
+
+
+def decode_into(scene, ids, out: np.ndarray, threads: int = 2, batch: int = 8, stop=None) -> ImageCache:
+    """The images ``ids`` (split indices, in order) decoded and finished into ``out`` (their
+    packed pixels, (P, 3) uint8 host memory another owner allocated: a node's shared window of
+    the image loader, :mod:`dali_nerf.sources.images`)."""
+    return decode_cache(scene, 0, 1, device="cpu", num_threads=threads, batch=batch, indices=ids, stop=stop, out=out)
 
 
 def eval_cache(scene, threads: int = 2, batch: int = 8) -> ImageCache:

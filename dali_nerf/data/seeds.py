@@ -20,6 +20,8 @@ baseline epochs   :func:`perm_seed` (seed, stream, epoch)          sources.sync:
 routed baselines  :func:`routed_stream` (cell | slot)              sources.sync: the stream id
 operator          :func:`op_stream_key` (seed, rank, ws, mode)     the op, in C++ (mirror here)
 global stream     :func:`op_global_key` (seed, mode)               the op with ``global_pixels``
+image order       :func:`image_order_keys` (seed, epoch, n)        sources.imageorder: epoch order
+image patches     :func:`patch_draws` (seed, positions, axis)      sources.imageorder: crop offsets
 ================= ================================================ ==============================
 
 The operator's stream key is computed inside the C++ operator (``dali_nerf/ops/csrc``) from its
@@ -41,7 +43,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["mix64", "mix63", "process_seed", "init_seed", "step_seed", "ray_key", "window_order_keys", "window_key",
-           "block_seed", "perm_seed", "routed_stream", "op_stream_key", "op_global_key", "splitmix_finalise"]
+           "block_seed", "perm_seed", "routed_stream", "op_stream_key", "op_global_key", "splitmix_finalise",
+           "image_order_keys", "patch_draws"]
 
 M64 = (1 << 64) - 1
 M63 = (1 << 63) - 1
@@ -158,3 +161,33 @@ def op_global_key(seed: int, mode: int) -> int:
     """The operator's key of the split's global stream (computed in C++, ``detail::global_key``):
     the seed and the mode (0 = random, 1 = epoch) alone, so every world size gets the same stream."""
     return splitmix_finalise(op_stream_key(seed, 0, 1, mode) + 0x1F83D9ABFB41BD6B)
+
+
+# ---- image batches (splatting trainers) -----------------------------------------------------
+
+def _splitmix_np(z: np.ndarray) -> np.ndarray:
+    """:func:`splitmix_finalise` over a uint64 array (wrapping arithmetic)."""
+    z = z.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return z
+
+
+def image_order_keys(seed: int, epoch: int, n: int) -> np.ndarray:
+    """(n,) uint64 sort keys of a split's n images in epoch ``epoch`` of the image stream: the
+    epoch's order is their stable argsort (a function of the seed and the epoch alone)."""
+    k = np.uint64(mix64(seed, 0x696D6167, epoch))  # 0x696d6167: "imag"
+    with np.errstate(over="ignore"):
+        return _splitmix_np(np.arange(n, dtype=np.uint64) * np.uint64(_GOLDEN) + k)
+
+
+def patch_draws(seed: int, positions, axis: int) -> np.ndarray:
+    """(len(positions),) uint64 draws of the patch offset along ``axis`` (0: x, 1: y) of the
+    image at each global stream position (a hash of the seed, the position and the axis)."""
+    k = np.uint64(mix64(seed, 0x70617463, axis))  # 0x70617463: "patc"
+    with np.errstate(over="ignore"):
+        return _splitmix_np(np.asarray(positions, np.uint64) * np.uint64(0xD1B54A32D192ED03) ^ k)

@@ -1,0 +1,209 @@
+"""Decoded whole images for the image loader: held once per node, under a host budget, decoded
+ahead of use by a background thread (the windows of :mod:`dali_nerf.data.imageorder`).
+
+Two regimes, chosen by the budget (``max_bytes`` of decoded pixels per node):
+
+* **everything fits**: the split is decoded once, in chunks that follow the stream from the start
+  position (the first chunk holds the first step's images, so the first batch waits for one
+  chunk, not the split), and kept;
+* **windows**: window ``(e, j)`` (its images, :func:`~dali_nerf.data.imageorder.window_bounds`) is
+  decoded when the loader reaches the previous window and freed when it has passed it: at most
+  two windows are held (``peak_bytes``), each at most half the budget; an image is decoded again
+  in every epoch.
+
+Each chunk or window is one :class:`~dali_nerf.data.nodeshare.Block` of the node: every local rank
+decodes its part (:func:`dali_nerf.data.imagecache.decode_into`, DALI, finished as every cache is:
+composited, undistorted, downscaled) into the shared memory and all use the whole.
+
+>>> store = ImageStore(scene, stream, share, window=64, keep_all=False, start=0)
+>>> views = store.images(positions)      # [(H, W, 3) uint8], waiting for their window if needed
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from dali_nerf.data.imagecache import DecodeCancelled, decode_into
+from dali_nerf.data.imageorder import ImageStream, window_bounds
+
+__all__ = ["ImageStore", "plan_windows"]
+
+
+def plan_windows(scene, images_per_step: int, max_bytes: int, local_world: int = 1, decode_batch: int = 8):
+    """``(keep_all, window)``: keep the whole split when its decoded pixels fit ``max_bytes``
+    (then ``window`` is the decode chunk: max(G, decode_batch x local ranks) images); else the
+    largest window M for which two windows of the M largest images fit. Raises ValueError (the
+    loader words it) when even a window of one global step (``images_per_step`` images) does not."""
+    px = np.sort((scene.width * scene.height).astype(np.int64) * 3)[::-1]
+    g = int(images_per_step)
+    if int(px.sum()) <= max_bytes:
+        return True, max(g, int(decode_batch) * int(local_world))
+    m = int(np.searchsorted(np.cumsum(px) * 2, max_bytes, side="right"))
+    if m < g:
+        need = int(px[:g].sum()) * 2
+        raise ValueError(f"two windows of one step's {g} images need {need} bytes, over the budget of {max_bytes}")
+    return False, m
+
+
+class _Chunk:
+    def __init__(self, name: str, ids: np.ndarray, sizes: np.ndarray):
+        self.name, self.ids = name, ids
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.block = None
+        self.ready = False
+
+
+class ImageStore:
+    """The module doc's store, seen from one rank. ``images(positions)`` returns views of the
+    decoded images (valid until the loader moves past their window); ``close()`` stops the thread
+    and releases every block.
+
+    Args:
+        scene: the split; stream: its :class:`~dali_nerf.data.imageorder.ImageStream`.
+        share: the node's :class:`~dali_nerf.data.nodeshare.NodeShare`.
+        window: images per window (windows) or per decode chunk (keep_all).
+        keep_all: everything fits (module doc).
+        start: the first global position the loader will ask for.
+        threads, batch: DALI decode threads and images per decode run.
+        tag: prefix of the block names (the same on every local rank).
+    """
+
+    def __init__(self, scene, stream: ImageStream, share, window: int, keep_all: bool, start: int = 0,
+                 threads: int = 2, batch: int = 8, tag: str = ""):
+        self.scene, self.stream, self.share, self.tag = scene, stream, share, tag
+        self.window, self.keep_all = int(window), bool(keep_all)
+        self.threads, self.batch = int(threads), int(batch)
+        self.n = scene.num_images
+        self.bounds = window_bounds(self.n, self.window)
+        self.nw = len(self.bounds) - 1
+        self._px = (scene.width * scene.height).astype(np.int64) * 3
+        self._cv = threading.Condition()
+        self._chunks: Dict[object, _Chunk] = {}
+        self._where: Dict[int, _Chunk] = {}   # keep_all: image -> its chunk
+        self._need = self._window_of(int(start))
+        self._error: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self.peak_bytes = 0
+        self.decode_s = 0.0
+        self._thread = threading.Thread(target=self._run, args=(int(start),), name="dali_nerf-image-windows", daemon=True)
+        self._thread.start()
+
+    # ---- the windows ---------------------------------------------------------------------------
+    def _window_of(self, position: int) -> int:
+        e, h = divmod(int(position), self.n)
+        return e * self.nw + int(np.searchsorted(self.bounds, h, side="right")) - 1
+
+    def _window_ids(self, gw: int) -> np.ndarray:
+        e, j = divmod(gw, self.nw)
+        return self.stream.order(e)[self.bounds[j]:self.bounds[j + 1]]
+
+    def _keep_all_chunks(self, start: int) -> List[np.ndarray]:
+        """Every image once, in stream order from ``start``, cut into chunks of ``window``."""
+        ids = self.stream.images(np.arange(start, start + 2 * self.n))
+        _, first = np.unique(ids, return_index=True)
+        order = ids[np.sort(first)]
+        return [order[i:i + self.window] for i in range(0, self.n, self.window)]
+
+    def _decode(self, chunk: _Chunk) -> None:
+        t0 = time.perf_counter()
+        blk = self.share.block(chunk.name, int(chunk.offsets[-1]))
+
+        def fill(array, part, parts):
+            k = len(chunk.ids)
+            lo, hi = k * part // parts, k * (part + 1) // parts
+            if hi > lo:
+                view = array[chunk.offsets[lo]:chunk.offsets[hi]].reshape(-1, 3)
+                decode_into(self.scene, chunk.ids[lo:hi], view, threads=self.threads, batch=self.batch, stop=self._stop)
+
+        blk.fill_part(fill)
+        blk.wait_ready()
+        chunk.block = blk
+        self.decode_s += time.perf_counter() - t0
+
+    def _publish(self, key, chunk: _Chunk) -> None:
+        with self._cv:
+            chunk.ready = True
+            self._chunks[key] = chunk
+            if self.keep_all:
+                for i in chunk.ids:
+                    self._where[int(i)] = chunk
+            held = sum(int(c.offsets[-1]) for c in self._chunks.values())
+            self.peak_bytes = max(self.peak_bytes, held)
+            self._cv.notify_all()
+
+    def _run(self, start: int) -> None:
+        try:
+            if self.keep_all:
+                for k, ids in enumerate(self._keep_all_chunks(start)):
+                    if self._stop.is_set():
+                        return
+                    chunk = _Chunk(f"{self.tag}all{k}", ids, self._px[ids])
+                    self._decode(chunk)
+                    self._publish(k, chunk)
+                return
+            gw = self._window_of(start)
+            while not self._stop.is_set():
+                with self._cv:  # at most two windows: decode gw once the loader is inside gw - 1
+                    while not self._stop.is_set() and gw > self._need + 1:
+                        self._cv.wait(0.5)
+                    self._free_before(self._need)
+                if self._stop.is_set():
+                    return
+                ids = self._window_ids(gw)
+                chunk = _Chunk(f"{self.tag}w{gw}", ids, self._px[ids])
+                self._decode(chunk)
+                self._publish(gw, chunk)
+                gw += 1
+        except DecodeCancelled:
+            pass
+        except BaseException as e:  # handed to the loader at its next images()
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    def _free_before(self, gw: int) -> None:
+        for key in [k for k in self._chunks if k < gw]:
+            self._chunks.pop(key).block.release()
+
+    # ---- the loader's side -----------------------------------------------------------------------
+    def images(self, positions, ids=None) -> list:
+        """[(H, W, 3) uint8 views] of the images at global ``positions`` (their ids ``ids`` when
+        known), waiting for their windows; marks the windows before them as done."""
+        positions = np.asarray(positions, np.int64)
+        ids = self.stream.images(positions) if ids is None else np.asarray(ids, np.int64)
+        wins = [self._window_of(p) for p in positions]
+        out = []
+        with self._cv:
+            if not self.keep_all and min(wins) > self._need:
+                self._need = min(wins)
+                self._cv.notify_all()
+            for i, gw in zip(ids, wins):
+                while True:
+                    if self._error is not None:
+                        raise self._error
+                    chunk = self._where.get(int(i)) if self.keep_all else self._chunks.get(gw)
+                    if chunk is not None:
+                        break
+                    if not self._thread.is_alive():
+                        raise RuntimeError("the image store's decode thread stopped")
+                    self._cv.wait(0.5)
+                k = int(np.flatnonzero(chunk.ids == i)[0])
+                lo, hi = chunk.offsets[k], chunk.offsets[k + 1]
+                out.append(chunk.block.array[lo:hi].reshape(int(self.scene.height[i]), int(self.scene.width[i]), 3))
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        self._thread.join(timeout=timeout)
+        with self._cv:
+            for c in self._chunks.values():
+                if c.block is not None:
+                    c.block.release()
+            self._chunks.clear()
+            self._where.clear()

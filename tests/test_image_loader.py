@@ -1,0 +1,189 @@
+"""ImageLoader: gsplat's batch contract on COLMAP scenes (PINHOLE / SIMPLE_PINHOLE, PNG, data
+factors 1/2/4, whole images and patches) against gsplat's Dataset re-derived in
+tests/_gsplat_reference.py; distorted cameras against a cv2 projection; the epoch's coverage
+through the loader (windows, resume on another world size); refusals. (The node's shared memory:
+tests/test_nodeshare.py; two ranks of a node sharing a loader's images: the splat trainer's test.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from dali_nerf.errors import ConfigError
+from dali_nerf.scenes import load_scene
+from dali_nerf.sources.images import IMAGE_KEYS, ImageLoader
+
+from _colmap_scene import colmap_scene
+from _gsplat_reference import GsplatReference
+
+SEED = 4103
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _loader(scene, **kw):
+    kw.setdefault("num_threads", 1)
+    return ImageLoader(scene, **kw)
+
+
+@pytest.mark.parametrize("model", ["PINHOLE", "SIMPLE_PINHOLE"])
+def test_batches_equal_gsplats_dataset(tmp_path, model):
+    print("seed", SEED)
+    root = colmap_scene(tmp_path / "s", n=17, width=48, height=32, model=model, factors=(2, 4), seed=SEED)
+    for factor, batch, patch in ((1, 2, None), (2, 1, None), (4, 2, None), (1, 2, 9), (2, 1, 5), (4, 1, 4)):
+        ref = GsplatReference(root, factor)
+        scene = load_scene(root, "train", format="colmap", downscale=factor)
+        seen = []
+        with _loader(scene, images_per_batch=batch, seed=SEED + factor, patch_size=patch) as ld:
+            for _ in range(-(-len(ref) // batch)):
+                b = next(ld)
+                assert tuple(b) == IMAGE_KEYS, tuple(b)
+                h = patch or 32 // factor
+                w = patch or 48 // factor
+                assert b["image"].shape == (batch, h, w, 3) and b["image"].dtype == torch.uint8
+                assert b["K"].shape == (batch, 3, 3) and b["camtoworld"].shape == (batch, 4, 4)
+                assert b["K"].dtype == b["camtoworld"].dtype == torch.float32
+                assert b["image_id"].dtype == b["camera_idx"].dtype == torch.int64
+                for i in range(batch):
+                    item = int(b["image_id"][i])
+                    seen.append(item)
+                    corner = None
+                    if patch:  # the loader's corner, read back from its principal point
+                        full = ref.ks[ref.camera_ids[ref.indices[item]]]
+                        corner = (int(round(full[0, 2] - float(b["K"][i, 0, 2]))), int(round(full[1, 2] - float(b["K"][i, 1, 2]))))
+                    want = ref.item(item, corner, patch)
+                    got = {k: v[i].numpy() for k, v in b.items()}
+                    assert np.array_equal(got["image"].astype(np.float32), want["image"]), (factor, patch, item)
+                    assert np.array_equal(got["camtoworld"], want["camtoworld"]), (factor, item)
+                    # K: gsplat subtracts the corner in float64 before the cast, we in float32 (1 ulp at most)
+                    assert np.allclose(got["K"], want["K"], rtol=0, atol=np.spacing(np.float32(64.0))), (factor, patch)
+                    if not patch:
+                        assert np.array_equal(got["K"], want["K"])
+                    assert got["camera_idx"] == want["camera_idx"]
+        assert sorted(seen) == list(range(len(ref))), (factor, patch)  # one epoch: every image once
+
+
+def test_several_cameras_keep_gsplats_camera_index(tmp_path):
+    root = colmap_scene(tmp_path / "s", n=12, width=40, height=24, cameras=3, factors=(), seed=SEED)
+    ref = GsplatReference(root, 1)
+    with _loader(load_scene(root, "train", format="colmap"), seed=1) as ld:
+        for _ in range(len(ref)):
+            b = next(ld)
+            item = int(b["image_id"][0])
+            want = ref.item(item)
+            assert int(b["camera_idx"][0]) == want["camera_idx"] and b["image"].shape[1:3] == want["image"].shape[:2]
+            assert np.array_equal(b["K"][0].numpy(), want["K"])
+    with pytest.raises(ConfigError, match="images_per_batch=2: the split's images differ in size"):
+        _loader(load_scene(root, "train", format="colmap"), images_per_batch=2)
+
+
+def _blobs(size, points, sigma=1.2):
+    """(h, w, 3) uint8: a white Gaussian dot at each (x, y) (OpenCV pixel coordinates)."""
+    w, h = size
+    ys, xs = np.mgrid[0:h, 0:w].astype(np.float64)
+    img = np.zeros((h, w))
+    for x, y in points:
+        img += np.exp(-((xs - x) ** 2 + (ys - y) ** 2) / (2 * sigma ** 2))
+    return np.repeat(np.clip(img * 255, 0, 255).round().astype(np.uint8)[..., None], 3, 2)
+
+
+@pytest.mark.parametrize("model,params", [
+    ("OPENCV", [70.0, 72.0, 48.3, 36.2, -0.12, 0.03, 0.002, -0.001]),
+    ("SIMPLE_RADIAL", [70.0, 48.3, 36.2, -0.1]),
+    ("OPENCV_FISHEYE", [60.0, 61.0, 48.3, 36.2, 0.05, -0.02, 0.004, 0.0]),
+])
+def test_distorted_cameras_against_a_cv2_projection(tmp_path, model, params):
+    """Dots projected with the distortion model (cv2.projectPoints / cv2.fisheye.projectPoints)
+    land, after the loader's undistortion, where the batch's pinhole K puts them: within 0.1 px
+    (centroids of the dots; bilinear resampling)."""
+    root = colmap_scene(tmp_path / "s", n=9, width=96, height=72, model=model, params=params, factors=(), seed=SEED)
+    rng = np.random.default_rng(SEED)
+    grid = np.stack(np.meshgrid(np.linspace(-0.45, 0.45, 5), np.linspace(-0.32, 0.32, 4)), -1).reshape(-1, 2)
+    pts = np.concatenate([grid + rng.uniform(-0.02, 0.02, grid.shape), np.ones((len(grid), 1))], 1)  # z = 1
+    simple = model == "SIMPLE_RADIAL"
+    fx, fy = (params[0], params[0]) if simple else params[:2]
+    cx, cy = params[1:3] if simple else params[2:4]
+    kcv = np.array([[fx, 0, cx - 0.5], [0, fy, cy - 0.5], [0, 0, 1.0]])  # OpenCV's centres at integers
+    dist = np.zeros(5)
+    extra = params[3:] if simple else params[4:]
+    dist[:len(extra)] = extra
+    if model == "OPENCV_FISHEYE":
+        uv = cv2.fisheye.projectPoints(pts[None], np.zeros(3), np.zeros(3), kcv, np.array(extra))[0].reshape(-1, 2)
+    else:
+        uv = cv2.projectPoints(pts, np.zeros(3), np.zeros(3), kcv, dist)[0].reshape(-1, 2)
+    for p in sorted((root / "images").iterdir()):
+        cv2.imwrite(str(p), _blobs((96, 72), uv))
+    scene = load_scene(root, "train", format="colmap")
+    assert scene.distorted.all()
+    with _loader(scene, seed=2) as ld:
+        b = next(ld)
+    img = b["image"][0, :, :, 0].numpy().astype(np.float64)
+    k = b["K"][0].numpy().astype(np.float64)
+    want = (k @ pts.T).T[:, :2]  # our convention: centres at +0.5
+    found = 0
+    for x, y in want:
+        x0, y0 = int(round(x - 0.5)), int(round(y - 0.5))
+        if not (4 <= x0 < 92 and 4 <= y0 < 68):
+            continue  # the alpha = 0 crop dropped it
+        win = img[y0 - 3:y0 + 4, x0 - 3:x0 + 4]
+        ys, xs = np.mgrid[y0 - 3:y0 + 4, x0 - 3:x0 + 4] + 0.5
+        cxy = np.array([(win * xs).sum(), (win * ys).sum()]) / win.sum()
+        assert np.abs(cxy - [x, y]).max() < 0.1, (model, cxy, (x, y))
+        found += 1
+    assert found >= 8
+
+
+def _epoch_check(ids, n):
+    for e in range(len(ids) // n):
+        assert sorted(ids[e * n:(e + 1) * n]) == list(range(n)), e
+
+
+def test_coverage_through_the_loader_with_windows_and_an_elastic_resume(tmp_path):
+    """Two ranks (B = 2) for 5 steps, then the state continued by three ranks (B = 1) through
+    windows of 3 images: every image exactly once in each epoch of the global stream."""
+    root = colmap_scene(tmp_path / "s", n=14, width=24, height=16, factors=(), seed=SEED)
+    scene = load_scene(root, "train", format="colmap")
+    n, px = scene.num_images, 24 * 16 * 3
+    stream = []
+    loaders = [_loader(scene, images_per_batch=2, rank=r, world_size=2, seed=7) for r in range(2)]
+    for _ in range(5):
+        for ld in loaders:
+            stream += next(ld)["image_id"].tolist()
+    state = loaders[0].state_dict()
+    assert state["position"] == 20 and state["window"] == 0
+    for ld in loaders:
+        ld.close()
+    loaders = [_loader(scene, images_per_batch=1, rank=r, world_size=3, seed=7, max_bytes=6 * px) for r in range(3)]
+    for ld in loaders:
+        ld.load_state_dict(state)
+    for _ in range(12):
+        for ld in loaders:
+            stream += next(ld)["image_id"].tolist()
+    s = loaders[0].stats()
+    assert s["window"] == 3 and s["peak_bytes"] <= 6 * px
+    for ld in loaders:
+        ld.close()
+    assert len(stream) == 56
+    _epoch_check(stream, n)
+
+
+def test_refusals_are_one_line(tmp_path):
+    root = colmap_scene(tmp_path / "s", n=9, width=24, height=16, factors=(), seed=SEED)
+    scene = load_scene(root, "train", format="colmap")
+    with pytest.raises(ConfigError, match="patch_size=20: .* is 24x16, smaller than a patch"):
+        _loader(scene, patch_size=20)
+    with pytest.raises(ConfigError, match="max_bytes=100: two windows of one step's 2 images need 4608 bytes"):
+        _loader(scene, images_per_batch=2, max_bytes=100)
+    with pytest.raises(ConfigError, match="2 local ranks share the decoded images but no share_key"):
+        _loader(scene, local_rank=0, local_world_size=2)
+    with _loader(scene, seed=1) as a:
+        next(a)
+        st = a.state_dict()
+    with pytest.raises(ConfigError, match="the state has seed=1, this loader 2"):
+        _loader(scene, seed=2).load_state_dict(st)
+    other = load_scene(colmap_scene(tmp_path / "o", n=10, width=24, height=16, factors=(), seed=1), "train")
+    with pytest.raises(ConfigError, match="saved from another scene"):
+        _loader(other, seed=1).load_state_dict(st)
