@@ -6,6 +6,7 @@
 >>> from dali_nerf import RayLoader, load_scene
 >>> scene = load_scene("data/default", split="train")
 >>> loader = RayLoader(scene, rays_per_batch=4096, rank=0, world_size=1, seed=0, prefetch=2)
+>>> images = ImageLoader(load_scene("data/garden", format="colmap"), images_per_batch=1)   # splatting trainers
 >>> src = source_from_config("configs/ddp_objects.yaml", rank=0, world_size=2)   # what a trainer's rank gets
 """
 
@@ -16,12 +17,13 @@ import importlib
 __version__ = "0.1.0"
 
 __all__ = [
-    "RayLoader", "source_from_config", "SamplingPlan", "Scene", "load_scene", "Config", "load_config", "load_plugin",
+    "RayLoader", "ImageLoader", "source_from_config", "SamplingPlan", "Scene", "load_scene", "Config", "load_config", "load_plugin",
     "DaliNerfError", "ConfigError", "SceneError", "__version__",
 ]
 
 _LAZY = {
     "RayLoader": "dali_nerf.sources",
+    "ImageLoader": "dali_nerf.sources",
     "source_from_config": "dali_nerf.sources",
     "SamplingPlan": "dali_nerf.data.plan",
     "Scene": "dali_nerf.scenes",

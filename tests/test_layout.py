@@ -235,7 +235,7 @@ def test_the_decode_check_sees_a_source_that_decodes(tmp_path):
     assert _calls(f, set(DECODERS)) == ["decode_cache"]
 
 
-SOURCE_CLASSES = {"RayLoader", "SpatialRayLoader", "SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler",
+SOURCE_CLASSES = {"RayLoader", "ImageLoader", "SpatialRayLoader", "SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler",
                   "RoutedSyncLocal", "RoutedSyncGlobal", "RoutedTorchWorkers", "ReadySource", "ShmScatter",
                   "global_scatter"}
 

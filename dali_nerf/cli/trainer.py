@@ -1,4 +1,4 @@
-"""The trainers' command line (trainers/ddp.py, trainers/spatial.py): ``--config FILE [--resume]
+"""The trainers' command line (trainers/ddp.py, trainers/spatial.py, trainers/splat.py): ``--config FILE [--resume]
 [key=value ...]``, and the run: a real device (:func:`dali_nerf.train.loop.train`) or the
 emulated-device mode (:func:`dali_nerf.train.emulated.train_emulated`, ``train.device=emulated``)."""
 
@@ -43,7 +43,8 @@ def trainer_main(method_factory: Callable[[], Method], default_config: str, argv
         cfg = load_config(args.config, args.overrides)
         method = method_factory()
         if cfg.method != method.name:
-            raise ConfigError(f"{args.config}: method: is {cfg.method!r} but this trainer runs {method.name!r}; use trainers/{'ddp' if cfg.method == 'ddp' else 'spatial'}.py")
+            script = {"ddp": "ddp", "ss": "spatial", "splat": "splat"}.get(cfg.method, "ddp")
+            raise ConfigError(f"{args.config}: method: is {cfg.method!r} but this trainer runs {method.name!r}; use trainers/{script}.py")
         summary = run_training(cfg, method, resume=args.resume)
         if summary:
             keys = ("name", "test_psnr_unmasked", "test_psnr", "stall_fraction", "stall_fraction_after_first_step", "warmup_wait_s", "rays_per_s",

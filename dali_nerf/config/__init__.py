@@ -1,6 +1,6 @@
 """Typed configuration: dataclasses loaded from YAML with ``yaml.safe_load`` (``load``: the root
 ``Config``, typed building, ``key=value`` overrides; ``sections``: scene, cache, pipeline, model,
-train, partition; ``bench``: the study's grid; ``checks``: the value checks and value sets).
+train, partition; ``splat``: images and splat (method splat); ``bench``: the study's grid; ``checks``: the value checks and value sets).
 
 >>> cfg = load_config("configs/ddp_objects.yaml", ["train.steps=200", "pipeline.mode=epoch"])
 >>> cfg.pipeline.rays_per_batch
@@ -14,9 +14,11 @@ from dali_nerf.config.load import Config, apply_overrides, config_file, config_t
 from dali_nerf.config.load import _build  # noqa: F401  (tests build single sections)
 from dali_nerf.config.sections import (CacheConfig, ModelConfig, PartitionConfig, PipelineConfig, SceneConfig,
                                        TrainConfig)
+from dali_nerf.config.splat import ImagesConfig, SplatConfig
 
 __all__ = [
     "Config", "SceneConfig", "CacheConfig", "PipelineConfig", "ModelConfig", "TrainConfig",
-    "PartitionConfig", "BenchConfig", "load_config", "config_to_dict", "apply_overrides", "config_file", "SOURCE_NAMES",
+    "PartitionConfig", "BenchConfig", "ImagesConfig", "SplatConfig", "load_config", "config_to_dict", "apply_overrides",
+    "config_file", "SOURCE_NAMES",
     "STUDY_SAMPLERS", "STREAMS", "MAX_THREADS",
 ]

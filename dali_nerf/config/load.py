@@ -35,6 +35,7 @@ from dali_nerf.config.bench import BenchConfig
 from dali_nerf.config.checks import choice, path_value
 from dali_nerf.config.sections import (CacheConfig, ModelConfig, PartitionConfig, PipelineConfig, SceneConfig,
                                        TrainConfig)
+from dali_nerf.config.splat import ImagesConfig, SplatConfig
 
 __all__ = ["Config", "load_config", "config_to_dict", "apply_overrides", "MAX_NODES", "MAX_DEPTH", "yaml_load",
            "config_file"]
@@ -148,7 +149,8 @@ class Config:
     name: str = "default"
     """Run name: outputs go to <train.runs_dir>/<name>/."""
     method: str = "ddp"
-    """ddp (data parallel) | ss (spatial segmentation)."""
+    """ddp (data parallel) | ss (spatial segmentation) | splat (Gaussian splatting, data parallel
+    over images: trainers/splat.py)."""
     scene: SceneConfig = field(default_factory=SceneConfig)
     """Where the scene is and how to read it."""
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -163,9 +165,13 @@ class Config:
     """Spatial segmentation cells (method: ss)."""
     bench: BenchConfig = field(default_factory=BenchConfig)
     """The characterization study (dali-nerf bench study)."""
+    images: ImagesConfig = field(default_factory=ImagesConfig)
+    """Image batches (method: splat)."""
+    splat: SplatConfig = field(default_factory=SplatConfig)
+    """Gaussian splats (method: splat)."""
 
     def validate(self, key: str = ""):
-        choice("method", self.method, ("ddp", "ss"))
+        choice("method", self.method, ("ddp", "ss", "splat"))
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise ConfigError(f"name: must be a plain folder name, got {shown(self.name)}")
         path_value("name", self.name)

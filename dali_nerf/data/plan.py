@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from dali_nerf.errors import ConfigError
+from dali_nerf.data.imageorder import IMAGE_STREAM
 from dali_nerf.data.hostbudget import HostBudget, check_priority, host_budget, resolve_priority, run_size
 from dali_nerf.pipelines.decode import shard_range, shard_sizes
 from dali_nerf.ops.limits import INT32_MAX
@@ -234,8 +235,11 @@ def run_stream(cfg) -> tuple:
     """(stream version, G) of a run's training stream: what a checkpoint records and an elastic
     resume keeps. DDP ``rays`` (and ``rays_sync``, the same sampler): the global stream (G = B x W
     at the run's start) or the shard stream; ``sync_global``: rank 0's global batch of B x W; SS
-    ``rays`` / ``rays_sync``: the cells' own streams; the rest: per-rank streams (G 0)."""
+    ``rays`` / ``rays_sync``: the cells' own streams; splat: the image stream (:mod:`.imageorder`,
+    G 0: nothing to keep across world sizes); the rest: per-rank streams (G 0)."""
     p = cfg.pipeline
+    if cfg.method == "splat":  # the image stream: global positions, any world size (no G to keep)
+        return IMAGE_STREAM, 0
     if cfg.method == "ss":
         return ("cells-v1" if p.name in RAY_GRAPH_SOURCES else f"ss-{p.name}-v1"), 0
     if p.name in RAY_GRAPH_SOURCES:

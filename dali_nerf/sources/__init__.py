@@ -8,6 +8,7 @@ registry.
   once; a batch kind is a *producer* plugged into it (the contract is the module's doc)
 * :mod:`.checks`     the argument checks; :mod:`.dalirun` a DALI graph's run as torch tensors
 * :mod:`.rays`       RayLoader: our DALI ray graph + op, prefetching (DDP): RayProducer, WindowProducer
+* :mod:`.images`     ImageLoader: whole images + cameras for splatting trainers (gsplat's batches)
 * :mod:`.streaming`  WindowStream: a shard larger than ``cache.max_bytes`` through decoded windows
 * :mod:`.spatial`    SpatialRayLoader: the ray graph routed to one cell (SS): CellProducer
 * :mod:`.sync`       the synchronous baselines (sync_local, sync_global, torch_workers, routed SS)
@@ -28,6 +29,7 @@ Importing this package imports no DALI: the graphs import it when they are built
 from dali_nerf.sources.base import BATCH_KEYS, BatchSource, BatchStats
 from dali_nerf.sources.checks import check_cache_device, check_common
 from dali_nerf.sources.dalirun import dali_to_torch, run_graph, step_views
+from dali_nerf.sources.images import ImageLoader
 from dali_nerf.sources.rays import RayLoader
 from dali_nerf.sources.ready import ReadySource
 from dali_nerf.sources.routed_workers import RoutedTorchWorkers, routed_batch
@@ -41,7 +43,7 @@ from dali_nerf.sources.sync import (PixelSampler, RoutedSyncGlobal, RoutedSyncLo
 
 __all__ = [
     "BATCH_KEYS", "BatchSource", "BatchStats", "check_cache_device", "check_common", "dali_to_torch", "run_graph",
-    "step_views", "RunAhead", "RayLoader", "ReadySource", "SpatialRayLoader", "WindowStream", "plan_window_images", "window_plan",
+    "step_views", "RunAhead", "RayLoader", "ImageLoader", "ReadySource", "SpatialRayLoader", "WindowStream", "plan_window_images", "window_plan",
     "PixelSampler", "SyncLocalSampler", "SyncGlobalSampler", "TorchWorkersSampler", "RoutedSyncLocal",
     "RoutedSyncGlobal", "RoutedTorchWorkers", "routed_batch", "scatter_batches", "collective_device", "build_source",
     "make_source", "source_from_config", "floor_source", "SOURCES", "SS_SOURCES", "Run", "RunSource", "Feed", "rank_feed",

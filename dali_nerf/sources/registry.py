@@ -50,6 +50,7 @@ from typing import List, Optional, Sequence, Tuple
 from dali_nerf.errors import ConfigError
 from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.data.plan import RAY_GRAPH_SOURCES, SamplingPlan, plan_from_config, run_stream
+from dali_nerf.sources.images import ImageLoader
 from dali_nerf.sources.rays import RayLoader
 from dali_nerf.sources.ready import ReadySource
 from dali_nerf.sources.routed_workers import RoutedTorchWorkers
@@ -59,6 +60,7 @@ from dali_nerf.sources.sync import (RoutedSyncGlobal, RoutedSyncLocal, SyncGloba
                                     TorchWorkersSampler)
 
 __all__ = ["build_source", "make_source", "source_from_config", "rank_feed", "Feed", "floor_source", "run_stream",
+           "image_source",
            "SOURCES", "SS_SOURCES", "RAY_GRAPH_SOURCES"]
 
 SOURCES = ("rays", "rays_sync", "sync_global", "sync_local", "torch_workers", "ready")
@@ -162,6 +164,8 @@ def build_source(cfg, scene, rank: int, world_size: int, cells=None, *, partitio
         ConfigError: an unknown ``pipeline.name``, or one the method does not offer; a
             ``pipeline.global_batch`` the run cannot have.
     """
+    if cfg.method == "splat":
+        return image_source(cfg, scene, rank, world_size, plan=plan)
     name = cfg.pipeline.name
     if cells is None:
         if name not in SOURCES:
@@ -239,6 +243,18 @@ def _ss_source(name, scene, p: SamplingPlan, cache, store: CacheStore, partition
         src = RoutedSyncLocal(scene, partition, cell, cache=cache, plan=p, store=store)
         return ReadySource.first_of(src) if name == "ready" else src
     raise ConfigError(f"pipeline.name={name}: method ss supports {', '.join(SS_SOURCES)}")
+
+
+def image_source(cfg, scene, rank: int, world_size: int, plan: Optional[SamplingPlan] = None) -> ImageLoader:
+    """The image loader of a splatting run (``method: splat``): ``images.*``, the seed
+    ``pipeline.seed``, decode threads and batch from the rank's plan, batches on the plan's device
+    (cuda: pinned, copied in ``next()``), node sharing from torchrun's environment."""
+    plan = plan or plan_from_config(cfg, rank, world_size)
+    im = cfg.images
+    return ImageLoader(scene, images_per_batch=im.images_per_batch, rank=rank, world_size=world_size,
+                       seed=cfg.pipeline.seed, prefetch=im.prefetch, patch_size=im.patch_size or None,
+                       max_bytes=im.max_bytes or None, device=plan.device, num_threads=plan.threads,
+                       decode_batch=plan.decode_batch)
 
 
 def floor_source(batch: dict) -> ReadySource:

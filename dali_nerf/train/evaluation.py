@@ -61,7 +61,7 @@ def eval_subset(scene, max_images: int = 0):
 
 @torch.no_grad()
 def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int = 0, decode=None,
-                   space: Optional[RaySpace] = None):
+                   space: Optional[RaySpace] = None, render=None):
     """Render held-out views; returns an :class:`EvalResult`: (list of (pred, gt) HxWx3 float
     tensors, psnr, ssim, seconds), with ``psnr_unmasked`` and ``masks`` for a masked split.
 
@@ -69,6 +69,9 @@ def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int
         field: radiance field (``forward(x, d) -> sigma, rgb``), eval mode.
         scene: the eval split Scene; images are decoded with the same DALI decode stage.
         space: the field's :class:`RaySpace` (the one it was trained in; None: world).
+        render: ``render(field, sub, i, width, height, background) -> (H, W, 3)`` of view ``i`` of
+            the evaluated subset ``sub``, for a method that does not march rays (the method's
+            ``render_view``, e.g. Gaussian splats); None: :func:`~dali_nerf.models.render_image`.
     """
     sub = eval_subset(scene, max_images)
     cache = decode if decode is not None else eval_cache(sub)
@@ -78,11 +81,14 @@ def evaluate_field(field, occupancy, scene, cfg: Config, device, max_images: int
     for i in range(sub.num_images):
         off, w, h, _ = (int(v) for v in cache.layout[i])
         gt = torch.from_numpy(np.array(cache.pixels[off:off + w * h])).reshape(h, w, 3).float() / 255.0
-        near = float(sub.near[i]) if sub.near is not None else 0.0
-        far = float(sub.far[i]) if sub.far is not None else 1e3
-        pred = render_image(field, torch.as_tensor(np.array(sub.c2w[i]), device=device), torch.as_tensor(np.array(sub.intrinsics[i]), device=device),
-                            w, h, near, far, bg, occupancy=occupancy, samples=cfg.model.samples_per_ray,
-                            space=space).cpu().clamp(0, 1)
+        if render is not None:
+            pred = render(field, sub, i, w, h, bg).cpu().clamp(0, 1)
+        else:
+            near = float(sub.near[i]) if sub.near is not None else 0.0
+            far = float(sub.far[i]) if sub.far is not None else 1e3
+            pred = render_image(field, torch.as_tensor(np.array(sub.c2w[i]), device=device),
+                                torch.as_tensor(np.array(sub.intrinsics[i]), device=device), w, h, near, far, bg,
+                                occupancy=occupancy, samples=cfg.model.samples_per_ray, space=space).cpu().clamp(0, 1)
         pairs.append((pred, gt))
         ps.append(psnr_fn(pred, gt))
         ss.append(ssim_fn(pred, gt))
@@ -148,7 +154,8 @@ class PeriodicEval:
             was_training = field.training
             field.eval()
             res = evaluate_field(field, occupancy, self.views.scene, self.cfg, self.env.device,
-                                 self.views.max_images, decode=self.views.cache(), space=self.method.space)
+                                 self.views.max_images, decode=self.views.cache(), space=self.method.space,
+                                 render=self.method.render_view)
             _, p, s, seconds = res
             field.train(was_training)
             row = {"step": step, "eval_psnr": p, "eval_ssim": s, "eval_render_s": seconds}

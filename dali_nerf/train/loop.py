@@ -305,8 +305,12 @@ class _Loop:
         ph = {p: 0.0 for p in PHASES}
         t_step, q0 = time.perf_counter(), runq_seconds()
         losses, nrays = [], 0
+        method_step = self.method.train_step  # None: a ray march (Method.train_step)
         for task in self.tasks:
-            loss, n = train_task_step(cfg, env, task, step, self.scene, self.bg, self.sync_timers, self.timer)
+            if method_step is not None:
+                loss, n = method_step(cfg, env, task, step, self.timer)
+            else:
+                loss, n = train_task_step(cfg, env, task, step, self.scene, self.bg, self.sync_timers, self.timer)
             losses.append(loss)
             nrays += n
         self.timer.resolve(ph)  # CUDA: the one wait of the step, on its last event
@@ -434,7 +438,8 @@ def evaluate_and_summarise(cfg: Config, method: Method, env: DistEnv, tasks: Lis
     field.eval()
     views = r.views or EvalViews(cfg, eval_scene)
     res = evaluate_field(field, occupancy, eval_scene, cfg, env.device, cfg.train.eval_images,
-                         decode=views.cache(), space=method.space)
+                         decode=views.cache(), space=method.space,
+                         render=method.render_view)
     pairs, p, s, seconds = res
     masked = {} if res.masks is None else {"test_psnr_unmasked": res.psnr_unmasked}
     renders = write_renders(pairs, cfg.run_dir / "renders", prefix=sc.eval_split)

@@ -17,7 +17,8 @@ Resume on W' ranks (:func:`read_resume_state`): W' = W: every rank takes its own
 state (exactly as before). W' != W (elastic; torchrun ``--nnodes=MIN:MAX`` restarts): allowed for
 the DDP global stream (each rank decodes its new shard once and continues the saved global step
 with G kept: rays per rank G / W', refused when W' does not divide G), ``sync_global`` (rank 0's
-global batch, G kept likewise) and the SS ``rays`` cells (cells reassigned by
+global batch, G kept likewise), the splatting trainer's image stream (every rank continues from
+the saved global image position with ``images.images_per_batch`` per rank) and the SS ``rays`` cells (cells reassigned by
 :func:`~dali_nerf.partition.assign_rank`; each cell's stream is its own); refused in one line for
 per-rank streams (``pipeline.stream=shard``, sync_local, torch_workers, the SS baselines). Format
 1 checkpoints (one ``rank<R>.pt`` per rank) resume on their world size only.
@@ -47,6 +48,7 @@ from dali_nerf.partition import assign_rank
 from dali_nerf.data.plan import RAY_GRAPH_SOURCES, global_batch_share, nearest_divisors
 from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM
 from dali_nerf.train.record import last_step
+from dali_nerf.data.imageorder import IMAGE_STREAM
 from dali_nerf.train.runtime import DistEnv, gather_codes
 from dali_nerf.scenes import describe_change, scene_fingerprint
 from dali_nerf.train.tasks import Task, close_sources
@@ -54,8 +56,12 @@ from dali_nerf.train.tasks import Task, close_sources
 __all__ = ["save_checkpoint", "read_resume_state", "restore_tasks", "resumed_config", "load_checkpoint",
            "replica_digest", "ELASTIC", "elastic_launch", "agree_on_checkpoints"]
 
-ELASTIC = {("ddp", GLOBAL_STREAM), ("ddp", "sync_global-v1"), ("ss", "cells-v1")}
+ELASTIC = {("ddp", GLOBAL_STREAM), ("ddp", "sync_global-v1"), ("ss", "cells-v1"), ("splat", IMAGE_STREAM)}
 """(method, stream) pairs a checkpoint of which resumes on another world size."""
+
+
+TRAINER_OF = {"ddp": "ddp", "ss": "spatial", "splat": "splat"}
+"""The trainer script (trainers/<name>.py) of each method."""
 
 
 def _rng_state() -> dict:
@@ -328,7 +334,7 @@ def read_resume_state(run_dir: Path, env: DistEnv, resume: bool, scene=None, cfg
     def check(st, folder: Path):
         if cfg is not None and st.get("method", cfg.method) != cfg.method:
             raise DaliNerfError(f"{folder}: written by a method {st['method']} run, this is a {cfg.method} run; resume it "
-                                f"with trainers/{'spatial' if st['method'] == 'ss' else 'ddp'}.py")
+                                f"with trainers/{TRAINER_OF.get(st['method'], 'ddp')}.py")
         for key in ("seed", "mode") if cfg is not None else ():  # the stream's key: found before any rank decodes
             saved, now = st.get(key), getattr(cfg.pipeline, key)
             if saved is not None and saved != now:

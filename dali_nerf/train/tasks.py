@@ -1,6 +1,6 @@
-"""What the DDP and the SS trainers train: a :class:`Task` is one radiance field on one ray stream
-(DDP: the replica of the rank; SS: one per cell the rank owns); a :class:`Method` builds the tasks
-and says how to evaluate them (subclasses in trainers/)."""
+"""What the trainers train: a :class:`Task` is one model on one batch stream (DDP: the field replica
+of the rank; SS: one field per cell the rank owns; splat: the Gaussians of the rank, on image
+batches); a :class:`Method` builds the tasks and says how to evaluate them (subclasses in trainers/)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,14 @@ class Method:
 
     name = "base"
     space: Optional[RaySpace] = None
+    train_step = None
+    """None: the loop's ray-marching step (:func:`dali_nerf.train.loop.train_task_step`). A method
+    whose step is not a ray march (Gaussian splats) sets ``train_step(cfg, env, task, step, timer)
+    -> (loss, items)``, timing its phases in ``timer`` as that function does."""
+    render_view = None
+    """None: evaluation marches rays (:func:`dali_nerf.models.render_image`); else
+    ``render_view(field, sub, i, width, height, background) -> (H, W, 3)`` renders view ``i`` of the
+    evaluated subset ``sub`` (:func:`dali_nerf.train.evaluation.evaluate_field`)."""
 
     def check(self, cfg: Config, scene) -> None:
         """Refuse (one line) a config this method cannot train, before anything is decoded."""
