@@ -7,7 +7,7 @@ Subcommands (each implemented in its own module, imported only when used):
                                        (objects | city | forward | unbounded)
     dali-nerf validate SCENE           scan a scene folder (every image header) before training
     dali-nerf render                   render a split or an orbit from a checkpoint (DDP or SS run)
-    dali-nerf bench sampler|study|loop|decode   benchmarks (docs/BENCHMARKS.md)
+    dali-nerf bench sampler|study|loop|decode|images   benchmarks (docs/BENCHMARKS.md)
     dali-nerf build-op                 build (or rebuild) the C++ operator plugin now
 
 User errors print ``error: <one line>`` and exit 2, without a traceback.
@@ -105,6 +105,19 @@ def _parser() -> argparse.ArgumentParser:
     bl.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     bl.add_argument("--out", default="runs/bench_loop", help="folder for loop.json and loop.md")
     bl.add_argument("overrides", nargs="*", help="key=value config overrides")
+    bi = bsub.add_parser("images", help="image batches for splatting trainers: ImageLoader vs gsplat's worker and cache paths")
+    bi.add_argument("--scene", default=None, help="COLMAP scene folder (default: a synthetic one of --images PNGs)")
+    bi.add_argument("--images", type=int, default=200)
+    bi.add_argument("--width", type=int, default=800)
+    bi.add_argument("--height", type=int, default=600)
+    bi.add_argument("--ranks", default="1,2,4", help="ranks of the node, comma-separated")
+    bi.add_argument("--trials", type=int, default=3)
+    bi.add_argument("--batches", type=int, default=200, help="timed batches per rank (throughput and stall each)")
+    bi.add_argument("--warmup", type=int, default=10)
+    bi.add_argument("--step-ms", dest="step_ms", type=float, default=10.0, help="emulated device step")
+    bi.add_argument("--seed", type=int, default=0)
+    bi.add_argument("--timeout", type=float, default=3600.0, help="seconds per (path, ranks) run")
+    bi.add_argument("--out", default="runs/bench_images", help="folder for images.json and images.md")
     bd = bsub.add_parser("decode", help="decode images/s: the CPU decoder on this host's cores and nvJPEG")
     bd.add_argument("--images", type=int, default=100)
     bd.add_argument("--size", type=int, default=800, help="width = height in pixels")
