@@ -11,7 +11,10 @@
   bit-exact on every x86-64 CPU: no FMA contraction, AVX2 equal to the scalar code); the torch
   baselines by their ``indices`` and ``rgb`` (which pixels, and their colours: the stream), since
   their float directions come from torch kernels that may round differently on another CPU.
-* ``plans``: for every configs/*.yaml, each pipeline name its method offers, device cpu and
+* ``streams`` also hold the ImageLoader's batches (``images/...``: two ranks, patches, windows, a
+  resume on another world size) on the objects scene written as a COLMAP folder.
+* ``plans``: for every configs/*.yaml, each pipeline name its method offers (splat: its image
+  loader, device cpu only), device cpu and
   emulated, at 1, 2 and 16 local ranks on 2 usable cores: the sampler threads, rays per run,
   thread priority, device (and workers) of the source(s) rank 0 gets (``LOCAL_WORLD_SIZE`` set;
   DDP sources are built for world size 1, which changes their shard, not their budget).
@@ -34,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 KIND_OF = {"ddp_objects": "objects", "ddp_blender_gpu": "objects", "study": "objects", "ddp_llff": "forward",
-           "ddp_unbounded": "unbounded", "ss_city": "city"}
+           "ddp_unbounded": "unbounded", "ss_city": "city", "splat_objects": "objects_colmap"}
 B = 256
 RUN = 1024
 
@@ -78,6 +81,30 @@ def scenes(root: Path) -> dict:
              "unbounded": dict(width=40, height=30, n_train=6, n_val=1, n_test=0)}
     for kind, kw in sizes.items():
         out[kind] = make_scene(kind, root / kind, seed=0, **kw)
+    out["objects_colmap"] = make_scene("objects", root / "objects_colmap", seed=0, layout="colmap", **sizes["objects"])
+    return out
+
+
+def image_streams(dirs: dict) -> dict:
+    """The ImageLoader's batches (every key hashed whole: uint8 images, exact float32 cameras) on the
+    generated objects scene as a COLMAP folder: two ranks of one stream, patches, windows, a resume."""
+    from dali_nerf.scenes import load_scene
+    from dali_nerf.sources.images import ImageLoader
+
+    scene = load_scene(dirs["objects_colmap"], split="train", format="colmap")
+    out = {}
+    kw = dict(seed=0, num_threads=1)
+    for rank in (0, 1):
+        with ImageLoader(scene, images_per_batch=2, rank=rank, world_size=2, **kw) as ld:
+            out[f"images/rank{rank}of2"] = _hash(_take(ld, 5))
+    with ImageLoader(scene, images_per_batch=3, patch_size=8, **kw) as ld:
+        out["images/patch8"] = _hash(_take(ld, 4))
+    with ImageLoader(scene, max_bytes=6 * 32 * 32 * 3, **kw) as ld:
+        out["images/windows"] = _hash(_take(ld, 8))
+        state = ld.state_dict()
+    with ImageLoader(scene, images_per_batch=1, rank=1, world_size=3, **kw) as ld:
+        ld.load_state_dict(state)
+        out["images/resume/rank1of3"] = _hash(_take(ld, 4))
     return out
 
 
@@ -167,8 +194,8 @@ def plans(dirs: dict) -> dict:
         sc = base.scene
         scene = load_scene(sc.path, split=sc.train_split, format=sc.format, downscale=sc.downscale,
                            background=sc.background)
-        names = SS_SOURCES if base.method == "ss" else SOURCES
-        for device in ("cpu", "emulated"):
+        names = SS_SOURCES if base.method == "ss" else ("images",) if base.method == "splat" else SOURCES
+        for device in ("cpu",) if base.method == "splat" else ("cpu", "emulated"):
             for local in (1, 2, 16):
                 for name in names:
                     if name == "sync_global" and (device == "emulated" or local > 1):
@@ -178,7 +205,8 @@ def plans(dirs: dict) -> dict:
                     cfg = dataclasses.replace(base, pipeline=dataclasses.replace(base.pipeline, name=name),
                                               train=dataclasses.replace(base.train, device=device))
                     key = f"{stem}/{device}/local{local}/{name}"
-                    with _env(LOCAL_WORLD_SIZE=local, WORLD_SIZE=local):
+                    job = {"TORCHELASTIC_RUN_ID": "fingerprints"} if cfg.method == "splat" else {}  # its node share's key
+                    with _env(LOCAL_WORLD_SIZE=local, WORLD_SIZE=local, **job):
                         if cfg.method == "ss":
                             pc = cfg.partition
                             world = local if device == "cpu" else 1  # emulated: one process's view, all cells
@@ -208,7 +236,7 @@ def fingerprints(sections=("streams", "plans")) -> dict:
             dirs = scenes(Path(tmp))
             out = {}
             if "streams" in sections:
-                out["streams"] = streams(dirs)
+                out["streams"] = streams(dirs) | image_streams(dirs)
             if "plans" in sections:
                 out["plans"] = plans(dirs)
             return out
