@@ -20,6 +20,9 @@
 #                      device step measured by `loop` (loop/loop.json) at 16384 rays
 #   ttq          185   time to quality: configs/ddp_blender_gpu.yaml on the 800x800    ttq/summary.json,
 #                      scene, eval every 15 s, until 34 dB or 150 s of training        metrics.jsonl, renders/
+#   splat         60   trainers/splat.py on the objects scene as a COLMAP folder, on    splat/summary.json,
+#                      the GPU (gsplat's rasterization when gsplat is installed, else    metrics.jsonl
+#                      our torch one: summary.json "rasteriser" says which), 3000 steps
 #   decode        20   images/s at 800x800: the CPU decoder on all cores, nvJPEG       decode/decode.json
 #   gpu-tests   rest   pytest -m gpu (the CUDA op also on the streaming path)         gpu-tests.log
 #
@@ -227,6 +230,27 @@ else
   for f in summary.json metrics.jsonl config.yaml renders; do
     [ -e "$WORK/runs/ttq/$f" ] && cp -r "$WORK/runs/ttq/$f" "$OUT_DIR/ttq/"
   done
+fi
+
+pack
+
+# ---- splat: the Gaussian-splatting trainer on this device (gsplat's rasterization where installed) ---
+if ! want splat; then skipped_by_env splat
+elif [ $DALI = 0 ]; then note SKIPPED splat "no DALI"
+else
+  SPLAT_SCENE="$WORK/splat_${RES}x${IMAGES}"
+  if [ $GPU = 1 ]; then SPLAT_ARGS=(train.device=cuda train.steps=${SPLAT_STEPS:-3000} train.eval_images=0)
+  else SPLAT_ARGS=(train.device=cpu train.steps=4 train.eval_images=1 splat.refine_start=2 splat.refine_every=2); fi
+  rm -rf "$WORK/runs/splat"
+  if [ -d "$SPLAT_SCENE/sparse/0" ] || "$PY" -m dali_nerf make-scene objects --format colmap --out "$SPLAT_SCENE" \
+       --resolution "$RES" --images "$IMAGES" --force >/dev/null; then
+    run_step splat "$(slice 60)" "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
+      -m dali_nerf.trainers.splat --config configs/splat_objects.yaml "scene.path=$SPLAT_SCENE" \
+      "train.runs_dir=$WORK/runs" name=splat train.checkpoint_every=0 train.tensorboard=never "${SPLAT_ARGS[@]}"
+    mkdir -p "$OUT_DIR/splat"
+    for f in summary.json metrics.jsonl; do [ -e "$WORK/runs/splat/$f" ] && cp "$WORK/runs/splat/$f" "$OUT_DIR/splat/"; done
+  else note FAILED splat "make-scene --format colmap failed"; FAILED=1
+  fi
 fi
 
 pack

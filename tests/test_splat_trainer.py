@@ -4,6 +4,7 @@ rank to the end (the image stream continues at the saved global position), summa
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -28,17 +29,19 @@ def _run(nproc, overrides, resume=False):
     return r
 
 
-def test_two_ranks_then_resume_on_one(tmp_path):
+def test_two_ranks_then_resume_on_one(tmp_path, capsys):
     from dali_nerf.scenegen import make_scene
 
     scene = make_scene("objects", tmp_path / "scene", width=32, n_train=14, n_val=1, n_test=2, seed=5, layout="colmap")
     over = [f"scene.path={scene}", f"train.runs_dir={tmp_path / 'runs'}", "name=s", "train.steps=8", "train.stop_after=4",
             "train.checkpoint_every=2", "train.eval_images=1", "train.tensorboard=never", "splat.refine_start=2",
             "splat.refine_every=2", "splat.refine_stop=6", "train.device=cpu"]
-    _run(2, over)
+    r = _run(2, over)
     run = tmp_path / "runs" / "s"
     st = load_file(latest_checkpoint(run / "checkpoints"), RUN_FILE)
     assert st["method"] == "splat" and st["world_size"] == 2 and st["stream"] == "images-v1" and st["step"] == 4
+    # identical replicas (parameters, Adam state and the densifier's statistics) after densifying at steps 2 and 4
+    assert st["ranks"][0]["replica"] == st["ranks"][1]["replica"] and "replicas differ" not in r.stderr
     assert st["ranks"][0]["sources"]["splat"]["position"] == 8  # 4 steps x 2 ranks x 1 image
     first = json.loads((run / "summary.json").read_text())
     assert first["source_stats"]["local_ranks"] == 2 and first["world_size"] == 2  # the node's ranks shared the images
@@ -53,3 +56,8 @@ def test_two_ranks_then_resume_on_one(tmp_path):
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))
     assert all(r["rays"] == 32 * 32 for r in rows if "loss" in r)
+    from dali_nerf.cli.render import main as render  # dali-nerf render, in this process
+
+    assert render(argparse.Namespace(checkpoint=str(run), out=str(tmp_path / "r"), split="test", orbit=0, max_images=1)) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["images"] == 1 and abs(out["psnr"] - summary["test_psnr"]) < 1e-4  # the run's own evaluation, again

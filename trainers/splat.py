@@ -6,8 +6,8 @@ points; seeded alike) and takes its B images of each global step from
 :class:`~dali_nerf.sources.images.ImageLoader` (every image once per epoch across the ranks, decoded
 once per node). The gradients are all-reduced as one flat buffer per step (DDP's average; not the
 DDP wrapper, whose buckets cannot follow a densification that adds and removes Gaussians), so the
-replicas stay identical and every rank takes the same densification decisions (its statistics are
-summed over the ranks first). Rendering: gsplat's ``rasterization`` on a GPU with gsplat
+replicas stay identical and every rank takes the same densification decisions (the densifier's
+per-step statistics travel in the same all-reduce, summed). Rendering: gsplat's ``rasterization`` on a GPU with gsplat
 installed, else our pure-torch rasteriser (the CPU path; ``splat.backend``). The loop, checkpoints
 (model, optimizer, densifier state, the loader's stream position), resume on another number of
 ranks, periodic and final evaluation, renders, summary and progress are the NeRF trainers'
@@ -26,6 +26,7 @@ if __name__ == "__main__":
     quiet_startup()  # Ctrl-C while torch and DALI load: one line, exit 130
 
 import time  # noqa: E402
+from typing import Optional  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -33,9 +34,9 @@ import torch.distributed as dist  # noqa: E402
 
 from dali_nerf.cli.trainer import trainer_main  # noqa: E402
 from dali_nerf.data.seeds import init_seed  # noqa: E402
-from dali_nerf.models.gaussians import Densifier, GaussianModel, splat_loss, splat_optimizer  # noqa: E402
+from dali_nerf.models.gaussians import (Densifier, GaussianModel, render_camera, splat_loss,  # noqa: E402
+                                       splat_optimizer)
 from dali_nerf.scenes.bounds import scene_bounds  # noqa: E402
-from dali_nerf.sources.images import intrinsics_matrix, opencv_camtoworld  # noqa: E402
 from dali_nerf.train.runtime import DistEnv, to_device  # noqa: E402
 from dali_nerf.train.tasks import Method, Task  # noqa: E402
 
@@ -64,17 +65,19 @@ def initial_gaussians(cfg, scene) -> GaussianModel:
 
 
 class _Sync:
-    """The all-reduce of one step's gradients, timed on the host (``sync_s``)."""
+    """The all-reduce of one step's gradients (their mean over the ranks) and of the densifier's
+    statistics (their sum), as one flat buffer, timed on the host (``sync_s``)."""
 
     def __init__(self):
         self.seconds, self.measured = 0.0, True
 
-    def __call__(self, params, world: int) -> None:
+    def __call__(self, params, world: int, extra: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         if world <= 1:
-            return
+            return extra
         t0 = time.perf_counter()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        parts = [g.reshape(-1) for g in grads] + ([extra.reshape(-1) / world] if extra is not None else [])
+        flat = torch.cat(parts)
         dist.all_reduce(flat)
         flat /= world
         off = 0
@@ -82,7 +85,9 @@ class _Sync:
             n = g.numel()
             p.grad = flat[off:off + n].view_as(p)
             off += n
+        out = flat[off:].view_as(extra) * world if extra is not None else None  # the sum over the ranks
         self.seconds += time.perf_counter() - t0
+        return out
 
 
 class SplatMethod(Method):
@@ -105,12 +110,10 @@ class SplatMethod(Method):
         self.backend = sp.backend
         return [Task("splat", source, model, model, None, optimizer, scheduler)]
 
-    def _allreduce(self, t: torch.Tensor) -> None:
-        if self.env.distributed:
-            dist.all_reduce(t)
-
     def train_step(self, cfg, env, task: Task, step: int, timer):
-        """One data-parallel step (module doc); returns (the rank's loss, pixels rendered)."""
+        """One data-parallel step (module doc); returns (the rank's batch MSE, pixels rendered): the
+        metrics' ``loss`` / ``psnr`` columns are the images' MSE and PSNR, as the NeRF trainers' (the
+        optimised loss is gsplat's L1 + SSIM)."""
         model, opt = task.raw_field, task.optimizer
         t0 = time.perf_counter()
         batch = next(task.batches())
@@ -123,21 +126,23 @@ class SplatMethod(Method):
         b, h, w = pixels.shape[:3]
         colors, _, info = model.render(torch.linalg.inv(batch["camtoworld"]), batch["K"], w, h,
                                        backgrounds=self.background.expand(b, 3), backend=self.backend)
+        self.used_backend = info.get("backend", self.backend)
         if info["means2d"].requires_grad:
             info["means2d"].retain_grad()
         loss = splat_loss(colors, pixels, cfg.splat.ssim_lambda, batch.get("mask"))
+        mse = ((colors.detach() - pixels) ** 2).mean()  # logged (metrics "loss", "psnr"); the step optimises ``loss``
         m3 = timer.mark()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         m4 = timer.mark()
         sync = self.sync_timers["splat"]
         s0 = sync.seconds
-        sync(list(model.parameters()), env.world_size)
-        self.densifier.observe(model, info)
+        inc = self.densifier.increments(info) if self.densifier.active(step) else None
+        self.densifier.add(model, sync(list(model.parameters()), env.world_size, inc))
         opt.step()
         task.scheduler.step()
         if self.densifier.due(step):
-            self.densifier.refine(model, opt, step, self.seed, self._allreduce)
+            self.densifier.refine(model, opt, step, self.seed)
         self.densifier.maybe_reset(model, opt, step)
         m5 = timer.mark()
         timer.span("h2d", m1, m2)
@@ -145,23 +150,19 @@ class SplatMethod(Method):
         timer.span("backward", m3, m4)
         timer.host("sync", sync.seconds - s0)
         timer.span("optimizer", m4, m5, sync.seconds - s0)
-        return loss.detach(), b * h * w
+        return mse, b * h * w
 
     def eval_field(self, cfg, tasks, env):
         return tasks[0].raw_field, None
 
     def render_view(self, field, sub, i: int, width: int, height: int, background):
         """(H, W, 3) render of view ``i`` of the Scene ``sub`` (evaluation)."""
-        dev = field.means.device
-        view = torch.linalg.inv(torch.as_tensor(opencv_camtoworld(sub)[i], device=dev))[None]
-        k = torch.as_tensor(intrinsics_matrix(sub)[i], device=dev)[None]
-        with torch.no_grad():
-            out, _, _ = field.render(view, k, width, height, backgrounds=background.float()[None], backend=self.backend)
-        return out[0]
+        return render_camera(field, sub.c2w[i], sub.intrinsics[i], width, height, background, self.backend)
 
     def extra_summary(self, cfg, tasks, env, eval_scene, field, occupancy, views=None) -> dict:
         return {"gaussians": tasks[0].raw_field.num_gaussians, "images_per_batch": cfg.images.images_per_batch,
-                "patch_size": cfg.images.patch_size, "scene_scale": self.scale}
+                "patch_size": cfg.images.patch_size, "scene_scale": self.scale,
+                "rasteriser": getattr(self, "used_backend", None)}
 
 
 def main(argv=None) -> int:

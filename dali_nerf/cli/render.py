@@ -4,7 +4,7 @@
     dali-nerf render --checkpoint runs/ss_city/checkpoints/step_0002000 --out renders/ --orbit 24
 
 ``--checkpoint`` is a run folder (its ``checkpoints/latest`` is used) or a checkpoint step folder.
-DDP runs render the one model; SS runs the fused sub-models. The field's space (world / NDC /
+DDP runs render the one model; SS runs the fused sub-models; splat runs their Gaussians. The field's space (world / NDC /
 contracted, ``model.space``) is read from the checkpoint (``tasks.<name>.space``; checkpoints
 without it are rebuilt from the config), and a learned background is the run's.
 """
@@ -24,6 +24,7 @@ from dali_nerf.train.checkpoint import (MODEL_FILE, RUN_FILE, cell_file, checkpo
 from dali_nerf.config import _build, Config
 from dali_nerf.errors import DaliNerfError
 from dali_nerf.models import build_field, build_occupancy, render_image
+from dali_nerf.models.gaussians import GaussianModel, render_camera
 from dali_nerf.models.ray_space import RaySpace
 from dali_nerf.partition import Partition
 from dali_nerf.scenes import scene_from_config
@@ -69,10 +70,14 @@ def _task_states(folder: Path) -> dict:
 
 def load_run_space(path, device="cpu"):
     """(cfg, field, occupancy, scene_train, space) of a run: DDP's model or SS's fused sub-models,
-    and the :class:`RaySpace` they were trained in."""
+    and the :class:`RaySpace` they were trained in; a splat run's Gaussians (occupancy, space None)."""
     cfg, folder, run_dir = _resolve(Path(path))
     scene = scene_from_config(cfg)
     tasks = _task_states(folder)
+    if cfg.method == "splat":  # Gaussians: no ray space, no occupancy grid
+        model = GaussianModel(0, cfg.splat.sh_degree)
+        model.load_state_dict(tasks["splat"]["field"])
+        return cfg, model.to(device).eval(), None, scene, None
     first = next(iter(tasks.values()))
     space = RaySpace.from_state(first["space"]) if "space" in first else scene_space(cfg, scene)
     aabb = space.aabb
@@ -141,14 +146,21 @@ def main(args) -> int:
         bg = eval_background(field, train_scene, device)
         pairs = []
         for p in poses:
-            img = render_image(field, torch.as_tensor(p, device=device), K, w, h, near, far, bg, occupancy=occ,
-                               samples=cfg.model.samples_per_ray, space=space).cpu()
+            if cfg.method == "splat":
+                img = render_camera(field, p, train_scene.intrinsics[0], w, h, bg, cfg.splat.backend).cpu()
+            else:
+                img = render_image(field, torch.as_tensor(p, device=device), K, w, h, near, far, bg, occupancy=occ,
+                                   samples=cfg.model.samples_per_ray, space=space).cpu()
             pairs.append((img, None))
         names = write_renders(pairs, out, prefix="orbit")
         print(f"wrote {len(names)} orbit views to {out}/")
         return 0
     scene = scene_from_config(cfg, args.split)
-    pairs, p, s, secs = evaluate_field(field, occ, scene, cfg, device, args.max_images, space=space)
+    splat = None
+    if cfg.method == "splat":  # Gaussians render cameras, not rays
+        def splat(f, sub, i, w, h, bg):
+            return render_camera(f, sub.c2w[i], sub.intrinsics[i], w, h, bg, cfg.splat.backend)
+    pairs, p, s, secs = evaluate_field(field, occ, scene, cfg, device, args.max_images, space=space, render=splat)
     names = write_renders(pairs, out, prefix=args.split)
     print(json.dumps({"split": args.split, "images": len(names), "psnr": p, "ssim": s, "render_s": secs, "out": str(out)}))
     return 0

@@ -16,17 +16,23 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from dali_nerf.models.raster import SH_C0, rasterization
 
-__all__ = ["GaussianModel", "Densifier", "knn_distance", "splat_optimizer", "splat_loss", "PARAMS"]
+__all__ = ["GaussianModel", "Densifier", "knn_distance", "splat_optimizer", "splat_loss", "render_camera", "PARAMS"]
 
 PARAMS = ("means", "scales", "quats", "opacities", "sh0", "shN")
 
 #: gsplat's learning rates (simple_trainer.py defaults); means' is scaled by the scene's size
 LRS = {"means": 1.6e-4, "scales": 5e-3, "quats": 1e-3, "opacities": 5e-2, "sh0": 2.5e-3, "shN": 2.5e-3 / 20}
+
+
+def _f32(x) -> np.ndarray:
+    """A float32 numpy copy of an array or tensor (a Scene's arrays are read-only)."""
+    return x.detach().cpu().numpy().astype(np.float32) if torch.is_tensor(x) else np.array(x, np.float32)
 
 
 def knn_distance(points: torch.Tensor, k: int = 3, chunk: int = 4096) -> torch.Tensor:
@@ -66,7 +72,7 @@ class GaussianModel(torch.nn.Module):
         """Gaussians at ``points`` (M, 3) with colours ``rgb`` (M, 3) uint8: scale the RMS distance
         to the 3 nearest points (log), identity rotations, opacity ``init_opacity``, SH degree 0
         term from the colour (gsplat's ``rgb_to_sh``), higher terms 0."""
-        pts = torch.as_tensor(points, dtype=torch.float32).reshape(-1, 3)
+        pts = torch.from_numpy(_f32(points)).reshape(-1, 3)
         if len(pts) == 0:
             raise ValueError("GaussianModel.from_points: no points (the scene has no sparse points)")
         model = cls(len(pts), sh_degree)
@@ -75,7 +81,7 @@ class GaussianModel(torch.nn.Module):
             model.scales.copy_(torch.log(knn_distance(pts).clamp_min(1e-7) * init_scale)[:, None].expand(-1, 3))
             model.quats.zero_()[:, 0] = 1.0
             model.opacities.fill_(math.log(init_opacity / (1.0 - init_opacity)))
-            col = torch.as_tensor(rgb, dtype=torch.float32).reshape(-1, 3) / 255.0
+            col = torch.from_numpy(_f32(rgb)).reshape(-1, 3) / 255.0
             model.sh0.copy_(((col - 0.5) / SH_C0)[:, None, :])
         return model
 
@@ -103,6 +109,22 @@ class GaussianModel(torch.nn.Module):
                 if name in state_dict and tuple(state_dict[name].shape) != tuple(t.shape):
                     t.data = torch.zeros(state_dict[name].shape, dtype=t.dtype, device=t.device)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+@torch.no_grad()
+def render_camera(model: GaussianModel, c2w, intrinsics, width: int, height: int, background, backend: str = "auto"):
+    """(H, W, 3) render of one camera in our convention: ``c2w`` (3, 4) OpenGL camera-to-world,
+    ``intrinsics`` (4,) fx, fy, cx, cy (pixel centres at +0.5), ``background`` (3,)."""
+    dev = model.means.device
+    cv = torch.eye(4, dtype=torch.float32, device=dev)
+    cv[:3, :4] = torch.as_tensor(np.array(c2w, np.float32), device=dev)
+    cv[:3, 1:3] *= -1.0  # OpenGL -> OpenCV camera axes
+    fx, fy, cx, cy = (float(v) for v in intrinsics)
+    k = torch.tensor([[fx, 0.0, cx], [0.0, fy, cy], [0.0, 0.0, 1.0]], dtype=torch.float32, device=dev)
+    bg = torch.as_tensor(background, dtype=torch.float32, device=dev).reshape(1, 3)
+    out, _, _ = model.render(torch.linalg.inv(cv)[None], k[None], int(width), int(height), backgrounds=bg,
+                             backend=backend)
+    return out[0]
 
 
 def splat_optimizer(model: GaussianModel, scene_scale: float, total_steps: int, images_per_step: int = 1):
@@ -150,9 +172,10 @@ def splat_loss(pred: torch.Tensor, target: torch.Tensor, ssim_lambda: float = 0.
 class Densifier:
     """A minimal version of gsplat's ``DefaultStrategy`` (what it does, all of it):
 
-    * after each backward pass, :meth:`observe` adds, per Gaussian visible in the step's images,
-      the norm of its 2-D mean's gradient in normalised image units (x width / 2, y height / 2,
-      times the images of the step) to ``model.grad2d`` and 1 to ``model.seen``;
+    * after each backward pass until ``stop``, :meth:`observe` (:meth:`increments`, :meth:`add`)
+      adds, per Gaussian visible in the step's images, the norm of its 2-D mean's gradient in
+      normalised image units (x width / 2, y height / 2, times the images of the step) to
+      ``model.grad2d`` and 1 to ``model.seen``;
     * every ``every`` steps from ``start`` to ``stop`` (:meth:`refine`): Gaussians whose mean
       gradient is above ``grad_threshold`` are cloned when their largest scale is at most
       ``small_scale`` x scene scale, else split in two (new means drawn from the Gaussian with a
@@ -160,8 +183,9 @@ class Densifier:
       are removed; the statistics restart; the Adam state of new rows is zero;
     * every ``reset_every`` steps opacities are capped at 2 x ``min_opacity``.
 
-    Under data parallelism the statistics are summed over the ranks first (``allreduce``), so
-    every rank takes the same decisions on identical replicas."""
+    Under data parallelism each step's increments are summed over the ranks (the trainer sends them
+    with the gradients' all-reduce), so the statistics, hence the decisions, are the same on every
+    replica; ``refine(allreduce=...)`` sums statistics that were gathered per rank instead."""
 
     def __init__(self, scene_scale: float, start: int = 100, stop: int = 1500, every: int = 100,
                  reset_every: int = 3000, grad_threshold: float = 2e-4, small_scale: float = 0.01,
@@ -171,16 +195,32 @@ class Densifier:
         self.small_scale, self.min_opacity, self.max_gaussians = float(small_scale), float(min_opacity), int(max_gaussians)
 
     @torch.no_grad()
-    def observe(self, model: GaussianModel, info: dict) -> None:
+    def increments(self, info: dict) -> Optional[torch.Tensor]:
+        """(2, N) float32 of this step's images: per Gaussian the summed norm of its 2-D mean's
+        gradient (normalised units) where visible, and the number of images it was visible in;
+        None without a gradient."""
         g = info["means2d"].grad
         if g is None:
-            return
+            return None
         c = g.shape[0]
         scale = torch.tensor([info["width"] / 2.0 * c, info["height"] / 2.0 * c], dtype=g.dtype, device=g.device)
-        norms = (g * scale).norm(dim=-1)                                   # (C, N)
         vis = (info["radii"] > 0).all(-1)
-        model.grad2d += (norms * vis).sum(0).to(model.grad2d.dtype)
-        model.seen += vis.sum(0).to(model.seen.dtype)
+        return torch.stack([((g * scale).norm(dim=-1) * vis).sum(0), vis.sum(0).to(g.dtype)]).float()
+
+    @torch.no_grad()
+    def add(self, model: GaussianModel, inc: Optional[torch.Tensor]) -> None:
+        """Add :meth:`increments` (summed over the ranks under data parallelism) to the statistics."""
+        if inc is not None:
+            model.grad2d += inc[0].to(model.grad2d.dtype)
+            model.seen += inc[1].to(model.seen.dtype)
+
+    def observe(self, model: GaussianModel, info: dict) -> None:
+        """:meth:`add` of this process's :meth:`increments` (one process)."""
+        self.add(model, self.increments(info))
+
+    def active(self, step: int) -> bool:
+        """Whether step ``step``'s statistics can still matter (a refinement is to come)."""
+        return step < self.stop
 
     def due(self, step: int) -> bool:
         return self.start <= step < self.stop and step % self.every == 0
