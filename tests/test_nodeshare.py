@@ -45,6 +45,18 @@ def mem():
     return rss, pss
 
 share = NodeShare(key, rank, world, timeout=60)
+if len(sys.argv) > 6:  # the failure case: rank 1 fails its part, the others' wait fails in one line
+    b = share.block("bad", 64)
+    try:
+        b.fill_part(lambda a, part, parts: (_ for _ in ()).throw(OSError("disk gone")) if part == 1 else None)
+        b.wait_ready()
+        msg = "no error"
+    except Exception as e:
+        msg = f"{type(e).__name__}: {e}"
+    json.dump({"msg": msg}, open(os.path.join(folder, f"out{rank}.json"), "w"))
+    wait_all("done")
+    share.close()
+    sys.exit(0)
 blk = share.block("blk", n)
 def fill(a, part, parts):
     lo, hi = n * part // parts, n * (part + 1) // parts
@@ -66,11 +78,12 @@ share.close()
 """
 
 
-def _run(tmp_path, world, key, n=NBYTES):
+def _run(tmp_path, world, key, n=NBYTES, fail=False):
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), key, str(tmp_path), str(n)], cwd=REPO,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    extra = ["fail"] if fail else []
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), key, str(tmp_path), str(n)] + extra,
+                              cwd=REPO, stderr=subprocess.PIPE, text=True) for r in range(world)]
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-3000:]
@@ -99,3 +112,9 @@ def test_one_rank_needs_no_socket_and_a_missing_partner_is_one_line():
         NodeShare(f"nobody-{os.getpid()}", 1, 2, timeout=0.3)
     assert "\n" not in str(e.value)
     np.testing.assert_array_equal(np.zeros(1), 0)
+
+
+def test_a_rank_that_fails_its_part_fails_the_block_on_every_rank(tmp_path):
+    got = _run(tmp_path, 2, f"test-fail-{os.getpid()}", fail=True)
+    assert got[1]["msg"] == "OSError: disk gone"
+    assert got[0]["msg"].startswith("DataError: node share") and "failed to fill its part of bad" in got[0]["msg"]

@@ -109,7 +109,8 @@ class _Server:
 
     def _handle(self, conn, msg) -> None:
         op, name = msg[0], msg[1]
-        b = self.blocks.setdefault(name, {"fd": None, "served": 0, "done": 0, "waiting": [], "answered": 0})
+        b = self.blocks.setdefault(name, {"fd": None, "served": 0, "done": 0, "waiting": [], "answered": 0,
+                                          "failed": False})
         if op == "get":
             if b["fd"] is None and b["served"] == 0:
                 fd = os.memfd_create(f"dali_nerf-{name}", os.MFD_CLOEXEC)
@@ -120,16 +121,17 @@ class _Server:
             if b["served"] == self.local_world:  # every rank holds it now: the block lives in their maps
                 os.close(b["fd"])
                 b["fd"] = None
-        elif op == "done":
+        elif op in ("done", "fail"):
             b["done"] += 1
+            b["failed"] |= op == "fail"
             if b["done"] == self.local_world:
                 for c in b["waiting"]:
-                    c.sendall(b"ready\n")
+                    c.sendall(b"failed\n" if b["failed"] else b"ready\n")
                 b["answered"] += len(b["waiting"])
                 b["waiting"] = []
         elif op == "wait":
             if b["done"] == self.local_world:
-                conn.sendall(b"ready\n")
+                conn.sendall(b"failed\n" if b["failed"] else b"ready\n")
                 b["answered"] += 1
             else:
                 b["waiting"].append(conn)
@@ -146,15 +148,21 @@ class Block:
         self.share, self.name, self.nbytes, self._mm, self.array = share, name, nbytes, mm, array
 
     def fill_part(self, fill: Callable[[np.ndarray, int, int], None]) -> None:
-        """``fill(array, part, parts)`` writes this rank's part; then tells the node it is done."""
+        """``fill(array, part, parts)`` writes this rank's part; then tells the node it is done (or
+        that it failed, re-raising: the other ranks' :meth:`wait_ready` then fail too)."""
         try:
             fill(self.array, self.share.local_rank, self.share.local_world)
-        finally:
-            self.share._send(f"done {self.name}\n")
+        except BaseException:
+            self.share._send(f"fail {self.name}\n")
+            raise
+        self.share._send(f"done {self.name}\n")
 
     def wait_ready(self, timeout: Optional[float] = None) -> np.ndarray:
-        """Block until every local rank filled its part; returns ``array`` (read-only)."""
-        self.share._request(f"wait {self.name}\n", timeout=timeout)
+        """Block until every local rank filled its part; returns ``array`` (read-only). A
+        DataError when another rank failed to fill its part (that rank raises its own error)."""
+        if self.share._request(f"wait {self.name}\n", timeout=timeout) == "failed":
+            raise DataError(f"node share {self.share.key}: another rank of this node failed to fill its part of "
+                            f"{self.name} (see that rank's error)")
         self.array.setflags(write=False)
         return self.array
 
@@ -229,8 +237,8 @@ class NodeShare:
             if not data:
                 raise DataError(f"node share {self.key}: local rank 0 went away")
             self._buf += data
-        _, self._buf = self._buf.split(b"\n", 1)
-        return None
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line.decode()
 
     def block(self, name: str, nbytes: int) -> Block:
         """Map the block ``name`` of ``nbytes`` (created by the first rank that asks)."""
