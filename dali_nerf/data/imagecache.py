@@ -478,10 +478,15 @@ def _packed(scene, want, offsets, pixels, use_gpu: bool, rank: int, world_size: 
 # the caches a run needs, each decoded by the rule of its kind (the one place that decodes)
 
 
-def decode_into(scene, ids, out: np.ndarray, threads: int = 2, batch: int = 8, stop=None) -> ImageCache:
+def decode_into(scene, ids, out: np.ndarray, threads: int = 2, batch: int = 8, stop=None, device: str = "cpu"):
     """The images ``ids`` (split indices, in order) decoded and finished into ``out`` (their
     packed pixels, (P, 3) uint8 host memory another owner allocated: a node's shared window of
-    the image loader, :mod:`dali_nerf.sources.images`)."""
+    the image loader, :mod:`dali_nerf.data.imagestore`). ``device="cuda"``: DALI's mixed decoder
+    (nvJPEG for JPEG) and the finishing on the GPU, then one copy of these images to ``out``."""
+    if device == "cuda":  # pragma: no cover - needs a GPU
+        cache = decode_cache(scene, 0, 1, device="cuda", num_threads=threads, batch=batch, indices=ids, stop=stop)
+        out[...] = cache.pixels.cpu().numpy()
+        return None
     return decode_cache(scene, 0, 1, device="cpu", num_threads=threads, batch=batch, indices=ids, stop=stop, out=out)
 
 

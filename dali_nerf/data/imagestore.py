@@ -13,7 +13,8 @@ Two regimes, chosen by the budget (``max_bytes`` of decoded pixels per node):
 
 Each chunk or window is one :class:`~dali_nerf.data.nodeshare.Block` of the node: every local rank
 decodes its part (:func:`dali_nerf.data.imagecache.decode_into`, DALI, finished as every cache is:
-composited, undistorted, downscaled) into the shared memory and all use the whole.
+composited, undistorted, downscaled; nvJPEG on a rank's GPU when the loader runs on CUDA) into the
+shared memory and all use the whole.
 
 >>> store = ImageStore(scene, stream, share, window=64, keep_all=False, start=0)
 >>> views = store.images(positions)      # [(H, W, 3) uint8], waiting for their window if needed
@@ -70,11 +71,18 @@ class ImageStore:
         start: the first global position the loader will ask for.
         threads, batch: DALI decode threads and images per decode run.
         tag: prefix of the block names (the same on every local rank).
+        device: where a rank decodes its part: "cpu" (DALI's CPU decoder) or "cuda" (nvJPEG on the
+            rank's GPU, copied into the node's host block).
     """
 
     def __init__(self, scene, stream: ImageStream, share, window: int, keep_all: bool, start: int = 0,
-                 threads: int = 2, batch: int = 8, tag: str = ""):
-        self.scene, self.stream, self.share, self.tag = scene, stream, share, tag
+                 threads: int = 2, batch: int = 8, tag: str = "", device: str = "cpu"):
+        self.scene, self.stream, self.share, self.tag, self.device = scene, stream, share, tag, device
+        self._gpu = None
+        if device == "cuda":  # pragma: no cover - needs a GPU; the thread decodes on the rank's device
+            import torch
+
+            self._gpu = torch.cuda.current_device()
         self.window, self.keep_all = int(window), bool(keep_all)
         self.threads, self.batch = int(threads), int(batch)
         self.n = scene.num_images
@@ -117,7 +125,8 @@ class ImageStore:
             lo, hi = k * part // parts, k * (part + 1) // parts
             if hi > lo:
                 view = array[chunk.offsets[lo]:chunk.offsets[hi]].reshape(-1, 3)
-                decode_into(self.scene, chunk.ids[lo:hi], view, threads=self.threads, batch=self.batch, stop=self._stop)
+                decode_into(self.scene, chunk.ids[lo:hi], view, threads=self.threads, batch=self.batch, stop=self._stop,
+                            device=self.device)
 
         blk.fill_part(fill)
         blk.wait_ready()
@@ -137,6 +146,10 @@ class ImageStore:
 
     def _run(self, start: int) -> None:
         try:
+            if self._gpu is not None:  # pragma: no cover - needs a GPU (a new thread starts on device 0)
+                import torch
+
+                torch.cuda.set_device(self._gpu)
             if self.keep_all:
                 for k, ids in enumerate(self._keep_all_chunks(start)):
                     if self._stop.is_set():

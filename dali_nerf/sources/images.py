@@ -120,7 +120,8 @@ class ImageLoader(BatchSource):
             LOCAL_RANK / LOCAL_WORLD_SIZE, else 0 / 1); the node's ranks share the decoded images.
         share_key: the string every local rank of the job passes alike (default from torchrun's
             environment; required with several local ranks outside torchrun).
-        device: "cpu" | "cuda" (pinned batches, copied in ``next()``).
+        device: "cpu" | "cuda" (each rank decodes its part with nvJPEG on its GPU into the node's
+            host memory; pinned batches, copied in ``next()``).
         num_threads, decode_batch: DALI decode threads and images per decode run.
     """
 
@@ -191,7 +192,7 @@ class ImageLoader(BatchSource):
         self._runs += 1  # every local rank seeks alike: the same run number names the same blocks
         self._store = ImageStore(self.scene, self._stream, self._share, self.window, self.keep_all,
                                  start=self.position, threads=self.num_threads, batch=self.decode_batch,
-                                 tag=f"r{self._runs}")
+                                 tag=f"r{self._runs}", device=self.device)
         self._ahead = RunAhead(None, _Producer(self, self.position, self._store), depth=self.prefetch,
                                name="dali_nerf-image-batches")
         self._started = True
