@@ -21,8 +21,8 @@ class ImagesConfig:
     """0: whole images; p > 0: a random p x p patch of each image (gsplat's patch_size), the
     camera's principal point shifted."""
     max_bytes: int = 0
-    """Decoded pixels one node may hold, shared by its ranks (0: half the memory available at the
-    start). A split larger than this is streamed through two windows of images."""
+    """Decoded pixels one node may hold, shared by its ranks (0: half the node's physical memory).
+    A split larger than this is streamed through two windows of images."""
     prefetch: int = 2
     """Batches built ahead of the training step (>= 1)."""
 

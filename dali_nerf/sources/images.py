@@ -33,12 +33,12 @@ torch.Size([1, 297, 420, 3])
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
 import torch
 
-from dali_nerf.data.imagecache import available_memory
 from dali_nerf.data.imageorder import IMAGE_STREAM, ImageStream, patch_offsets, step_positions
 from dali_nerf.data.imagestore import ImageStore, plan_windows
 from dali_nerf.data.nodeshare import NodeShare, default_key
@@ -48,10 +48,22 @@ from dali_nerf.sources.base import BatchSource, BatchStats, check_scene_state, g
 from dali_nerf.sources.checks import MAX_PREFETCH, check_int
 from dali_nerf.sources.runner import RunAhead
 
-__all__ = ["ImageLoader", "IMAGE_KEYS", "opencv_camtoworld", "intrinsics_matrix"]
+__all__ = ["ImageLoader", "IMAGE_KEYS", "opencv_camtoworld", "intrinsics_matrix", "total_memory"]
 
 IMAGE_KEYS = ("K", "camtoworld", "image", "image_id", "camera_idx")
 """The keys of every image batch (gsplat's)."""
+
+
+def total_memory() -> int:
+    """Bytes of physical memory of this node (``MemTotal``): the same for every local rank."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
 
 
 def opencv_camtoworld(scene) -> np.ndarray:
@@ -114,8 +126,9 @@ class ImageLoader(BatchSource):
         seed: the stream's seed (order and patches).
         prefetch: batches built ahead (>= 1).
         patch_size: None (whole images) or p: a random p x p patch of each image.
-        max_bytes: decoded pixels the node may hold (None: half the memory available now);
-            beyond it the split streams through windows.
+        max_bytes: decoded pixels the node may hold (None: half the node's physical memory, a number
+            every local rank reads alike: they must agree on the windows); beyond it the split
+            streams through windows.
         local_rank, local_world_size: this rank on its node and the ranks there (default torchrun's
             LOCAL_RANK / LOCAL_WORLD_SIZE, else 0 / 1); the node's ranks share the decoded images.
         share_key: the string every local rank of the job passes alike (default from torchrun's
@@ -129,8 +142,6 @@ class ImageLoader(BatchSource):
                  prefetch: int = 2, patch_size: Optional[int] = None, max_bytes: Optional[int] = None,
                  local_rank: Optional[int] = None, local_world_size: Optional[int] = None,
                  share_key: Optional[str] = None, device: str = "cpu", num_threads: int = 2, decode_batch: int = 8):
-        import os
-
         self._ahead = self._store = self._share = None
         check_int("images_per_batch", images_per_batch, 1, 1 << 20)
         check_int("world_size", world_size, 1, 1 << 20)
@@ -153,7 +164,7 @@ class ImageLoader(BatchSource):
             raise ConfigError(f"ImageLoader: {self.local_world_size} local ranks share the decoded images but no "
                               f"share_key was given (torchrun gives one); pass the same share_key on every local rank")
         self._share_key = f"{key or 'local'}/{scene_fingerprint(scene)['digest']}"
-        self.max_bytes = int(max_bytes) if max_bytes is not None else available_memory() // 2
+        self.max_bytes = int(max_bytes) if max_bytes is not None else total_memory() // 2
         try:
             self.keep_all, self.window = plan_windows(scene, self.global_batch, self.max_bytes, self.local_world_size,
                                                       self.decode_batch)
