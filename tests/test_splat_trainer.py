@@ -1,5 +1,6 @@
 """The Gaussian-splatting trainer under torchrun (gloo, CPU) on a generated COLMAP scene: one
-2-rank run that shares its decoded images between the node's ranks and checkpoints, resumed on 1
+2-rank run that shares its decoded images between the node's ranks (windows under a small node
+budget) and checkpoints, resumed on 1
 rank to the end (the image stream continues at the saved global position), summary and renders."""
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def test_two_ranks_then_resume_on_one(tmp_path, capsys):
     scene = make_scene("objects", tmp_path / "scene", width=32, n_train=14, n_val=1, n_test=2, seed=5, layout="colmap")
     over = [f"scene.path={scene}", f"train.runs_dir={tmp_path / 'runs'}", "name=s", "train.steps=8", "train.stop_after=4",
             "train.checkpoint_every=2", "train.eval_images=1", "train.tensorboard=never", "splat.refine_start=2",
-            "splat.refine_every=2", "splat.refine_stop=6", "train.device=cpu"]
+            "splat.refine_every=2", "splat.refine_stop=6", "train.device=cpu", f"images.max_bytes={6 * 32 * 32 * 3}"]
     r = _run(2, over)
     run = tmp_path / "runs" / "s"
     st = load_file(latest_checkpoint(run / "checkpoints"), RUN_FILE)
@@ -44,7 +45,9 @@ def test_two_ranks_then_resume_on_one(tmp_path, capsys):
     assert st["ranks"][0]["replica"] == st["ranks"][1]["replica"] and "replicas differ" not in r.stderr
     assert st["ranks"][0]["sources"]["splat"]["position"] == 8  # 4 steps x 2 ranks x 1 image
     first = json.loads((run / "summary.json").read_text())
-    assert first["source_stats"]["local_ranks"] == 2 and first["world_size"] == 2  # the node's ranks shared the images
+    src = first["source_stats"]  # the node's 2 ranks shared windows of 3 images (two fit the node's budget)
+    assert src["local_ranks"] == 2 and first["world_size"] == 2 and src["window"] == 3
+    assert 0 < src["peak_bytes"] <= 6 * 32 * 32 * 3
     n_before = first["gaussians"]
     _run(1, [o for o in over if not o.startswith("train.stop_after")], resume=True)
     summary = json.loads((run / "summary.json").read_text())
