@@ -123,7 +123,8 @@ def test_bad_arguments_exit_2(tmp_path):
 @pytest.mark.slow
 def test_gpu_study_dry_run(tmp_path):
     """``scripts/gpu_study.sh --dry-run`` runs every step on the CPU at toy sizes (the nvcc build,
-    the loop benchmark, the emulated study with the loop's device step, time to quality, decode,
+    the loop benchmark, the emulated study with the loop's device step, time to quality, the splat
+    trainer, decode,
     the gpu tests' collection and skips), one line per step with its reason; nothing fails."""
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_STUDY_WORK": str(tmp_path / "work")}
@@ -140,7 +141,7 @@ def test_gpu_study_dry_run(tmp_path):
     lines = (out / "steps.txt").read_text().splitlines()
     assert len(lines) >= 10 and all(l.split(" ", 1)[0] in ("RAN", "SKIPPED") and ": " in l for l in lines), lines
     ran = {l.split(":")[0].split(" ", 1)[1] for l in lines if l.startswith("RAN ")}
-    expect = {"dali", "make-scene", "loop", "study-host", "ttq", "decode", "gpu-tests"}
+    expect = {"dali", "make-scene", "loop", "study-host", "ttq", "splat", "decode", "gpu-tests"}
     if ops._find_nvcc() is not None:
         expect.add("build")
     assert expect <= ran, lines
@@ -154,6 +155,8 @@ def test_gpu_study_dry_run(tmp_path):
     assert (derived.parent / "report.md").is_file()
     s = json.loads((out / "ttq" / "summary.json").read_text())
     assert s["stopped_by"] == "max_seconds" and len(s["eval_curve"]) >= 2
+    splat = json.loads((out / "splat" / "summary.json").read_text())
+    assert splat["method"] == "splat" and splat["steps"] == 4 and splat["rasteriser"] == "torch"
     assert json.loads((out / "decode" / "decode.json").read_text())["rows"]
     assert "SKIPPED" in (out / "gpu-tests.log").read_text()
 
