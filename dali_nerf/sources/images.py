@@ -22,9 +22,13 @@ across all ranks, B per rank per step, defined by the seed alone; ``state_dict()
 global position, so ``load_state_dict`` continues it exactly on any number of ranks. Images are
 decoded once per node into memory the node's ranks share (:mod:`dali_nerf.data.imagestore`,
 :mod:`dali_nerf.data.nodeshare`), under ``max_bytes`` per node (windows beyond it); no worker
-processes: one thread builds the batches ahead (:class:`~dali_nerf.sources.runner.RunAhead`), one
-decodes. With ``device="cuda"`` batches are built in pinned memory and copied non-blocking on
+processes: one thread builds the batches ahead (the runner's), one decodes. With ``device="cuda"`` batches are built in pinned memory and copied non-blocking on
 torch's current stream in ``next()``: the GPU holds the batch handed out, nothing more.
+
+The loader is the image *producer* (:class:`ImageProducer`) plugged into the sources' one runner
+(:class:`~dali_nerf.sources.runner.RunSource`: run-ahead thread, stall and warm-up accounting, the
+cursor and its state with the split's fingerprint, close): a graph is the node's store of decoded
+images from a stream position, a run is ``prefetch`` steps of batches built on the run-ahead thread.
 
 >>> loader = ImageLoader(scene, images_per_batch=1, rank=0, world_size=1, seed=0)
 >>> batch = next(loader); batch["image"].shape
@@ -44,9 +48,9 @@ from dali_nerf.data.imagestore import ImageStore, plan_windows
 from dali_nerf.data.nodeshare import NodeShare, default_key
 from dali_nerf.errors import ConfigError
 from dali_nerf.scenes import scene_fingerprint
-from dali_nerf.sources.base import BatchSource, BatchStats, check_scene_state, global_epoch_steps, scene_state
+from dali_nerf.sources.base import global_epoch_steps
 from dali_nerf.sources.checks import MAX_PREFETCH, check_int
-from dali_nerf.sources.runner import RunAhead
+from dali_nerf.sources.runner import Run, RunSource
 
 __all__ = ["ImageLoader", "IMAGE_KEYS", "opencv_camtoworld", "intrinsics_matrix", "total_memory"]
 
@@ -84,22 +88,63 @@ def intrinsics_matrix(scene) -> np.ndarray:
     return k
 
 
-class _Producer:
-    """What the run-ahead thread calls: step k's batch of this rank (no reference to the loader)."""
+class _Graph:
+    """The run-ahead thread's handle: the node's store of decoded images and the next global
+    position of this rank's stream."""
 
-    def __init__(self, loader: "ImageLoader", start: int, store: ImageStore):
-        self.stream, self.store, self.start = loader._stream, store, start
-        self.b, self.w, self.rank, self.seed, self.patch = (loader.images_per_batch, loader.world_size, loader.rank,
-                                                            loader.seed, loader.patch_size)
-        self.k, self.c2w, self.cam = loader._k, loader._c2w, loader._camera_idx
-        self.scene, self.pin = loader.scene, loader.device == "cuda"
-        self.step = 0
+    def __init__(self, store: ImageStore, start: int):
+        self.store, self.next = store, int(start)
 
-    def __call__(self, _pipe=None) -> dict:
-        pos = step_positions(self.start, self.step, self.b, self.w, self.rank)
-        self.step += 1
+
+class ImageProducer:
+    """The image batch kind (the runner's producer contract, :mod:`dali_nerf.sources.runner`): a
+    run is ``steps_per_run`` global steps of G = B x W positions, this rank's B images of each
+    (``counts``); the stream is not the runner's linear one (a state or an epoch lands on a step
+    boundary of the global stream, and a graph is built there)."""
+
+    kind, thread_name, ahead, linear = "ImageLoader", "dali_nerf-image-batches", True, False
+
+    def __init__(self, scene, b: int, rank: int, world: int, seed: int, steps: int, patch: Optional[int],
+                 keep_all: bool, window: int, share_key: str, local_rank: int, local_world: int, device: str,
+                 threads: int, decode_batch: int):
+        self.scene, self.b, self.rank, self.world, self.seed, self.patch = scene, b, rank, world, seed, patch
+        self.steps_per_run, self.phase_rank, self.who = steps, rank, f"ImageLoader rank {rank}"
+        self.keep_all, self.window, self.device, self.threads, self.decode_batch = (keep_all, window, device, threads,
+                                                                                    decode_batch)
+        self.share_key, self.local_rank, self.local_world = share_key, local_rank, local_world
+        self.stream = ImageStream(scene.num_images, seed)
+        self.k, self.c2w = intrinsics_matrix(scene), opencv_camtoworld(scene)
+        self.cam = (np.zeros(scene.num_images, np.int64) if scene.camera_idx is None
+                    else np.asarray(scene.camera_idx, np.int64))
+        self.share: Optional[NodeShare] = None
+        self.builds, self.decode_s, self.peak_bytes = 0, 0.0, 0
+        self._live: Optional[ImageStore] = None
+
+    @property
+    def stride(self) -> int:
+        return self.b * self.world
+
+    def build(self, start: int) -> _Graph:
+        if self.share is None:  # the node's share, opened at the first build (every local rank builds alike)
+            self.share = NodeShare(self.share_key, self.local_rank, self.local_world)
+        self.builds += 1  # every local rank seeks alike: the same build number names the same blocks
+        self._live = ImageStore(self.scene, self.stream, self.share, self.window, self.keep_all, start=start,
+                                threads=self.threads, batch=self.decode_batch, tag=f"r{self.builds}",
+                                device=self.device)
+        return _Graph(self._live, start)
+
+    def produce(self, graph: _Graph) -> Run:
+        steps = []
+        for _ in range(self.steps_per_run):
+            steps.append(self._step(graph.store, step_positions(graph.next, 0, self.b, self.world, self.rank)))
+            graph.next += self.stride
+        return Run(steps, stride=self.stride, consumed=self.stride * len(steps), keys=IMAGE_KEYS,
+                   counts=[self.b] * len(steps))
+
+    def _step(self, store: ImageStore, pos: np.ndarray) -> tuple:
+        """This rank's batch at global positions ``pos`` (B,), in IMAGE_KEYS order."""
         ids = self.stream.images(pos)
-        views = self.store.images(pos, ids)
+        views = store.images(pos, ids)
         k = torch.from_numpy(self.k[ids].copy())
         if self.patch:
             p = self.patch
@@ -109,14 +154,45 @@ class _Producer:
             k[:, 1, 2] -= torch.from_numpy(y.astype(np.float32))
         else:
             image = torch.from_numpy(np.stack(views))
-        batch = {"K": k, "camtoworld": torch.from_numpy(self.c2w[ids].copy()), "image": image,
-                 "image_id": torch.from_numpy(ids.copy()), "camera_idx": torch.from_numpy(self.cam[ids].copy())}
-        if self.pin:  # pragma: no cover - needs a GPU
-            batch = {n: t.pin_memory() for n, t in batch.items()}
-        return batch
+        out = (k, torch.from_numpy(self.c2w[ids].copy()), image, torch.from_numpy(ids.copy()),
+               torch.from_numpy(self.cam[ids].copy()))
+        if self.device == "cuda":  # pragma: no cover - needs a GPU
+            out = tuple(t.pin_memory() for t in out)
+        return out
+
+    def release(self, graph: _Graph) -> None:
+        st = graph.store
+        st.close()
+        self.decode_s += st.decode_s
+        self.peak_bytes = max(self.peak_bytes, st.peak_bytes)
+        if st is self._live:
+            self._live = None
+
+    def state(self, start: int, offset: int) -> dict:
+        return {"stream": IMAGE_STREAM, "position": int(start) + int(offset), "images_per_batch": self.b,
+                "world_size": self.world, "seed": self.seed, "patch_size": self.patch or 0,
+                "window": 0 if self.keep_all else self.window}
+
+    def load_state(self, state: dict) -> tuple:
+        for k, now in (("stream", IMAGE_STREAM), ("seed", self.seed)):
+            if state.get(k, now) != now:
+                raise ConfigError(f"ImageLoader.load_state_dict: the state has {k}={state.get(k)!r}, this loader "
+                                  f"{now!r}; build the loader with the state's {k}")
+        return int(state["position"]), 0
+
+    def info(self) -> dict:
+        live = self._live
+        return {"decode_s": self.decode_s + (live.decode_s if live else 0.0),
+                "peak_bytes": max(self.peak_bytes, live.peak_bytes if live else 0),
+                "window": 0 if self.keep_all else self.window, "local_ranks": self.local_world}
+
+    def close(self) -> None:
+        if self.share is not None:
+            self.share.close()
+            self.share = None
 
 
-class ImageLoader(BatchSource):
+class ImageLoader(RunSource):
     """Image batches of a split (module doc).
 
     Args:
@@ -124,7 +200,7 @@ class ImageLoader(BatchSource):
         images_per_batch: B, images per rank per step (> 1 needs images of one size, or patches).
         rank, world_size: this rank and the number of ranks (a global step holds G = B x W images).
         seed: the stream's seed (order and patches).
-        prefetch: batches built ahead (>= 1).
+        prefetch: batches built ahead (>= 1): the steps of one run of the runner.
         patch_size: None (whole images) or p: a random p x p patch of each image.
         max_bytes: decoded pixels the node may hold (None: half the node's physical memory, a number
             every local rank reads alike: they must agree on the windows); beyond it the split
@@ -142,7 +218,6 @@ class ImageLoader(BatchSource):
                  prefetch: int = 2, patch_size: Optional[int] = None, max_bytes: Optional[int] = None,
                  local_rank: Optional[int] = None, local_world_size: Optional[int] = None,
                  share_key: Optional[str] = None, device: str = "cpu", num_threads: int = 2, decode_batch: int = 8):
-        self._ahead = self._store = self._share = None
         check_int("images_per_batch", images_per_batch, 1, 1 << 20)
         check_int("world_size", world_size, 1, 1 << 20)
         check_int("rank", rank, 0, world_size - 1)
@@ -152,32 +227,24 @@ class ImageLoader(BatchSource):
             raise ConfigError(f"device={device!r}: use cpu or cuda")
         self.scene, self.images_per_batch, self.rank, self.world_size = scene, int(images_per_batch), int(rank), int(world_size)
         self.seed, self.prefetch, self.device = int(seed), int(prefetch), device
-        self.num_threads, self.decode_batch = int(num_threads), int(decode_batch)
         self.patch_size = None if patch_size in (None, 0) else int(patch_size)
         self._check_sizes()
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else int(local_rank)
-        self.local_world_size = (int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_world_size is None
-                                 else int(local_world_size))
-        check_int("local_rank", self.local_rank, 0, self.local_world_size - 1)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else int(local_rank)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_world_size is None else int(local_world_size)
+        check_int("local_rank", local_rank, 0, local_world - 1)
         key = share_key or default_key()
-        if self.local_world_size > 1 and not key:
-            raise ConfigError(f"ImageLoader: {self.local_world_size} local ranks share the decoded images but no "
+        if local_world > 1 and not key:
+            raise ConfigError(f"ImageLoader: {local_world} local ranks share the decoded images but no "
                               f"share_key was given (torchrun gives one); pass the same share_key on every local rank")
-        self._share_key = f"{key or 'local'}/{scene_fingerprint(scene)['digest']}"
         self.max_bytes = int(max_bytes) if max_bytes is not None else total_memory() // 2
         try:
-            self.keep_all, self.window = plan_windows(scene, self.global_batch, self.max_bytes, self.local_world_size,
-                                                      self.decode_batch)
+            keep_all, window = plan_windows(scene, self.global_batch, self.max_bytes, local_world, decode_batch)
         except ValueError as e:
             raise ConfigError(f"ImageLoader: max_bytes={self.max_bytes}: {e}; raise it or lower images_per_batch") from None
-        self._k, self._c2w = intrinsics_matrix(scene), opencv_camtoworld(scene)
-        self._camera_idx = (np.zeros(scene.num_images, np.int64) if scene.camera_idx is None
-                            else np.asarray(scene.camera_idx, np.int64))
-        self._stream = ImageStream(scene.num_images, self.seed)
-        self._stats = BatchStats()
-        self.position = 0       # global position of the next step handed out
-        self._started = False
-        self._runs = 0
+        super().__init__(ImageProducer(scene, self.images_per_batch, self.rank, self.world_size, self.seed,
+                                       self.prefetch, self.patch_size, keep_all, window,
+                                       f"{key or 'local'}/{scene_fingerprint(scene)['digest']}", local_rank, local_world,
+                                       device, int(num_threads), int(decode_batch)))
 
     def _check_sizes(self) -> None:
         sc, p = self.scene, self.patch_size
@@ -197,27 +264,24 @@ class ImageLoader(BatchSource):
         """G = B x W: images per global step."""
         return self.images_per_batch * self.world_size
 
-    # ---- iteration -------------------------------------------------------------------------------
-    def _start(self) -> None:
-        self._share = self._share or NodeShare(self._share_key, self.local_rank, self.local_world_size)
-        self._runs += 1  # every local rank seeks alike: the same run number names the same blocks
-        self._store = ImageStore(self.scene, self._stream, self._share, self.window, self.keep_all,
-                                 start=self.position, threads=self.num_threads, batch=self.decode_batch,
-                                 tag=f"r{self._runs}", device=self.device)
-        self._ahead = RunAhead(None, _Producer(self, self.position, self._store), depth=self.prefetch,
-                               name="dali_nerf-image-batches")
-        self._started = True
+    @property
+    def window(self) -> int:
+        """Images per window (0: the split is kept whole)."""
+        return 0 if self.producer.keep_all else self.producer.window
+
+    @property
+    def local_world_size(self) -> int:
+        return self.producer.local_world
+
+    @property
+    def num_threads(self) -> int:
+        """DALI decode threads of this rank."""
+        return self.producer.threads
 
     def __next__(self) -> dict:
-        t = self._stats.start()
-        if not self._started:
-            self._start()
-        batch = self._ahead.get()
-        self._ahead.release()
-        self.position += self.global_batch
+        batch = super().__next__()
         if self.device == "cuda":  # pragma: no cover - needs a GPU
             batch = {n: v.to("cuda", non_blocking=True) for n, v in batch.items()}
-        self._stats.stop(t, self.images_per_batch)
         return batch
 
     def __len__(self) -> int:
@@ -231,60 +295,16 @@ class ImageLoader(BatchSource):
     def set_epoch(self, epoch: int) -> None:
         """Go to the first step of ``epoch`` (:func:`~dali_nerf.sources.base.global_epoch_steps`)."""
         first, _ = global_epoch_steps(int(epoch), self.scene.num_images, self.global_batch)
-        self._seek(first * self.global_batch)
-
-    def _seek(self, position: int) -> None:
-        self._stop_threads()
-        self.position = int(position)
-
-    # ---- state, stats, close ---------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """``{"stream", "position", "images_per_batch", "world_size", "seed", "patch_size", "window",
-        "scene"}``: ``position`` is the next global position; the window size is recorded (the
-        order does not depend on it, so another budget continues the same stream)."""
-        return {"stream": IMAGE_STREAM, "position": self.position, "images_per_batch": self.images_per_batch,
-                "world_size": self.world_size, "seed": self.seed, "patch_size": self.patch_size or 0,
-                "window": 0 if self.keep_all else self.window, **scene_state(self.scene)}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue the stream of ``state`` (any world size and batch: the position is global).
-        Refused in one line: another scene, stream formula or seed (another patch size is allowed:
-        the same images follow, cropped otherwise)."""
-        check_scene_state(state, self.scene, "ImageLoader")
-        for k, now in (("stream", IMAGE_STREAM), ("seed", self.seed)):
-            if state.get(k, now) != now:
-                raise ConfigError(f"ImageLoader.load_state_dict: the state has {k}={state.get(k)!r}, this loader "
-                                  f"{now!r}; build the loader with the state's {k}")
-        self._seek(int(state["position"]))
+        self._restart(first * self.global_batch, 0)
 
     def stats(self) -> dict:
-        """BatchStats' keys (``rays_per_s`` counts images) plus ``images_per_s``, ``decode_s``,
-        ``peak_bytes`` (decoded pixels this node held at most), ``window`` (0: all kept),
-        ``local_ranks`` sharing them."""
-        d = self._stats.as_dict()
+        """The runner's (BatchStats: ``rays_per_s`` counts images) plus ``images_per_s``,
+        ``decode_s``, ``peak_bytes`` (decoded pixels this node held at most), ``window`` (0: all
+        kept), ``local_ranks`` sharing them."""
+        d = super().stats()
         d["images_per_s"] = d["rays_per_s"]
-        st = self._store
-        d.update(decode_s=st.decode_s if st else 0.0, peak_bytes=st.peak_bytes if st else 0,
-                 window=0 if self.keep_all else self.window, local_ranks=self.local_world_size)
         return d
-
-    def _stop_threads(self) -> None:
-        if self._ahead is not None:
-            self._ahead.close()
-            self._ahead = None
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-        self._started = False
-
-    def close(self) -> None:
-        """Stop the threads, release the decoded images, close the node share (idempotent)."""
-        self._stop_threads()
-        if self._share is not None:
-            self._share.close()
-            self._share = None
 
     def time_to_first_batch(self) -> Optional[float]:
         """Seconds the first ``next()`` waited (None before it)."""
         return self._stats.warmup_s
-
