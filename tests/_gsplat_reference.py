@@ -1,5 +1,5 @@
-"""What gsplat's ``examples/datasets/colmap.py`` (Parser + Dataset, 90d7b4b) yields for a COLMAP
-scene, re-derived from its definitions with numpy and cv2 (not its code): the contract the image
+"""What gsplat's ``examples/datasets/colmap.py`` (Parser + Dataset, read at commit 0714fc6) yields
+for a COLMAP scene, re-derived from its definitions with numpy and cv2 (not its code): the contract the image
 loader is tested against. pycolmap reads the model as gsplat does when it is installed (the test
 extra); else our reader (itself tested against pycolmap in tests/test_colmap.py).
 

@@ -1,6 +1,7 @@
 """ImageLoader: whole images (or patches) with their cameras for Gaussian-splatting trainers, as
-gsplat's ``examples/datasets/colmap.py`` Dataset hands them to ``simple_trainer.py`` (gsplat
-90d7b4b, 2026-08-20), decoded once per node and prefetched.
+gsplat's ``examples/datasets/colmap.py`` Dataset hands them to ``simple_trainer.py`` (as read at
+gsplat commits 0714fc6 for colmap.py and 00877bf for simple_trainer.py; docs/SPLATTING.md), decoded
+once per node and prefetched.
 
 Batch (dict of torch tensors, gsplat's keys; B images per rank per step)::
 
