@@ -37,7 +37,7 @@ from typing import Mapping, Optional
 
 from dali_nerf.errors import LaunchError, shown
 
-__all__ = ["LaunchEnv", "launch_env", "group_env", "children_env", "VARIABLES"]
+__all__ = ["LaunchEnv", "launch_env", "group_env", "children_env", "rank_variables", "VARIABLES"]
 
 VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE")
@@ -139,3 +139,11 @@ def children_env(local_world_size: int):
             os.environ.pop("LOCAL_WORLD_SIZE", None)
         else:
             os.environ["LOCAL_WORLD_SIZE"] = keep
+
+
+def rank_variables(rank: int, world_size: int, local_rank: int, local_world_size: int, run_id: str) -> dict:
+    """The launcher's variables of a process started as rank ``rank`` of ``world_size`` (``local_rank``
+    of ``local_world_size`` on this host) of the launch ``run_id``, as torchrun sets them (a
+    benchmark's ranks started without torchrun: ``dali-nerf bench images``)."""
+    return {"RANK": str(int(rank)), "WORLD_SIZE": str(int(world_size)), "LOCAL_RANK": str(int(local_rank)),
+            "LOCAL_WORLD_SIZE": str(int(local_world_size)), "TORCHELASTIC_RUN_ID": str(run_id)}

@@ -29,6 +29,7 @@ import numpy as np
 from dali_nerf.atomic import atomic_write_text
 from dali_nerf.bench.imagepaths import PATHS
 from dali_nerf.errors import ConfigError
+from dali_nerf.launch_env import rank_variables
 
 __all__ = ["main", "synthetic_colmap", "run_pair", "summarise"]
 
@@ -59,8 +60,8 @@ def run_pair(path: str, ranks: int, scene: Path, work: Path, args, tag: str) -> 
     sync.mkdir(parents=True)
     procs = []
     for r in range(ranks):
-        env = dict(os.environ, LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(ranks), RANK=str(r), WORLD_SIZE=str(ranks),
-                   TORCHELASTIC_RUN_ID=f"bench-{os.getpid()}-{tag}", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = {**os.environ, **rank_variables(r, ranks, r, ranks, f"bench-{os.getpid()}-{tag}"),
+               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "dali_nerf.bench.imagepaths", str(r), str(ranks), path, str(scene),
                str(sync / f"rank{r}.json"), str(sync), str(args.batches), str(args.warmup), str(args.step_ms),
                str(args.seed)]

@@ -34,6 +34,7 @@ from typing import Callable, Dict, Optional
 import numpy as np
 
 from dali_nerf.errors import DataError
+from dali_nerf.launch_env import launch_env
 
 __all__ = ["NodeShare", "Block", "default_key", "SHARE_TIMEOUT_S"]
 
@@ -48,12 +49,11 @@ _LOCK = threading.Lock()
 def default_key() -> Optional[str]:
     """A key every local rank of a torchrun job computes alike: the job's rendezvous id, its
     master address and port and the restart count (a restarted group gets fresh blocks); None
-    outside torchrun."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID")
-    if not run:
+    outside torchrun (:func:`dali_nerf.launch_env.launch_env`)."""
+    env = launch_env()
+    if not env.run_id:
         return None
-    return "/".join([run, os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),
-                     os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")])
+    return "/".join([env.run_id, env.master_addr or "", str(env.master_port or ""), str(env.restart_count)])
 
 
 def _address(key: str) -> bytes:

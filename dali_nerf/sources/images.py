@@ -48,6 +48,7 @@ from dali_nerf.data.imageorder import IMAGE_STREAM, ImageStream, patch_offsets, 
 from dali_nerf.data.imagestore import ImageStore, plan_windows
 from dali_nerf.data.nodeshare import NodeShare, default_key
 from dali_nerf.errors import ConfigError
+from dali_nerf.launch_env import launch_env
 from dali_nerf.scenes import scene_fingerprint
 from dali_nerf.sources.base import global_epoch_steps
 from dali_nerf.sources.checks import MAX_PREFETCH, check_int
@@ -206,8 +207,9 @@ class ImageLoader(RunSource):
         max_bytes: decoded pixels the node may hold (None: half the node's physical memory, a number
             every local rank reads alike: they must agree on the windows); beyond it the split
             streams through windows.
-        local_rank, local_world_size: this rank on its node and the ranks there (default torchrun's
-            LOCAL_RANK / LOCAL_WORLD_SIZE, else 0 / 1); the node's ranks share the decoded images.
+        local_rank, local_world_size: this rank on its node and the ranks there (default the
+            launcher's, :func:`dali_nerf.launch_env.launch_env`; else 0 / 1); the node's ranks share
+            the decoded images.
         share_key: the string every local rank of the job passes alike (default from torchrun's
             environment; required with several local ranks outside torchrun).
         device: "cpu" | "cuda" (each rank decodes its part with nvJPEG on its GPU into the node's
@@ -230,8 +232,9 @@ class ImageLoader(RunSource):
         self.seed, self.prefetch, self.device = int(seed), int(prefetch), device
         self.patch_size = None if patch_size in (None, 0) else int(patch_size)
         self._check_sizes()
-        local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else int(local_rank)
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_world_size is None else int(local_world_size)
+        launch = launch_env()  # torchrun's local rank and ranks on this host (1 without a launcher)
+        local_rank = launch.local_rank if local_rank is None else int(local_rank)
+        local_world = launch.local_world_size if local_world_size is None else int(local_world_size)
         check_int("local_rank", local_rank, 0, local_world - 1)
         key = share_key or default_key()
         if local_world > 1 and not key:
