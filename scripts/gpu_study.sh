@@ -244,8 +244,8 @@ else
   rm -rf "$WORK/runs/splat"
   if [ -d "$SPLAT_SCENE/sparse/0" ] || "$PY" -m dali_nerf make-scene objects --format colmap --out "$SPLAT_SCENE" \
        --resolution "$RES" --images "$IMAGES" --force >/dev/null; then
-    run_step splat "$(slice 60)" "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
-      -m dali_nerf.trainers.splat --config configs/splat_objects.yaml "scene.path=$SPLAT_SCENE" \
+    # one rank: the trainer alone (world size 1; torchrun would add its own start-up and nothing else)
+    run_step splat "$(slice 60)" "$PY" -m dali_nerf.trainers.splat --config configs/splat_objects.yaml "scene.path=$SPLAT_SCENE" \
       "train.runs_dir=$WORK/runs" name=splat train.checkpoint_every=0 train.tensorboard=never "${SPLAT_ARGS[@]}"
     mkdir -p "$OUT_DIR/splat"
     for f in summary.json metrics.jsonl; do [ -e "$WORK/runs/splat/$f" ] && cp "$WORK/runs/splat/$f" "$OUT_DIR/splat/"; done

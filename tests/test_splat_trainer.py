@@ -1,7 +1,7 @@
 """The Gaussian-splatting trainer under torchrun (gloo, CPU) on a generated COLMAP scene: one
 2-rank run that shares its decoded images between the node's ranks (windows under a small node
-budget) and checkpoints, resumed on 1
-rank to the end (the image stream continues at the saved global position), summary and renders."""
+budget) and checkpoints, resumed on 1 rank (the trainer alone, without torchrun) to the end (the
+image stream continues at the saved global position), summary and renders."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(nproc, overrides, resume=False):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "trainers/splat.py", "--config", "configs/splat_objects.yaml"] + (["--resume"] if resume else []) + overrides
+    """``nproc`` ranks under torchrun; 1: the trainer alone (world size 1, no launcher: a few seconds less)."""
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                                 if nproc > 1 else [])
+    cmd = launch + ["trainers/splat.py", "--config", "configs/splat_objects.yaml"] + (["--resume"] if resume else []) + overrides
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
