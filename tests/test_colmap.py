@@ -158,6 +158,17 @@ def test_generated_colmap_scene_keeps_the_generators_cameras(tmp_path):
     assert load_scene(out, "train", downscale=4).image_paths[0].endswith("images_4/frame_00001.png")
 
 
+def test_the_colmap_layout_refuses_occluders_in_one_line(tmp_path):
+    """The COLMAP writer writes no masks: ``--occluders`` with ``--format colmap`` is refused before
+    anything is rendered or written."""
+    from dali_nerf.errors import ConfigError
+    from dali_nerf.scenegen import make_scene
+
+    with pytest.raises(ConfigError, match=r"occluders: the colmap layout writes no masks") as e:
+        make_scene("city", tmp_path / "c", width=16, n_train=2, seed=1, layout="colmap", occluders=True)
+    assert "\n" not in str(e.value) and not (tmp_path / "c").exists()
+
+
 def test_rayloader_samples_a_colmap_scene(tmp_path):
     import cv2
     from dali_nerf import RayLoader
