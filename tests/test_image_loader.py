@@ -187,3 +187,11 @@ def test_refusals_are_one_line(tmp_path):
     other = load_scene(colmap_scene(tmp_path / "o", n=10, width=24, height=16, factors=(), seed=1), "train")
     with pytest.raises(ConfigError, match="saved from another scene"):
         _loader(other, seed=1).load_state_dict(st)
+    from dali_nerf.scenegen import make_scene
+
+    masked = load_scene(make_scene("city", tmp_path / "m", width=16, n_train=2, n_val=1, n_test=0, seed=SEED,
+                                   occluders=True), "train")
+    assert masked.mask_paths is not None
+    with pytest.raises(ConfigError, match=r"the scene has masks \(.*\), which image batches do not carry yet") as e:
+        _loader(masked)
+    assert "\n" not in str(e.value)

@@ -252,6 +252,9 @@ class ImageLoader(RunSource):
 
     def _check_sizes(self) -> None:
         sc, p = self.scene, self.patch_size
+        if sc.mask_paths is not None:  # gsplat's per-pixel "mask" (B, H, W) bool is not in the batch yet
+            raise ConfigError(f"ImageLoader: the scene has masks ({sc.mask_paths[0]}, ...), which image batches do not "
+                              f"carry yet; train on every pixel with scene.masks: ignore, or give a scene without masks")
         if p is not None:
             check_int("patch_size", p, 1, 1 << 20)
             small = np.flatnonzero(np.minimum(sc.width, sc.height) < p)
