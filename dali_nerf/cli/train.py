@@ -1,0 +1,123 @@
+"""``dali-nerf train``: train a config with its method's trainer, under torch's elastic launcher.
+
+    dali-nerf train --config ddp_objects --nproc 2 [key=value ...]      # a shipped config, 2 ranks
+    dali-nerf train --config my.yaml --nproc 2 --resume                 # a file; continue the run
+    dali-nerf train --config ddp_blender_gpu --nnodes 2 --nproc 4 --node-rank 0 \\
+        --rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id lego-1 --max-restarts 2
+    dali-nerf train --list                                              # the shipped configs
+
+The config's ``method:`` picks the trainer module (:data:`TRAINERS`); the ranks are started by
+``python -m torch.distributed.run`` (torchrun) with ``--standalone`` on one node, or with the
+rendezvous options given. ``--nproc 1`` without any rendezvous option or ``--max-restarts`` runs
+the trainer in this process (no torchrun). ``torchrun trainers/ddp.py ...`` and ``torchrun -m
+dali_nerf.trainers.spatial ...`` keep working: this command starts exactly those modules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+from dali_nerf.config import load_config
+from dali_nerf.config.shipped import describe_config, shipped_configs, shipped_dir
+from dali_nerf.errors import ConfigError, DaliNerfError
+
+__all__ = ["TRAINERS", "LAUNCH_OPTIONS", "trainer_module", "launch_trainer", "add_arguments", "list_configs", "main"]
+
+TRAINERS = {
+    "ddp": "dali_nerf.trainers.ddp",
+    "ss": "dali_nerf.trainers.spatial",
+}
+"""``method:`` -> the trainer module run under torchrun (a new method is one line here)."""
+
+LAUNCH_OPTIONS = {  # dali-nerf train option -> torchrun option (underscore spellings: every torch >= 2.1)
+    "nnodes": "--nnodes", "node_rank": "--node_rank", "rdzv_backend": "--rdzv_backend",
+    "rdzv_endpoint": "--rdzv_endpoint", "rdzv_id": "--rdzv_id", "rdzv_conf": "--rdzv_conf",
+    "max_restarts": "--max_restarts",
+}
+"""The rendezvous and restart options passed through to ``torch.distributed.run``."""
+
+
+def trainer_module(method: str, where: str = "method") -> str:
+    """The trainer module of ``method`` (``ddp`` -> ``dali_nerf.trainers.ddp``); a one-line error otherwise."""
+    if method not in TRAINERS:
+        raise ConfigError(f"{where}: method {method!r} has no trainer; use one of {', '.join(TRAINERS)}")
+    return TRAINERS[method]
+
+
+def launch_trainer(module: str, nproc: int, config: str | None, overrides, resume: bool = False,
+                   launch=()) -> int:
+    """Run ``python -m torch.distributed.run [launch | --standalone] --nproc_per_node N -m <module>``.
+
+    ``launch``: torchrun options (``["--nnodes", "2", ...]``); without any, ``--standalone`` (one
+    node, a local rendezvous). The parent has already validated the config and the scene, so rank
+    errors are rare; a rank's one-line error is passed through and torchrun's exit code returned."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *(list(launch) or ["--standalone"]),
+           f"--nproc_per_node={nproc}", "-m", module]
+    if config:
+        cmd += ["--config", str(config)]
+    if resume:
+        cmd.append("--resume")
+    cmd += list(overrides)
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: a restarted worker group must not inherit the launcher's
+    # store (stale keys; pytorch/pytorch#135712) — see docs/RELIABILITY.md
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), DALI_NERF_PROGRESS="1")
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return subprocess.call(cmd, env=env)
+
+
+def add_arguments(p) -> None:
+    """``dali-nerf train``'s arguments on the argparse parser ``p``."""
+    p.add_argument("--config", default=None,
+                   help="a YAML file, or a shipped config's name (see --list), e.g. ddp_objects")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="ranks (processes) on this node (default 1: in this process unless a rendezvous option is given)")
+    p.add_argument("--resume", action="store_true", help="continue from runs/<name>/checkpoints/latest")
+    p.add_argument("--list", action="store_true", help="list the shipped configs and exit")
+    g = p.add_argument_group("torchrun (several nodes, elastic runs: docs/MULTINODE.md)")
+    g.add_argument("--nnodes", default=None, help="nodes, or MIN:MAX for an elastic job")
+    g.add_argument("--node-rank", dest="node_rank", default=None, help="this node's rank (static rendezvous)")
+    g.add_argument("--rdzv-backend", dest="rdzv_backend", default=None, help="rendezvous backend, e.g. c10d")
+    g.add_argument("--rdzv-endpoint", dest="rdzv_endpoint", default=None, help="host:port of the rendezvous")
+    g.add_argument("--rdzv-id", dest="rdzv_id", default=None, help="the job's id (the same on every node)")
+    g.add_argument("--rdzv-conf", dest="rdzv_conf", default=None, help="e.g. last_call_timeout=30")
+    g.add_argument("--max-restarts", dest="max_restarts", type=int, default=None,
+                   help="restarts of the worker group; a restart resumes from the newest checkpoint")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.steps=200")
+
+
+def list_configs() -> str:
+    """The shipped configs, one per line: name and description."""
+    shipped = shipped_configs()
+    width = max((len(n) for n in shipped), default=0)
+    lines = [f"{n:<{width}}  {describe_config(p)}" for n, p in shipped.items()]
+    lines.append(f"({len(shipped)} configs in {shipped_dir()}; --config NAME picks one, --config FILE any other)")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """``dali-nerf train``: validate the config and scene here, then start the method's trainer."""
+    if args.list:
+        print(list_configs(), flush=True)
+        return 0
+    if not args.config:
+        raise ConfigError("--config: required; pass a YAML file or a shipped config's name (dali-nerf train --list)")
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc={args.nproc}: use 1 or more ranks")
+    overrides = list(args.overrides)
+    cfg = load_config(args.config, overrides)  # config and scene errors here, before any rank starts
+    module = trainer_module(cfg.method, f"{args.config}: method")
+    launch = []
+    for key, flag in LAUNCH_OPTIONS.items():
+        value = getattr(args, key, None)
+        if value is not None:
+            launch += [flag, str(value)]
+    if args.nproc == 1 and not launch:  # one rank, no rendezvous: the trainer in this process
+        argv = ["--config", str(args.config)] + (["--resume"] if args.resume else []) + overrides
+        return importlib.import_module(module).main(argv)  # its errors: one line, exit 2, as from the trainer
+    rc = launch_trainer(module, args.nproc, args.config, overrides, resume=args.resume, launch=launch)
+    if rc != 0:
+        raise DaliNerfError(f"training failed (torchrun exit code {rc}); see the ranks' messages above")
+    return 0

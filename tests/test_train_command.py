@@ -1,0 +1,158 @@
+"""``dali-nerf train`` (dali_nerf/cli/train.py), the shipped configs and ``--config NAME``
+(dali_nerf/config/shipped.py), and ``dali-nerf --help`` in plain text.
+
+The 2-rank DDP run with a resume is README's own line (tests/test_readme.py); here the 2-rank SS
+run, the in-process single rank, and the one-line errors."""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dali_nerf.cli.main import SUMMARIES, _COMMANDS, main
+from dali_nerf.cli.train import TRAINERS, trainer_module
+from dali_nerf.config import load_config
+from dali_nerf.config.shipped import describe_config, resolve_config, shipped_configs, shipped_dir
+from dali_nerf.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["train.steps=4", "train.log_every=2", "train.checkpoint_every=2", "train.eval_images=1",
+        "pipeline.rays_per_batch=256", "pipeline.rays_per_run=1024", "model.resolution=16",
+        "model.samples_per_ray=16", "model.occupancy_resolution=0"]
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _cli(args, cwd, timeout=600):
+    return subprocess.run([sys.executable, "-m", "dali_nerf", *args], cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_help_is_plain_text_with_one_summary_line_per_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert set(SUMMARIES) == set(_COMMANDS)
+    for name, summary in SUMMARIES.items():
+        assert any(line.split() == [name, *summary.split()] for line in out.splitlines()), (name, out)
+    for markup in ("``", ":func:", ":class:", ":data:", "**"):
+        assert markup not in out, (markup, out)
+    assert out.startswith("usage: dali-nerf [-h] COMMAND ...")
+
+
+def test_shipped_configs_are_the_repository_configs_and_installed_as_package_data():
+    assert shipped_dir().resolve() == (REPO / "configs").resolve()  # this checkout's editable install
+    names = set(shipped_configs())
+    assert names == {p.stem for p in (REPO / "configs").glob("*.yaml")}
+    assert {"ddp_objects", "ss_city", "study"} <= names
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    assert "dali_nerf.configs = configs" in cfg["options"]["package_dir"]
+    assert "dali_nerf.configs" in cfg["options"]["packages"].split()
+    assert cfg["options.package_data"]["dali_nerf.configs"].strip() == "*.yaml"
+    for name, path in shipped_configs().items():
+        line = describe_config(path)
+        assert 20 < len(line) <= 130, (name, line)  # a one-line description: the first comment line
+        load_config(name, check_paths=False)  # each one loads by its name
+
+
+def test_list_shows_every_shipped_config_with_its_description(capsys):
+    assert main(["train", "--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    for name, path in shipped_configs().items():
+        assert f"{name}  " in "\n".join(out) and any(line.split(None, 1) == [name, describe_config(path)] for line in out)
+
+
+def test_config_name_resolution(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/ here: names come from the package
+    shipped = shipped_configs()
+    assert resolve_config("ddp_objects") == shipped["ddp_objects"] == resolve_config("ddp_objects.yaml")
+    assert resolve_config(None) is None
+    assert load_config("ss_city", check_paths=False).method == "ss"
+    mine = tmp_path / "ddp_objects.yaml"  # a file that exists wins over the shipped name
+    mine.write_text("name: mine\n")
+    assert resolve_config("ddp_objects.yaml") == Path("ddp_objects.yaml")
+    assert load_config("ddp_objects.yaml", check_paths=False).name == "mine"
+    assert load_config("ddp_objects", check_paths=False).name == "ddp_objects"
+    with pytest.raises(ConfigError) as e:
+        resolve_config("ddp_objetcs")
+    msg = str(e.value)
+    assert msg.startswith("ddp_objetcs: config file not found") and all(n in msg for n in shipped), msg
+    with pytest.raises(ConfigError, match="sub/ddp_objects.yaml: config file not found"):
+        resolve_config("sub/ddp_objects.yaml")  # a path with a folder is never looked up by name
+
+
+def test_every_method_has_one_trainer_module():
+    import importlib
+
+    for method, module in TRAINERS.items():
+        assert load_config(None, [f"method={method}"], check_paths=False).method == method  # a method configs accept
+        assert trainer_module(method) == module
+        m = importlib.import_module(module)
+        assert callable(m.main)
+    for path in shipped_configs().values():
+        trainer_module(load_config(path, check_paths=False).method)  # every shipped config's method has one
+    with pytest.raises(ConfigError, match="method 'nerfacto' has no trainer; use one of ddp, ss"):
+        trainer_module("nerfacto")
+
+
+def test_bad_configs_are_one_line_exit_2_before_any_rank(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    cases = [
+        (["--config", "nope"], ["nope: config file not found", "ddp_objects", "ss_city"]),
+        (["--config", "ddp_objects", f"train.runs_dir={runs}", "pipeline.rays_per_batch=-1"],
+         ["ddp_objects: pipeline.rays_per_batch"]),
+        (["--config", "ddp_objects", f"train.runs_dir={runs}", f"scene.path={tmp_path / 'absent'}"],
+         ["scene.path", "absent", "make-scene"]),
+        ([], ["--config: required", "dali-nerf train --list"]),
+        (["--config", "ss_city", "--nproc", "0"], ["--nproc=0"]),
+    ]
+    for args, needles in cases:
+        assert main(["train", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: "), (args, err)
+        assert all(n in err for n in needles), (args, err)
+    assert not runs.exists()  # nothing started, nothing written
+    r = _cli(["train", "--config", "nope"], cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def city(tmp_path_factory):
+    from dali_nerf.scenegen import make_scene
+
+    root = tmp_path_factory.mktemp("city")
+    make_scene("city", root / "data" / "city", width=32, height=24, n_train=8, n_val=1, seed=1)
+    return root
+
+
+def test_ss_config_by_name_trains_on_two_ranks_under_torchrun(city):
+    """``dali-nerf train --config ss_city --nproc 2`` from a folder without configs/: the method
+    (ss) picks trainers/spatial.py, torchrun starts 2 ranks, the 4 cells are split 2 + 2."""
+    r = _cli(["train", "--config", "ss_city", "--nproc", "2", *TINY], cwd=city)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = city / "runs" / "ss_city"
+    s = json.loads((run / "summary.json").read_text())
+    assert s["method"] == "ss" and s["world_size"] == 2 and s["cells"] == 4 and s["steps"] == 4, s
+    assert (run / "metrics.rank1.jsonl").is_file()  # a second rank ran
+    assert (run / "checkpoints" / "torchelastic_run_id").is_file()  # under torchrun (the job id it records)
+
+
+def test_one_rank_runs_in_process_without_torchrun(city):
+    """``--nproc 1`` with no rendezvous option runs the trainer in the command's own process: the
+    run has no torchrun job id (written by every run under torchrun, as the 2-rank test shows)."""
+    r = _cli(["train", "--config", "ss_city", "--nproc", "1", "name=one", *TINY], cwd=city)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = city / "runs" / "one"
+    s = json.loads((run / "summary.json").read_text())
+    assert s["method"] == "ss" and s["world_size"] == 1 and s["steps"] == 4, s
+    assert (run / "checkpoints" / "latest").is_file() and not (run / "checkpoints" / "torchelastic_run_id").exists()
