@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dali_nerf.cli.main import SUMMARIES, _COMMANDS, main
-from dali_nerf.cli.train import TRAINERS, trainer_module
+from dali_nerf.cli.train import TRAINERS, torchrun_command, trainer_module
 from dali_nerf.config import load_config
 from dali_nerf.config.shipped import describe_config, resolve_config, shipped_configs, shipped_dir
 from dali_nerf.errors import ConfigError
@@ -124,6 +124,37 @@ def test_bad_configs_are_one_line_exit_2_before_any_rank(tmp_path, capsys):
     assert not runs.exists()  # nothing started, nothing written
     r = _cli(["train", "--config", "nope"], cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_rendezvous_options_go_to_torchrun_instead_of_standalone():
+    """What `dali-nerf train` hands torchrun: --standalone alone on one node; the rendezvous and
+    restart options, in torchrun's spelling, in its place (docs/MULTINODE.md's recipe)."""
+    import argparse
+
+    from dali_nerf.cli.train import add_arguments, launch_options
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    one = p.parse_args(["--config", "ddp_objects", "--nproc", "2", "train.steps=9"])
+    assert launch_options(one) == []
+    cmd = torchrun_command("dali_nerf.trainers.ddp", one.nproc, one.config, one.overrides, launch=launch_options(one))
+    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                   "dali_nerf.trainers.ddp", "--config", "ddp_objects", "train.steps=9"]
+    many = p.parse_args(["--config", "x.yaml", "--nproc", "4", "--nnodes", "2:4", "--node-rank", "1", "--rdzv-backend",
+                         "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id", "job-1", "--rdzv-conf",
+                         "last_call_timeout=30", "--max-restarts", "3", "--resume", "name=lego"])
+    cmd = torchrun_command("dali_nerf.trainers.spatial", many.nproc, many.config, many.overrides, many.resume,
+                           launch_options(many))
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--nnodes", "2:4", "--node_rank", "1", "--rdzv_backend", "c10d",
+                       "--rdzv_endpoint", "node0:29400", "--rdzv_id", "job-1", "--rdzv_conf", "last_call_timeout=30",
+                       "--max_restarts", "3", "--nproc_per_node=4", "-m", "dali_nerf.trainers.spatial", "--config",
+                       "x.yaml", "--resume", "name=lego"]
+    # torchrun itself accepts them (its parser, no launch)
+    from torch.distributed.run import get_args_parser
+
+    parsed = get_args_parser().parse_args(cmd[3:])
+    assert (parsed.nnodes, parsed.node_rank, parsed.rdzv_endpoint, parsed.max_restarts) == ("2:4", 1, "node0:29400", 3)
+    assert parsed.training_script == "dali_nerf.trainers.spatial" and parsed.module
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ from dali_nerf.config import load_config
 from dali_nerf.config.shipped import describe_config, shipped_configs, shipped_dir
 from dali_nerf.errors import ConfigError, DaliNerfError
 
-__all__ = ["TRAINERS", "LAUNCH_OPTIONS", "trainer_module", "launch_trainer", "add_arguments", "list_configs", "main"]
+__all__ = ["TRAINERS", "LAUNCH_OPTIONS", "trainer_module", "torchrun_command", "launch_trainer", "launch_options",
+           "add_arguments", "list_configs", "main"]
 
 TRAINERS = {
     "ddp": "dali_nerf.trainers.ddp",
@@ -47,25 +48,47 @@ def trainer_module(method: str, where: str = "method") -> str:
     return TRAINERS[method]
 
 
-def launch_trainer(module: str, nproc: int, config: str | None, overrides, resume: bool = False,
-                   launch=()) -> int:
-    """Run ``python -m torch.distributed.run [launch | --standalone] --nproc_per_node N -m <module>``.
+def torchrun_command(module: str, nproc: int, config: str | None, overrides, resume: bool = False,
+                     launch=()) -> list:
+    """``python -m torch.distributed.run [launch | --standalone] --nproc_per_node N -m <module> ...``.
 
     ``launch``: torchrun options (``["--nnodes", "2", ...]``); without any, ``--standalone`` (one
-    node, a local rendezvous). The parent has already validated the config and the scene, so rank
-    errors are rare; a rank's one-line error is passed through and torchrun's exit code returned."""
+    node, a local rendezvous).
+
+    >>> torchrun_command("dali_nerf.trainers.ddp", 2, "ddp_objects", ["train.steps=9"])[3:]
+    ['--standalone', '--nproc_per_node=2', '-m', 'dali_nerf.trainers.ddp', '--config', 'ddp_objects', 'train.steps=9']
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", *(list(launch) or ["--standalone"]),
            f"--nproc_per_node={nproc}", "-m", module]
     if config:
         cmd += ["--config", str(config)]
     if resume:
         cmd.append("--resume")
-    cmd += list(overrides)
+    return cmd + list(overrides)
+
+
+def launch_trainer(module: str, nproc: int, config: str | None, overrides, resume: bool = False,
+                   launch=()) -> int:
+    """Run :func:`torchrun_command` and return torchrun's exit code.
+
+    The parent has already validated the config and the scene, so rank errors are rare; a rank's
+    one-line error is passed through."""
+    cmd = torchrun_command(module, nproc, config, overrides, resume, launch)
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: a restarted worker group must not inherit the launcher's
     # store (stale keys; pytorch/pytorch#135712) — see docs/RELIABILITY.md
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), DALI_NERF_PROGRESS="1")
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return subprocess.call(cmd, env=env)
+
+
+def launch_options(args) -> list:
+    """The torchrun options of ``dali-nerf train``'s arguments (:data:`LAUNCH_OPTIONS`), in that order."""
+    launch = []
+    for key, flag in LAUNCH_OPTIONS.items():
+        value = getattr(args, key, None)
+        if value is not None:
+            launch += [flag, str(value)]
+    return launch
 
 
 def add_arguments(p) -> None:
@@ -109,11 +132,7 @@ def main(args) -> int:
     overrides = list(args.overrides)
     cfg = load_config(args.config, overrides)  # config and scene errors here, before any rank starts
     module = trainer_module(cfg.method, f"{args.config}: method")
-    launch = []
-    for key, flag in LAUNCH_OPTIONS.items():
-        value = getattr(args, key, None)
-        if value is not None:
-            launch += [flag, str(value)]
+    launch = launch_options(args)
     if args.nproc == 1 and not launch:  # one rank, no rendezvous: the trainer in this process
         argv = ["--config", str(args.config)] + (["--resume"] if args.resume else []) + overrides
         return importlib.import_module(module).main(argv)  # its errors: one line, exit 2, as from the trainer
