@@ -47,6 +47,11 @@ def test_help_is_plain_text_with_one_summary_line_per_command(capsys):
     for markup in ("``", ":func:", ":class:", ":data:", "**"):
         assert markup not in out, (markup, out)
     assert out.startswith("usage: dali-nerf [-h] COMMAND ...")
+    for argv, usage in ((["train", "--help"], "usage: dali-nerf train [-h]"),
+                        (["bench", "study", "--help"], "usage: dali-nerf bench study [-h]")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert capsys.readouterr().out.startswith(usage), argv
 
 
 def test_shipped_configs_are_the_repository_configs_and_installed_as_package_data():

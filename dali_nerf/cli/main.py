@@ -50,7 +50,7 @@ def _help_text() -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dali-nerf", usage="dali-nerf [-h] COMMAND ...", description=_help_text(), epilog=_EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog="dali-nerf")
 
     def add(name):
         return sub.add_parser(name, help=SUMMARIES[name], description=SUMMARIES[name])
