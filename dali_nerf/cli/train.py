@@ -23,6 +23,7 @@ import sys
 from dali_nerf.config import load_config
 from dali_nerf.config.shipped import describe_config, shipped_configs, shipped_dir
 from dali_nerf.errors import ConfigError, DaliNerfError
+from dali_nerf.interrupt import DEFAULT_GRACE_S, interrupt_guard
 
 __all__ = ["TRAINERS", "LAUNCH_OPTIONS", "trainer_module", "torchrun_command", "launch_trainer", "launch_options",
            "add_arguments", "list_configs", "main"]
@@ -39,6 +40,9 @@ LAUNCH_OPTIONS = {  # dali-nerf train option -> torchrun option (underscore spel
     "max_restarts": "--max_restarts",
 }
 """The rendezvous and restart options passed through to ``torch.distributed.run``."""
+
+TORCHRUN_SHUTDOWN_S = 15.0
+"""After Ctrl-C the launching command waits for torchrun this long beyond the ranks' own bound."""
 
 
 def trainer_module(method: str, where: str = "method") -> str:
@@ -78,7 +82,25 @@ def launch_trainer(module: str, nproc: int, config: str | None, overrides, resum
     # store (stale keys; pytorch/pytorch#135712) — see docs/RELIABILITY.md
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), DALI_NERF_PROGRESS="1")
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    return subprocess.call(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env)
+    # After a terminal's Ctrl-C (the whole process group gets it) torchrun stops its ranks, each on
+    # its bounded path (dali_nerf.interrupt, $DALI_NERF_INTERRUPT_GRACE_S): wait for that rather than
+    # kill torchrun mid-shutdown, under a watchdog of this process that outlasts theirs.
+    try:
+        rank_grace_s = float(os.environ.get("DALI_NERF_INTERRUPT_GRACE_S", DEFAULT_GRACE_S))
+    except ValueError:
+        rank_grace_s = DEFAULT_GRACE_S
+    wait_s = rank_grace_s + TORCHRUN_SHUTDOWN_S
+    with interrupt_guard(grace_s=wait_s + 5.0):
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            try:
+                proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
 
 
 def launch_options(args) -> list:
