@@ -192,3 +192,16 @@ def test_one_rank_runs_in_process_without_torchrun(city):
     s = json.loads((run / "summary.json").read_text())
     assert s["method"] == "ss" and s["world_size"] == 1 and s["steps"] == 4, s
     assert (run / "checkpoints" / "latest").is_file() and not (run / "checkpoints" / "torchelastic_run_id").exists()
+
+
+def test_the_launching_process_outlasts_its_ranks_after_ctrl_c():
+    """`dali-nerf train` waits for torchrun after Ctrl-C under a watchdog longer than the ranks'
+    own bound (dali_nerf.interrupt's grace), and puts the grace back after the launch."""
+    import dali_nerf.interrupt as itr
+
+    with itr.interrupt_guard(grace_s=2.0):
+        with itr.grace_at_least(40.0):
+            assert itr._state["grace_s"] == 40.0  # what a first SIGINT's watchdog waits
+            with itr.grace_at_least(5.0):
+                assert itr._state["grace_s"] == 40.0  # never shortened
+        assert itr._state["grace_s"] == 2.0

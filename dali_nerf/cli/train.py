@@ -23,7 +23,7 @@ import sys
 from dali_nerf.config import load_config
 from dali_nerf.config.shipped import describe_config, shipped_configs, shipped_dir
 from dali_nerf.errors import ConfigError, DaliNerfError
-from dali_nerf.interrupt import DEFAULT_GRACE_S, interrupt_guard
+from dali_nerf.interrupt import DEFAULT_GRACE_S, grace_at_least
 
 __all__ = ["TRAINERS", "LAUNCH_OPTIONS", "trainer_module", "torchrun_command", "launch_trainer", "launch_options",
            "add_arguments", "list_configs", "main"]
@@ -91,7 +91,7 @@ def launch_trainer(module: str, nproc: int, config: str | None, overrides, resum
     except ValueError:
         rank_grace_s = DEFAULT_GRACE_S
     wait_s = rank_grace_s + TORCHRUN_SHUTDOWN_S
-    with interrupt_guard(grace_s=wait_s + 5.0):
+    with grace_at_least(wait_s + 5.0):
         try:
             return proc.wait()
         except KeyboardInterrupt:
