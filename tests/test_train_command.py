@@ -1,8 +1,8 @@
 """``dali-nerf train`` (dali_nerf/cli/train.py), the shipped configs and ``--config NAME``
 (dali_nerf/config/shipped.py), and ``dali-nerf --help`` in plain text.
 
-The 2-rank DDP run with a resume is README's own line (tests/test_readme.py); here the 2-rank SS
-run, the in-process single rank, and the one-line errors."""
+The 2-rank DDP run stopped by SIGTERM and resumed is README's own line (tests/test_readme.py); here
+the 2-rank SS run, the in-process single rank, and the one-line errors."""
 
 from __future__ import annotations
 
@@ -97,16 +97,28 @@ def test_config_name_resolution(tmp_path, monkeypatch):
 
 
 def test_every_method_has_one_trainer_module():
+    """Every method the config accepts has its trainer; an entry of TRAINERS whose module this
+    copy lacks (a trainer of another branch) is a method no config accepts yet, refused in one line."""
     import importlib
+    import importlib.util
 
+    have = []
     for method, module in TRAINERS.items():
+        if importlib.util.find_spec(module) is None:
+            with pytest.raises(ConfigError, match=f"method: must be one of .*, got {method!r}"):
+                load_config(None, [f"method={method}"], check_paths=False)
+            with pytest.raises(ConfigError, match=f"method {method!r} has no trainer"):
+                trainer_module(method)
+            continue
+        have.append(method)
         assert load_config(None, [f"method={method}"], check_paths=False).method == method  # a method configs accept
         assert trainer_module(method) == module
         m = importlib.import_module(module)
         assert callable(m.main)
+    assert {"ddp", "ss"} <= set(have)
     for path in shipped_configs().values():
         trainer_module(load_config(path, check_paths=False).method)  # every shipped config's method has one
-    with pytest.raises(ConfigError, match="method 'nerfacto' has no trainer; use one of ddp, ss"):
+    with pytest.raises(ConfigError, match=f"method 'nerfacto' has no trainer; use one of {', '.join(have)}$"):
         trainer_module("nerfacto")
 
 
@@ -195,8 +207,8 @@ def test_one_rank_runs_in_process_without_torchrun(city):
 
 
 def test_the_launching_process_outlasts_its_ranks_after_ctrl_c():
-    """`dali-nerf train` waits for torchrun after Ctrl-C under a watchdog longer than the ranks'
-    own bound (dali_nerf.interrupt's grace), and puts the grace back after the launch."""
+    """`dali-nerf demo` (torchrun its child) waits for torchrun after Ctrl-C under a watchdog longer
+    than the ranks' own bound (dali_nerf.interrupt's grace), and puts the grace back after the launch."""
     import dali_nerf.interrupt as itr
 
     with itr.interrupt_guard(grace_s=2.0):
@@ -205,3 +217,21 @@ def test_the_launching_process_outlasts_its_ranks_after_ctrl_c():
             with itr.grace_at_least(5.0):
                 assert itr._state["grace_s"] == 40.0  # never shortened
         assert itr._state["grace_s"] == 2.0
+
+
+def test_inside_a_launch_the_command_starts_no_second_torchrun(tmp_path, monkeypatch, capsys):
+    """A rank of a launch (launch_env: WORLD_SIZE > 1 or torchrun's variables) is refused a torchrun
+    of its own, in one line, before anything starts; a malformed launcher variable is one line too."""
+    runs = tmp_path / "runs"
+    base = ["train", "--config", "ddp_objects", f"train.runs_dir={runs}", "scene.path=."]
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main([*base, "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already rank 1 of a launch (WORLD_SIZE=2)" in err and "--nproc 1" in err, err
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    assert main([*base, "--nnodes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: WORLD_SIZE='two'"), err
+    assert not runs.exists()
+

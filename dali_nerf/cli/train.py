@@ -6,33 +6,43 @@
         --rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id lego-1 --max-restarts 2
     dali-nerf train --list                                              # the shipped configs
 
-The config's ``method:`` picks the trainer module (:data:`TRAINERS`); the ranks are started by
-``python -m torch.distributed.run`` (torchrun) with ``--standalone`` on one node, or with the
-rendezvous options given. ``--nproc 1`` without any rendezvous option or ``--max-restarts`` runs
-the trainer in this process (no torchrun). ``torchrun trainers/ddp.py ...`` and ``torchrun -m
-dali_nerf.trainers.spatial ...`` keep working: this command starts exactly those modules.
+The config's ``method:`` picks the trainer module (:data:`TRAINERS`). Once the config and the
+scene are checked, the command *becomes* ``python -m torch.distributed.run`` (torchrun: ``os.execve``,
+the same pid) with ``--standalone`` on one node, or with the rendezvous options given; so a signal
+sent to the command is torchrun's own: on SIGTERM (a scheduler, ``kill``) torchrun passes it to the
+ranks, which checkpoint their last common step (:mod:`dali_nerf.train.stopping`), and Ctrl-C stops
+them on their bounded path; its exit code is the command's. ``--nproc 1`` without any rendezvous
+option or ``--max-restarts`` runs the trainer in this process (no torchrun; the signals are the
+trainer's). A process that is already a rank of a launch (``launch_env``: ``WORLD_SIZE`` > 1 or
+torchrun's variables) may only do the latter: a torchrun inside a rank is refused in one line.
+``torchrun trainers/ddp.py ...`` and ``torchrun -m dali_nerf.trainers.spatial ...`` keep working:
+this command starts exactly those modules.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
 
 from dali_nerf.config import load_config
 from dali_nerf.config.shipped import describe_config, shipped_configs, shipped_dir
-from dali_nerf.errors import ConfigError, DaliNerfError
+from dali_nerf.errors import ConfigError, DaliNerfError, LaunchError
 from dali_nerf.interrupt import DEFAULT_GRACE_S, grace_at_least
+from dali_nerf.launch_env import launch_env
 
-__all__ = ["TRAINERS", "LAUNCH_OPTIONS", "trainer_module", "torchrun_command", "launch_trainer", "launch_options",
-           "add_arguments", "list_configs", "main"]
+__all__ = ["TRAINERS", "LAUNCH_OPTIONS", "trainer_module", "torchrun_command", "launch_trainer", "exec_torchrun",
+           "launch_options", "add_arguments", "list_configs", "main"]
 
 TRAINERS = {
     "ddp": "dali_nerf.trainers.ddp",
     "ss": "dali_nerf.trainers.spatial",
+    "splat": "dali_nerf.trainers.splat",  # Gaussian splatting: used once trainers/splat.py is there
 }
-"""``method:`` -> the trainer module run under torchrun (a new method is one line here)."""
+"""``method:`` -> the trainer module run under torchrun (a new method is one line here). An entry
+whose module is not installed is refused in one line (:func:`trainer_module`)."""
 
 LAUNCH_OPTIONS = {  # dali-nerf train option -> torchrun option (underscore spellings: every torch >= 2.1)
     "nnodes": "--nnodes", "node_rank": "--node_rank", "rdzv_backend": "--rdzv_backend",
@@ -45,11 +55,21 @@ TORCHRUN_SHUTDOWN_S = 15.0
 """After Ctrl-C the launching command waits for torchrun this long beyond the ranks' own bound."""
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
 def trainer_module(method: str, where: str = "method") -> str:
-    """The trainer module of ``method`` (``ddp`` -> ``dali_nerf.trainers.ddp``); a one-line error otherwise."""
-    if method not in TRAINERS:
-        raise ConfigError(f"{where}: method {method!r} has no trainer; use one of {', '.join(TRAINERS)}")
-    return TRAINERS[method]
+    """The trainer module of ``method`` (``ddp`` -> ``dali_nerf.trainers.ddp``); a one-line error
+    when the method has none here (not in :data:`TRAINERS`, or its module is not installed)."""
+    module = TRAINERS.get(method)
+    if module is None or not _installed(module):
+        have = [m for m, mod in TRAINERS.items() if _installed(mod)]
+        raise ConfigError(f"{where}: method {method!r} has no trainer; use one of {', '.join(have)}")
+    return module
 
 
 def torchrun_command(module: str, nproc: int, config: str | None, overrides, resume: bool = False,
@@ -71,18 +91,37 @@ def torchrun_command(module: str, nproc: int, config: str | None, overrides, res
     return cmd + list(overrides)
 
 
-def launch_trainer(module: str, nproc: int, config: str | None, overrides, resume: bool = False,
-                   launch=()) -> int:
-    """Run :func:`torchrun_command` and return torchrun's exit code.
-
-    The parent has already validated the config and the scene, so rank errors are rare; a rank's
-    one-line error is passed through."""
-    cmd = torchrun_command(module, nproc, config, overrides, resume, launch)
+def _torchrun_env() -> dict:
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: a restarted worker group must not inherit the launcher's
     # store (stale keys; pytorch/pytorch#135712) — see docs/RELIABILITY.md
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), DALI_NERF_PROGRESS="1")
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    proc = subprocess.Popen(cmd, env=env)
+    return env
+
+
+def exec_torchrun(module: str, nproc: int, config: str | None, overrides, resume: bool = False, launch=()):
+    """Become :func:`torchrun_command` (``os.execve``: this process, its pid, is torchrun from here
+    on, so a signal sent to it is torchrun's, and torchrun's exit code is the command's). Returns
+    only on failure to start it (a one-line error)."""
+    cmd = torchrun_command(module, nproc, config, overrides, resume, launch)
+    env = _torchrun_env()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(cmd[0], cmd, env)
+    except OSError as e:
+        raise DaliNerfError(f"{cmd[0]}: cannot start torchrun ({e.strerror})") from None
+
+
+def launch_trainer(module: str, nproc: int, config: str | None, overrides, resume: bool = False,
+                   launch=()) -> int:
+    """Run :func:`torchrun_command` as a child and return torchrun's exit code (``dali-nerf demo``,
+    which goes on after training; ``dali-nerf train`` becomes torchrun instead: :func:`exec_torchrun`).
+
+    The parent has already validated the config and the scene, so rank errors are rare; a rank's
+    one-line error is passed through."""
+    cmd = torchrun_command(module, nproc, config, overrides, resume, launch)
+    proc = subprocess.Popen(cmd, env=_torchrun_env())
     # After a terminal's Ctrl-C (the whole process group gets it) torchrun stops its ranks, each on
     # its bounded path (dali_nerf.interrupt, $DALI_NERF_INTERRUPT_GRACE_S): wait for that rather than
     # kill torchrun mid-shutdown, under a watchdog of this process that outlasts theirs.
@@ -158,7 +197,10 @@ def main(args) -> int:
     if args.nproc == 1 and not launch:  # one rank, no rendezvous: the trainer in this process
         argv = ["--config", str(args.config)] + (["--resume"] if args.resume else []) + overrides
         return importlib.import_module(module).main(argv)  # its errors: one line, exit 2, as from the trainer
-    rc = launch_trainer(module, args.nproc, args.config, overrides, resume=args.resume, launch=launch)
-    if rc != 0:
-        raise DaliNerfError(f"training failed (torchrun exit code {rc}); see the ranks' messages above")
-    return 0
+    env = launch_env()  # the launcher's variables (checked: one line naming a bad one)
+    if env.world_size > 1 or env.elastic:
+        raise LaunchError(f"this process is already rank {env.rank} of a launch (WORLD_SIZE={env.world_size}"
+                          f"{', under torchrun' if env.elastic else ''}): start `dali-nerf train` with --nproc 1 and no "
+                          f"rendezvous option inside it (the trainer joins that launch), or unset the launcher's variables")
+    exec_torchrun(module, args.nproc, args.config, overrides, resume=args.resume, launch=launch)
+    return 0  # not reached: torchrun replaced this process
