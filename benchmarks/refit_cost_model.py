@@ -1,6 +1,6 @@
 """Refit the study's cost model on a saved report's measurements, with the current model code.
 
-    python benchmarks/refit_cost_model.py DERIVED_JSON [--config configs/study.yaml]
+    python benchmarks/refit_cost_model.py DERIVED_JSON [--config study]
 
 e.g. a report of an earlier commit:
     git show f3ad8d7:docs/study/cpu-2core-x86_64/derived.json > /tmp/derived.json
@@ -30,7 +30,7 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("derived", help="a study's derived.json")
-    ap.add_argument("--config", default="configs/study.yaml")
+    ap.add_argument("--config", default="study")
     a = ap.parse_args(argv)
     raw = json.load(open(a.derived))
     sampling = dict(raw["sampling"], profile=sampling_profile(raw["sampling"], host_cores()))

@@ -1,7 +1,7 @@
 """A background-priority loader on a host whose cores are all busy: normal vs background, with and
 without the starvation guard.
 
-    python benchmarks/starvation.py [--config configs/study.yaml] [--seconds 8] [--repeats 3] [--step-ms 1]
+    python benchmarks/starvation.py [--config study] [--seconds 8] [--repeats 3] [--step-ms 1]
 
 One RayLoader (the scene and batch of ``--config``, this host's budget for one rank) feeds a consumer
 that sleeps ``--step-ms`` per step (an emulated device step), while usable cores + 1 processes
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     from dali_nerf.scenes import scene_from_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="configs/study.yaml")
+    ap.add_argument("--config", default="study")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--step-ms", type=float, default=1.0)

@@ -1,6 +1,6 @@
 """Pipelined step against the emulation floor with the sampler threads at normal vs background priority.
 
-    python benchmarks/thread_priority.py [--config configs/study.yaml] [--ranks 4,8,16] [--step-ms 1,2]
+    python benchmarks/thread_priority.py [--config study] [--ranks 4,8,16] [--step-ms 1,2]
                                          [--repeats 2] [--trials 3] [--steps 40]
 
 For each rank count, launches of the study's emulated DDP ranks (:func:`dali_nerf.bench.emulated.launch`,
@@ -40,7 +40,7 @@ def main(argv=None) -> None:
     from dali_nerf.train.emulation import DeviceLinks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="configs/study.yaml")
+    ap.add_argument("--config", default="study")
     ap.add_argument("--ranks", default="4,8,16")
     ap.add_argument("--step-ms", default="1,2")
     ap.add_argument("--repeats", type=int, default=2)

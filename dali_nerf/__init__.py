@@ -1,4 +1,5 @@
-"""dali_nerf: NeRF training on many GPUs without input stalls.
+"""dali_nerf: NeRF training with the rays sampled ahead of the training loop (DALI decode, a C++
+ray sampler operator, a prefetching loader; DDP and spatial-segmentation trainers).
 
 ``import dali_nerf`` needs no compiler and no GPU: the C++ operator is built and loaded lazily by
 :func:`dali_nerf.ops.load_plugin`, the first time a pipeline needs it.
@@ -7,7 +8,7 @@
 >>> scene = load_scene("data/default", split="train")
 >>> loader = RayLoader(scene, rays_per_batch=4096, rank=0, world_size=1, seed=0, prefetch=2)
 >>> images = ImageLoader(load_scene("data/garden", format="colmap"), images_per_batch=1)   # splatting trainers
->>> src = source_from_config("configs/ddp_objects.yaml", rank=0, world_size=2)   # what a trainer's rank gets
+>>> src = source_from_config("ddp_objects", rank=0, world_size=2)   # what a trainer's rank gets (a shipped config)
 """
 
 from __future__ import annotations

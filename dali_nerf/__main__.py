@@ -1,5 +1,5 @@
-import sys
+"""``python -m dali_nerf``: the ``dali-nerf`` command (what scripts/demo.sh runs)."""
 
-from dali_nerf.cli.main import main
+from dali_nerf.cli.main import entry
 
-sys.exit(main())
+entry()

@@ -56,7 +56,7 @@ from typing import List, Optional
 
 from dali_nerf.errors import stderr_line
 
-__all__ = ["interrupt_guard", "quiet_startup", "exit_process", "ignore_interrupts", "interrupts_deferred", "interrupted", "descendants", "kill_descendants",
+__all__ = ["interrupt_guard", "grace_at_least", "quiet_startup", "exit_process", "ignore_interrupts", "interrupts_deferred", "interrupted", "descendants", "kill_descendants",
            "EXIT_INTERRUPTED", "DEFAULT_GRACE_S", "ECHO_S", "Terminated", "StopRequest", "stop_signal",
            "CHECKPOINT_SIGNALS", "DEFAULT_TERM_GRACE_S"]
 
@@ -198,6 +198,20 @@ def interrupt_guard(grace_s: Optional[float] = None):
         signal.signal(signal.SIGINT, prev)
         if usr1:
             faulthandler.unregister(signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def grace_at_least(grace_s: float):
+    """Inside the block, the watchdog of a first SIGINT waits at least ``grace_s`` seconds: for a
+    process waiting on children that stop on their own bounded path (``dali-nerf train`` waiting
+    for torchrun and its ranks) and must outlast them. Outside :func:`interrupt_guard` it changes
+    nothing that runs."""
+    prev = _state["grace_s"]
+    _state["grace_s"] = max(prev, float(grace_s))
+    try:
+        yield
+    finally:
+        _state["grace_s"] = prev
 
 
 def exit_process(code: int) -> None:

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The README's test command: install (editable, with test extras) and run the whole suite.
+# The README's test command (and CI's, .ci/run): install (editable, with the test extra) and run
+# the whole suite. Extra arguments go to pytest.
+# Installs into the running python3, or into .venv/ here where that Python refuses installs
+# (PEP 668): scripts/_python.sh. DALI_NERF_INSTALL_DRY=1 prints what it would run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# torch: the one already installed, else 2.13.0 (a local CPU build on the project's machines)
-python3 -c "import torch" 2>/dev/null || python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q -e '.[test]'
-python3 -m pytest -q "$@"
+source scripts/_python.sh
+dn_python
+dn_install '.[test]'
+dn_exec "$PY" -m pytest -q "$@"

@@ -87,10 +87,11 @@ def _shm_of(pids) -> list:
     return sorted(n for n in names if any(k in f"_{n}_" for k in keys))
 
 
-def _mapped_shm() -> set:
-    """/dev/shm names some live process has mapped (POSIX semaphores and shared blocks in use)."""
+def _mapped_shm(pids=None) -> set:
+    """/dev/shm names some live process (of ``pids``, default any) has mapped (POSIX semaphores and
+    shared blocks in use)."""
     names = set()
-    for d in os.listdir("/proc"):
+    for d in (os.listdir("/proc") if pids is None else map(str, pids)):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/maps") as f:
@@ -323,7 +324,8 @@ def test_ctrl_c_under_torchrun_frees_the_emulated_modes_shared_memory(scene_dir,
         assert _wait_for(lambda: any(n.startswith("psm_") for n in set(os.listdir("/dev/shm")) - shm_before), proc), \
             f"no shared block appeared: {proc.poll()} {run}"
         time.sleep(1.0)
-        made = sorted(set(os.listdir("/dev/shm")) - shm_before)
+        # the run's entries: new ones its processes map (not another job's, on a shared machine)
+        made = sorted((set(os.listdir("/dev/shm")) - shm_before) & _mapped_shm([proc.pid, *descendants(proc.pid)]))
         assert any(n.startswith("sem.") for n in made), made
         os.killpg(proc.pid, signal.SIGINT)
         t0 = time.monotonic()

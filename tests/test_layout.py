@@ -141,7 +141,7 @@ LOWER = ("dali_nerf.partition", "dali_nerf.sources", "dali_nerf.pipelines", "dal
          "dali_nerf.config", "dali_nerf.data.imageio", "dali_nerf.launch_env", "dali_nerf.interrupt", "dali_nerf.errors")
 UPPER = ("dali_nerf.models", "dali_nerf.train.loop", "dali_nerf.bench", "dali_nerf.train.emulation", "dali_nerf.train.emulated",
          "dali_nerf.trainers", "dali_nerf.cli.trainer", "dali_nerf.train.evaluation", "dali_nerf.train.resume", "dali_nerf.train.runtime",
-         "dali_nerf.train.tasks", "dali_nerf.train.runlog", "dali_nerf.train.fieldsetup", "dali_nerf.cli.demo", "dali_nerf.cli.render",
+         "dali_nerf.train.tasks", "dali_nerf.train.runlog", "dali_nerf.train.fieldsetup", "dali_nerf.cli.demo", "dali_nerf.cli.train", "dali_nerf.cli.render",
          "dali_nerf.cli.main", "dali_nerf.integrations")
 
 

@@ -95,6 +95,7 @@ def test_every_module_imports_from_an_install_of_the_wheel(wheel, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     modules = sorted(_module_name(p) for p, kind in _tree_files().items()
                      if kind == "module" and not p.endswith("__main__.py"))
+    names = sorted(f.stem for f in (REPO / "configs").glob("*.yaml"))
     code = f"""
 import importlib, importlib.util, sys
 target = {str(target.resolve())!r}
@@ -107,9 +108,10 @@ for m in {modules!r}:
     if not (getattr(mod, "__file__", None) or "").startswith(target):
         bad.append((m, mod.__file__))
 assert not bad, ("imported from outside the install", bad)
-from dali_nerf.config import config_file, load_config
-assert str(config_file("ddp_objects.yaml")).startswith(target), config_file("ddp_objects.yaml")
-load_config(config_file("ss_city.yaml"), check_paths=False)
+from dali_nerf.config import load_config, resolve_config, shipped_configs
+assert str(resolve_config("ddp_objects")).startswith(target), resolve_config("ddp_objects")
+assert {{n: str(p).startswith(target) for n, p in shipped_configs().items()}} == dict.fromkeys({names!r}, True)
+load_config("ss_city", check_paths=False)
 print(len(sys.modules))
 """
     # the install first on the path, run away from the checkout (no module of it is importable by cwd)

@@ -28,7 +28,6 @@ from dali_nerf.train.fieldsetup import learned_background_init, scene_space
 from dali_nerf.train.runtime import DistEnv, wrap_ddp
 from dali_nerf.train.tasks import Method, Task
 from dali_nerf.cli.trainer import trainer_main
-from dali_nerf.config import config_file
 
 __all__ = ["DDPMethod", "main"]
 
@@ -64,7 +63,7 @@ class DDPMethod(Method):
 
 
 def main(argv=None) -> int:
-    return trainer_main(DDPMethod, str(config_file("ddp_objects.yaml")), argv)
+    return trainer_main(DDPMethod, "ddp_objects", argv)
 
 
 if __name__ == "__main__":

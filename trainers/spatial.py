@@ -32,7 +32,6 @@ from dali_nerf.train.runtime import DistEnv
 from dali_nerf.data.seeds import init_seed
 from dali_nerf.train.tasks import Method, Task
 from dali_nerf.cli.trainer import trainer_main
-from dali_nerf.config import config_file
 
 __all__ = ["SpatialMethod", "build_fused", "main"]
 
@@ -152,7 +151,7 @@ class SpatialMethod(Method):
 
 
 def main(argv=None) -> int:
-    return trainer_main(SpatialMethod, str(config_file("ss_city.yaml")), argv)
+    return trainer_main(SpatialMethod, "ss_city", argv)
 
 
 if __name__ == "__main__":

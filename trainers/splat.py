@@ -33,7 +33,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dali_nerf.cli.trainer import trainer_main  # noqa: E402
-from dali_nerf.config import config_file  # noqa: E402
 from dali_nerf.data.seeds import init_seed  # noqa: E402
 from dali_nerf.models.gaussians import (Densifier, GaussianModel, render_camera, splat_loss,  # noqa: E402
                                        splat_optimizer)
@@ -167,7 +166,7 @@ class SplatMethod(Method):
 
 
 def main(argv=None) -> int:
-    return trainer_main(SplatMethod, str(config_file("splat_objects.yaml")), argv)
+    return trainer_main(SplatMethod, "splat_objects", argv)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 1. generate the default ``objects`` scene into ``--data`` (kept if it is already there);
 2. validate it (every image header);
-3. train with ``--nproc`` ranks under torchrun (DDP, our DALI RayLoader);
+3. train with ``--nproc`` ranks under torchrun (the config's method; DDP with our DALI RayLoader
+   by default; the launch of ``dali-nerf train``);
 4. render held-out views, write ``summary.json`` and a short ``report.md`` in ``runs/<name>/``.
 """
 
@@ -10,39 +11,19 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from dali_nerf.atomic import atomic_write_text
-from dali_nerf.config import config_file, load_config
+from dali_nerf.config import load_config
 from dali_nerf.errors import DaliNerfError
 from dali_nerf.scenegen import make_scene
+from dali_nerf.cli.train import launch_trainer, trainer_module
 from dali_nerf.cli.validate import validate_scene
 
-__all__ = ["main", "launch_trainer", "write_report", "warmup_wait_s"]
+__all__ = ["main", "write_report", "warmup_wait_s", "DEFAULT_CONFIG"]
 
-DEFAULT_CONFIG = config_file("ddp_objects.yaml")
-
-
-def launch_trainer(module: str, nproc: int, config: str | None, overrides, resume: bool = False) -> int:
-    """Run ``python -m torch.distributed.run --standalone --nproc_per_node N -m <module>``.
-
-    The parent has already validated the config and the scene, so rank errors are rare; a rank's
-    one-line error is passed through and its exit code returned."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", module]
-    if config:
-        cmd += ["--config", str(config)]
-    if resume:
-        cmd.append("--resume")
-    cmd += list(overrides)
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: a restarted worker group must not inherit the launcher's
-    # store (stale keys; pytorch/pytorch#135712) — see docs/RELIABILITY.md
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), DALI_NERF_PROGRESS="1")
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    return subprocess.call(cmd, env=env)
+DEFAULT_CONFIG = "ddp_objects"
+"""The demo's config: the shipped ``ddp_objects`` (``--config`` takes a file or another shipped name)."""
 
 
 def warmup_wait_s(run_dir: Path, summary: dict) -> float | None:
@@ -105,7 +86,7 @@ def write_report(run_dir: Path) -> str:
 
 def main(args) -> int:
     data = Path(args.data)
-    config = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
+    config = args.config or DEFAULT_CONFIG
     overrides = [f"scene.path={data}"] + list(args.overrides)
     load_config(config, overrides, check_paths=False)  # config errors before any work
     if args.nproc < 1:
@@ -119,7 +100,7 @@ def main(args) -> int:
     print("[2/4] validating the scene", flush=True)
     validate_scene(cfg.scene.path, format=cfg.scene.format, progress=False)
     print(f"[3/4] training: {cfg.method} with {args.nproc} ranks, {cfg.train.steps} steps", flush=True)
-    module = "dali_nerf.trainers.ddp" if cfg.method == "ddp" else "dali_nerf.trainers.spatial"
+    module = trainer_module(cfg.method, f"{config}: method")
     if args.nproc > 1:
         rc = launch_trainer(module, args.nproc, config, overrides)
     else:

@@ -1,15 +1,5 @@
-"""The ``dali-nerf`` command.
-
-Subcommands (each implemented in its own module, imported only when used):
-
-    dali-nerf demo                     the main job: default scene -> 2-rank training -> renders -> report
-    dali-nerf make-scene KIND          generate a multi-view scene with known cameras
-                                       (objects | city | forward | unbounded)
-    dali-nerf validate SCENE           scan a scene folder (every image header) before training
-    dali-nerf render                   render a split or an orbit from a checkpoint (DDP or SS run)
-    dali-nerf bench sampler|study|loop|decode|images   benchmarks (docs/BENCHMARKS.md)
-    dali-nerf build-op                 build (or rebuild) the C++ operator plugin now
-
+"""The dali-nerf command: one subcommand per job, each in its own module, imported only when used
+(:data:`_COMMANDS`); ``dali-nerf --help`` lists them with the one-line summaries of :data:`SUMMARIES`.
 User errors print ``error: <one line>`` and exit 2, without a traceback.
 """
 
@@ -27,6 +17,7 @@ __all__ = ["main", "entry"]
 # subcommand -> "module:function"; the function takes the parsed argparse.Namespace
 _COMMANDS = {
     "demo": "dali_nerf.cli.demo:main",
+    "train": "dali_nerf.cli.train:main",
     "make-scene": "dali_nerf.scenegen:main",
     "validate": "dali_nerf.cli.validate:main",
     "render": "dali_nerf.cli.render:main",
@@ -35,17 +26,47 @@ _COMMANDS = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dali-nerf", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+SUMMARIES = {
+    "demo": "the main job: generate the default scene, train 2 DDP ranks, render, report",
+    "train": "train a config (its method: DDP or SS) under torchrun; --list shows the shipped configs",
+    "make-scene": "generate a multi-view scene with known cameras (objects | city | forward | unbounded)",
+    "validate": "scan a scene folder (every image header) before training",
+    "render": "render a split or an orbit from a DDP or SS run's checkpoint",
+    "bench": "benchmarks: sampler | study | loop | decode (docs/BENCHMARKS.md)",
+    "build-op": "build (or rebuild) the C++ ray sampler operator now",
+}
+"""One line per subcommand: ``dali-nerf --help`` and each subcommand's own help."""
 
-    d = sub.add_parser("demo", help="generate the default scene, train with 2 ranks, render, report")
-    d.add_argument("--config", default=None, help="YAML config (default: configs/ddp_objects.yaml settings)")
+_DESCRIPTION = "dali-nerf: NeRF training fed by a DALI ray sampler that runs ahead of the training loop."
+_EPILOG = ("Run 'dali-nerf COMMAND --help' for a command's options. Errors in your input print one line "
+           "and exit with code 2.")
+
+
+def _help_text() -> str:
+    width = max(len(n) for n in SUMMARIES)
+    return "\n".join([_DESCRIPTION, "", "commands:"] + [f"  {n:<{width}}  {h}" for n, h in SUMMARIES.items()])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dali-nerf", usage="dali-nerf [-h] COMMAND ...", description=_help_text(), epilog=_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog="dali-nerf")
+
+    def add(name):
+        return sub.add_parser(name, help=SUMMARIES[name], description=SUMMARIES[name])
+
+    d = add("demo")
+    d.add_argument("--config", default=None,
+                   help="a YAML file or a shipped config's name (default: ddp_objects; dali-nerf train --list)")
     d.add_argument("--data", default="data/default", help="scene folder (generated when missing)")
     d.add_argument("--nproc", type=int, default=2, help="ranks (processes) to train with")
     d.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.steps=200")
 
-    m = sub.add_parser("make-scene", help="generate a scene with known cameras")
+    from dali_nerf.cli.train import add_arguments as train_arguments
+
+    train_arguments(add("train"))
+
+    m = add("make-scene")
     m.add_argument("kind", choices=["objects", "city", "forward", "unbounded"])
     m.add_argument("--out", required=True, help="output folder")
     m.add_argument("--resolution", type=int, default=None, help="image width in pixels (objects: square; others: height = 3/4 width)")
@@ -58,19 +79,19 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--occluders", action="store_true",
                    help="city, unbounded: a transient occluder in every image, masked (masks/, nerfstudio mask_path)")
 
-    v = sub.add_parser("validate", help="scan a scene before training")
+    v = add("validate")
     v.add_argument("scene")
     v.add_argument("--format", default="auto")
     v.add_argument("--split", default=None, help="one split (default: all present)")
 
-    r = sub.add_parser("render", help="render a split or an orbit from a checkpoint")
+    r = add("render")
     r.add_argument("--checkpoint", required=True, help="checkpoint file or run folder")
     r.add_argument("--out", required=True, help="folder for the PNGs")
     r.add_argument("--split", default="test")
     r.add_argument("--orbit", type=int, default=0, help="render N orbit views instead of a split")
     r.add_argument("--max-images", type=int, default=0)
 
-    b = sub.add_parser("bench", help="benchmarks")
+    b = add("bench")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
     bs = bsub.add_parser("sampler", help="sampler throughput table (rays/s) and decode images/s")
     bs.add_argument("--scene", default=None, help="scene folder (default: generate a 100-image 400x400 one)")
@@ -89,10 +110,11 @@ def _parser() -> argparse.ArgumentParser:
     bs.add_argument("--mask-kind", choices=("iid", "sky"), default="iid",
                     help="with --mask: pixels masked at random (iid, default) or the top F of every image (sky)")
     bt = bsub.add_parser("study", help="the characterization study: DDP vs SS x samplers x ranks")
-    bt.add_argument("--config", default="configs/study.yaml")
+    bt.add_argument("--config", default="study", help="a YAML file or a shipped config's name (default: study)")
     bt.add_argument("overrides", nargs="*")
     bl = bsub.add_parser("loop", help="the training loop's step, wait and stall per source vs a ready-batch floor")
-    bl.add_argument("--config", default="configs/ddp_blender_gpu.yaml")
+    bl.add_argument("--config", default="ddp_blender_gpu",
+                    help="a YAML file or a shipped config's name (default: ddp_blender_gpu)")
     bl.add_argument("--scene", default=None, help="scene folder (default: the config's scene.path)")
     bl.add_argument("--batches", default="16384,65536", help="rays per step, comma-separated")
     bl.add_argument("--samplers", default="rays,rays_sync,sync_local,sync_global,torch_workers,ready")
@@ -127,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     bd.add_argument("--reps", type=int, default=2)
     bd.add_argument("--out", default=None, help="also write decode.json here (a folder)")
 
-    o = sub.add_parser("build-op", help="build the C++ operator plugin")
+    o = add("build-op")
     o.add_argument("--cuda", action="store_true", help="also compile the CUDA variant with nvcc")
     o.add_argument("--force", action="store_true", help="rebuild even when cached")
     return p

@@ -1,4 +1,4 @@
-"""The trainers' command line (trainers/ddp.py, trainers/spatial.py, trainers/splat.py): ``--config FILE [--resume]
+"""The trainers' command line (trainers/ddp.py, trainers/spatial.py, trainers/splat.py): ``--config FILE|NAME [--resume]
 [key=value ...]``, and the run: a real device (:func:`dali_nerf.train.loop.train`) or the
 emulated-device mode (:func:`dali_nerf.train.emulated.train_emulated`, ``train.device=emulated``)."""
 
@@ -9,6 +9,7 @@ import json
 from typing import Callable
 
 from dali_nerf.cli.command import run_cli
+from dali_nerf.cli.train import trainer_module
 from dali_nerf.config import load_config
 from dali_nerf.errors import ConfigError
 from dali_nerf.train.tasks import Method
@@ -30,11 +31,11 @@ def run_training(cfg, method: Method, resume: bool = False) -> dict:
 
 
 def trainer_main(method_factory: Callable[[], Method], default_config: str, argv=None) -> int:
-    """Entry point of a trainer script: ``--config FILE [--resume] [key=value ...]``.
+    """Entry point of a trainer script: ``--config FILE|NAME [--resume] [key=value ...]``.
 
     Returns the exit code (2 for user errors, printed as one line, no traceback)."""
     p = argparse.ArgumentParser(description="dali_nerf trainer (run under torchrun for several ranks)")
-    p.add_argument("--config", default=default_config)
+    p.add_argument("--config", default=default_config, help="a YAML file or a shipped config's name (dali-nerf train --list)")
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/checkpoints/latest")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. train.steps=200")
     args = p.parse_args(argv)
@@ -43,8 +44,9 @@ def trainer_main(method_factory: Callable[[], Method], default_config: str, argv
         cfg = load_config(args.config, args.overrides)
         method = method_factory()
         if cfg.method != method.name:
-            script = {"ddp": "ddp", "ss": "spatial", "splat": "splat"}.get(cfg.method, "ddp")
-            raise ConfigError(f"{args.config}: method: is {cfg.method!r} but this trainer runs {method.name!r}; use trainers/{script}.py")
+            right = trainer_module(cfg.method, f"{args.config}: method").rsplit(".", 1)[-1]
+            raise ConfigError(f"{args.config}: method: is {cfg.method!r} but this trainer runs {method.name!r}; use "
+                              f"trainers/{right}.py (or dali-nerf train, which picks the trainer from method:)")
         summary = run_training(cfg, method, resume=args.resume)
         if summary:
             keys = ("name", "test_psnr_unmasked", "test_psnr", "stall_fraction", "stall_fraction_after_first_step", "warmup_wait_s", "rays_per_s",

@@ -33,12 +33,12 @@ import yaml
 from dali_nerf.errors import ConfigError, shown
 from dali_nerf.config.bench import BenchConfig
 from dali_nerf.config.checks import choice, path_value
+from dali_nerf.config.shipped import resolve_config
 from dali_nerf.config.sections import (CacheConfig, ModelConfig, PartitionConfig, PipelineConfig, SceneConfig,
                                        TrainConfig)
 from dali_nerf.config.splat import ImagesConfig, SplatConfig
 
-__all__ = ["Config", "load_config", "config_to_dict", "apply_overrides", "MAX_NODES", "MAX_DEPTH", "yaml_load",
-           "config_file"]
+__all__ = ["Config", "load_config", "config_to_dict", "apply_overrides", "MAX_NODES", "MAX_DEPTH", "yaml_load"]
 
 MAX_NODES = 100_000
 """Values (scalars, lists, mappings) a config may hold once its YAML aliases are expanded; ours
@@ -295,7 +295,8 @@ def load_config(path=None, overrides: Sequence[str] = (), check_paths: bool = Tr
     """Load a YAML config (or the defaults when ``path`` is None), apply overrides, validate.
 
     Args:
-        path: YAML file, or None for the built-in defaults.
+        path: YAML file, a shipped config's name (:func:`~dali_nerf.config.shipped.resolve_config`), or
+            None for the built-in defaults.
         overrides: ``key=value`` strings, e.g. ``["train.steps=100"]``.
         check_paths: also require ``scene.path`` to exist.
     Raises:
@@ -304,9 +305,7 @@ def load_config(path=None, overrides: Sequence[str] = (), check_paths: bool = Tr
     where = str(path) if path is not None else "<defaults>"
     data: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"{where}: config file not found")
+        p = resolve_config(path)  # a file, or a shipped config by name; else one line listing the names
         try:
             data = yaml_load(p.read_text(), where) or {}
         except yaml.YAMLError as e:
@@ -327,14 +326,3 @@ def load_config(path=None, overrides: Sequence[str] = (), check_paths: bool = Tr
         raise ConfigError(f"{where}: {e}") from None
     return cfg
 
-
-def config_file(name: str) -> Path:
-    """One of the configs shipped with dali_nerf (``configs/<name>``): the copy installed inside the
-    package (``dali_nerf/configs/``, setup.cfg), else this checkout's ``configs/`` folder.
-
-    >>> config_file("ddp_objects.yaml").name
-    'ddp_objects.yaml'
-    """
-    pkg = Path(__file__).resolve().parents[1]  # dali_nerf/
-    installed, checkout = pkg / "configs" / name, pkg.parent / "configs" / name
-    return installed if installed.is_file() or not checkout.is_file() else checkout

@@ -21,8 +21,9 @@ Device figures (:class:`DeviceLinks`, all overridable):
   Ring all-reduce: ``latency + 2 (G-1)/G * bytes / bus_bw``; scatter of a slice: ``latency +
   bytes / bus_bw``.
 
-These are stated assumptions, not measurements of ours: no GPU was measured on this project's
-machines. A timed wait overshoots (scheduler wake-up); the study measures that as the emulation
+These are stated assumptions, not measurements: the project's GPU run so far (one H200,
+2026-12-04, docs/gpu/h200-2026-12-04/) had a single GPU, so no NCCL collective and no copy on a
+multi-GPU node has been measured. A timed wait overshoots (scheduler wake-up); the study measures that as the emulation
 floor (a ready batch, :class:`~dali_nerf.sources.ReadySource`, beside each configuration).
 
 >>> dev = EmulatedDevice(step_ms=2.0)

@@ -70,11 +70,11 @@ __all__ = ["main", "derive", "read_run", "machine_slug", "machine_desc", "git_co
            "comparable", "main_grid", "like_for_like", "starved", "KEEPS_UP_STALL", "KEEPS_UP_STEP", "PAPER", "gmean_ci"]
 
 
-STEP_MS_SOURCE = ("a stated assumption, not a measurement (no GPU was measured by this project): a range meant to "
-                  "cover fast grid-based NeRF training steps on one datacenter GPU, whose fused field kernels take "
-                  "milliseconds per step at batch sizes of this order; measure a model's own step with "
-                  "dali-nerf bench loop on a GPU (scripts/gpu_study.sh's loop step) and pass its loop.json as "
-                  "bench.device_step_file")
+STEP_MS_SOURCE = ("a stated assumption, not a measurement: a range meant to cover fast grid-based NeRF training "
+                  "steps on one datacenter GPU, whose fused field kernels take milliseconds per step at batch sizes "
+                  "of this order; measure a model's own step with dali-nerf bench loop on a GPU "
+                  "(scripts/gpu_study.sh's loop step) and pass its loop.json as bench.device_step_file (the one GPU "
+                  "run so far, one H200 on 2026-12-04, timed the study model's step: docs/gpu/h200-2026-12-04/)")
 
 
 def _study_config(config_path, overrides):
