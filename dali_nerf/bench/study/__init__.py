@@ -32,7 +32,10 @@ The package, one concern per module, imports one way (down this list):
 * :mod:`.report`      report.md / derived.json / plots, and the same report from a derived.json;
 * :mod:`.sections`    the report's sections, one function each;
 * :mod:`.model`       the cost model on the study's measurements (fit on some runs, checked on the rest);
-* :mod:`.derive`      the numbers, from the runs' metrics files;
+* :mod:`.derive`      the numbers, from the runs' metrics files: :mod:`.summary` (the like-for-like
+                      comparison, the quoted numbers) over :mod:`.pairs` (configurations and pairs)
+                      over :mod:`.read` (one run), :mod:`.rules` (what is compared and judged how)
+                      and :mod:`.stats` (intervals);
 * :mod:`.provenance`  machine and commit.
 
 >>> d = derive(["runs/study/study_ddp_sync_global_1_t0_0", "runs/study/study_ddp_rays_1_t0_1"], warmup=10)
