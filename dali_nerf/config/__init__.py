@@ -8,7 +8,7 @@ train, partition; ``bench``: the study's grid; ``checks``: the value checks and 
 """
 
 from dali_nerf.errors import ConfigError  # noqa: F401  (dali_nerf.config.ConfigError, as before the package split)
-from dali_nerf.config.bench import BenchConfig
+from dali_nerf.config.bench import BenchConfig, DeviceStep
 from dali_nerf.config.checks import MAX_THREADS, SOURCE_NAMES, STREAMS, STUDY_SAMPLERS
 from dali_nerf.config.load import Config, apply_overrides, config_file, config_to_dict, load_config
 from dali_nerf.config.load import _build  # noqa: F401  (tests build single sections)
@@ -17,6 +17,7 @@ from dali_nerf.config.sections import (CacheConfig, ModelConfig, PartitionConfig
 
 __all__ = [
     "Config", "SceneConfig", "CacheConfig", "PipelineConfig", "ModelConfig", "TrainConfig",
-    "PartitionConfig", "BenchConfig", "load_config", "config_to_dict", "apply_overrides", "config_file", "SOURCE_NAMES",
+    "PartitionConfig", "BenchConfig", "DeviceStep", "load_config", "config_to_dict", "apply_overrides", "config_file",
+    "SOURCE_NAMES",
     "STUDY_SAMPLERS", "STREAMS", "MAX_THREADS",
 ]

@@ -89,6 +89,7 @@ def configurations(groups: Dict[tuple, List[dict]]) -> List[dict]:
         configs.append({
             "name": r0["name"], "method": r0["method"], "sampler": r0["sampler"], "ranks": r0["ranks"],
             "device": r0["device"], "emulated_step_ms": r0["emulated_step_ms"], "rays_per_rank": r0["rays_per_rank"],
+            "step_name": r0.get("step_name"), "grid": r0.get("grid") or "main", "scene": r0.get("scene"),
             "cores": r0.get("cores"), "cores_per_gpu": r0.get("cores_per_gpu"),
             "trials": len(trials), "runs": len(rs), "steps_used": min(r["steps_used"] for r in rs),
             "warmup": r0["warmup"], "step_s": step, "step_s_trials": step_t, "step_ci": step_ci,
@@ -228,7 +229,7 @@ def speedup_row(k: tuple, rs: List[dict], groups: Dict[tuple, List[dict]], ckey:
     """The speedup row of baseline (or control) group ``k`` (runs ``rs``) against the pipelined
     group of the same configuration (:func:`derive` documents its keys); None when ``k`` is neither
     or has no pipelined group."""
-    device, method, ranks, cores, ems, rays, sampler = k
+    device, method, ranks, cores, scene, grid, step_name, ems, rays, sampler = k
     if sampler not in BASELINES + (em.SYNC_CONTROL,):
         return None
     pk = with_sampler(k, em.PIPELINED)
@@ -267,8 +268,9 @@ def speedup_row(k: tuple, rs: List[dict], groups: Dict[tuple, List[dict]], ckey:
     return {
         "ideal_speedup_lockstep": (1.0 / (1.0 - sl) if sl < 1 else float("inf")) if sl is not None else None,
         "method": method, "ranks": ranks, "device": device, "emulated_step_ms": ems, "rays_per_rank": rays,
+        "step_name": step_name, "grid": grid, "scene": scene,
         "cores": cores, "cores_per_gpu": cores / ranks if cores else None,
-        "baseline": sampler, "speedup": sp, "speedup_trials": sp_t, "speedup_ci": sp_ci,
+        "sampler_threads": pc.get("sampler_threads") if pc else None, "baseline": sampler, "speedup": sp, "speedup_trials": sp_t, "speedup_ci": sp_ci,
         "ideal_speedup": ideal, "ideal_trials": id_t, "ideal_ci": id_ci, "ideal_basis": "floor" if use_floor else "wait",
         "ideal_speedup_wait": ideal_w, "ideal_wait_ci": iw_ci, "stall_data": stall_data,
         "ratio": sp / ideal if ideal > 0 else float("nan"), "flags": flags,
@@ -280,6 +282,9 @@ def speedup_row(k: tuple, rs: List[dict], groups: Dict[tuple, List[dict]], ckey:
         "hidden_overshoot": pc.get("hidden_overshoot") if pc else None,
         "step_baseline_s": bmean["step_s"], "step_pipelined_s": pmean["step_s"],
         "step_floor_s": float(np.mean(list(floor_t.values()))) if use_floor else None,
-        "stall_baseline": bmean["stall"], "stall_pipelined": pmean["stall"],
-        "stall_rays_sync": ctl["stall"] if ctl else None, "trials": len(trials),
+        # the pipelined row's stall as its configuration has it (all its runs), as its step / floor and
+        # hidden stall: the numbers quoted beside each other come from one place
+        "stall_baseline": bmean["stall"], "stall_pipelined": pc["stall"] if pc else pmean["stall"],
+        "stall_rays_sync": ctl["stall"] if ctl else None, "step_rays_sync_s": ctl["step_s"] if ctl else None,
+        "trials": len(trials),
     }

@@ -43,7 +43,8 @@ def read_run(run_dir, warmup: Optional[int] = None) -> dict:
     ``summary.json`` (test PSNR, SS fusion overhead).
 
     Returns {"name", "dir", "method", "sampler", "ranks", "device" (cpu | emulated | cuda),
-    "emulated_step_ms", "trial", "order", "pair", "rays_per_rank", "steps_used", "phases_s"
+    "emulated_step_ms" (the device ms of a step of its rays), "step_name" (what that step stands for),
+    "grid" (main | check | cache), "scene" (its path), "trial", "order", "pair", "rays_per_rank", "steps_used", "phases_s"
     {wait, h2d, forward, backward, sync, optimizer} (mean seconds per step and rank), "compute_s"
     (h2d+forward+backward+optimizer), "step_s", "stall" (wait / step), "rays_per_s" (all ranks),
     "cores" (None when not recorded), "cores_per_gpu" (cores / ranks), "runq_s" (the training
@@ -96,6 +97,8 @@ def read_run(run_dir, warmup: Optional[int] = None) -> dict:
         "name": cfg.get("name", run_dir.name), "dir": str(run_dir), "method": cfg.get("method", "ddp"),
         "sampler": pipe.get("name", "rays"), "ranks": len(files), "device": device,
         "emulated_step_ms": float(ems) if ems is not None else None,
+        "step_name": st.get("step_name"), "grid": st.get("grid") or "main",
+        "scene": st.get("scene") or (cfg.get("scene") or {}).get("path"),
         "trial": int(st.get("trial", 0)), "order": st.get("order"), "pair": st.get("pair"),
         "rays_per_rank": int(round(rays_per_step / len(files))) if rays_per_step > 0 else int(pipe.get("rays_per_batch", 0)),
         "steps_used": min(r["n"] for r in per_rank), "warmup": warmup,
@@ -114,8 +117,10 @@ def read_run(run_dir, warmup: Optional[int] = None) -> dict:
 
 
 def config_key(r: dict) -> tuple:
-    return (r["device"], r["method"], r["ranks"], r.get("cores"), r["emulated_step_ms"], r["rays_per_rank"],
-            r["sampler"])
+    """What makes a configuration: (device, method, ranks, cores, scene, grid, device step name, device
+    step ms, rays per rank, sampler); the sampler last (:func:`with_sampler`)."""
+    return (r["device"], r["method"], r["ranks"], r.get("cores"), r.get("scene"), r.get("grid") or "main",
+            r.get("step_name"), r["emulated_step_ms"], r["rays_per_rank"], r["sampler"])
 
 
 def with_sampler(k: tuple, sampler: str) -> tuple:

@@ -8,7 +8,6 @@ be set beside the ISPASS study (:func:`comparable`) and the main grid (:func:`ma
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import List, Optional
 
 from dali_nerf.train import emulation as emu
@@ -16,7 +15,7 @@ from dali_nerf.train.emulation import KEEPS_UP_STALL, KEEPS_UP_STEP
 from dali_nerf.bench import emulated as em
 
 __all__ = ["BASELINES", "BAND", "PAPER", "KEEPS_UP_STALL", "KEEPS_UP_STEP", "starved", "keeps_up", "keeps_up_reason",
-           "comparable", "main_grid"]
+           "comparable", "main_grid", "headline", "headline_rule"]
 
 BASELINES = ("sync_global", "sync_local", "torch_workers")
 """The synchronous baselines (the ISPASS study's sync_global and the usual codebases'); the
@@ -37,21 +36,38 @@ def starved(c: dict) -> bool:
     return c.get("device") == "emulated" and c.get("cores_per_gpu") is not None and c["cores_per_gpu"] < 1
 
 
-def comparable(x: dict, main: Optional[tuple] = None) -> bool:
+def comparable(x: dict, main: Optional[int] = None) -> bool:
     """A pair the report may set beside the ISPASS study: emulated GPUs, at least 1 core per GPU,
-    a synchronous baseline split by the control (both gains), not flagged, and of the main grid
-    (``main``: :func:`main_grid`'s trials and rays per GPU; None: any)."""
+    a synchronous baseline split by the control (both gains), not flagged, of the main grid (not the
+    cost model's check segments nor the small scene's cache row) and with the main grid's trials
+    (``main``: :func:`main_grid`; None: any)."""
     return (x["device"] == "emulated" and not starved(x) and x.get("cores_per_gpu") is not None
             and x["baseline"] in BASELINES and x.get("sampler_gain") is not None and not x["flags"]
-            and (main is None or (int(x.get("trials") or 0) >= main[0] and x.get("rays_per_rank") == main[1])))
+            and (x.get("grid") or "main") == "main" and (main is None or int(x.get("trials") or 0) >= main))
 
 
-def main_grid(speedups: List[dict]) -> Optional[tuple]:
-    """(trials, rays per GPU) of the emulated main grid: those of the most emulated pairs (then the
-    most trials), which leaves out the cost model's check segments (other batch sizes, run once);
-    None without an emulated pair."""
-    n = Counter((int(x.get("trials") or 0), x.get("rays_per_rank")) for x in speedups if x["device"] == "emulated")
-    return max(n, key=lambda k: (n[k], k[0])) if n else None
+def main_grid(speedups: List[dict]) -> Optional[int]:
+    """The trials of the emulated main grid (its pairs: grid "main"): the most any of them has; None
+    without one."""
+    n = [int(x.get("trials") or 0) for x in speedups if x["device"] == "emulated" and (x.get("grid") or "main") == "main"]
+    return max(n) if n else None
+
+
+def headline_rule(steps: Optional[str] = None) -> str:
+    """The headline's rule in words (fixed before the study runs, whatever its result)."""
+    return ("DDP against sync_global, the launches on every usable core with at least 2 emulated GPUs and at least 1 "
+            "core per GPU, " + (f"the device step {steps!r} (the first measured one), " if steps else "")
+            + "every rays per GPU of the sweep, flagged or not")
+
+
+def headline(x: dict, host_cores: Optional[int], step_name: Optional[str]) -> bool:
+    """Whether pair ``x`` is a headline row (:func:`headline_rule`): DDP, sync_global, the main grid,
+    ``host_cores`` cores (a launch on every usable core; None: any), >= 2 ranks at >= 1 core per GPU,
+    the device step ``step_name`` (None: any)."""
+    return (x["device"] == "emulated" and x["method"] == "ddp" and x["baseline"] == "sync_global"
+            and (x.get("grid") or "main") == "main" and x["ranks"] >= 2 and x.get("cores_per_gpu") is not None
+            and x["cores_per_gpu"] >= 1 and (host_cores is None or x.get("cores") == host_cores)
+            and (step_name is None or x.get("step_name") == step_name))
 
 
 def keeps_up(c: dict) -> Optional[bool]:
