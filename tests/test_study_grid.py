@@ -75,10 +75,12 @@ def test_the_launches_and_what_the_grid_leaves_out():
         ("emu_ddp_1", "main"), ("emu_ddp_1_c1", "main"), ("emu_ddp_2", "main"), ("emu_ss_1", "main"),
         ("emu_ss_1_c1", "main"), ("emu_ss_2", "main"), ("emu_ddp_2_small", "cache")]
     assert len(las[0]["cells"]) == 6 and ("measured", 13.776, 65536) in las[0]["cells"]
+    assert len(las[3]["cells"]) == 4 and not any(r == 65536 for _, _, r in las[3]["cells"])  # SS: bench.rays_ss
     assert las[-1]["cells"] == [("measured", 13.776, 65536)] and las[-1]["scene"] == "data/study"
     out = st.left_out(cfg, las, 2)
     assert out[0].startswith("the CPU-compute rows") and any(x.startswith("the starved host") for x in out)
-    assert "more than 2 emulated GPUs" in out and out[-1].startswith("device steps shorter than the measured")
+    assert "more than 2 emulated GPUs" in out and "SS at rays per GPU other than 4096, 16384 (bench.rays_ss)" in out
+    assert out[-1].startswith("SS at 65536 rays per GPU (its routed synchronous baselines")
     # a 4-rank launch on 2 cores is the starved host: no longer left out
     assert not any(x.startswith("the starved host") for x in st.left_out(
         cfg, emulated_launches(_cfg("bench.emulated_ranks=[1,2,4]"), steps, 2), 2))

@@ -72,6 +72,8 @@ class BenchConfig:
     GPU): the full host's launches already cover the starved host below that."""
     rays: List[int] = field(default_factory=list)
     """Rays per GPU and step of the emulated launches, swept ([] = pipeline.rays_per_batch alone)."""
+    rays_ss: List[int] = field(default_factory=list)
+    """The SS launches run only those of bench.rays that are in this list ([] = every one of bench.rays)."""
     device_steps: List[DeviceStep] = field(default_factory=list)
     """Named device steps of the emulated launches, each with its ms at every bench.rays (see DeviceStep)."""
     only_steps: List[str] = field(default_factory=list)
@@ -135,7 +137,7 @@ class BenchConfig:
         nonneg(f"{key}.emulated_warmup", self.emulated_warmup)
         nonneg(f"{key}.emulated_grad_bytes", self.emulated_grad_bytes)
         for name in ("emulated_ranks", "emulated_ranks_ss", "check_rays", "check_ranks", "fit_ranks", "rays",
-                     "small_rays"):
+                     "small_rays", "rays_ss"):
             for i, v in enumerate(getattr(self, name)):
                 positive(f"{key}.{name}[{i}]", v)
         for i, v in enumerate(self.emulated_step_ms):

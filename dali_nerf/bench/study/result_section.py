@@ -152,7 +152,8 @@ def _starved_lines(s: dict, emu: List[dict]) -> List[str]:
         L += [f"The pipelined CPU sampler does not keep up (step > {BAND[1]:g}x the floor or stall > "
               f"{100 * KEEPS_UP_STALL:g}%) at: "
               + "; ".join(f"{c['method'].upper()} {gpus(c['ranks'])} at {cpg(c)}, {step_label(c)}, "
-                          f"{c['rays_per_rank']} rays ({keeps_up_reason(c)})" for c in bad) + ".", ""]
+                          f"{c['rays_per_rank']} rays" + (", small scene" if c.get("grid") == "cache" else "")
+                          + f" ({keeps_up_reason(c)})" for c in bad) + ".", ""]
     return L
 
 

@@ -159,15 +159,17 @@ def emulated_launches(cfg, steps, usable: int) -> List[dict]:
     every usable core), "cells" [(step name, ms, rays)], "check" [...], "grid", "scene"}].
 
     The main grid: for each method, each of its ``bench.emulated_ranks[_ss]`` and each core count of
-    :func:`launch_cores`, every (device step, rays) of ``steps`` (DDP at ``bench.check_ranks`` on
+    :func:`launch_cores`, every (device step, rays) of ``steps`` (SS: at ``bench.rays_ss`` where given;
+    DDP at ``bench.check_ranks`` on
     every core also the check cells, :func:`~dali_nerf.bench.study.steps.check_steps`). Then the
     cache-effect row: DDP at ``bench.small_ranks`` on every core, on ``bench.small_scene``, at the
     headline's step and ``bench.small_rays`` (the first of the grid's rays when empty)."""
     b = cfg.bench
     rays = grid_rays(cfg)
-    cells = [(s.name, s.ms[r], r) for s in steps for r in rays if r in s.ms]
     out = []
     for m in b.methods:
+        mr = [r for r in rays if m == "ddp" or not b.rays_ss or r in b.rays_ss]
+        cells = [(s.name, s.ms[r], r) for s in steps for r in mr if r in s.ms]
         for W in (b.emulated_ranks if m == "ddp" else b.emulated_ranks_ss):
             for c in launch_cores(b, W, usable):
                 chk = check_steps(cfg) if (m == "ddp" and W in b.check_ranks and c is None) else []

@@ -120,6 +120,8 @@ def left_out(cfg, launches: List[dict], cores: int) -> List[str]:
         out.append(f"more than {max(la['ranks'] for la in main)} emulated GPUs")
         if not any(la["method"] == "ss" for la in main):
             out.append("spatial segmentation (SS)")
+        elif b.rays_ss and set(b.rays_ss) != set(grid_rays(cfg)):
+            out.append(f"SS at rays per GPU other than {', '.join(map(str, b.rays_ss))} (bench.rays_ss)")
         out.append(f"rays per GPU other than {', '.join(map(str, grid_rays(cfg)))}, and device steps other than "
                    f"the ones named above")
     if b.leaves_out:
