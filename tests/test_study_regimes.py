@@ -411,11 +411,14 @@ def test_the_quotes_are_the_reports_numbers_and_written_once(tmp_path, capsys):
 
 
 def test_the_overlap_plot_draws_every_regime_with_its_interval(tmp_path, monkeypatch):
-    """overlap.png: one error bar per like-for-like regime against the rays per GPU and one against
-    the device step, hollow ones for the overlap beyond the control where measured, the 1.0 line."""
+    """overlap.png: one error bar per regime at >= 1 core per GPU of the main grid (the flagged one
+    too, as a cross) against the rays per GPU and one against the device step, hollow ones for the
+    overlap beyond the control where measured, the 1.0 line."""
     plots, figs = _captured(monkeypatch)
     d = _grid(tmp_path)
-    regimes = d["summary"]["like_for_like"]["regimes"]
+    regimes = d["summary"]["overlap"]
+    assert len(regimes) == len(d["summary"]["like_for_like"]["regimes"]) + 1  # the flagged one (5 ms)
+    assert [r["emulated_step_ms"] for r in regimes if r["flags"]] == [5.0]
     plots.plot_overlap(regimes, tmp_path / "o.png")
     a1, a2 = figs[0].axes[:2]
     for a in (a1, a2):
@@ -424,3 +427,4 @@ def test_the_overlap_plot_draws_every_regime_with_its_interval(tmp_path, monkeyp
         assert any(ln.get_linestyle() == "--" and list(ln.get_ydata()) == [1.0, 1.0] for ln in a.lines)
     ys = sorted(round(float(c.lines[0].get_ydata()[0]), 9) for c in a1.containers)
     assert ys == sorted(round(r["overlap_gain"], 9) for r in regimes)
+    assert sorted(c.lines[0].get_marker() for c in a1.containers) == ["o"] * (len(regimes) - 1) + ["x"]

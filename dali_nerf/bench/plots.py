@@ -171,8 +171,9 @@ def plot_model_check(rows: Sequence[dict], path: Path) -> Path:
 def plot_overlap(regimes: Sequence[dict], path: Path) -> Path:
     """The study's central result: each regime's overlap gain (95% interval) against the rays per GPU
     (left, log2; one line per device step and regime) and against the device step's ms (right; one
-    colour per rays per GPU), one row of panels per method; hollow markers, slightly to the right:
-    the overlap beyond the control's own cost (where measured); the dashed line at 1.0."""
+    colour per rays per GPU), one row of panels per method; a flagged pair (its host does not keep
+    up) drawn as a cross; hollow markers, slightly to the right: the overlap beyond the control's
+    own cost (where measured); the dashed line at 1.0."""
     methods = sorted({r["method"] for r in regimes}) or ["(none)"]
     fig = Figure(figsize=(11, 3.9 * len(methods)))
     axes = fig.subplots(len(methods), 2, squeeze=False)
@@ -186,8 +187,8 @@ def plot_overlap(regimes: Sequence[dict], path: Path) -> Path:
         if v is None:
             return
         lo, hi = r[f"{key}_ci"]
-        ax.errorbar([x], [v], yerr=[[v - lo], [hi - v]], fmt="o", ms=4, lw=0.8, color=color,
-                    mfc="none" if hollow else color)
+        ax.errorbar([x], [v], yerr=[[v - lo], [hi - v]], fmt="x" if r.get("flags") else "o", ms=4, lw=0.8,
+                    color=color, mfc="none" if hollow else color)
 
     for mi, m in enumerate(methods):
         a1, a2 = axes[mi]
@@ -218,6 +219,7 @@ def plot_overlap(regimes: Sequence[dict], path: Path) -> Path:
             a.grid(alpha=0.3)
             if rows:
                 a.legend(fontsize=6)
-    fig.suptitle("Overlap gain = rays_sync step / rays step (like-for-like regimes; hollow: beyond the control's own "
-                 "cost); device compute emulated by a timed wait; host work real", fontsize=9)
+    fig.suptitle("Overlap gain = rays_sync step / rays step against sync_global's pairs, >= 1 core per GPU (x: flagged; "
+                 "hollow: beyond the control's own cost); device compute emulated by a timed wait; host work real",
+                 fontsize=9)
     return _save(fig, path)

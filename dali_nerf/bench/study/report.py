@@ -60,7 +60,7 @@ def write_report(out_dir: Path, derived: dict, model: cm.CostModel, validation: 
     plots.plot_phases(cpu or runs, out_dir / "phases.png")
     plots.plot_speedups(sps, out_dir / "speedup.png")
     plots.plot_model_check(validation, out_dir / "model_check.png")
-    plots.plot_overlap((summ.get("like_for_like") or {}).get("regimes") or [], out_dir / "overlap.png")
+    plots.plot_overlap(summ.get("overlap") or [], out_dir / "overlap.png")
     if emu:
         plots.plot_scaling(emu, out_dir / "scaling.png")
 

@@ -277,17 +277,20 @@ def _control_lines(control: Optional[dict]) -> List[str]:
 
 
 def overlap_section(s: dict, emu: List[dict]) -> List[str]:
-    """The overlap plot: the like-for-like regimes' overlap gain (95% intervals) against the rays per
-    GPU and against the device step (where emulated rows ran; empty, and said so, without a regime)."""
+    """The overlap plot: the overlap gain (95% intervals) of every main-grid sync_global pair at >= 1
+    core per GPU, flagged ones marked, against the rays per GPU and against the device step (where
+    emulated rows ran; empty, and said so, without one)."""
     if not emu:
         return []
-    n = len(((s or {}).get("like_for_like") or {}).get("regimes") or [])
+    rows = (s or {}).get("overlap") or []
+    flagged = sum(1 for r in rows if r.get("flags"))
     return ["## Overlap gain against the batch and the device step", "", "![overlap](overlap.png)", "",
-            (f"Each of the {n} like-for-like regimes' overlap gain (rays_sync step / rays step against sync_global's "
-             "pairs, 95% intervals over trials; the Result's table) against the rays per GPU (left) and the device "
-             "step (right), one panel row per method; hollow markers: the overlap beyond the control's own cost. "
-             "The dashed line is 1.0: an interval that crosses it shows no overlap gain." if n else
-             "No like-for-like regime (every pair flagged or starved): the plot is empty."), ""]
+            (f"The overlap gain (rays_sync step / rays step, sync_global's pairs, 95% intervals over trials) of each "
+             f"of the {len(rows)} regimes at >= 1 core per GPU of the main grid ({flagged} flagged, drawn as crosses: "
+             "their host does not keep up) against the rays per GPU (left) and the device step (right), one panel "
+             "row per method; hollow markers: the overlap beyond the control's own cost. The dashed line is 1.0: an "
+             "interval that crosses it shows no overlap gain." if rows else
+             "No regime at >= 1 core per GPU with the control: the plot is empty."), ""]
 
 
 def _scaling_lines(sc: Optional[dict]) -> List[str]:

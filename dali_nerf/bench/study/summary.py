@@ -97,7 +97,8 @@ def derive_summary(derived: dict, rule: Optional[dict] = None, control: Optional
     "step", "host_cores", "rows" (the pairs of the rule, :func:`~dali_nerf.bench.study.rules.headline`,
     flagged or not, with the control factor)}, "comparable": {"pairs", "mean_speedup", "max_speedup",
     "mean_sampler_gain"} (the pairs of :func:`comparable`) or None, "like_for_like"
-    (:func:`like_for_like`), "cache" (:func:`cache_rows`), "starved": {"rows", "max_step_over_floor",
+    (:func:`like_for_like`), "overlap" (the overlap plot's pairs: every main-grid sync_global pair at
+    >= 1 core per GPU, flagged or not, with the control factor), "cache" (:func:`cache_rows`), "starved": {"rows", "max_step_over_floor",
     "max_hidden_stall"} (the starved host's pipelined rows) or None}.
 
     ``rule``: {"host_cores": the study host's usable cores, "step": the headline device step's name}
@@ -110,6 +111,10 @@ def derive_summary(derived: dict, rule: Optional[dict] = None, control: Optional
     rule = rule or {}
     head = [_regime(x, control) for x in speedups if headline(x, rule.get("host_cores"), rule.get("step"))]
     head.sort(key=lambda r: (r["ranks"], r["rays_per_rank"]))
+    # the overlap plot's points: every main-grid sync_global pair at >= 1 core per GPU, flagged or not
+    over = [_regime(x, control) for x in speedups if x["device"] == "emulated" and x["baseline"] == "sync_global"
+            and (x.get("grid") or "main") == "main" and not starved(x) and x.get("cores_per_gpu") is not None
+            and x.get("overlap_gain") is not None]
     return {
         "pairs": len(speedups), "flagged_pairs": sum(1 for s in speedups if s["flags"]),
         "mean_stall_sync": float(np.mean(sync_stalls)) if sync_stalls else None,
@@ -120,7 +125,7 @@ def derive_summary(derived: dict, rule: Optional[dict] = None, control: Optional
         "comparable": {"pairs": len(comp), "mean_speedup": float(np.mean([x["speedup"] for x in comp])),
                        "max_speedup": float(np.max([x["speedup"] for x in comp])),
                        "mean_sampler_gain": float(np.mean([x["sampler_gain"] for x in comp]))} if comp else None,
-        "like_for_like": like_for_like(speedups, control),
+        "like_for_like": like_for_like(speedups, control), "overlap": over,
         "cache": cache_rows(speedups),
         "starved": {"rows": len(low),
                     "max_step_over_floor": max((c["step_over_floor"] or 0) for c in low),
