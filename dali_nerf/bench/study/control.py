@@ -30,10 +30,10 @@ from typing import Iterable, List, Sequence, Tuple
 
 import numpy as np
 
-from dali_nerf.data.imagecache import shard_cache
+from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.data.plan import plan_from_config
 from dali_nerf.pipelines.rays import ray_pipeline, release_pipeline
-from dali_nerf.sources.base import run_graph
+from dali_nerf.sources.dalirun import run_graph
 from dali_nerf.sources.rays import DEFAULT_OUTPUTS
 from dali_nerf.bench.study.stats import mean_ci
 
@@ -51,13 +51,10 @@ def _pipes(cfg, scene, cache, B: int, threads: int, rays_per_run: int):
     glob = plan.ray_stream == "global"
     keys = DEFAULT_OUTPUTS + (("positions", "step_counts") if glob else ())
     keys = tuple(k for k in keys if k not in ("near", "far") or scene.has_bounds)
-    extra = dict(global_pixels=int(cache.num_pixels), shard_begin=0, step_positions=int(B)) if glob else {}
-
-    def build(prefetch):
-        return ray_pipeline(cache, plan.positions_per_run, "random", plan.seed, 0, 1, num_threads=threads,
-                            prefetch=prefetch, **extra)
-    sync = build(0)
-    return {"control": (sync, True), "no_copy": (sync, False), "async": (build(1), False)}, plan.steps_per_run, keys
+    graph = plan.ray_graph(scene)  # the graph RayLoader samples with at this plan (world size 1)
+    sync = ray_pipeline(cache, dataclasses.replace(graph, prefetch=0))
+    return ({"control": (sync, True), "no_copy": (sync, False),
+             "async": (ray_pipeline(cache, dataclasses.replace(graph, prefetch=1)), False)}, plan.steps_per_run, keys)
 
 
 def _time_runs(pipe, keys, copy: bool, runs: int) -> float:
@@ -77,7 +74,7 @@ def measure_control(cfg, scene, sizes: Sequence[int], budgets: Iterable[Tuple[in
     Returns {"rounds", "runs", "rows": [{"rays", "threads", "rays_per_run", "steps_per_run",
     "<variant>_s" [per round: seconds per step], "own_s" (control - async per step, the mean over
     rounds), "own_ci", "copy_s" (control - no_copy), "executor_s" (no_copy - async)}]}."""
-    cache = shard_cache(scene, plan_from_config(cfg, 0, 1, local_ranks=1))
+    cache = CacheStore(scene, plan_from_config(cfg, 0, 1, local_ranks=1)).shard()
     rows: List[dict] = []
     for threads, rpr in sorted(set((int(t), int(r)) for t, r in budgets)):
         for B in sizes:
