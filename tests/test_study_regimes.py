@@ -398,6 +398,9 @@ def test_the_quotes_are_the_reports_numbers_and_written_once(tmp_path, capsys):
     assert quotes.main([str(dj), "--write", "--readme", str(readme), "--benchmarks", str(bench)]) == 0
     assert (readme.read_text(), bench.read_text()) == once
     capsys.readouterr()
+    dirty = dict(raw, meta=dict(raw["meta"], commit="abcdef0123456789-dirty"))  # a tree that differs: said so
+    assert "from the report of 2026-12-07, abcdef0-dirty: On" in quotes.readme_blocks(dirty)["headline"]
+    assert quotes.benchmarks_row(dirty).startswith("| 2026-12-07 | abcdef0-dirty |")
     raw["meta"]["format"] = 3
     dj.write_text(json.dumps(raw, default=float))
     assert quotes.main([str(dj)]) == 2

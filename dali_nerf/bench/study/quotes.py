@@ -47,8 +47,14 @@ def load(derived_json) -> dict:
     return raw
 
 
+def _commit(meta: dict) -> str:
+    """The report's commit, short (``-dirty`` kept: a report of a tree that differs from its commit says so)."""
+    c = meta["commit"]
+    return c[:7] + ("-dirty" if c.endswith("-dirty") else "")
+
+
 def _when(meta: dict) -> str:
-    return f"{meta['date'].split(' ')[0]}, {meta['commit'][:7]}"
+    return f"{meta['date'].split(' ')[0]}, {_commit(meta)}"
 
 
 def _span(vals: List[float], fmt: str) -> str:
@@ -102,7 +108,7 @@ def benchmarks_row(raw: dict) -> str:
     cache = "; ".join(f"{c['small']['rays_per_rank']} rays: {ci_x(c['small'], 'overlap_gain')} small / "
                       + (ci_x(c["main"], "overlap_gain") if c.get("main") else "-") + " main"
                       for c in s.get("cache") or []) or "-"
-    return (f"| {meta['date'].split(' ')[0]} | {meta['commit'][:7]} | {meta.get('cpu') or meta['machine']}, "
+    return (f"| {meta['date'].split(' ')[0]} | {_commit(meta)} | {meta.get('cpu') or meta['machine']}, "
             f"{meta.get('l3') or '-'} | {meta['wall_s']:.0f} ({meta.get('load_avg_start', float('nan')):.1f}) | "
             f"{h.get('step') or '-'}: {head} | {lfs} | {pct(s.get('max_stall_pipelined'))} | "
             f"{s.get('flagged_pairs', 0)} of {s.get('pairs', 0)} | {cache} |")
