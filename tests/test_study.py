@@ -210,6 +210,8 @@ def _hand_written_inputs(tmp_path):
 
 def test_report_from_hand_written_runs(tmp_path):
     d, model, val, meta = _hand_written_inputs(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "projection.png").write_bytes(b"an earlier format's plot")
     out = study.write_report(tmp_path / "out", d, model, val, meta)
     text = out.read_text()
     assert "dali-nerf bench study --config X" in text and "abc123-dirty" in text and "NOT a clean commit" in text
