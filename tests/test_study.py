@@ -255,7 +255,7 @@ def test_readme_and_benchmarks_quote_the_committed_study(derived_json):
     """One source for every number: README's headline sentence and sampler rates are the tool's,
     written from the committed derived.json (the text between README's study markers equals
     :func:`~dali_nerf.bench.study.quotes.readme_blocks`), and docs/BENCHMARKS.md holds the tool's
-    history row of it."""
+    sentence on it and its history row."""
     from dali_nerf.bench.study import quotes
 
     raw = json.loads(derived_json.read_text())
@@ -268,7 +268,10 @@ def test_readme_and_benchmarks_quote_the_committed_study(derived_json):
     for name, body in blocks.items():
         got = readme.split(f"<!-- study:{name} -->", 1)[1].split(f"<!-- /study:{name} -->", 1)[0]
         assert got == body, f"README.md's {name} block should be: {body}"
-    assert quotes.benchmarks_row(raw) in (REPO / "docs" / "BENCHMARKS.md").read_text()
+    bench = (REPO / "docs" / "BENCHMARKS.md").read_text()
+    assert quotes.benchmarks_row(raw) in bench
+    assert bench.split("<!-- study:current -->", 1)[1].split("<!-- /study:current -->", 1)[0] == \
+        quotes.benchmarks_current(raw)
 
 
 def test_committed_study_exists():

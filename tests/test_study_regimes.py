@@ -386,7 +386,8 @@ def test_the_quotes_are_the_reports_numbers_and_written_once(tmp_path, capsys):
     readme, bench = tmp_path / "README.md", tmp_path / "BENCHMARKS.md"
     readme.write_text("a <!-- study:sampler -->OLD rates<!-- /study:sampler --> b\n\n<!-- study:headline -->OLD"
                       "<!-- /study:headline -->\n")
-    bench.write_text(f"text\n\n{quotes.HISTORY_MARK}\n| date | commit |\n|---|---|\n| older | row |\n")
+    bench.write_text(f"text <!-- study:current -->OLD<!-- /study:current -->\n\n{quotes.HISTORY_MARK}\n| date | commit |\n"
+                     f"|---|---|\n| older | row |\n")
     dj = tmp_path / "derived.json"
     dj.write_text(json.dumps(raw, default=float))
     assert quotes.main([str(dj), "--write", "--readme", str(readme), "--benchmarks", str(bench)]) == 0
@@ -394,6 +395,9 @@ def test_the_quotes_are_the_reports_numbers_and_written_once(tmp_path, capsys):
     assert f"<!-- study:headline -->{blocks['headline']}<!-- /study:headline -->" in text and "OLD" not in text
     assert text.startswith(f"a <!-- study:sampler -->{blocks['sampler']}<!-- /study:sampler --> b")
     assert bench.read_text().splitlines()[5:7] == [row, "| older | row |"]
+    assert bench.read_text().startswith(f"text <!-- study:current -->{quotes.benchmarks_current(raw)}<!-- /study")
+    assert quotes.benchmarks_current(raw).startswith("The committed report: 2026-12-07, abcdef0, 1800 s on "
+                                                     "cpu-2core-x86_64 (Test CPU; load average 0.2 at its start)")
     once = (readme.read_text(), bench.read_text())
     assert quotes.main([str(dj), "--write", "--readme", str(readme), "--benchmarks", str(bench)]) == 0
     assert (readme.read_text(), bench.read_text()) == once

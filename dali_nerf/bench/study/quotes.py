@@ -1,8 +1,8 @@
 """What README.md and docs/BENCHMARKS.md quote from a study, written from its derived.json alone, so
 that every number they give is the report's (one source): README's headline sentence and its
 sampler rates (the blocks between ``<!-- study:headline -->`` / ``<!-- study:sampler -->`` and their
-closing markers), and BENCHMARKS' history row (inserted under ``<!-- study:history -->``, newest
-first).
+closing markers), BENCHMARKS' sentence on the committed report (``<!-- study:current -->``) and
+its history row (inserted under ``<!-- study:history -->``, newest first).
 
     python -m dali_nerf.bench.study.quotes docs/study/cpu-2core-x86_64/derived.json            # print them
     python -m dali_nerf.bench.study.quotes docs/study/cpu-2core-x86_64/derived.json --write    # and write them
@@ -25,7 +25,7 @@ from dali_nerf.bench.study.fmt import ci_x, pct
 from dali_nerf.bench.study.report import REPORT_FORMAT
 from dali_nerf.bench.study.result_section import headline_sentence
 
-__all__ = ["load", "readme_blocks", "benchmarks_row", "write", "main", "BLOCKS", "HISTORY_MARK"]
+__all__ = ["load", "readme_blocks", "benchmarks_current", "benchmarks_row", "write", "main", "BLOCKS", "HISTORY_MARK"]
 
 BLOCKS = ("headline", "sampler")
 """README's blocks, each between ``<!-- study:NAME -->`` and ``<!-- /study:NAME -->``."""
@@ -94,6 +94,14 @@ def readme_blocks(raw: dict) -> Dict[str, str]:
     return out
 
 
+def benchmarks_current(raw: dict) -> str:
+    """BENCHMARKS' sentence on the committed report: when, where, how long, and its headline's rule."""
+    m = raw["meta"]
+    return (f"The committed report: {m['date'].split(' ')[0]}, {_commit(m)}, {m['wall_s']:.0f} s on {m['machine']} "
+            f"({m.get('cpu') or 'CPU not recorded'}; load average {m.get('load_avg_start', float('nan')):.1f} at its "
+            f"start); its headline: {m.get('headline_rule') or '-'}.")
+
+
 def benchmarks_row(raw: dict) -> str:
     """BENCHMARKS' history row of a study (format 4): date and commit, machine, wall time and load,
     the headline's overlap gains (with the control's factor) per rays per GPU, the like-for-like
@@ -133,12 +141,14 @@ def _insert_row(text: str, row: str, where: str) -> str:
 
 
 def write(raw: dict, readme: Path, benchmarks: Path) -> None:
-    """README's blocks replaced by :func:`readme_blocks`, BENCHMARKS' row inserted (once)."""
+    """README's blocks replaced by :func:`readme_blocks`, BENCHMARKS' current block by
+    :func:`benchmarks_current` and its row inserted (once)."""
     text = readme.read_text()
     for name, body in readme_blocks(raw).items():
         text = _replace_block(text, name, body, str(readme))
+    bench = _replace_block(benchmarks.read_text(), "current", benchmarks_current(raw), str(benchmarks))
     atomic_write_text(readme, text)
-    atomic_write_text(benchmarks, _insert_row(benchmarks.read_text(), benchmarks_row(raw), str(benchmarks)))
+    atomic_write_text(benchmarks, _insert_row(bench, benchmarks_row(raw), str(benchmarks)))
 
 
 def main(argv=None) -> int:
@@ -152,6 +162,7 @@ def main(argv=None) -> int:
         raw = load(a.derived)
         for name, body in readme_blocks(raw).items():
             print(f"README <!-- study:{name} -->:\n{body}\n")
+        print(f"BENCHMARKS <!-- study:current -->:\n{benchmarks_current(raw)}\n")
         print(f"BENCHMARKS row:\n{benchmarks_row(raw)}")
         if a.write:
             write(raw, Path(a.readme), Path(a.benchmarks))
