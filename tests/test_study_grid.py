@@ -81,6 +81,11 @@ def test_the_launches_and_what_the_grid_leaves_out():
     assert out[0].startswith("the CPU-compute rows") and any(x.startswith("the starved host") for x in out)
     assert "more than 2 emulated GPUs" in out and "SS at rays per GPU other than 4096, 16384 (bench.rays_ss)" in out
     assert out[-1].startswith("SS at 65536 rays per GPU (its routed synchronous baselines")
+    assert not any(x.startswith("launches pinned") for x in out)
+    # the smaller setting without the pinned launches says it leaves them out
+    pinned = _cfg("bench.emulated_cores=[0]")
+    assert any(x.startswith("launches pinned to fewer cores than the host's 2") for x in st.left_out(
+        pinned, emulated_launches(pinned, steps, 2), 2))
     # a 4-rank launch on 2 cores is the starved host: no longer left out
     assert not any(x.startswith("the starved host") for x in st.left_out(
         cfg, emulated_launches(_cfg("bench.emulated_ranks=[1,2,4]"), steps, 2), 2))

@@ -117,6 +117,9 @@ def left_out(cfg, launches: List[dict], cores: int) -> List[str]:
         if not any(la["ranks"] > (la["cores"] or cores) for la in main):
             out.append(f"the starved host (more emulated GPUs than cores: no launch above {cores} GPUs on "
                        f"{cores} cores)")
+        if cores > 1 and not any(la["cores"] for la in main):
+            out.append(f"launches pinned to fewer cores than the host's {cores} (bench.emulated_cores: e.g. 1 GPU at "
+                       f"1 core per GPU); every launch ran on every usable core")
         out.append(f"more than {max(la['ranks'] for la in main)} emulated GPUs")
         if not any(la["method"] == "ss" for la in main):
             out.append("spatial segmentation (SS)")
