@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -326,6 +327,21 @@ def test_report_from_derived_user_errors(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_quotes_of_a_checkout_without_benchmarks_name_the_command(tmp_path):
+    """``--quotes`` into a checkout that has no docs/BENCHMARKS.md: one line saying the report is
+    written and how to write its quotes, README.md untouched."""
+    from dali_nerf.bench.study import _write_quotes
+
+    d, model, val, meta = _hand_written_inputs(tmp_path)
+    study.write_report(tmp_path / "first", d, model, val, meta, cores=2)
+    (tmp_path / "co").mkdir()
+    (tmp_path / "co" / "README.md").write_text("<!-- study:headline -->old<!-- /study:headline -->\n")
+    with pytest.raises(DaliNerfError, match=r"the report is written, its quotes are not .*BENCHMARKS.md.*; write them "
+                                            r"with python -m dali_nerf.bench.study.quotes .*derived.json --write"):
+        _write_quotes(tmp_path / "first" / "derived.json", tmp_path / "co")
+    assert (tmp_path / "co" / "README.md").read_text() == "<!-- study:headline -->old<!-- /study:headline -->\n"
+
+
 def test_machine_slug_and_commit():
     slug = study.machine_slug()
     assert slug.endswith(f"{os.cpu_count()}core-{__import__('platform').machine()}")
@@ -450,7 +466,7 @@ def test_a_failed_cell_is_reported_and_the_command_exits_2(tmp_path, monkeypatch
 def test_study_smoke_emulated(tmp_path, monkeypatch, capsys):
     """Emulated DDP launches at 1 and 2 ranks on every core, and 1 rank pinned to 1 core (a 2-rank
     launch on 1 core is not run: under 1 core per GPU), with sync_global, the control rays_sync and
-    rays, 1 trial, tiny steps, one named device step, and the small scene's cache row (2 ranks,
+    rays, 1 trial, tiny steps, one named device step, and the small scene's cache row (1 rank,
     generated): report, plots, derived.json with the documented keys (cores per GPU, both gains,
     hidden stall, run-queue and overshoot measured), the DALI sources timed over whole runs, the
     pinned ranks' own host budget read from their affinity, the headline by its rule, the control's
@@ -467,12 +483,26 @@ def test_study_smoke_emulated(tmp_path, monkeypatch, capsys):
           "bench.rays=[2048]", "bench.device_steps=[{name: test, kind: measured, ms: [2], source: a test}]",
           "bench.trials=1", "bench.emulated_steps=4", "bench.emulated_warmup=1", "bench.check_rays=[]",
           "bench.sampling_sizes=[1024,2048]", "bench.sampler_seconds=0", f"bench.small_scene={tmp_path / 'small'}",
-          "bench.small_resolution=16", "bench.scene_images=4", "bench.small_rays=[2048]"]
+          "bench.small_resolution=16", "bench.scene_images=4", "bench.small_rays=[2048]", "bench.small_ranks=1"]
+    co = tmp_path / "checkout"  # --quotes writes into a copy of README.md and docs/BENCHMARKS.md
+    (co / "docs").mkdir(parents=True)
+    shutil.copy(REPO / "README.md", co / "README.md")
+    shutil.copy(REPO / "docs" / "BENCHMARKS.md", co / "docs" / "BENCHMARKS.md")
     # as the CLI runs it: the command scope puts back what the study sets (torch threads)
-    rc = run_cli(study.main, argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
+    rc = run_cli(study.main, argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov,
+                                                quotes=True, checkout=str(co)))
     assert rc == 0
     out = tmp_path / "docs" / study.machine_slug()
     text = (out / "report.md").read_text()
+    # the one command's quotes: README's blocks, BENCHMARKS' sentence and history row, the tool's
+    from dali_nerf.bench.study import quotes
+
+    q = quotes.load(out / "derived.json")
+    readme, bench = (co / "README.md").read_text(), (co / "docs" / "BENCHMARKS.md").read_text()
+    assert "headline" in quotes.readme_blocks(q) or study.host_cores() < 2
+    for name, body in quotes.readme_blocks(q).items():
+        assert readme.split(f"<!-- study:{name} -->", 1)[1].split(f"<!-- /study:{name} -->", 1)[0] == body
+    assert quotes.benchmarks_row(q) in bench and quotes.benchmarks_current(q) in bench
     assert "device compute emulated by a timed wait; host work real" in text
     assert "Lockstep cost" in text and "floor ms" in text and "cores per GPU" in text
     # the console prints the report's Result section as written there: one set of numbers
@@ -485,7 +515,7 @@ def test_study_smoke_emulated(tmp_path, monkeypatch, capsys):
     n = study.host_cores()
     launches = {(1, n), (2, n)} | ({(1, 1)} if n > 1 else set())
     got = {(la["ranks"], la["cores"], la["grid"]) for la in raw["emulation"]["launches"]}
-    assert got == {(w, c, "main") for w, c in launches} | {(2, n, "cache")}
+    assert got == {(w, c, "main") for w, c in launches} | {(1, n, "cache")}
     assert all(r["grid"] == "cache" for r in raw["derived"]["runs"] if r["scene"] == str(tmp_path / "small"))
     runs = [r for r in raw["derived"]["runs"] if r["grid"] == "main"]
     assert {(r["sampler"], r["ranks"], r["cores"]) for r in runs} == {
@@ -506,7 +536,7 @@ def test_study_smoke_emulated(tmp_path, monkeypatch, capsys):
     sps = raw["derived"]["speedups"]
     assert {(x["baseline"], x["ranks"], x["cores"], x["grid"]) for x in sps} == {
         (b, w, c, "main") for b in ("sync_global", "rays_sync") for w, c in launches} | {
-        (b, 2, n, "cache") for b in ("sync_global", "rays_sync")}
+        (b, 1, n, "cache") for b in ("sync_global", "rays_sync")}
     for x in sps:
         assert all(k in x for k in DERIVED_PAIR_KEYS) and len(x["speedup_ci"]) == 2
         # one trial: the gains' product is the speedup exactly; the control's sampler gain is 1

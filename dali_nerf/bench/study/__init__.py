@@ -28,7 +28,10 @@ emulated runs and checked on those it did not see, and ``<bench.out>/<machine>/r
 written with PNG plots and ``derived.json`` beside it. A cell or launch that failed is listed in
 the report, and the command then exits 2 naming it.
 
-    dali-nerf bench study --config configs/study.yaml [key=value ...]
+    dali-nerf bench study --config configs/study.yaml [--quotes [--checkout DIR]] [key=value ...]
+
+``--quotes`` also writes what README.md and docs/BENCHMARKS.md quote from the report (:mod:`.quotes`),
+once every cell ran: the report, its plots and the sentences that quote it from one command.
 
 The package, one concern per module, imports one way (down this list):
 
@@ -62,6 +65,7 @@ from dali_nerf.train.emulation import model_grad_bytes
 from dali_nerf.errors import ConfigError, DaliNerfError
 from dali_nerf.scenegen import make_scene
 from dali_nerf.scenes import load_scene
+from dali_nerf.bench.study import quotes
 from dali_nerf.bench.study.control import measure_control
 from dali_nerf.bench.study.derive import (BAND, BASELINES, KEEPS_UP_STALL, KEEPS_UP_STEP, PAPER, PHASE_KEYS, comparable,
                                           derive, derive_summary, gmean_ci, keeps_up, keeps_up_reason, like_for_like,
@@ -170,7 +174,21 @@ def main(args) -> int:
     print(f"report: {report}", flush=True)
     if failed:
         raise DaliNerfError(f"bench study: the report ({report}) was written without {_failed_line(failed)}")
+    if getattr(args, "quotes", False):
+        _write_quotes(report.parent / "derived.json", Path(getattr(args, "checkout", ".")))
     return 0
+
+
+def _write_quotes(derived_json: Path, checkout: Path) -> None:
+    """``--quotes [--checkout DIR]``: README.md's and docs/BENCHMARKS.md's study blocks and history row written
+    from the report just written (:mod:`.quotes`); one line naming the file when one cannot be."""
+    readme, bench = checkout / "README.md", checkout / "docs" / "BENCHMARKS.md"
+    try:
+        quotes.write(quotes.load(derived_json), readme, bench)
+    except (DaliNerfError, OSError) as e:
+        raise DaliNerfError(f"bench study --quotes: the report is written, its quotes are not ({e}); write them with "
+                            f"python -m dali_nerf.bench.study.quotes {derived_json} --write") from None
+    print(f"quoted: {readme}, {bench}", flush=True)
 
 
 def _meta(cfg, config_path, overrides, steps, head, scenes, commit, t_start, load0, grad_bytes, fit_desc, failed,
