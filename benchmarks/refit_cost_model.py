@@ -11,7 +11,8 @@ checks the model as the study does (:func:`dali_nerf.bench.study.fit_and_check`:
 and ``bench.allreduce_latency_s`` of ``--config``, this host's core count) and prints the fit and
 check sets' step-time errors, overall and per sampler. On the derived.json of the report made with
 the same code it prints the report's own figures; on an older one it shows what a model change does
-to the same measurements.
+to the same measurements (a report before format 4 gave device steps in ms per 4096 rays: converted
+to the ms of each row's step).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def main(argv=None) -> None:
     ap.add_argument("--config", default="study")
     a = ap.parse_args(argv)
     raw = json.load(open(a.derived))
+    if int(raw["meta"].get("format", 1)) < 4:  # device steps were ms per 4096 rays then: the ms of the row's step now
+        for r in raw["derived"]["runs"]:
+            if r.get("emulated_step_ms") is not None:
+                r["emulated_step_ms"] *= r["rays_per_rank"] / 4096
     sampling = dict(raw["sampling"], profile=sampling_profile(raw["sampling"], host_cores()))
     b = load_config(a.config, check_paths=False).bench
     _, rows, desc = fit_and_check(raw["derived"], b, raw["meta"]["rays"], raw["cost_model"]["grad_bytes"], sampling,

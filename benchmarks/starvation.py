@@ -1,9 +1,10 @@
 """A background-priority loader on a host whose cores are all busy: normal vs background, with and
 without the starvation guard.
 
-    python benchmarks/starvation.py [--config study] [--seconds 8] [--repeats 3] [--step-ms 1]
+    python benchmarks/starvation.py [--config study] [--scene DIR] [--seconds 8] [--repeats 3]
+                                    [--step-ms 1]
 
-One RayLoader (the scene and batch of ``--config``, this host's budget for one rank) feeds a consumer
+One RayLoader (the scene of ``--config`` or ``--scene`` and the config's batch, this host's budget for one rank) feeds a consumer
 that sleeps ``--step-ms`` per step (an emulated device step), while usable cores + 1 processes
 busy-loop at normal priority (other jobs, other ranks' threads). The variants run in an order
 rotated per repeat, each for ``--seconds`` on a fresh loader: ``normal``; ``background`` with the
@@ -63,11 +64,12 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="study")
+    ap.add_argument("--scene", default=None, help="scene folder (default: the config's scene.path)")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--step-ms", type=float, default=1.0)
     a = ap.parse_args(argv)
-    cfg = load_config(a.config)
+    cfg = load_config(a.config, [f"scene.path={a.scene}"] if a.scene else [])
     scene = scene_from_config(cfg)
     B = cfg.pipeline.rays_per_batch
     budget = SamplingPlan.for_loader(B)  # this host's budget for one rank: its threads and run size

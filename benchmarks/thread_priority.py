@@ -1,10 +1,10 @@
 """Pipelined step against the emulation floor with the sampler threads at normal vs background priority.
 
-    python benchmarks/thread_priority.py [--config study] [--ranks 4,8,16] [--step-ms 1,2]
-                                         [--repeats 2] [--trials 3] [--steps 40]
+    python benchmarks/thread_priority.py [--config study] [--scene DIR] [--ranks 4,8,16]
+                                         [--step-ms 1,2] [--repeats 2] [--trials 3] [--steps 40]
 
 For each rank count, launches of the study's emulated DDP ranks (:func:`dali_nerf.bench.emulated.launch`,
-the scene of ``--config``, 4096 rays per rank) alternate between ``pipeline.thread_priority``
+the scene of ``--config`` or ``--scene``, 4096 rays per rank) alternate between ``pipeline.thread_priority``
 normal and background, ``--repeats`` times each. Every launch runs the floor (a ready batch) and
 RayLoader at each ``--step-ms``, ``--trials`` times in rotation, so each RayLoader segment has a
 floor beside it in the same launch. Prints, per (ranks, device ms, priority), the mean and range
@@ -26,11 +26,11 @@ from pathlib import Path
 
 
 def _ratios(out: Path, segs, steps: int) -> dict:
-    """{(step_ms, trial): step / floor} of one launch."""
+    """{(device ms per 4096 rays, trial): step / floor} of one launch."""
     step = {}
     for s in segs:
         rows = [json.loads(x) for x in (out / s.name / "metrics.jsonl").read_text().splitlines()][-steps:]
-        step[(s.step_ms, s.trial, s.sampler)] = statistics.mean(r["step_s"] for r in rows)
+        step[(round(s.step_ms * 4096 / s.rays, 9), s.trial, s.sampler)] = statistics.mean(r["step_s"] for r in rows)
     return {(ms, t): v / step[(ms, t, "ready")] for (ms, t, smp), v in step.items() if smp == "rays"}
 
 
@@ -41,19 +41,21 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="study")
+    ap.add_argument("--scene", default=None, help="scene folder (default: the config's scene.path)")
     ap.add_argument("--ranks", default="4,8,16")
     ap.add_argument("--step-ms", default="1,2")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     a = ap.parse_args(argv)
-    cfg = load_config(a.config)
+    cfg = load_config(a.config, [f"scene.path={a.scene}"] if a.scene else [])
     B = cfg.pipeline.rays_per_batch
     step_ms = [float(x) for x in a.step_ms.split(",")]
     res, fired = {}, {}
     with tempfile.TemporaryDirectory() as td:
         for W in (int(x) for x in a.ranks.split(",")):
-            segs = em.schedule([em.PIPELINED], step_ms, a.trials, B)
+            # device steps of ms per 4096 rays, at the config's batch (linear in the rays)
+            segs = em.schedule([em.PIPELINED], [(f"{ms:g} ms/4096", ms * B / 4096, B) for ms in step_ms], a.trials)
             for rep in range(a.repeats):
                 for prio in (("normal", "background") if rep % 2 == 0 else ("background", "normal")):
                     # the launch's budget for W ranks at this priority (the plan resolves it)
@@ -65,7 +67,8 @@ def main(argv=None) -> None:
                         fired.setdefault(W, []).append(bool(info["demoted"]))
                     for (ms, _), r in _ratios(out, segs, a.steps).items():
                         res.setdefault((W, ms, prio), []).append(r)
-    print(f"`python benchmarks/thread_priority.py --config {a.config} --ranks {a.ranks} --step-ms {a.step_ms} "
+    scene = f" --scene {a.scene}" if a.scene else ""
+    print(f"`python benchmarks/thread_priority.py --config {a.config}{scene} --ranks {a.ranks} --step-ms {a.step_ms} "
           f"--repeats {a.repeats} --trials {a.trials} --steps {a.steps}`\n")
     print("| ranks | device ms | priority | pipelined step / floor, mean | min | max | n |")
     print("|---|---|---|---|---|---|---|")

@@ -15,9 +15,10 @@
 #                      synchronous), sync_local, sync_global, torch_workers and a
 #                      ready-batch floor; images in host memory and in GPU memory;
 #                      step, wait, stall, step / floor, peak GPU memory, device step
-#   study-host    80   dali-nerf bench study, emulated devices on this host's cores    study/<host>/report.md,
-#                      (1, 2, 4, 8 ranks: 16 to 2 cores per GPU), 2 trials, the       derived.json, *.png
-#                      device step measured by `loop` (loop/loop.json) at 16384 rays
+#   study-host   100   dali-nerf bench study on the same scene and grid as the CPU      study/<host>/report.md,
+#                      machine's (configs/study.yaml: 4096-65536 rays per GPU, the     derived.json, *.png
+#                      H200-measured device step), emulated devices on this host's
+#                      cores: DDP at 2 and 8 GPUs (the headline's 2-8 GPUs), 2 trials
 #   ttq          185   time to quality: configs/ddp_blender_gpu.yaml on the 800x800    ttq/summary.json,
 #                      scene, eval every 15 s, until 34 dB or 150 s of training        metrics.jsonl, renders/
 #   splat         60   trainers/splat.py on the objects scene as a COLMAP folder, on    splat/summary.json,
@@ -111,10 +112,11 @@ if [ $GPU = 1 ]; then
   LOOP_BATCHES=${LOOP_BATCHES:-16384,65536}
   LOOP_ARGS=(--batches "$LOOP_BATCHES" --trials 3 --steps 12 --warmup 4 --pretrain 60 --device cuda)
   MODEL=()
-  STUDY_RAYS=${LOOP_BATCHES%%,*}  # the study's batch: the loop's first (its device step is measured there)
-  # every usable core only (16: 1, 2, 4, 8 ranks are 16, 8, 4, 2 cores per GPU); no pinned launches in the slice
-  STUDY_ARGS=("bench.emulated_ranks=[1,2,4,8]" "bench.emulated_cores=[0]" "bench.trials=${STUDY_TRIALS:-2}" bench.emulated_steps=20
-              bench.emulated_warmup=3 "bench.sampling_sizes=[$STUDY_RAYS]")
+  # the CPU machine's grid (configs/study.yaml: its rays per GPU, the measured device step) on every
+  # usable core at 2 and 8 GPUs (16 cores: 8 and 2 cores per GPU, the headline's 2-8 GPUs); what fits
+  # the slice: DDP, one device step, 2 trials, no cache row, no sampler table
+  STUDY_ARGS=("bench.emulated_ranks=[2,8]" "bench.emulated_cores=[0]" "bench.trials=${STUDY_TRIALS:-2}"
+              bench.emulated_steps=20 bench.emulated_warmup=3 "bench.only_steps=[measured]")
   TTQ_SECONDS=${QUALITY_SECONDS:-150}; TTQ_ARGS=(train.eval_every_s=15 train.target_psnr=${QUALITY_TARGET:-34}
                                                  train.eval_images=4)
   DECODE_ARGS=(--images 100 --size 800 --threads 0 --reps 3)
@@ -127,11 +129,10 @@ else
   MODEL=(model.resolution=12 model.samples_per_ray=8 model.occupancy_resolution=8 model.hidden=8
          model.density_components=2 model.color_components=4 model.view_dependent=false
          pipeline.rays_per_run=1024 pipeline.workers=1 pipeline.num_threads=1)
-  STUDY_RAYS=256
-  # (sync_local only: the CPU's "device step" is long, and rays' warm-up of whole runs is hundreds of
-  # steps at a toy batch; the study's own tests run every sampler)
-  STUDY_ARGS=("bench.emulated_ranks=[1,2]" "bench.emulated_cores=[0]" bench.trials=1 bench.emulated_steps=3 bench.emulated_warmup=1
-              "bench.sampling_sizes=[]" "bench.emulated_samplers=[sync_local]")
+  # the same grid's rays and device step on the toy scene, 2 ranks, sync_local only (the DALI sources'
+  # warm-up of whole runs is many steps; the study's own tests run every sampler)
+  STUDY_ARGS=("bench.emulated_ranks=[2]" "bench.emulated_cores=[0]" bench.trials=1 bench.emulated_steps=3
+              bench.emulated_warmup=1 "bench.only_steps=[measured]" "bench.emulated_samplers=[sync_local]")
   TTQ_SECONDS=2; TTQ_ARGS=(train.eval_every_s=0.5 train.target_psnr=99 train.eval_images=1 train.device=cpu
                             pipeline.rays_per_batch=256)
   DECODE_ARGS=(--images 4 --size 64 --threads 1 --reps 1)
@@ -195,7 +196,6 @@ CFG=configs/ddp_blender_gpu.yaml
 pack
 
 # ---- loop: the training loop per sampler on this device --------------------------------------------
-LOOP_JSON="$OUT_DIR/loop/loop.json"
 if ! want loop; then skipped_by_env loop
 elif [ $DALI = 0 ] || [ $HAVE_SCENE = 0 ]; then note SKIPPED loop "no DALI or no scene (see above)"
 else
@@ -205,15 +205,12 @@ fi
 
 pack
 
-# ---- study-host: the emulated study on this host's cores, the device step measured by `loop` --------
+# ---- study-host: the emulated study on this host's cores, the CPU machine's scene and grid -------------
 if ! want study-host; then skipped_by_env study-host
-elif [ ! -f "$LOOP_JSON" ]; then note SKIPPED study-host "no $LOOP_JSON (the loop step measures the device step it needs)"
+elif [ $DALI = 0 ] || [ $HAVE_SCENE = 0 ]; then note SKIPPED study-host "no DALI or no scene (see above)"
 else
-  [ $GPU = 1 ] || echo "study-host: dry run: the device step is the CPU's at toy size (loop.json), stated as such in the report" \
-    | tee -a "$OUT_DIR/README.txt"
-  run_step study-host "$(slice 80)" "$PY" -m dali_nerf bench study --config configs/study.yaml "scene.path=$SCENE" \
-    "pipeline.rays_per_batch=$STUDY_RAYS" "bench.device_step_file=$LOOP_JSON" "bench.ranks=[]" "bench.methods=[ddp]" \
-    "bench.emulated_ranks_ss=[]" "bench.check_rays=[]" bench.sampler_seconds=0 "bench.fit_ranks=[1,2]" \
+  run_step study-host "$(slice 100)" "$PY" -m dali_nerf bench study --config configs/study.yaml "scene.path=$SCENE" \
+    "bench.ranks=[]" "bench.methods=[ddp]" "bench.small_scene=" "bench.sampling_sizes=[]" bench.sampler_seconds=0 \
     "bench.out=$OUT_DIR/study" "train.runs_dir=$WORK/study_runs" "${STUDY_ARGS[@]}"
 fi
 

@@ -105,9 +105,6 @@ def test_numbers_too_large_are_one_line_errors(tmp_path):
     ("bench.scene_images=0", "bench.scene_images: must be > 0, got 0"),
     ("bench.sampling_sizes=[1024,0]", "bench.sampling_sizes[1]: must be > 0, got 0"),
     ("bench.allreduce_latency_s=-1", "bench.allreduce_latency_s: must be >= 0, got -1.0"),
-    ("bench.gpu_step_ms=-1", "bench.gpu_step_ms: must be >= 0, got -1.0"),
-    ("bench.gpu_cpu_ratio=0", "bench.gpu_cpu_ratio: must be > 0, got 0.0"),
-    ("bench.cores_per_gpu=0", "bench.cores_per_gpu: must be > 0, got 0.0"),
     ("bench.sampler_seconds=-1", "bench.sampler_seconds: must be >= 0, got -1.0"),
     ("bench.ranks=[0]", "bench.ranks: must be a list of integers >= 1 ([] = no CPU rows), got [0]"),
     ("bench.methods=[ddp,mp]", "bench.methods: must be one of ddp, ss, got 'mp'"),
@@ -123,6 +120,25 @@ def test_numbers_too_large_are_one_line_errors(tmp_path):
     ("bench.fit_ranks=[0]", "bench.fit_ranks[0]: must be > 0, got 0"),
     ("bench.emulated_step_ms=[1.0,0]", "bench.emulated_step_ms[1]: must be > 0 ms, got 0.0"),
     ("bench.check_step_ms=0", "bench.check_step_ms: must be > 0 ms, got 0.0"),
+    ("bench.rays=[4096,0]", "bench.rays[1]: must be > 0, got 0"),
+    ("bench.small_rays=[-1]", "bench.small_rays[0]: must be > 0, got -1"),
+    ("bench.small_ranks=0", "bench.small_ranks: must be > 0, got 0"),
+    ("bench.small_resolution=0", "bench.small_resolution: must be > 0, got 0"),
+    ("bench.device_steps=[{name: a, ms: [1]}, {name: a, ms: [2]}]",
+     "bench.device_steps[1].name: give each device step its own non-empty name, got 'a'"),
+    ("bench.device_steps=[{name: '', ms: [1]}]", "bench.device_steps[0].name: give each device step its own non-empty "
+                                                 "name, got ''"),
+    ("bench.device_steps=[{name: a, kind: guessed, ms: [1]}]",
+     "bench.device_steps[0].kind: must be one of measured, stated, assumed, got 'guessed'"),
+    ("bench.device_steps=[{name: a, ms: [1, 2]}]",
+     "bench.device_steps[0].ms: one value per bench.rays (1: pipeline.rays_per_batch), got 2: [1.0, 2.0]"),
+    ("bench.device_steps=[{name: a, ms: [-1]}]", "bench.device_steps[0].ms[0]: must be >= 0, got -1.0"),
+    ("bench.device_steps=[{name: a, ms: [0]}]",
+     "bench.device_steps[0].ms: every value is 0 (no batch would run); give the step's ms at one at least"),
+    ("bench.only_steps=[nope]", "bench.only_steps[0]: 'nope' names no device step; the named ones: none (and loop, with "
+                                "bench.device_step_file)"),
+    ("bench.device_steps=[{name: a, ms: [1], size: 2}]",
+     "bench.device_steps[0].size: unknown key; valid keys here: kind, ms, name, source"),
 ])
 def test_bench_values_out_of_range_are_one_line_naming_the_key(override, message):
     """Every check of the bench section names its key (and the list index) and the value in one
@@ -133,14 +149,18 @@ def test_bench_values_out_of_range_are_one_line_naming_the_key(override, message
 
 
 def test_bench_values_at_the_edges_are_accepted(tmp_path):
-    """What the checks let through: the city scene, every sampler, ratios and cores below 1, an
-    empty ranks list; a section given a non-mapping is refused naming its type."""
+    """What the checks let through: the city scene, every sampler, an empty ranks list, a device step
+    not run at some batch (0 ms) beside one at every batch; a section given a non-mapping is refused
+    naming its type."""
     cfg = load_config(None, ["bench.scene_kind=city", "bench.samplers=[rays,sync_global,sync_local,torch_workers]",
-                             "bench.emulated_samplers=[torch_workers]", "bench.gpu_cpu_ratio=0.5",
-                             "bench.cores_per_gpu=0.5", "bench.ranks=[]", "bench.warmup=0", "bench.gpu_step_ms=0"],
+                             "bench.emulated_samplers=[torch_workers]", "bench.ranks=[]", "bench.warmup=0",
+                             "bench.rays=[4096,65536]", "bench.device_steps=[{name: m, kind: measured, ms: [9.3, 0]}, "
+                             "{name: s, ms: [13.2, 13.2], source: a paper}]"],
                       check_paths=False)
     b = cfg.bench
-    assert (b.scene_kind, b.gpu_cpu_ratio, b.cores_per_gpu, b.ranks) == ("city", 0.5, 0.5, [])
+    assert (b.scene_kind, b.ranks, b.rays) == ("city", [], [4096, 65536])
+    assert [(d.name, d.kind, d.ms, d.source) for d in b.device_steps] == [("m", "measured", [9.3, 0.0], ""),
+                                                                         ("s", "stated", [13.2, 13.2], "a paper")]
     assert b.samplers[-1] == b.emulated_samplers[0] == "torch_workers"
     f = tmp_path / "c.yaml"
     f.write_text("bench: 5\n")

@@ -216,7 +216,8 @@ def test_host_budget_reads_the_environment(monkeypatch):
 @pytest.mark.parametrize("baselines", [["a"], ["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d"]])
 def test_schedule_rotates_and_pairs_are_adjacent(baselines):
     samplers = baselines + ["rays"]
-    segs = em.schedule(samplers, [1.0, 2.0], 3, 4096)
+    segs = em.schedule(samplers, [("a", 1.0, 4096), ("b", 2.0, 4096)], 3)
+    assert {(s.step_name, s.grid) for s in segs} == {("a", "main"), ("b", "main")}
     first, last = set(), set()
     for t in range(3):
         for ms in (1.0, 2.0):
@@ -233,11 +234,12 @@ def test_schedule_rotates_and_pairs_are_adjacent(baselines):
     assert len(first) > 1 and len(last) > 1  # no sampler always first or last
     assert len({s.name for s in segs}) == len(segs)
     # the cost model's check segments (other batch sizes): every sampler once, beside their own floor
-    chk = em.schedule(samplers, [2.0], 1, 4096, check_rays=[2048], check_step_ms=2.0)
+    chk = em.schedule(samplers, [("a", 2.0, 4096)], 1, check=[("check", 1.0, 2048)])
     extra = [s for s in chk if s.rays == 2048]
     assert {s.sampler for s in extra} == set(samplers) | {em.FLOOR}
     assert [s.sampler for s in extra].count(em.FLOOR) == 1
-    assert all(s.trial == 1 and s.step_ms == 2.0 for s in extra)
+    assert all(s.trial == 1 and s.step_ms == 1.0 and s.grid == "check" and s.step_name == "check" for s in extra)
+    assert all(s.grid == "main" for s in chk if s.rays == 4096)
 
 
 def test_ss_grid():

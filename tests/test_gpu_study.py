@@ -123,8 +123,8 @@ def test_bad_arguments_exit_2(tmp_path):
 @pytest.mark.slow
 def test_gpu_study_dry_run(tmp_path):
     """``scripts/gpu_study.sh --dry-run`` runs every step on the CPU at toy sizes (the nvcc build,
-    the loop benchmark, the emulated study with the loop's device step, time to quality, the splat
-    trainer, decode,
+    the loop benchmark, the emulated study on the study's grid and the scene it made, time to quality, the
+    splat trainer, decode,
     the gpu tests' collection and skips), one line per step with its reason; nothing fails."""
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_STUDY_WORK": str(tmp_path / "work")}
@@ -150,9 +150,9 @@ def test_gpu_study_dry_run(tmp_path):
     assert loop["meta"]["phase_timing"] == "host" and loop["device_steps"] and loop["rows"]
     (derived,) = (out / "study").glob("*/derived.json")
     meta = json.loads(derived.read_text())["meta"]
-    assert meta["device_step"]["file"] == str(tmp_path / "work" / "results" / "loop" / "loop.json")
-    assert meta["step_ms_source"].startswith("measured") and "a CPU, not a GPU" in meta["step_ms_source"]
-    assert meta["emulated_step_ms"] == [pytest.approx(loop["device_steps"][0]["ms_per_4096"])]
+    # the CPU machine's grid (configs/study.yaml) on the scene the script made: the same rays, the named step
+    assert meta["rays_grid"] == [4096, 16384, 65536] and [d["name"] for d in meta["device_steps"]] == ["measured"]
+    assert meta["scenes"]["main"].startswith(str(tmp_path / "work" / "objects_32x8"))
     assert (derived.parent / "report.md").is_file()
     s = json.loads((out / "ttq" / "summary.json").read_text())
     assert s["stopped_by"] == "max_seconds" and len(s["eval_curve"]) >= 2

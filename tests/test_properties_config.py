@@ -114,12 +114,30 @@ def _scalar(tp, key):
     raise AssertionError(f"{key}: no strategy for type {tp}")
 
 
+def _record(cls, key):
+    """A mapping of a dataclass item's fields (``bench.device_steps``' items), each of its own type:
+    strings also from the words the validator takes (a device step's kind), number lists short."""
+    hints = typing.get_type_hints(cls)
+    fields = {}
+    for f in dataclasses.fields(cls):
+        tp, item = hints[f.name], _item_type(hints[f.name])
+        if item is not None:
+            fields[f.name] = st.lists(st.one_of(st.floats(0, 20), _scalar(item, f"{key}.{f.name}[]")), max_size=3)
+        elif tp is str:
+            fields[f.name] = st.one_of(st.sampled_from(["measured", "stated", "assumed", "a"]), text)
+        else:
+            fields[f.name] = _scalar(tp, f"{key}.{f.name}")
+    return st.fixed_dictionaries({}, optional=fields)
+
+
 def typed_values(key):
     """Values of the field's own type (valid or out of range)."""
     tp = TYPES[key]
     item = _item_type(tp)
     if item is not None:
         choices = CHOICES.get(key)
+        if dataclasses.is_dataclass(item):
+            return st.lists(_record(item, key + "[]"), max_size=3)
         elem = st.sampled_from(choices) if choices else _scalar(item, key + "[]")
         return st.lists(elem, max_size=5)
     return _scalar(tp, key)
@@ -168,6 +186,10 @@ def expected(key, value):
     item = _item_type(tp)
     if item is float:
         return [float(v) for v in value]
+    if dataclasses.is_dataclass(item):  # a list of mappings: the dataclasses, floats where the field's are
+        hints = typing.get_type_hints(item)
+        return [item(**{k: [float(x) for x in v] if _item_type(hints[k]) is float else v for k, v in d.items()})
+                for d in value]
     if tp is float:
         return float(value)
     return value

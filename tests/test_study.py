@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import yaml
 
 from dali_nerf.bench import costmodel as cm
 from dali_nerf.bench import study
+from dali_nerf.bench.study.report import PLOTS
 from dali_nerf.cli.command import run_cli
 from dali_nerf.errors import DaliNerfError
 
@@ -187,20 +189,6 @@ def test_emulated_observations_cores():
     assert obs[("sync_local", 4, 1, "cpu")] == 1  # CPU rows: the trainer's cores // ranks, at least 1
 
 
-def test_projection_rows():
-    m = _truth()
-    a = cm.ProjectionAssumptions(gpu_compute_s=0.002, gpu_compute_source="test", rays_per_rank=4096,
-                                 gpus_per_node=(1, 8), nodes=(1, 2))
-    rows = cm.project(m, a)
-    assert len(rows) == 2 * 2 * 3
-    by = {(r["nodes"], r["gpus_per_node"], r["sampler"]): r for r in rows}
-    # global sampling grows with the job's GPU count; local does not
-    assert by[(2, 8, "sync_global")]["stall"] > by[(1, 8, "sync_global")]["stall"] > by[(1, 1, "sync_global")]["stall"]
-    assert by[(1, 1, "rays")]["speedup_of_rays"] == pytest.approx(1.0)
-    assert all(r["speedup_of_rays"] >= 1.0 - 1e-12 for r in rows)
-    assert any("GPU compute per step" in line for line in a.lines())
-
-
 def _hand_written_inputs(tmp_path):
     """write_report's inputs from hand-written DDP and SS runs at 1 and 2 ranks (CPU rows only)."""
     dirs = []
@@ -215,27 +203,27 @@ def _hand_written_inputs(tmp_path):
     obs = study.observations(d, cores=2)
     model = cm.fit(obs, grad_bytes=1_000_000)
     val = cm.validate(model, obs)
-    a = cm.ProjectionAssumptions(gpu_compute_s=0.001, gpu_compute_source="test", rays_per_rank=1024)
-    proj = cm.project(model, a)
     meta = {"machine": "cpu-2core-test", "machine_desc": "test", "command": "dali-nerf bench study --config X",
             "commit": "abc123-dirty", "date": "now", "wall_s": 1.0, "steps": 5, "warmup": 3, "workload": "w",
             "regime": "tiny", "trials": 1, "rays": 1024, "stream": "global"}
-    return d, model, val, proj, a, meta
+    return d, model, val, meta
 
 
 def test_report_from_hand_written_runs(tmp_path):
-    d, model, val, proj, a, meta = _hand_written_inputs(tmp_path)
-    out = study.write_report(tmp_path / "out", d, model, val, proj, a, meta)
+    d, model, val, meta = _hand_written_inputs(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "projection.png").write_bytes(b"an earlier format's plot")
+    out = study.write_report(tmp_path / "out", d, model, val, meta)
     text = out.read_text()
     assert "dali-nerf bench study --config X" in text and "abc123-dirty" in text and "NOT a clean commit" in text
     assert "- ray stream of rays and rays_sync (pipeline.stream): global (" in text  # the stream measured
-    for png in ("phases.png", "speedup.png", "model_check.png", "projection.png"):
+    for png in PLOTS:
         assert (tmp_path / "out" / png).stat().st_size > 1000
         assert (tmp_path / "out" / png).read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "out" / "projection.png").exists() and "Projection" not in text
     raw = json.loads((tmp_path / "out" / "derived.json").read_text())
     assert raw["derived"]["summary"]["max_stall_sync"] == pytest.approx(d["summary"]["max_stall_sync"])
     assert raw["meta"]["format"] == study.REPORT_FORMAT and "format" not in meta  # recorded, the caller's dict untouched
-    assert len(raw["projection"]) == len(proj)
 
 
 COMMITTED = sorted((REPO / "docs" / "study").glob("*/derived.json"))
@@ -259,24 +247,32 @@ def test_report_from_committed_derived_json_is_byte_identical(tmp_path, monkeypa
     out = study.report_from_derived(derived_json, tmp_path / "again")
     assert out.read_bytes() == (derived_json.parent / "report.md").read_bytes()
     assert (tmp_path / "again" / "derived.json").read_bytes() == derived_json.read_bytes()
-    for png in ("phases.png", "speedup.png", "model_check.png", "projection.png"):
+    for png in PLOTS:
         assert (tmp_path / "again" / png).read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("derived_json", COMMITTED, ids=[p.parent.name for p in COMMITTED])
-def test_readme_states_the_committed_studys_one_sentence(derived_json):
-    """README states what the committed study shows in its one sentence (the report's Result opens
-    with it): how much of the speedup is overlap and how much a faster sampler, in which regime."""
+def test_readme_and_benchmarks_quote_the_committed_study(derived_json):
+    """One source for every number: README's headline sentence and sampler rates are the tool's,
+    written from the committed derived.json (the text between README's study markers equals
+    :func:`~dali_nerf.bench.study.quotes.readme_blocks`), and docs/BENCHMARKS.md holds the tool's
+    sentence on it and its history row."""
+    from dali_nerf.bench.study import quotes
+
     raw = json.loads(derived_json.read_text())
     if raw["meta"].get("format", 1) != study.REPORT_FORMAT:
-        pytest.skip(f"{derived_json}: a report of format {raw['meta'].get('format', 1)}, without the same-sampler "
-                    f"control; runs once the study is regenerated with this code")
-    from dali_nerf.bench.study.sections import headline_sentence
-
-    sentence = headline_sentence(raw["derived"]["summary"], raw["meta"])
-    assert sentence, "the committed study has no like-for-like regime"
-    readme = " ".join((REPO / "README.md").read_text().split())
-    assert sentence in readme, f"README.md should quote: {sentence}"
+        pytest.skip(f"{derived_json}: a report of format {raw['meta'].get('format', 1)}; the quotes are written from "
+                    f"format {study.REPORT_FORMAT}: runs once the study is regenerated with this code")
+    readme = (REPO / "README.md").read_text()
+    blocks = quotes.readme_blocks(raw)
+    assert set(blocks) == set(quotes.BLOCKS), "the committed study has no headline or no sampler table"
+    for name, body in blocks.items():
+        got = readme.split(f"<!-- study:{name} -->", 1)[1].split(f"<!-- /study:{name} -->", 1)[0]
+        assert got == body, f"README.md's {name} block should be: {body}"
+    bench = (REPO / "docs" / "BENCHMARKS.md").read_text()
+    assert quotes.benchmarks_row(raw) in bench
+    assert bench.split("<!-- study:current -->", 1)[1].split("<!-- /study:current -->", 1)[0] == \
+        quotes.benchmarks_current(raw)
 
 
 def test_committed_study_exists():
@@ -285,44 +281,65 @@ def test_committed_study_exists():
 
 @pytest.mark.parametrize("with_sampler", [False, True])
 def test_report_from_derived_round_trip(tmp_path, with_sampler):
-    """write_report -> report_from_derived gives the same report.md, with and without the sampler
-    table and the sampling-cost table (the two ends of the sampler section), on a host of another
-    core count than the one that wrote it."""
-    d, model, val, proj, a, meta = _hand_written_inputs(tmp_path)
+    """write_report -> report_from_derived gives the same report.md and derived.json, with and without
+    the sampler table, the sampling cost and the control's own cost, on a host of another core count
+    than the one that wrote it."""
+    d, model, val, meta = _hand_written_inputs(tmp_path)
     meta["machine"] = "cpu-7core-test"
-    table = sampling = None
+    sampler = sampling = control = None
     if with_sampler:
-        table = "`dali-nerf bench sampler --scene s` (run by the study):\n\n| rays/step | rays Mrays/s |\n|---:|---:|\n| 8 | 1.0 |\n"
+        rates = {"rays": 8e6, "torch_gather": 1e6, "sync_local": 1e6, "sync_global": 5e5, "torch_workers": 2e5}
+        sampler = {"command": "dali-nerf bench sampler --scene s --batches 8", "result": {
+            "rows": [{"rays": 8, "rates": rates}], "ss": [], "decode": {"images": 4, "jpeg": 500.0, "png": 80.0},
+            "scene": {"images": 4, "pixels": 1024}, "cores": 7, "threads": 1, "rounds": 3, "seconds": 0.5,
+            "stream": "global"}}
         sampling = {"sizes": [128, 256], "sync_s": [1e-3, 2e-3], "loader_s": [1e-4, 2e-4],
                     "loader_cpu_s": [2e-4, 4e-4], "sync_cores": 1, "loader_cores": 1}
-    first = study.write_report(tmp_path / "first", d, model, val, proj, a, meta, sampling, table, cores=7)
-    assert ("| 8 | 1.0 |" in first.read_text()) == with_sampler
+        control = {"rounds": 2, "runs": 3, "rows": [{"rays": 128, "threads": 1, "rays_per_run": 512, "steps_per_run": 4,
+                                                     "control_s": [3e-4, 3e-4], "no_copy_s": [2e-4, 2e-4],
+                                                     "async_s": [1e-4, 1e-4], "own_s": 2e-4, "own_ci": [2e-4, 2e-4],
+                                                     "copy_s": 1e-4, "executor_s": 1e-4}]}
+    first = study.write_report(tmp_path / "first", d, model, val, meta, sampling, sampler, None, control, cores=7)
+    text = first.read_text()
+    assert ("| 8 | 8.0 | 1.00 (8.0x) |" in text) == with_sampler and ("own cost ms" in text) == with_sampler
     again = study.report_from_derived(tmp_path / "first" / "derived.json", tmp_path / "again")
     assert again.read_bytes() == first.read_bytes()
-    assert study.sampler_table_of(first) == (table.strip() if table else None)
+    assert (tmp_path / "again" / "derived.json").read_bytes() == (tmp_path / "first" / "derived.json").read_bytes()
 
 
 def test_report_from_derived_user_errors(tmp_path):
-    d, model, val, proj, a, meta = _hand_written_inputs(tmp_path)
-    study.write_report(tmp_path / "first", d, model, val, proj, a, meta, cores=2)
+    """One line naming the file: not JSON, a key missing, another format (naming its command)."""
+    d, model, val, meta = _hand_written_inputs(tmp_path)
+    study.write_report(tmp_path / "first", d, model, val, meta, cores=2)
     src = tmp_path / "first" / "derived.json"
     raw = json.loads(src.read_text())
-    lone = tmp_path / "lone" / "derived.json"
-    lone.parent.mkdir()
-    lone.write_text(src.read_text())
-    with pytest.raises(DaliNerfError, match="report.md: missing; the sampler table is kept only in the report"):
-        study.report_from_derived(lone, tmp_path / "x")
-    (tmp_path / "first" / "derived.json").write_text(json.dumps({**raw, "cost_model": {}}))
+    src.write_text("{not json")
     with pytest.raises(DaliNerfError, match="derived.json: not a study's derived.json"):
         study.report_from_derived(src, tmp_path / "x")
-    raw["projection_assumptions"][0] = "GPU compute per step: fast"
-    src.write_text(json.dumps(raw))
-    with pytest.raises(DaliNerfError, match="projection_assumptions are not the lines this code writes"):
+    src.write_text(json.dumps({**raw, "cost_model": {}}))
+    with pytest.raises(DaliNerfError, match="derived.json: not a study's derived.json"):
         study.report_from_derived(src, tmp_path / "x")
-    raw["projection_assumptions"][0] = "GPU compute per step: 1.0 ms at 1024 rays/GPU (test)"  # written as 1.000
+    raw["meta"]["format"] = 3
     src.write_text(json.dumps(raw))
-    with pytest.raises(DaliNerfError, match="projection_assumptions differ from the lines this code writes"):
+    with pytest.raises(DaliNerfError, match="a study report of format 3; this code writes format 4 .*rerunning its "
+                                            "command: dali-nerf bench study --config X"):
         study.report_from_derived(src, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_quotes_of_a_checkout_without_benchmarks_name_the_command(tmp_path):
+    """``--quotes`` into a checkout that has no docs/BENCHMARKS.md: one line saying the report is
+    written and how to write its quotes, README.md untouched."""
+    from dali_nerf.bench.study import _write_quotes
+
+    d, model, val, meta = _hand_written_inputs(tmp_path)
+    study.write_report(tmp_path / "first", d, model, val, meta, cores=2)
+    (tmp_path / "co").mkdir()
+    (tmp_path / "co" / "README.md").write_text("<!-- study:headline -->old<!-- /study:headline -->\n")
+    with pytest.raises(DaliNerfError, match=r"the report is written, its quotes are not .*BENCHMARKS.md.*; write them "
+                                            r"with python -m dali_nerf.bench.study.quotes .*derived.json --write"):
+        _write_quotes(tmp_path / "first" / "derived.json", tmp_path / "co")
+    assert (tmp_path / "co" / "README.md").read_text() == "<!-- study:headline -->old<!-- /study:headline -->\n"
 
 
 def test_machine_slug_and_commit():
@@ -358,7 +375,7 @@ def test_git_commit_marks_dirty_trees_outside_the_report(tmp_path):
     assert study.git_commit(outside) == "unknown"
 
 
-DERIVED_RUN_KEYS = ("method", "sampler", "ranks", "device", "emulated_step_ms", "step_s", "step_s_trials", "stall",
+DERIVED_RUN_KEYS = ("method", "sampler", "ranks", "device", "emulated_step_ms", "step_name", "grid", "scene", "step_s", "step_s_trials", "stall",
                     "stall_trials", "cores", "cores_per_gpu", "hidden_stall", "hidden_runq", "hidden_overshoot",
                     "runq_share", "step_over_floor")
 DERIVED_PAIR_KEYS = ("speedup", "speedup_ci", "ideal_speedup", "ideal_basis", "ideal_speedup_wait", "stall_data",
@@ -369,7 +386,7 @@ DERIVED_PAIR_KEYS = ("speedup", "speedup_ci", "ideal_speedup", "ideal_basis", "i
 def _check_recomputed(raw):
     """derived.json's numbers are those of the metrics files on disk."""
     again = study.derive([r["dir"] for r in raw["derived"]["trial_runs"]])
-    key = ("device", "method", "sampler", "ranks", "cores", "emulated_step_ms", "rays_per_rank")
+    key = ("device", "method", "sampler", "ranks", "cores", "grid", "step_name", "emulated_step_ms", "rays_per_rank")
     want = {tuple(c[k] for k in key): c for c in raw["derived"]["runs"]}
     assert len(want) == len(raw["derived"]["runs"]) == len(again["runs"])
     for c in again["runs"]:
@@ -392,7 +409,7 @@ def test_study_smoke_end_to_end(tmp_path, monkeypatch):
     ov = [f"scene.path={tmp_path / 'scene'}", f"train.runs_dir={tmp_path / 'runs'}", f"bench.out={tmp_path / 'docs'}",
           "bench.steps=4", "bench.warmup=1", "pipeline.rays_per_batch=128", "pipeline.rays_per_run=384",
           "bench.sampling_sizes=[128,256]", "bench.sampler_seconds=0", "bench.methods=[ddp,ss]", "bench.trials=1",
-          "bench.samplers=[sync_global,rays_sync,rays]", "bench.emulated_ranks=[]",
+          "bench.samplers=[sync_global,rays_sync,rays]", "bench.ranks=[1,2]", "bench.emulated_ranks=[]",
           "bench.emulated_ranks_ss=[]", "model.samples_per_ray=4", "model.resolution=8"]
     # as the CLI runs it: the command scope puts back what the study sets (torch threads)
     rc = run_cli(study.main, argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
@@ -400,8 +417,8 @@ def test_study_smoke_end_to_end(tmp_path, monkeypatch):
     out = tmp_path / "docs" / study.machine_slug()
     text = (out / "report.md").read_text()
     assert "dali-nerf bench study --config" in text and study.git_commit(REPO) in text
-    for png in ("phases.png", "speedup.png", "model_check.png", "projection.png"):
-        assert (out / png).stat().st_size > 1000
+    for png in PLOTS:
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
     raw = json.loads((out / "derived.json").read_text())
     done = {(r["method"], r["sampler"], r["ranks"]) for r in raw["derived"]["runs"]}
     assert {(m, s, w) for m in ("ddp", "ss") for s in ("sync_global", "rays_sync", "rays", "ready") for w in (1, 2)} == done
@@ -449,10 +466,11 @@ def test_a_failed_cell_is_reported_and_the_command_exits_2(tmp_path, monkeypatch
 def test_study_smoke_emulated(tmp_path, monkeypatch, capsys):
     """Emulated DDP launches at 1 and 2 ranks on every core, and 1 rank pinned to 1 core (a 2-rank
     launch on 1 core is not run: under 1 core per GPU), with sync_global, the control rays_sync and
-    rays, 1 trial, tiny steps: report, plots, derived.json with the documented keys (cores per GPU,
-    both gains, hidden stall, run-queue and overshoot measured), the DALI sources timed over whole
-    runs, the pinned ranks' own host budget read from their affinity, and the numbers recomputed
-    from the metrics files."""
+    rays, 1 trial, tiny steps, one named device step, and the small scene's cache row (1 rank,
+    generated): report, plots, derived.json with the documented keys (cores per GPU, both gains,
+    hidden stall, run-queue and overshoot measured), the DALI sources timed over whole runs, the
+    pinned ranks' own host budget read from their affinity, the headline by its rule, the control's
+    own cost measured at the grid's batch, and the numbers recomputed from the metrics files."""
     import argparse
 
     from dali_nerf.scenegen import make_scene
@@ -462,33 +480,51 @@ def test_study_smoke_emulated(tmp_path, monkeypatch, capsys):
     ov = [f"scene.path={tmp_path / 'scene'}", f"train.runs_dir={tmp_path / 'runs'}", f"bench.out={tmp_path / 'docs'}",
           "bench.ranks=[]", "bench.methods=[ddp]", "bench.emulated_ranks=[1,2]", "bench.emulated_ranks_ss=[]",
           "bench.emulated_cores=[0,1]", "bench.emulated_samplers=[sync_global,rays_sync,rays]",
-          "bench.emulated_step_ms=[2]", "bench.trials=1", "bench.emulated_steps=4", "bench.emulated_warmup=1",
-          "pipeline.rays_per_batch=2048", "bench.check_rays=[]", "bench.sampling_sizes=[1024,2048]",
-          "bench.sampler_seconds=0"]
+          "bench.rays=[2048]", "bench.device_steps=[{name: test, kind: measured, ms: [2], source: a test}]",
+          "bench.trials=1", "bench.emulated_steps=4", "bench.emulated_warmup=1", "bench.check_rays=[]",
+          "bench.sampling_sizes=[1024,2048]", "bench.sampler_seconds=0", f"bench.small_scene={tmp_path / 'small'}",
+          "bench.small_resolution=16", "bench.scene_images=4", "bench.small_rays=[2048]", "bench.small_ranks=1"]
+    co = tmp_path / "checkout"  # --quotes writes into a copy of README.md and docs/BENCHMARKS.md
+    (co / "docs").mkdir(parents=True)
+    shutil.copy(REPO / "README.md", co / "README.md")
+    shutil.copy(REPO / "docs" / "BENCHMARKS.md", co / "docs" / "BENCHMARKS.md")
     # as the CLI runs it: the command scope puts back what the study sets (torch threads)
-    rc = run_cli(study.main, argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov))
+    rc = run_cli(study.main, argparse.Namespace(config=str(REPO / "configs" / "study.yaml"), overrides=ov,
+                                                quotes=True, checkout=str(co)))
     assert rc == 0
     out = tmp_path / "docs" / study.machine_slug()
     text = (out / "report.md").read_text()
+    # the one command's quotes: README's blocks, BENCHMARKS' sentence and history row, the tool's
+    from dali_nerf.bench.study import quotes
+
+    q = quotes.load(out / "derived.json")
+    readme, bench = (co / "README.md").read_text(), (co / "docs" / "BENCHMARKS.md").read_text()
+    assert "headline" in quotes.readme_blocks(q) or study.host_cores() < 2
+    for name, body in quotes.readme_blocks(q).items():
+        assert readme.split(f"<!-- study:{name} -->", 1)[1].split(f"<!-- /study:{name} -->", 1)[0] == body
+    assert quotes.benchmarks_row(q) in bench and quotes.benchmarks_current(q) in bench
     assert "device compute emulated by a timed wait; host work real" in text
     assert "Lockstep cost" in text and "floor ms" in text and "cores per GPU" in text
     # the console prints the report's Result section as written there: one set of numbers
     printed = capsys.readouterr().out
     section = text.split("## Result\n", 1)[1].split("\n## ", 1)[0].strip()
     assert section and section in printed
-    for png in ("phases.png", "speedup.png", "model_check.png", "projection.png", "scaling.png"):
+    for png in PLOTS + ("scaling.png",):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     raw = json.loads((out / "derived.json").read_text())
     n = study.host_cores()
     launches = {(1, n), (2, n)} | ({(1, 1)} if n > 1 else set())
-    assert {(la["ranks"], la["cores"]) for la in raw["emulation"]["launches"]} == launches
-    runs = raw["derived"]["runs"]
+    got = {(la["ranks"], la["cores"], la["grid"]) for la in raw["emulation"]["launches"]}
+    assert got == {(w, c, "main") for w, c in launches} | {(1, n, "cache")}
+    assert all(r["grid"] == "cache" for r in raw["derived"]["runs"] if r["scene"] == str(tmp_path / "small"))
+    runs = [r for r in raw["derived"]["runs"] if r["grid"] == "main"]
     assert {(r["sampler"], r["ranks"], r["cores"]) for r in runs} == {
         (s, w, c) for s in ("sync_global", "rays_sync", "rays", "ready") for w, c in launches}
     K = 65536 // 2048  # the host budget's run: 1 sampler thread, 65536 rays
     for r in runs:
         assert all(k in r for k in DERIVED_RUN_KEYS) and r["device"] == "emulated"
-        assert r["emulated_step_ms"] == 2.0 and len(r["step_s_trials"]) == 1 and len(r["stall_trials"]) == 1
+        assert (r["emulated_step_ms"], r["step_name"]) == (2.0, "test") and len(r["step_s_trials"]) == 1
+        assert len(r["stall_trials"]) == 1
         assert r["floor_step_s"] > 0 and r["cores_per_gpu"] == pytest.approx(r["cores"] / r["ranks"])
         assert r["runq_s"] is not None and r["runq_s"] >= 0 and r["overshoot_s"] >= 0 and r["hidden_stall"] is not None
         # whole runs, from a run boundary, for the DALI sources; bench.emulated_steps for the others
@@ -498,15 +534,26 @@ def test_study_smoke_emulated(tmp_path, monkeypatch, capsys):
             before = json.loads((Path(run["dir"]) / "study.json").read_text())["source_steps_before"]
             assert (before + run["warmup"]) % K == 0, (before, run["warmup"])
     sps = raw["derived"]["speedups"]
-    assert {(x["baseline"], x["ranks"], x["cores"]) for x in sps} == {
-        (b, w, c) for b in ("sync_global", "rays_sync") for w, c in launches}
+    assert {(x["baseline"], x["ranks"], x["cores"], x["grid"]) for x in sps} == {
+        (b, w, c, "main") for b in ("sync_global", "rays_sync") for w, c in launches} | {
+        (b, 1, n, "cache") for b in ("sync_global", "rays_sync")}
     for x in sps:
         assert all(k in x for k in DERIVED_PAIR_KEYS) and len(x["speedup_ci"]) == 2
         # one trial: the gains' product is the speedup exactly; the control's sampler gain is 1
         assert x["sampler_gain"] * x["overlap_gain"] == pytest.approx(x["speedup"], rel=1e-9)
         assert x["baseline"] != "rays_sync" or x["sampler_gain"] == 1.0
-    lf = raw["derived"]["summary"]["like_for_like"]
-    assert lf is None or lf["headline"]["cores_per_gpu"] >= 1  # timing on a shared machine may flag every pair
+    s = raw["derived"]["summary"]
+    # the headline by its rule, whatever the timings (a shared machine may flag every pair): DDP, 2 GPUs on
+    # every usable core (>= 1 core per GPU), the named step, every rays per GPU
+    assert [(r["ranks"], r["cores"], r["rays_per_rank"], r["step_name"]) for r in s["headline"]["rows"]] == (
+        [(2, n, 2048, "test")] if n >= 2 else [])
+    assert raw["meta"]["headline_step"] == "test" and "at least 2 emulated GPUs" in raw["meta"]["headline_rule"]
+    assert [(d["name"], d["kind"], d["ms"]) for d in raw["meta"]["device_steps"]] == [("test", "measured", {"2048": 2.0})]
+    assert len(s["cache"]) == 1 and s["cache"][0]["small"]["rays_per_rank"] == 2048
+    assert "Cache effect: the same configuration on the small scene" in text and "## Overlap gain" in text
+    # the control's own cost, measured apart at the grid's batch and the launches' budget (1 thread here)
+    (row,) = raw["control"]["rows"]
+    assert (row["rays"], len(row["control_s"])) == (2048, raw["control"]["rounds"]) and row["own_ci"][0] <= row["own_s"]
     assert isinstance(raw["emulation"]["launches"][0]["demoted"], list)
     assert raw["meta"]["format"] == study.REPORT_FORMAT and raw["meta"]["cores"] == n
     # the ray stream measured, pinned in the config, recorded in the meta, the header and every segment

@@ -15,13 +15,14 @@ import yaml
 
 from dali_nerf.bench import emulated as em
 from dali_nerf.bench import study
+from dali_nerf.bench.study import result_section as sections_result
 from dali_nerf.bench.study import sections
 
 MS = 1e-3
 
 
 def _seg(root: Path, name, sampler, ranks, trial, wait, rest, *, pair=None, ems=1.0, cores=2, runq=None, over=None,
-         steps=4, rays=4096) -> Path:
+         steps=4, rays=4096, grid="main", step_name=None) -> Path:
     """An emulated segment as a launch writes it (config.yaml, study.json with the cores its ranks ran
     on, metrics per rank); step 1 is a warm-up of 1 s phases that must be ignored."""
     d = root / name
@@ -29,8 +30,9 @@ def _seg(root: Path, name, sampler, ranks, trial, wait, rest, *, pair=None, ems=
     (d / "config.yaml").write_text(yaml.safe_dump({
         "name": name, "method": "ddp", "pipeline": {"name": sampler, "rays_per_batch": rays, "num_threads": 1},
         "train": {"device": "emulated", "emulated_step_ms": ems}, "bench": {"warmup": 1}}))
-    (d / "study.json").write_text(json.dumps({"trial": trial, "pair": pair, "device": "emulated",
-                                              "emulated_step_ms": ems, "cores": cores, "budget": {"cores": cores}}))
+    (d / "study.json").write_text(json.dumps({"trial": trial, "pair": pair, "device": "emulated", "grid": grid,
+                                              "step_name": step_name, "emulated_step_ms": ems, "cores": cores,
+                                              "budget": {"cores": cores}}))
     for r in range(ranks):
         recs = []
         for s in range(1, steps + 1):
@@ -46,25 +48,22 @@ def _seg(root: Path, name, sampler, ranks, trial, wait, rest, *, pair=None, ems=
 
 
 def _regime(root: Path, tag, ranks, cores, ems, base, ctl, pipe, floor, *, ctl_pipe=None, wait_p=0.01 * MS,
-            runq=(None, None), over=(None, None), rays=4096) -> list:
+            runq=(None, None), over=(None, None), rays=4096, grid="main", step_name=None) -> list:
     """One configuration's trials: sync_global (its step ``base[t]``: half of it waiting), rays_sync
     (``ctl[t]``), the rays run paired with each of them (``pipe[t]``, ``ctl_pipe[t]``) and the floor.
-    ``runq`` / ``over``: (pipelined, floor) per-step seconds measured; ``rays``: per GPU and step."""
+    ``runq`` / ``over``: (pipelined, floor) per-step seconds measured; ``rays``: per GPU and step;
+    ``grid``: main | check | cache; ``step_name``: what the device step stands for."""
     dirs = []
+    kw = dict(ems=ems, cores=cores, rays=rays, grid=grid, step_name=step_name)
     for t in range(len(base)):
         p = f"{tag}_p{t}"
         q = f"{tag}_q{t}"
-        dirs.append(_seg(root, f"{tag}_g{t}", "sync_global", ranks, t, base[t] / 2, base[t] / 2, pair=p, ems=ems,
-                         cores=cores, rays=rays))
-        dirs.append(_seg(root, p, "rays", ranks, t, wait_p, pipe[t] - wait_p, ems=ems, cores=cores, rays=rays, runq=runq[0],
-                         over=over[0]))
-        dirs.append(_seg(root, f"{tag}_s{t}", "rays_sync", ranks, t, 0.3 * ctl[t], 0.7 * ctl[t], pair=q, ems=ems,
-                         cores=cores, rays=rays))
+        dirs.append(_seg(root, f"{tag}_g{t}", "sync_global", ranks, t, base[t] / 2, base[t] / 2, pair=p, **kw))
+        dirs.append(_seg(root, p, "rays", ranks, t, wait_p, pipe[t] - wait_p, runq=runq[0], over=over[0], **kw))
+        dirs.append(_seg(root, f"{tag}_s{t}", "rays_sync", ranks, t, 0.3 * ctl[t], 0.7 * ctl[t], pair=q, **kw))
         cp = (ctl_pipe or pipe)[t]
-        dirs.append(_seg(root, q, "rays", ranks, t, wait_p, cp - wait_p, ems=ems, cores=cores, rays=rays, runq=runq[0],
-                         over=over[0]))
-        dirs.append(_seg(root, f"{tag}_f{t}", em.FLOOR, ranks, t, 0.0, floor, ems=ems, cores=cores, rays=rays, runq=runq[1],
-                         over=over[1]))
+        dirs.append(_seg(root, q, "rays", ranks, t, wait_p, cp - wait_p, runq=runq[0], over=over[0], **kw))
+        dirs.append(_seg(root, f"{tag}_f{t}", em.FLOOR, ranks, t, 0.0, floor, runq=runq[1], over=over[1], **kw))
     return dirs
 
 
@@ -171,8 +170,8 @@ def test_a_row_that_waits_does_not_keep_up_and_flags_its_pairs(tmp_path):
 def _grid(tmp_path):
     """Regimes: 2 cores per GPU (1 rank on 2 cores) at 1 and 2 ms, 1 core per GPU twice (2 ranks
     on 2 cores; 1 rank pinned to 1 core), a starved host (4 ranks on 2 cores), a flagged pair
-    (1 rank on 2 cores at 5 ms: pipelined 1.5x its floor) and a configuration run once as the cost
-    model's check segments are (3 ms), with distinct speedups to look for."""
+    (1 rank on 2 cores at 5 ms: pipelined 1.5x its floor) and one of the cost model's check
+    segments (3 ms, run once, labelled "check"), with distinct speedups to look for."""
     dirs = []
     dirs += _regime(tmp_path, "a", 1, 2, 1.0, [4.0 * MS] * 2, [1.6 * MS] * 2, [1.25 * MS] * 2, 1.2 * MS)  # 3.20x
     dirs += _regime(tmp_path, "b", 1, 2, 2.0, [4.6 * MS] * 2, [2.5 * MS] * 2, [2.3 * MS] * 2, 2.2 * MS)  # 2.00x
@@ -180,7 +179,7 @@ def _grid(tmp_path):
     dirs += _regime(tmp_path, "d", 1, 1, 1.0, [3.3 * MS] * 2, [1.7 * MS] * 2, [1.5 * MS] * 2, 1.4 * MS)  # 2.20x
     dirs += _regime(tmp_path, "e", 4, 2, 1.0, [9.99 * MS] * 2, [3.0 * MS] * 2, [1.0 * MS] * 2, 0.95 * MS)  # starved
     dirs += _regime(tmp_path, "f", 1, 2, 5.0, [7.77 * 1.5 * MS] * 2, [6 * MS] * 2, [1.5 * MS] * 2, 1.0 * MS)  # flagged
-    dirs += _regime(tmp_path, "g", 1, 2, 3.0, [6.3 * MS], [3.1 * MS], [3.0 * MS], 2.9 * MS)  # 2.10x, 1 trial
+    dirs += _regime(tmp_path, "g", 1, 2, 3.0, [6.3 * MS], [3.1 * MS], [3.0 * MS], 2.9 * MS, grid="check")  # 2.10x, once
     return study.derive(dirs)
 
 
@@ -192,52 +191,114 @@ def test_like_for_like_compares_only_unflagged_regimes_of_at_least_one_core_per_
     assert study.starved(starved) and starved["cores_per_gpu"] == 0.5 and not starved["flags"]
     assert flagged["flags"] and not study.starved(flagged)
     once = _by(d, "sync_global", ems=3.0)
-    assert once["trials"] == 1 and not once["flags"] and not study.starved(once) and study.main_grid(d["speedups"]) == (2, 4096)
+    assert once["trials"] == 1 and once["grid"] == "check" and not once["flags"] and not study.starved(once)
+    assert study.main_grid(d["speedups"]) == 2
     lf = s["like_for_like"]
     got = {(r["ranks"], r["cores"], r["emulated_step_ms"]) for r in lf["regimes"]}
-    assert got == {(1, 2, 1.0), (1, 2, 2.0), (2, 2, 1.0), (1, 1, 1.0)}  # no starved, flagged or single-trial pair
-    h = lf["headline"]  # the most cores per GPU, then the most ranks, then the shortest device step
-    assert (h["cores_per_gpu"], h["ranks"], h["emulated_step_ms"]) == (2.0, 1, 1.0)
-    assert h["speedup"] == pytest.approx(3.2) and h["sampler_gain"] == pytest.approx(2.5)
-    assert h["overlap_gain"] == pytest.approx(1.28)
+    assert got == {(1, 2, 1.0), (1, 2, 2.0), (2, 2, 1.0), (1, 1, 1.0)}  # no starved, flagged or check pair
     og = [r["overlap_gain"] for r in lf["regimes"]]
     assert lf["overlap_gain_mean"] == pytest.approx(np.mean(og)) and lf["overlap_gain_max"] == pytest.approx(max(og))
+    # the headline by its rule, not by the result: DDP, >= 2 GPUs at >= 1 core per GPU (2 ranks on 2 cores)
+    (h,) = s["headline"]["rows"]
+    assert (h["ranks"], h["cores"], h["emulated_step_ms"]) == (2, 2, 1.0)
+    assert h["speedup"] == pytest.approx(5 / 1.6) and h["sampler_gain"] == pytest.approx(5 / 1.9)
+    assert h["overlap_gain"] == pytest.approx(1.9 / 1.6) and "at least 2 emulated GPUs" in s["headline"]["rule"]
     # the one mean: over the comparable pairs (sync_global here; the control is no baseline)
     c = s["comparable"]
     assert c["pairs"] == 4 and c["mean_speedup"] == pytest.approx(np.mean([3.2, 2.0, 3.125, 2.2]))
     assert s["starved"]["rows"] == 1 and s["starved"]["max_step_over_floor"] == pytest.approx(1 / 0.95)
 
 
+def test_the_headline_is_fixed_by_rule_flagged_or_not_and_says_where_its_interval_holds_one(tmp_path):
+    """The rule picks DDP at >= 2 GPUs and >= 1 core per GPU on every usable core, at the named
+    device step, at every rays per GPU: a row that does not keep up stays in the headline (flagged,
+    said so), a pinned launch or another step does not enter it, and where the overlap gain's
+    interval holds 1.0 the sentence says so."""
+    dirs = _regime(tmp_path, "a", 2, 2, 9.3, [20 * MS, 20.4 * MS], [10 * MS, 10.6 * MS], [9.8 * MS, 10.5 * MS],
+                   9.5 * MS, step_name="measured")  # overlap 1.02x / 1.01x: its interval holds 1.0
+    dirs += _regime(tmp_path, "b", 2, 2, 13.8, [40 * MS] * 2, [20 * MS] * 2, [17 * MS] * 2, 14 * MS, rays=65536,
+                    step_name="measured")  # pipelined 1.21x its floor: flagged
+    dirs += _regime(tmp_path, "c", 2, 2, 13.2, [30 * MS] * 2, [18 * MS] * 2, [14 * MS] * 2, 13.5 * MS,
+                    step_name="stated")  # another step: not the headline's
+    dirs += _regime(tmp_path, "d", 1, 1, 9.3, [20 * MS] * 2, [10 * MS] * 2, [9.6 * MS] * 2, 9.5 * MS,
+                    step_name="measured")  # 1 GPU: not distributed
+    d = study.derive(dirs)
+    s = study.derive_summary(d, rule={"host_cores": 2, "step": "measured"})
+    rows = s["headline"]["rows"]
+    assert [(r["ranks"], r["rays_per_rank"], r["step_name"]) for r in rows] == [(2, 4096, "measured"),
+                                                                                 (2, 65536, "measured")]
+    assert not rows[0]["flags"] and rows[1]["flags"]
+    meta = {"machine": "cpu-2core-x86_64", "cpu": "Test CPU"}
+    sentence = sections_result.headline_sentence(s, meta)
+    assert sentence.startswith("On cpu-2core-x86_64 (Test CPU), 2 emulated GPUs at 1 core per GPU (DDP, device step "
+                               "measured: 9.3-13.8 ms;")
+    assert f"at 4096 rays per GPU, speedup {rows[0]['speedup']:.2f}x" in sentence
+    assert "at 65536 rays per GPU" in sentence and "(flagged: pipelined step 1.21x the floor > 1.15x" in sentence
+    assert "The overlap gain's 95% interval holds 1.0 at 4096 rays per GPU: there the study shows no overlap" in sentence
+    assert rows[0]["overlap_gain_ci"][0] <= 1.0 <= rows[0]["overlap_gain_ci"][1]
+    # on a host with more cores, the 2-core launch is a pinned one: not the rule's
+    assert study.derive_summary(d, rule={"host_cores": 4, "step": "measured"})["headline"]["rows"] == []
+    text = "\n".join(sections_result.result(s, [c for c in d["runs"]], d["speedups"], meta))
+    assert "No regime of this study meets the rule" not in text and sentence in text
+
+
+def test_the_control_factor_and_the_cache_row(tmp_path):
+    """The control's own cost (measured apart) becomes a factor of the overlap gain; the small
+    scene's row is set beside the same configuration of the main scene, outside the comparison."""
+    dirs = _regime(tmp_path, "m", 2, 2, 13.8, [40 * MS] * 2, [20 * MS] * 2, [16 * MS] * 2, 15.5 * MS, rays=65536,
+                   step_name="measured")
+    dirs += _regime(tmp_path / "small", "m", 2, 2, 13.8, [30 * MS] * 2, [18 * MS] * 2, [15.8 * MS] * 2, 15.5 * MS,
+                    rays=65536, step_name="measured", grid="cache")
+    d = study.derive(dirs)
+    control = {"rows": [{"rays": 65536, "threads": 1, "own_s": 2 * MS, "own_ci": [1.5 * MS, 2.5 * MS]}]}
+    s = study.derive_summary(d, rule={"host_cores": 2, "step": "measured"}, control=control)
+    (h,) = s["headline"]["rows"]
+    assert h["overlap_gain"] == pytest.approx(20 / 16) and h["control_cost_s"] == pytest.approx(2 * MS)
+    assert h["control_factor"] == pytest.approx(20 / 18) and h["overlap_beyond"] == pytest.approx(18 / 16)
+    assert h["control_factor_ci"] == pytest.approx([20 / 18.5, 20 / 17.5])
+    assert [r["grid"] for r in (d["speedups"])] .count("cache") == 2  # sync_global and the control, small scene
+    assert [r["rays_per_rank"] for r in s["like_for_like"]["regimes"]] == [65536]  # the cache row is not compared
+    (c,) = s["cache"]
+    assert c["small"]["overlap_gain"] == pytest.approx(18 / 15.8) and c["main"]["overlap_gain"] == pytest.approx(20 / 16)
+    # no control measured at that batch: no factor (not a guess)
+    none = study.derive_summary(d, rule={"host_cores": 2, "step": "measured"}, control={"rows": []})
+    assert none["headline"]["rows"][0]["control_factor"] is None
+
+
 def test_the_result_section_quotes_no_flagged_or_starved_pair(tmp_path):
     d = _grid(tmp_path)
     emu = [c for c in d["runs"] if c["device"] == "emulated"]
     meta = {"machine": "cpu-2core-x86_64", "rays": 4096}
-    text = "\n".join(sections.result(d["summary"], emu, d["speedups"], meta))
-    assert "**headline** DDP, 2 cores per GPU (1 emulated GPU on 2 cores), 1 ms device step" in text
-    assert "speedup 3.20x" in text and "sampler gain 2.50x" in text and "overlap gain 1.28x" in text
+    text = "\n".join(sections_result.result(d["summary"], emu, d["speedups"], meta))
+    assert "**Headline**, by a rule fixed before the study ran" in text
     # every like-for-like regime in the table: (method, cores per GPU, GPUs on cores, device step)
-    for row in ("| ddp | 2 | 1 on 2 | 1 |", "| ddp | 2 | 1 on 2 | 2 |", "| ddp | 1 | 2 on 2 | 1 |", "| ddp | 1 | 1 on 1 | 1 |"):
+    for row in ("| ddp | 2 | 1 on 2 | 1 ms |", "| ddp | 2 | 1 on 2 | 2 ms |", "| ddp | 1 | 1 on 1 | 1 ms |"):
         assert text.count(row) == 1, row
-    assert "| ddp | 0.5 |" not in text and "| 5 | 4096 |" not in text  # neither the starved host nor the flagged pair
-    assert "| 3 | 4096 |" not in text  # nor the configuration run once
+    assert text.count("| ddp | 1 | 2 on 2 | 1 ms |") == 2  # the headline's table and the like-for-like one
+    assert "| ddp | 0.5 |" not in text and "| 5 ms | 4096 |" not in text  # neither the starved host nor the flagged pair
+    assert "| 3 ms | 4096 |" not in text  # nor the check segment
     assert "Starved host (< 1 core per GPU" in text and "the ISPASS study" in text
     assert "43.3%" in text and "1.95x on average" in text
     for x in (_by(d, "sync_global", ranks=4), _by(d, "sync_global", ems=5.0), _by(d, "sync_global", ems=3.0)):
         assert f"{x['speedup']:.2f}x" not in text, x["speedup"]
     assert "the study:" not in text  # "the ISPASS study", named as such
-    sentence = sections.headline_sentence(d["summary"], meta)
-    assert sentence in text and "3.20x faster" in sentence and "2.50x is a faster sampler" in sentence
-    assert "1.28x is overlap" in sentence and "at 2 cores per GPU" in sentence
+    sentence = sections_result.headline_sentence(d["summary"], meta)
+    assert sentence in text and "speedup 3.12x" in sentence and "sampler gain 2.63x" in sentence
+    assert "overlap gain 1.19x" in sentence and "2 emulated GPUs at 1 core per GPU" in sentence
+    lf = d["summary"]["like_for_like"]
+    assert (f"Over these 4 regimes the overlap gain is {lf['overlap_gain_mean']:.2f}x on average, "
+            f"{lf['overlap_gain_max']:.2f}x at most") in text
 
 
 def test_a_single_trial_study_leaves_the_check_segments_out_of_the_comparison(tmp_path):
     """With 1 trial (a reduced run) the cost model's check segments (other batch sizes, run once as
-    well) are told apart by their batch: the main grid is the batch of the most pairs."""
+    well) are told apart by their label, not by their trials."""
     dirs = _regime(tmp_path, "a", 1, 2, 1.0, [4.0 * MS], [1.6 * MS], [1.25 * MS], 1.2 * MS)  # 3.20x
     dirs += _regime(tmp_path, "b", 2, 2, 1.0, [5.0 * MS], [1.9 * MS], [1.6 * MS], 1.5 * MS)  # 3.125x
-    dirs += _regime(tmp_path, "c", 2, 2, 2.0, [9.0 * MS], [3.1 * MS], [3.0 * MS], 2.9 * MS, rays=16384)  # check: 3.00x
+    dirs += _regime(tmp_path, "c", 2, 2, 2.0, [9.0 * MS], [3.1 * MS], [3.0 * MS], 2.9 * MS, rays=16384,
+                    grid="check")  # check: 3.00x
     d = study.derive(dirs)
-    assert study.main_grid(d["speedups"]) == (1, 4096)
+    assert study.main_grid(d["speedups"]) == 1
     check = _by(d, "sync_global", ranks=2, ems=2.0)
     assert check["rays_per_rank"] == 16384 and not check["flags"] and not study.starved(check)
     lf = d["summary"]["like_for_like"]
@@ -286,3 +347,91 @@ def test_scaling_leaves_out_rows_without_a_core_count(tmp_path, monkeypatch):
     xs = {float(x) for a in fig.axes for ln in a.lines if not ln.get_label().startswith("_") for x in ln.get_xdata()}
     assert xs == {c["cores_per_gpu"] for c in kept}, xs  # 2 ranks on 2 cores would be 1.0; at 1/ranks 0.5
     assert f"{len(out)} row(s) without a recorded core count left out" in fig._suptitle.get_text()
+
+
+def _raw(tmp_path) -> dict:
+    """A format-4 derived.json's parts as the quotes read them: a headline at 2 GPUs and the sampler table."""
+    dirs = _regime(tmp_path, "a", 2, 2, 9.3, [20 * MS, 20.4 * MS], [10 * MS, 10.6 * MS], [9.8 * MS, 10.5 * MS],
+                   9.5 * MS, step_name="measured")
+    d = study.derive(dirs)
+    d["summary"] = study.derive_summary(d, rule={"host_cores": 2, "step": "measured"})
+    rates = [{"rays": 4096, "rates": {"rays": 40e6, "torch_gather": 4e6, "sync_local": 5e6, "sync_global": 2e6,
+                                      "torch_workers": 1e6}},
+             {"rays": 65536, "rates": {"rays": 50e6, "torch_gather": 5e6, "sync_local": 4e6, "sync_global": 2.5e6,
+                                       "torch_workers": 4e6}}]
+    meta = {"format": study.REPORT_FORMAT, "date": "2026-12-07 10:00:00", "commit": "abcdef0123456789",
+            "machine": "cpu-2core-x86_64", "cpu": "Test CPU", "l3": "32 MiB L3", "wall_s": 1800.4,
+            "load_avg_start": 0.2, "command": "dali-nerf bench study --config configs/study.yaml"}
+    return {"meta": meta, "derived": d, "sampler": {"command": "c", "result": {
+        "rows": rates, "cores": 2, "scene": {"images": 100, "pixels": 64_000_000}}}}
+
+
+def test_the_quotes_are_the_reports_numbers_and_written_once(tmp_path, capsys):
+    """README's blocks and BENCHMARKS' row come from derived.json alone: the headline sentence of the
+    report, the sampler rates of its table; --write replaces README's blocks and inserts the row
+    once (a second write changes nothing); an older format is refused in one line (exit 2)."""
+    from dali_nerf.bench.study import quotes
+
+    raw = _raw(tmp_path / "runs")
+    blocks = quotes.readme_blocks(raw)
+    sentence = sections_result.headline_sentence(raw["derived"]["summary"], raw["meta"])
+    assert blocks["headline"] == f"In one sentence, from the report of 2026-12-07, abcdef0: {sentence}"
+    assert blocks["sampler"].startswith("`RayLoader` delivers 40-50 Mrays/s at 4096-65536 rays per step on 2 cores "
+                                        "(Test CPU; 100 images, 64 M pixels cached): 8.0-12.5x a vectorised torch "
+                                        "gather and sampling in the training thread, 20.0x the ISPASS study's")
+    row = quotes.benchmarks_row(raw)
+    (h,) = raw["derived"]["summary"]["headline"]["rows"]
+    assert row.startswith("| 2026-12-07 | abcdef0 | Test CPU, 32 MiB L3 | 1800 (0.2) | measured: 2 GPUs, 4096: "
+                          f"{h['overlap_gain']:.2f}x [")
+    readme, bench = tmp_path / "README.md", tmp_path / "BENCHMARKS.md"
+    readme.write_text("a <!-- study:sampler -->OLD rates<!-- /study:sampler --> b\n\n<!-- study:headline -->OLD"
+                      "<!-- /study:headline -->\n")
+    bench.write_text(f"text <!-- study:current -->OLD<!-- /study:current -->\n\n{quotes.HISTORY_MARK}\n| date | commit |\n"
+                     f"|---|---|\n| older | row |\n")
+    dj = tmp_path / "derived.json"
+    dj.write_text(json.dumps(raw, default=float))
+    assert quotes.main([str(dj), "--write", "--readme", str(readme), "--benchmarks", str(bench)]) == 0
+    text = readme.read_text()
+    assert f"<!-- study:headline -->{blocks['headline']}<!-- /study:headline -->" in text and "OLD" not in text
+    assert text.startswith(f"a <!-- study:sampler -->{blocks['sampler']}<!-- /study:sampler --> b")
+    assert bench.read_text().splitlines()[5:7] == [row, "| older | row |"]
+    assert bench.read_text().startswith(f"text <!-- study:current -->{quotes.benchmarks_current(raw)}<!-- /study")
+    assert quotes.benchmarks_current(raw).startswith("The committed report: 2026-12-07, abcdef0, 1800 s on "
+                                                     "cpu-2core-x86_64 (Test CPU; load average 0.2 at its start)")
+    once = (readme.read_text(), bench.read_text())
+    assert quotes.main([str(dj), "--write", "--readme", str(readme), "--benchmarks", str(bench)]) == 0
+    assert (readme.read_text(), bench.read_text()) == once
+    capsys.readouterr()
+    dirty = dict(raw, meta=dict(raw["meta"], commit="abcdef0123456789-dirty"))  # a tree that differs: said so
+    assert "from the report of 2026-12-07, abcdef0-dirty: On" in quotes.readme_blocks(dirty)["headline"]
+    assert quotes.benchmarks_row(dirty).startswith("| 2026-12-07 | abcdef0-dirty |")
+    raw["meta"]["format"] = 3
+    dj.write_text(json.dumps(raw, default=float))
+    assert quotes.main([str(dj)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a study report of format 3" in err[0] and "dali-nerf bench study --config" in err[0]
+    raw["meta"]["format"] = study.REPORT_FORMAT
+    dj.write_text(json.dumps(raw, default=float))
+    readme.write_text("no markers\n")
+    assert quotes.main([str(dj), "--write", "--readme", str(readme), "--benchmarks", str(bench)]) == 2
+    assert "no <!-- study:headline -->" in capsys.readouterr().err
+
+
+def test_the_overlap_plot_draws_every_regime_with_its_interval(tmp_path, monkeypatch):
+    """overlap.png: one error bar per regime at >= 1 core per GPU of the main grid (the flagged one
+    too, as a cross) against the rays per GPU and one against the device step, hollow ones for the
+    overlap beyond the control where measured, the 1.0 line."""
+    plots, figs = _captured(monkeypatch)
+    d = _grid(tmp_path)
+    regimes = d["summary"]["overlap"]
+    assert len(regimes) == len(d["summary"]["like_for_like"]["regimes"]) + 1  # the flagged one (5 ms)
+    assert [r["emulated_step_ms"] for r in regimes if r["flags"]] == [5.0]
+    plots.plot_overlap(regimes, tmp_path / "o.png")
+    a1, a2 = figs[0].axes[:2]
+    for a in (a1, a2):
+        bars = [c for c in a.containers]
+        assert len(bars) == len(regimes)  # no control measured: no hollow markers
+        assert any(ln.get_linestyle() == "--" and list(ln.get_ydata()) == [1.0, 1.0] for ln in a.lines)
+    ys = sorted(round(float(c.lines[0].get_ydata()[0]), 9) for c in a1.containers)
+    assert ys == sorted(round(r["overlap_gain"], 9) for r in regimes)
+    assert sorted(c.lines[0].get_marker() for c in a1.containers) == ["o"] * (len(regimes) - 1) + ["x"]

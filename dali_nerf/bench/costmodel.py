@@ -17,7 +17,7 @@ nodes) and ``c`` CPU cores per rank::
 ``c`` is the cores of the process that samples: a rank's own for sync_local and rays; for
 sync_global rank 0's (the other ranks wait for its scatter, so on a shared host its threads may
 have every core). ``c_compute`` is the cores a rank's torch ops get on a CPU (cores // ranks) and
-1 when compute runs on a GPU (the projection then takes the GPU's compute time per step directly).
+1 when compute runs on a (emulated) GPU, whose compute time per step is then given (``compute_s``).
 
 >>> obs = [Observation("ddp", "sync_local", 1, 4096, 2, wait_s=0.02, compute_s=0.05, sync_s=0.0, step_s=0.07)]
 >>> model = fit(obs, sampling=SamplingProfile(fixed_s=1e-4, per_ray_core_s=1e-8,
@@ -29,13 +29,12 @@ have every core). ``c_compute`` is the cores a rank's torch ops get on a CPU (co
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["Observation", "SamplingProfile", "CostModel", "fit", "fit_linear", "validate",
-           "project", "RAY_BYTES", "SAMPLERS"]
+__all__ = ["Observation", "SamplingProfile", "CostModel", "fit", "fit_linear", "validate", "RAY_BYTES", "SAMPLERS"]
 
 RAY_BYTES = 68
 """Bytes of one ray in a batch: origins 12, directions 12, rgb 12, indices 24, near/far 8."""
@@ -118,7 +117,7 @@ class CostModel:
                 compute_s: Optional[float] = None, sync_s: Optional[float] = None) -> Dict[str, float]:
         """Predicted seconds per step: {"wait", "compute", "sync", "step", "stall"}.
 
-        ``compute_s`` / ``sync_s`` replace the fitted compute / all-reduce terms (projections)."""
+        ``compute_s`` / ``sync_s`` replace the fitted compute / all-reduce terms (a device step known by construction)."""
         comp = self.compute_s(rays_per_rank, cores_per_rank) if compute_s is None else compute_s
         syn = self.sync_s(ranks) if sync_s is None else sync_s
         wait = self.wait_s(sampler, ranks, rays_per_rank, cores_per_rank, comp + syn)
@@ -227,60 +226,3 @@ def validate(model: CostModel, observations: Sequence[Observation]) -> List[dict
             "step_error": (p["step"] - o.step_s) / o.step_s if o.step_s > 0 else 0.0,
         })
     return rows
-
-
-@dataclass(frozen=True)
-class ProjectionAssumptions:
-    """What the projection to GPU nodes assumes (written beside the plot)."""
-
-    gpu_compute_s: float
-    """Compute (h2d+fwd+bwd+opt) seconds per step per GPU at ``rays_per_rank``."""
-    gpu_compute_source: str
-    rays_per_rank: int
-    cores_per_gpu: float = 8.0
-    """Host CPU cores available to each GPU's process for sampling."""
-    scaling: str = "sampling cost per ray per core as measured here"
-    """How the per-core sampling cost is known to scale to ``cores_per_gpu`` (measured where, assumed above)."""
-    intra_latency_s: float = 20e-6
-    intra_bytes_per_s: float = 150e9
-    """All-reduce bus bandwidth inside a node (NVLink class)."""
-    inter_latency_s: float = 50e-6
-    inter_bytes_per_s: float = 25e9
-    """All-reduce bandwidth across nodes (200 Gb/s InfiniBand per GPU pair)."""
-    gpus_per_node: tuple = (1, 2, 4, 8, 16, 32, 64)
-    nodes: tuple = (1, 2, 4, 8)
-
-    def lines(self) -> List[str]:
-        return [
-            f"GPU compute per step: {self.gpu_compute_s * 1e3:.3f} ms at {self.rays_per_rank} rays/GPU ({self.gpu_compute_source})",
-            f"host CPU cores per GPU for sampling: {self.cores_per_gpu:g} ({self.scaling})",
-            f"all-reduce inside a node: {self.intra_latency_s * 1e6:.0f} us + bytes / {self.intra_bytes_per_s / 1e9:.0f} GB/s (ring, 2(n-1)/n)",
-            f"all-reduce across nodes: {self.inter_latency_s * 1e6:.0f} us + bytes / {self.inter_bytes_per_s / 1e9:.0f} GB/s",
-            "sync_global: one process samples the global batch for every GPU of the job, then scatters it",
-            "rays (pipelined): the loader samples on the same host cores concurrently with GPU compute",
-        ]
-
-
-def project(model: CostModel, a: "ProjectionAssumptions") -> List[dict]:
-    """Stall fraction and speedup of the pipelined loader for each sampler, GPUs per node and
-    node count. Returns one row per (nodes, gpus_per_node, sampler)."""
-    rows = []
-    for n in a.nodes:
-        for w in a.gpus_per_node:
-            g = n * w
-            if g == 1:
-                sync = 0.0
-            elif n == 1:
-                sync = model.sync_s(g, a.intra_latency_s, 1.0 / a.intra_bytes_per_s)
-            else:
-                sync = model.sync_s(g, a.inter_latency_s, 1.0 / a.inter_bytes_per_s)
-            preds = {s: model.predict(s, g, a.rays_per_rank, a.cores_per_gpu, compute_s=a.gpu_compute_s, sync_s=sync)
-                     for s in SAMPLERS}
-            for s in SAMPLERS:
-                rows.append({"nodes": n, "gpus_per_node": w, "gpus": g, "sampler": s,
-                             "step_s": preds[s]["step"], "stall": preds[s]["stall"],
-                             "speedup_of_rays": preds[s]["step"] / preds["rays"]["step"]})
-    return rows
-
-
-__all__.append("ProjectionAssumptions")

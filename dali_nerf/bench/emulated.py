@@ -1,10 +1,11 @@
 """The study's emulated-device launches: one launch per (method, ranks) runs every sampler, device
-step time and trial in-process, in rotation (:func:`schedule`).
+step, batch size and trial in-process, in rotation (:func:`schedule`).
 
 ``launch`` spawns W rank processes (``multiprocessing`` spawn, no torch.distributed): each builds
 its real batch sources once (decode, DALI pipelines, worker processes), then runs the segments in
 order; a segment is ``warmup + steps`` steps of :func:`dali_nerf.train.emulation.emulated_step` with one
-source at one device step time, and writes ``<out>/<segment>/metrics.jsonl`` (rank 0),
+source at one device step (the device time of a step of the segment's rays, named by what it
+stands for: :mod:`dali_nerf.bench.study.steps`), and writes ``<out>/<segment>/metrics.jsonl`` (rank 0),
 ``metrics.rank<R>.jsonl``, ``config.yaml`` and ``study.json`` — the layout
 :func:`dali_nerf.bench.study.read_run` reads. Label of every such row:
 :data:`~dali_nerf.train.emulation.EMULATED_LABEL`.
@@ -80,6 +81,11 @@ class Segment:
     """Position in the launch (0-based)."""
     pair: Optional[str] = None
     """For a baseline: the name of the pipelined segment next to it (its speedup pair)."""
+    step_name: str = ""
+    """The device step's name (what ``step_ms`` stands for: :mod:`dali_nerf.bench.study.steps`)."""
+    grid: str = "main"
+    """Which part of the study the segment is: main (the grid), check (the cost model's check
+    segments, run once) or cache (the small scene's cache-effect row)."""
 
 
 def pair_order(baselines: Sequence[str], trial: int, pipelined: str = PIPELINED) -> List[Tuple[str, int]]:
@@ -127,23 +133,28 @@ def with_floor(order: List[Tuple[str, int]], trial: int) -> List[Tuple[str, int]
     return out
 
 
-def schedule(samplers: Sequence[str], step_ms: Sequence[float], trials: int, rays: int,
-             check_rays: Sequence[int] = (), check_step_ms: Optional[float] = None) -> List[Segment]:
+def schedule(samplers: Sequence[str], cells: Sequence[tuple], trials: int,
+             check: Sequence[tuple] = (), grid: str = "main") -> List[Segment]:
     """Every segment of one launch, in run order.
 
-    Per trial, the device step times in an order rotated by the trial; per step time the samplers
-    in :func:`pair_order` and the floor between two of its groups (a position rotated by the
-    trial). Then, once, at ``check_step_ms`` and each of ``check_rays`` (other batch sizes, for the
-    cost model's out-of-sample check): the floor and the samplers once each, in :func:`pair_order`'s
-    order."""
+    ``cells``: [(device step name, device ms per step, rays per GPU)]: the launch's grid. Per trial,
+    the cells in an order rotated by the trial; per cell the samplers in :func:`pair_order` and the
+    floor between two of its groups (a position rotated by the trial); ``grid`` labels them. Then,
+    once, each of ``check`` (the same kind of cells: the cost model's out-of-sample check at other
+    batch sizes), labelled "check": the floor and the samplers once each, in :func:`pair_order`'s
+    order.
+
+    >>> [(s.sampler, s.step_ms, s.rays) for s in schedule(["rays"], [("a", 2.0, 4096)], 1)]
+    [('ready', 2.0, 4096), ('rays', 2.0, 4096)]
+    """
     base = [s for s in samplers if s != PIPELINED]
     has_p = PIPELINED in samplers
     segs: List[Segment] = []
 
-    def add(trial, ms, sampler, B, pair=None):
-        name = f"{sampler}_{ms:g}ms_b{B}_t{trial}_{len(segs)}"
-        segs.append(Segment(name, trial, float(ms), sampler, int(B), len(segs), pair))
-        return name
+    def add(trial, cell, sampler, label):
+        name_, ms, B = cell
+        name = f"{sampler}_{_slug(name_)}_{ms:g}ms_b{B}_t{trial}_{len(segs)}"
+        segs.append(Segment(name, trial, float(ms), sampler, int(B), len(segs), None, str(name_), label))
 
     def rotation(t):
         if has_p:
@@ -151,26 +162,30 @@ def schedule(samplers: Sequence[str], step_ms: Sequence[float], trials: int, ray
         r = t % max(1, len(base))
         return [(s, -1) for s in base[r:] + base[:r]]
 
-    def add_all(t, ms, B, order):
+    def add_all(t, cell, order, label):
         start = len(segs)
         pname = {}
         for s, g in order:
-            add(t, ms, s, B)
+            add(t, cell, s, label)
             if s == PIPELINED:
                 pname[g] = segs[-1].name
         for i, (s, g) in enumerate(order):
             if s not in (PIPELINED, FLOOR) and g in pname:
                 segs[start + i] = dataclasses.replace(segs[start + i], pair=pname[g])
 
-    steps = list(step_ms)
+    cells = list(cells)
     for t in range(trials):
-        k = t % len(steps) if steps else 0
-        for ms in steps[k:] + steps[:k]:
-            add_all(t, ms, rays, with_floor(rotation(t), t))
-    if check_step_ms is not None:
-        for B in check_rays:  # with their own floor: the ideal of a lockstep pair needs one
-            add_all(trials, check_step_ms, B, with_floor(rotation(0), 0))
+        k = t % len(cells) if cells else 0
+        for cell in cells[k:] + cells[:k]:
+            add_all(t, cell, with_floor(rotation(t), t), grid)
+    for cell in check:  # with their own floor: the ideal of a lockstep pair needs one
+        add_all(trials, cell, with_floor(rotation(0), 0), "check")
     return segs
+
+
+def _slug(name: str) -> str:
+    """A device step's name as part of a folder name."""
+    return "".join(c if c.isalnum() or c == "." else "-" for c in name.replace(" ms", "ms")).strip("-") or "step"
 
 
 def ss_grid(ranks: int) -> List[int]:
@@ -274,7 +289,9 @@ def _rank_main(rank: int, W: int, cfg, method: str, segments: List[Segment], out
         lock = bar if (method == "ddp" and W > 1) else None
         for seg in segments:
             src = sources[(seg.sampler, seg.rays)]
-            dev = EmulatedDevice(seg.step_ms, links)
+            # step_ms is the device time of a step of seg.rays rays (a global-stream rank's share
+            # varies a little from step to step: its compute with it)
+            dev = EmulatedDevice(seg.step_ms, dataclasses.replace(links, ref_rays=seg.rays))
             if isinstance(src, ShmScatter):
                 src.dev = dev
             # drain what the source prefetched while other segments ran; the DALI sources from a run
@@ -289,7 +306,7 @@ def _rank_main(rank: int, W: int, cfg, method: str, segments: List[Segment], out
                 emulated_step(src, dev, timer, on_device=isinstance(src, ShmScatter), lockstep=lock,
                               grad_bytes=grad_bytes, ranks=W)
                 recs.append(timer.record(k, seg.rays))
-            meta = {"config": {"name": seg.name, "method": method,
+            meta = {"config": {"name": seg.name, "method": method, "scene": {"path": str(cfg.scene.path)},
                                "pipeline": {"name": seg.sampler, "rays_per_batch": seg.rays, "num_threads": budget.threads,
                                             "rays_per_run": budget.rays_per_run, "stream": cfg.pipeline.stream,
                                             "prefetch": 0 if seg.sampler == SYNC_CONTROL else cfg.pipeline.prefetch},
@@ -297,7 +314,8 @@ def _rank_main(rank: int, W: int, cfg, method: str, segments: List[Segment], out
                                          "torch_threads": budget.threads},
                                "bench": {"warmup": warm, "steps": timed}},
                     "study": {"trial": seg.trial, "order": seg.order, "pair": seg.pair, "device": "emulated",
-                              "emulated_step_ms": seg.step_ms, "ranks": W, "barrier_s": barrier_s,
+                              "emulated_step_ms": seg.step_ms, "step_name": seg.step_name, "grid": seg.grid,
+                              "scene": str(cfg.scene.path), "ranks": W, "barrier_s": barrier_s,
                               "cores": own.cores, "source_steps_before": before,
                               "cells": W if method == "ss" else None, "grad_bytes": grad_bytes,
                               "budget": dataclasses.asdict(budget)}}

@@ -56,7 +56,8 @@ from dali_nerf.scenes import load_scene
 from dali_nerf.scenes.base import Scene
 from dali_nerf.sources import make_source
 
-__all__ = ["main", "measure", "default_scene", "decode_rate", "synthetic_images", "torch_gather_source"]
+__all__ = ["main", "measure", "measure_table", "table_markdown", "default_scene", "decode_rate", "synthetic_images",
+           "torch_gather_source", "SOURCES"]
 
 
 def default_scene_dir() -> Path:
@@ -210,32 +211,15 @@ def decode_rate(fmt: str, n: int = 100, size: int = 800, threads: int = 2, reps:
     return best
 
 
-def main(args) -> int:
-    try:
-        batches = [int(b) for b in str(args.batches).split(",") if b.strip()]
-    except ValueError:
-        raise ConfigError(f"--batches {args.batches!r}: use comma-separated integers, e.g. 4096,65536") from None
-    if not batches or min(batches) <= 0:
-        raise ConfigError(f"--batches {args.batches!r}: batch sizes must be > 0")
-    seconds = float(args.seconds)
-    if not seconds > 0:
-        raise ConfigError(f"--seconds {args.seconds}: must be > 0")
-    rounds = int(getattr(args, "rounds", 3))
-    if rounds <= 0:
-        raise ConfigError(f"--rounds {rounds}: must be > 0")
-    n_dec = int(getattr(args, "decode_images", 100))
-    if n_dec <= 0:
-        raise ConfigError(f"--decode-images {n_dec}: must be > 0")
-    stream = getattr(args, "stream", "global")
-    scene = load_scene(args.scene, split="train") if args.scene else default_scene()
-    if getattr(args, "mask", None) is not None:  # masked against unmasked RayLoader, nothing else
-        from dali_nerf.bench.masked import mask_main
-
-        return mask_main(args, scene, measure)
+def measure_table(scene, batches, seconds: float, rounds: int = 3, n_dec: int = 100, stream: str = "global") -> dict:
+    """Every source's delivered rays/s at each of ``batches`` on ``scene`` (the best of ``rounds``
+    interleaved rounds of ``seconds``), SS routed to cell 0 of a 2x2 grid (scenes with near/far),
+    and the decoder's images/s: {"rows": [{"rays", "rates": {source: rays/s}}], "ss": [{"rays",
+    "rate", "share", "acceptance"}], "decode": {"images", "jpeg", "png"}, "scene": {"images",
+    "pixels"}, "cores", "threads", "rounds", "seconds", "stream"} (:func:`table_markdown` prints it)."""
     cache = decode_cache(scene, 0, 1)
     print(f"scene: {scene}  ({cache.num_pixels / 1e6:.1f} M pixels cached, {rounds} rounds of {seconds:g} s "
           f"per source)", flush=True)
-
     # one sampling budget for every source: the DALI loaders get as many threads as torch's intra-op
     # pool and the torch_workers processes (the loaders' own default, hostbudget, keeps a core for
     # the training thread, which this benchmark does not have)
@@ -243,7 +227,7 @@ def main(args) -> int:
     part = None
     if scene.has_bounds:  # spatial segmentation: a 2x2 grid over the cameras, routed to cell 0
         part = Partition.from_config(PartitionConfig(kind="grid", grid=[2, 2]), scene)
-    rows, ss = [], {}
+    rows, ss = [], []
     for B in batches:
         # every source is measured once per round, the rounds interleaved, and keeps its best
         # round: on a machine whose speed drifts, each source gets the same chance at its fast
@@ -272,29 +256,65 @@ def main(args) -> int:
                 r["torch_workers"] = max(r["torch_workers"], measure(tw, B, seconds))
             r["sync_global"] = max(r["sync_global"], sync_global_rate(scene, cache, B, seconds))
         if part is not None:
-            ss[B] = (best_ss, best_ss / r["rays"], acc)
-        rows.append((B, r))
+            ss.append({"rays": B, "rate": best_ss, "share": best_ss / r["rays"], "acceptance": acc})
+        rows.append({"rays": B, "rates": r})
         print(f"B={B}: " + ", ".join(f"{k} {v / 1e6:.2f} M/s" for k, v in r.items()), flush=True)
+    return {"rows": rows, "ss": ss, "decode": {"images": n_dec, "jpeg": decode_rate("jpg", n=n_dec),
+                                               "png": decode_rate("png", n=n_dec)},
+            "scene": {"images": scene.num_images, "pixels": cache.num_pixels}, "cores": os.cpu_count(),
+            "threads": threads, "rounds": rounds, "seconds": seconds, "stream": stream}
 
-    jpg, png = decode_rate("jpg", n=n_dec), decode_rate("png", n=n_dec)
-    names = ["rays", "torch_gather", "sync_local", "sync_global", "torch_workers"]
-    lines = ["| rays/step | " + " | ".join(f"{n} Mrays/s" for n in names) + " |",
-             "|---:|" + "---:|" * len(names)]
-    for B, r in rows:
-        cells = [f"{r['rays'] / 1e6:.1f}"] + [f"{r[n] / 1e6:.2f} ({r['rays'] / r[n]:.1f}x)" for n in names[1:]]
-        lines.append(f"| {B} | " + " | ".join(cells) + " |")
-    for B, (rate, share, acc) in ss.items():
-        lines += ["", f"SS at {B} rays/step: SpatialRayLoader (2x2 grid over the cameras, margin 1.15, routing box = "
-                  f"the scene box), cell 0: {rate / 1e6:.1f} Mrays/s = {share:.0%} "
-                  f"of RayLoader (both the best of the same rounds; routing acceptance {acc:.2f})."]
-    lines += ["", f"Decode (decode_cache: DALI CPU decoder, 2 threads, {n_dec} images of 800x800 into the ImageCache, "
-              f"pipeline build included, best of 2): JPEG {jpg:.0f} images/s, PNG RGBA {png:.0f} images/s.", "",
-              f"Scene: {scene.num_images} images, {cache.num_pixels / 1e6:.1f} M pixels; {os.cpu_count()} CPU cores; "
-              f"each source: the best of {rounds} interleaved rounds of {seconds:g} s; RayLoader's stream: {stream}; "
-              f"(Nx) = RayLoader's rate / that "
-              f"source's; RayLoader and the SS loader: {threads} DALI threads, torch_workers: {threads} worker processes, torch_gather and sync_local: best of 1 and the default torch threads ({threads}); sync_global = rank 0's "
+
+SOURCES = ("rays", "torch_gather", "sync_local", "sync_global", "torch_workers")
+"""The table's columns, in order (RayLoader first)."""
+
+
+def table_markdown(res: dict) -> str:
+    """The markdown table of :func:`measure_table`'s result (rates, ratios of ours to each, SS, decode)."""
+    lines = ["| rays/step | " + " | ".join(f"{n} Mrays/s" for n in SOURCES) + " |", "|---:|" + "---:|" * len(SOURCES)]
+    for row in res["rows"]:
+        r = row["rates"]
+        cells = [f"{r['rays'] / 1e6:.1f}"] + [f"{r[n] / 1e6:.2f} ({r['rays'] / r[n]:.1f}x)" for n in SOURCES[1:]]
+        lines.append(f"| {row['rays']} | " + " | ".join(cells) + " |")
+    for x in res["ss"]:
+        lines += ["", f"SS at {x['rays']} rays/step: SpatialRayLoader (2x2 grid over the cameras, margin 1.15, routing box = "
+                  f"the scene box), cell 0: {x['rate'] / 1e6:.1f} Mrays/s = {x['share']:.0%} "
+                  f"of RayLoader (both the best of the same rounds; routing acceptance {x['acceptance']:.2f})."]
+    d, t = res["decode"], res["threads"]
+    lines += ["", f"Decode (decode_cache: DALI CPU decoder, 2 threads, {d['images']} images of 800x800 into the ImageCache, "
+              f"pipeline build included, best of 2): JPEG {d['jpeg']:.0f} images/s, PNG RGBA {d['png']:.0f} images/s.", "",
+              f"Scene: {res['scene']['images']} images, {res['scene']['pixels'] / 1e6:.1f} M pixels; {res['cores']} CPU cores; "
+              f"each source: the best of {res['rounds']} interleaved rounds of {res['seconds']:g} s; RayLoader's stream: "
+              f"{res['stream']}; (Nx) = RayLoader's rate / that "
+              f"source's; RayLoader and the SS loader: {t} DALI threads, torch_workers: {t} worker processes, torch_gather "
+              f"and sync_local: best of 1 and the default torch threads ({t}); sync_global = rank 0's "
               f"global batch (2 ranks, gloo)."]
-    table = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    try:
+        batches = [int(b) for b in str(args.batches).split(",") if b.strip()]
+    except ValueError:
+        raise ConfigError(f"--batches {args.batches!r}: use comma-separated integers, e.g. 4096,65536") from None
+    if not batches or min(batches) <= 0:
+        raise ConfigError(f"--batches {args.batches!r}: batch sizes must be > 0")
+    seconds = float(args.seconds)
+    if not seconds > 0:
+        raise ConfigError(f"--seconds {args.seconds}: must be > 0")
+    rounds = int(getattr(args, "rounds", 3))
+    if rounds <= 0:
+        raise ConfigError(f"--rounds {rounds}: must be > 0")
+    n_dec = int(getattr(args, "decode_images", 100))
+    if n_dec <= 0:
+        raise ConfigError(f"--decode-images {n_dec}: must be > 0")
+    stream = getattr(args, "stream", "global")
+    scene = load_scene(args.scene, split="train") if args.scene else default_scene()
+    if getattr(args, "mask", None) is not None:  # masked against unmasked RayLoader, nothing else
+        from dali_nerf.bench.masked import mask_main
+
+        return mask_main(args, scene, measure)
+    table = table_markdown(measure_table(scene, batches, seconds, rounds, n_dec, stream))
     print(table)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

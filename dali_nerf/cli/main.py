@@ -111,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --mask: pixels masked at random (iid, default) or the top F of every image (sky)")
     bt = bsub.add_parser("study", help="the characterization study: DDP vs SS x samplers x ranks")
     bt.add_argument("--config", default="study", help="a YAML file or a shipped config's name (default: study)")
+    bt.add_argument("--quotes", action="store_true",
+                    help="also write the report's quoted sentences into README.md and docs/BENCHMARKS.md (of "
+                         "--checkout), when every cell ran")
+    bt.add_argument("--checkout", default=".", help="the checkout --quotes writes into (default: this folder)")
     bt.add_argument("overrides", nargs="*")
     bl = bsub.add_parser("loop", help="the training loop's step, wait and stall per source vs a ready-batch floor")
     bl.add_argument("--config", default="ddp_blender_gpu",

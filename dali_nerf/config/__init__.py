@@ -8,7 +8,7 @@ train, partition; ``splat``: images and splat (method splat); ``bench``: the stu
 """
 
 from dali_nerf.errors import ConfigError  # noqa: F401  (dali_nerf.config.ConfigError, as before the package split)
-from dali_nerf.config.bench import BenchConfig
+from dali_nerf.config.bench import BenchConfig, DeviceStep
 from dali_nerf.config.checks import MAX_THREADS, SOURCE_NAMES, STREAMS, STUDY_SAMPLERS
 from dali_nerf.config.load import Config, apply_overrides, config_to_dict, load_config
 from dali_nerf.config.shipped import describe_config, resolve_config, shipped_configs
@@ -19,7 +19,7 @@ from dali_nerf.config.splat import ImagesConfig, SplatConfig
 
 __all__ = [
     "Config", "SceneConfig", "CacheConfig", "PipelineConfig", "ModelConfig", "TrainConfig",
-    "PartitionConfig", "BenchConfig", "ImagesConfig", "SplatConfig", "load_config", "config_to_dict", "apply_overrides",
-    "resolve_config", "shipped_configs", "describe_config", "SOURCE_NAMES",
+    "PartitionConfig", "BenchConfig", "DeviceStep", "ImagesConfig", "SplatConfig", "load_config", "config_to_dict",
+    "apply_overrides", "resolve_config", "shipped_configs", "describe_config", "SOURCE_NAMES",
     "STUDY_SAMPLERS", "STREAMS", "MAX_THREADS",
 ]

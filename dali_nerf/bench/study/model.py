@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from dali_nerf.train.emulation import RAY_FLOATS, DeviceLinks, EmulatedDevice
+from dali_nerf.train.emulation import RAY_FLOATS, DeviceLinks
 from dali_nerf.bench import costmodel as cm
 
 __all__ = ["observations", "sampling_profile", "fit_and_check"]
@@ -52,14 +52,14 @@ def fit_and_check(derived: dict, b, rays: int, grad_bytes: int, sampling: Option
     """The cost model fit on one set of runs, checked on the others.
 
     Emulated DDP rows present: fit on ``bench.fit_ranks`` at ``rays`` rays per rank, check on the
-    other world sizes and batch sizes. Their device compute is known by construction (the emulated
-    step time and host-to-device copy), so predictions take it as given and the model answers for
+    other world sizes and batch sizes (the small scene's cache row left out). Their device compute is
+    known by construction (the step's device time at its rays and the host-to-device copy), so predictions take it as given and the model answers for
     the host side: the wait and the sync. Else (CPU rows only) fit and check on the CPU DDP rows,
     in sample, said so. ``cores``: the study host's usable cores (for rows that do not record
     theirs). Returns (model, validation rows with "set" fit | check, description)."""
     links = links or DeviceLinks()
     emu_rows = [c for c in derived["runs"] if c["device"] == "emulated" and c["method"] == "ddp"
-                and c["sampler"] in cm.SAMPLERS]
+                and c["sampler"] in cm.SAMPLERS and (c.get("grid") or "main") != "cache"]
     if emu_rows:
         obs = observations({"runs": emu_rows}, cores=cores)
         fit_i = [i for i, c in enumerate(emu_rows) if c["ranks"] in b.fit_ranks and c["rays_per_rank"] == rays]
@@ -74,7 +74,7 @@ def fit_and_check(derived: dict, b, rays: int, grad_bytes: int, sampling: Option
                        grad_bytes=grad_bytes, allreduce_latency_s=b.allreduce_latency_s)
         rows = []
         for i, (c, o) in enumerate(zip(emu_rows, obs)):
-            known = EmulatedDevice(c["emulated_step_ms"], links).compute_s(o.rays_per_rank)
+            known = c["emulated_step_ms"] * 1e-3  # the device time of a step of the row's rays
             if c["sampler"] != "sync_global":
                 known += links.h2d_s(o.rays_per_rank * (RAY_FLOATS * 4 + 24))
             p = model.predict(o.sampler, o.ranks, o.rays_per_rank, o.cores_per_rank, compute_s=known)

@@ -16,7 +16,7 @@ import torch
 
 from dali_nerf.data.hostbudget import usable_cores
 
-__all__ = ["machine_slug", "machine_desc", "git_commit", "host_cores"]
+__all__ = ["machine_slug", "machine_desc", "git_commit", "host_cores", "cpu_model", "last_level_cache"]
 
 
 def host_cores() -> int:
@@ -59,6 +59,37 @@ def machine_desc() -> str:
     except Exception:
         pass
     return desc
+
+
+def cpu_model() -> Optional[str]:
+    """The CPU's model name (/proc/cpuinfo), None where it is not known."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def last_level_cache() -> Optional[str]:
+    """The last-level CPU cache of core 0 as sysfs reports it (``260 MiB L3``; a VM reports its
+    host's, shared with what else runs there), None where sysfs does not say."""
+    best = None
+    for d in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind, size = ((d / n).read_text().strip() for n in ("level", "type", "size"))
+        except OSError:
+            continue
+        if kind in ("Unified", "Data") and (best is None or int(level) > best[0]):
+            best = (int(level), size)
+    if best is None:
+        return None
+    level, size = best
+    m = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    n = int(size[:-1]) * m[size[-1]] if size[-1] in m else int(size)
+    return f"{n / (1 << 20):.3g} MiB L{level}"
 
 
 def git_commit(repo: Optional[Path] = None, exclude: str = "docs/study") -> str:

@@ -3,12 +3,11 @@ method and world size, :mod:`dali_nerf.bench.emulated`), the sampling micro-benc
 model, and the ``dali-nerf bench sampler`` table.
 
 >>> dirs, failed = run_grid(cfg, "configs/study.yaml", overrides)
->>> emulation = run_emulated(cfg, grad_bytes)          # {"dirs", "launches", "links", "grad_bytes"}
+>>> emulation = run_emulated(cfg, grad_bytes, steps)   # {"dirs", "launches", "links", "grad_bytes"}
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
@@ -17,7 +16,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -36,9 +34,10 @@ from dali_nerf.bench import emulated as em
 from dali_nerf.bench import sampler as sb
 from dali_nerf.bench.study.model import sampling_profile
 from dali_nerf.bench.study.provenance import host_cores
+from dali_nerf.bench.study.steps import check_steps, grid_rays, headline_step
 
-__all__ = ["cpu_plan", "cell_steps", "run_grid", "run_emulated", "launch_cores", "measure_sampling", "measure_scaling",
-           "sampler_table"]
+__all__ = ["cpu_plan", "cell_steps", "run_grid", "run_emulated", "emulated_launches", "launch_budgets", "launch_cores",
+           "measure_sampling", "measure_scaling", "sampler_table"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,51 +154,83 @@ def launch_cores(b, ranks: int, usable: int) -> List[Optional[int]]:
     return out
 
 
-def run_emulated(cfg: Config, grad_bytes: int, log=print) -> dict:
-    """The emulated launches: for each method, each of its ``bench.emulated_ranks[_ss]`` and each
-    core count of :func:`launch_cores`, one launch (its ranks pinned to those cores) running the
-    floor and ``bench.emulated_samplers`` at every ``bench.emulated_step_ms``, ``bench.trials``
-    times in rotation (DDP at ``bench.check_ranks`` on every core also the ``bench.check_rays``
-    segments, once). A launch that fails is recorded and the others run.
+def emulated_launches(cfg, steps, usable: int) -> List[dict]:
+    """Every emulated launch of the study, in run order: [{"name", "method", "ranks", "cores" (None:
+    every usable core), "cells" [(step name, ms, rays)], "check" [...], "grid", "scene"}].
+
+    The main grid: for each method, each of its ``bench.emulated_ranks[_ss]`` and each core count of
+    :func:`launch_cores`, every (device step, rays) of ``steps`` (SS: at ``bench.rays_ss`` where given;
+    DDP at ``bench.check_ranks`` on
+    every core also the check cells, :func:`~dali_nerf.bench.study.steps.check_steps`). Then the
+    cache-effect row: DDP at ``bench.small_ranks`` on every core, on ``bench.small_scene``, at the
+    headline's step and ``bench.small_rays`` (the first of the grid's rays when empty)."""
+    b = cfg.bench
+    rays = grid_rays(cfg)
+    out = []
+    for m in b.methods:
+        mr = [r for r in rays if m == "ddp" or not b.rays_ss or r in b.rays_ss]
+        cells = [(s.name, s.ms[r], r) for s in steps for r in mr if r in s.ms]
+        for W in (b.emulated_ranks if m == "ddp" else b.emulated_ranks_ss):
+            for c in launch_cores(b, W, usable):
+                chk = check_steps(cfg) if (m == "ddp" and W in b.check_ranks and c is None) else []
+                out.append({"name": f"emu_{m}_{W}" + (f"_c{c}" if c else ""), "method": m, "ranks": W, "cores": c,
+                            "cells": cells, "check": chk, "grid": "main", "scene": cfg.scene.path})
+    head = headline_step(steps)
+    small = [(head.name, head.ms[r], r) for r in (b.small_rays or rays[:1]) if r in head.ms] if head else []
+    if b.small_scene and small and "ddp" in b.methods:
+        out.append({"name": f"emu_ddp_{b.small_ranks}_small", "method": "ddp", "ranks": b.small_ranks, "cores": None,
+                    "cells": small, "check": [], "grid": "cache", "scene": b.small_scene})
+    return out
+
+
+def run_emulated(cfg: Config, grad_bytes: int, steps, log=print) -> dict:
+    """The emulated launches of :func:`emulated_launches` (each pinned to its cores), each running the
+    floor and ``bench.emulated_samplers`` at every cell, ``bench.trials`` times in rotation. A launch
+    that fails is recorded and the others run.
 
     Returns {"dirs": [segment folders], "launches": [{"method", "ranks", "cores", "wall_s",
-    "barrier_s", "budget", "segments", "demoted", "cells"}], "failed": [(launch, reason, log)],
-    "links", "grad_bytes"}."""
+    "barrier_s", "budget", "segments", "demoted", "cells", "grid", "scene"}], "failed": [(launch,
+    reason, log)], "links", "grad_bytes"}."""
     b = cfg.bench
-    B = cfg.pipeline.rays_per_batch
     links = DeviceLinks()
     gb = int(b.emulated_grad_bytes or grad_bytes)
     root = Path(cfg.train.runs_dir)
-    usable = host_cores()
     dirs, launches, failed = [], [], []
-    for m in b.methods:
-        for W in (b.emulated_ranks if m == "ddp" else b.emulated_ranks_ss):
-            for c in launch_cores(b, W, usable):
-                budget = em.launch_budget(cfg, W, c)
-                segs = em.schedule(b.emulated_samplers, b.emulated_step_ms, b.trials, B,
-                                   check_rays=b.check_rays if (m == "ddp" and W in b.check_ranks and c is None) else (),
-                                   check_step_ms=b.check_step_ms)
-                name = f"emu_{m}_{W}" + (f"_c{c}" if c else "")
-                out = root / name
-                if out.exists():
-                    shutil.rmtree(out)
-                try:
-                    r = em.launch(cfg, m, W, segs, out, budget, links, gb, b.emulated_steps, b.emulated_warmup,
-                                  cpus=first_cores(c) if c else None)
-                except DaliNerfError as e:
-                    failed.append((name, str(e), str(out)))
-                    log(f"emulated {name}: FAILED ({e})")
-                    continue
-                log(f"emulated {m} x{W} on {budget.cores} cores: {len(segs)} segments in {r['wall_s']:.1f} s "
-                    f"(lockstep barrier {r['barrier_s'] * 1e6:.0f} us)")
-                dirs += r["dirs"]
-                if r["demoted"]:
-                    log(f"emulated {name}: starved background samplers returned to normal priority: "
-                        f"{'; '.join(r['demoted'])}")
-                launches.append({"method": m, "ranks": W, "cores": budget.cores, "wall_s": r["wall_s"],
-                                 "barrier_s": r["barrier_s"], "budget": dataclasses.asdict(budget),
-                                 "segments": len(segs), "demoted": r["demoted"], "cells": W if m == "ss" else None})
+    for la in emulated_launches(cfg, steps, host_cores()):
+        m, W, c, name = la["method"], la["ranks"], la["cores"], la["name"]
+        lcfg = dataclasses.replace(cfg, scene=dataclasses.replace(cfg.scene, path=la["scene"]))
+        budget = em.launch_budget(lcfg, W, c)
+        segs = em.schedule(b.emulated_samplers, la["cells"], b.trials, check=la["check"], grid=la["grid"])
+        out = root / name
+        if out.exists():
+            shutil.rmtree(out)
+        try:
+            r = em.launch(lcfg, m, W, segs, out, budget, links, gb, b.emulated_steps, b.emulated_warmup,
+                          cpus=first_cores(c) if c else None)
+        except DaliNerfError as e:
+            failed.append((name, str(e), str(out)))
+            log(f"emulated {name}: FAILED ({e})")
+            continue
+        log(f"emulated {name} ({m} x{W} on {budget.cores} cores): {len(segs)} segments in {r['wall_s']:.1f} s "
+            f"(lockstep barrier {r['barrier_s'] * 1e6:.0f} us)")
+        dirs += r["dirs"]
+        if r["demoted"]:
+            log(f"emulated {name}: starved background samplers returned to normal priority: {'; '.join(r['demoted'])}")
+        launches.append({"method": m, "ranks": W, "cores": budget.cores, "wall_s": r["wall_s"],
+                         "barrier_s": r["barrier_s"], "budget": dataclasses.asdict(budget),
+                         "segments": len(segs), "demoted": r["demoted"], "cells": W if m == "ss" else None,
+                         "grid": la["grid"], "scene": str(la["scene"])})
     return {"dirs": dirs, "launches": launches, "failed": failed, "links": links.lines(), "grad_bytes": gb}
+
+
+def launch_budgets(cfg, steps) -> List[tuple]:
+    """(sampler threads, rays per run) of every emulated launch's host budget (the control's own cost
+    is measured at each: :mod:`dali_nerf.bench.study.control`)."""
+    out = set()
+    for la in emulated_launches(cfg, steps, host_cores()):
+        bu = em.launch_budget(cfg, la["ranks"], la["cores"])
+        out.add((bu.threads, bu.rays_per_run))
+    return sorted(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,16 +321,14 @@ def measure_scaling(cfg: Config, scene, cores: int, batches: int = 20, rounds: i
     return out
 
 
-def sampler_table(cfg: Config) -> Optional[str]:
-    """The ``dali-nerf bench sampler`` table (markdown) on the study's scene, at the study's batch
-    size and 65536 (``bench.sampler_seconds`` per measurement; 0 skips it)."""
+def sampler_table(cfg: Config) -> Optional[dict]:
+    """The ``dali-nerf bench sampler`` measurements on the study's scene at its grid's batch sizes
+    (:func:`~dali_nerf.bench.sampler.measure_table`, ``bench.sampler_seconds`` per measurement; 0
+    skips it): {"command", "result"}, kept in derived.json (the report's table is printed from it)."""
     if cfg.bench.sampler_seconds <= 0:
         return None
-    with tempfile.TemporaryDirectory() as td:
-        out = Path(td) / "sampler.md"
-        ns = argparse.Namespace(scene=cfg.scene.path, batches=f"{cfg.pipeline.rays_per_batch},65536",
-                                seconds=cfg.bench.sampler_seconds, out=str(out))
-        sb.main(ns)
-        text = out.read_text()
-    cmd = (f"dali-nerf bench sampler --scene {cfg.scene.path} --batches {ns.batches} --seconds {ns.seconds:g}")
-    return f"`{cmd}` (run by the study):\n\n" + text.split("\n", 2)[-1]
+    batches = ",".join(str(b) for b in sorted(set(grid_rays(cfg))))
+    scene = load_scene(cfg.scene.path, split="train")
+    res = sb.measure_table(scene, [int(b) for b in batches.split(",")], cfg.bench.sampler_seconds)
+    cmd = f"dali-nerf bench sampler --scene {cfg.scene.path} --batches {batches} --seconds {cfg.bench.sampler_seconds:g}"
+    return {"command": cmd, "result": res}

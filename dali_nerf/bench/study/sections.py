@@ -1,7 +1,8 @@
-"""The sections of the study's ``report.md``, one function each: lines of markdown (joined with
-newlines by :func:`dali_nerf.bench.study.report.write_report`, in the order below).
+"""The sections of the study's ``report.md`` after its Result (:mod:`.result_section`), one function each:
+lines of markdown (joined with newlines by :func:`dali_nerf.bench.study.report.write_report`, in the
+order below).
 
->>> "\n".join(header(meta, emu) + result(derived["summary"], emu, derived["speedups"], meta) + ...)
+>>> "\n".join(header(meta, emu) + result(...) + overlap_section(...) + cpu_rows(cpu, meta) + ...)
 """
 
 from __future__ import annotations
@@ -12,41 +13,16 @@ import numpy as np
 
 from dali_nerf.train.emulation import EMULATED_LABEL
 from dali_nerf.bench import costmodel as cm
-from dali_nerf.bench import emulated as em
-from dali_nerf.bench.study.derive import BAND, KEEPS_UP_STALL, PAPER, PHASE_KEYS, keeps_up, keeps_up_reason, starved
+from dali_nerf.bench import sampler as sb
+from dali_nerf.bench.study.fmt import ci_ms, ci_pct, ci_x, fmt_ms, num, pct, step_label
+from dali_nerf.bench.study.read import PHASE_KEYS
+from dali_nerf.bench.study.rules import BAND, KEEPS_UP_STALL, keeps_up, keeps_up_reason, starved
 
-__all__ = ["header", "result", "headline_sentence", "cpu_rows", "emulated_rows", "speedup_table", "sampler_section",
-           "cost_model_section", "projection_section", "SAMPLER_SECTION",
-           "SAMPLER_SKIPPED", "SAMPLING_COST"]
+__all__ = ["header", "overlap_section", "cpu_rows", "emulated_rows", "speedup_table", "sampler_section",
+           "cost_model_section", "SAMPLER_SKIPPED"]
 
-SAMPLER_SECTION = "## Sampler throughput"
-"""The heading of :func:`sampler_section` (:func:`~dali_nerf.bench.study.report.sampler_table_of` reads the section back)."""
 SAMPLER_SKIPPED = "(`dali-nerf bench sampler` table: skipped, bench.sampler_seconds = 0.)"
 """:func:`sampler_section`'s line in place of a sampler table the study did not measure."""
-SAMPLING_COST = "Sampling cost measured on its own for the cost model (world size 1, seconds per batch):"
-"""The first line after the sampler table in :func:`sampler_section` when the study measured the sampling cost."""
-
-
-def _fmt_ms(s: Optional[float]) -> str:
-    return "-" if s is None else f"{s * 1e3:.2f}"
-
-
-def _pct(v: Optional[float]) -> str:
-    return "-" if v is None else f"{100 * v:.1f}%"
-
-
-def _num(v: Optional[float]) -> str:
-    return "-" if v is None else f"{v:.3g}"
-
-
-def _ci_ms(c: dict, key: str = "step") -> str:
-    lo, hi = c[f"{key}_ci"]
-    return f"{c[f'{key}_s'] * 1e3:.2f} [{lo * 1e3:.2f}, {hi * 1e3:.2f}]"
-
-
-def _ci_pct(c: dict) -> str:
-    lo, hi = c["stall_ci"]
-    return f"{100 * c['stall']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
 def _demoted_note(launch: dict) -> str:
@@ -72,6 +48,14 @@ def header(meta: dict, emu: List[dict]) -> List[str]:
             f"at end (the study's own rank processes count in it)"
             if "load_avg_start" in meta else ""),
          f"- workload: {meta['workload']}",
+         f"- scenes: main {(meta.get('scenes') or {}).get('main', '-')}"
+         + (f"; small (the cache row) {meta['scenes']['small']}" if (meta.get("scenes") or {}).get("small") else "")
+         + f"; the host's last-level cache: {meta.get('l3') or 'not known'}",
+         f"- rays per GPU and step (bench.rays, swept): {', '.join(str(b) for b in meta.get('rays_grid') or []) or '-'}",
+         "- device steps, named by what they stand for (device ms per step at each rays per GPU; the emulated device "
+         "waits that long, whatever the host does):"] + [
+         f"  - **{d['name']}** ({d['kind']}): " + ", ".join(f"{float(v):.3g} ms at {b}" for b, v in d["ms"].items())
+         + f". {d['source']}" for d in meta.get("device_steps") or []] + [
          f"- timing: {meta['trials']} trials per configuration in an order rotated between trials (each baseline "
          f"runs next to a pipelined run; speedups per trial from those pairs); CPU rows {meta['steps']} timed steps "
          f"after {meta['warmup']} warm-up steps" + (f", emulated rows {meta['emulated_steps']} timed steps after "
@@ -89,131 +73,14 @@ def header(meta: dict, emu: List[dict]) -> List[str]:
          f"- ray stream of rays and rays_sync (pipeline.stream): {meta.get('stream') or 'not recorded'} (global: one "
          "stream of global batches, each rank its slice; shard: each rank's own stream over its image shard)",
          "- control: rays_sync is rays (the same DALI graph, operator, threads, run size and stream) at prefetch 0: "
-         "synchronous in the training thread, each run's outputs copied out of DALI's buffers", ""]
+         "synchronous in the training thread, on DALI's synchronous executor, each run's outputs copied out of its "
+         "reused buffers; that copy and executor, which the pipelined loader does not pay, are measured apart and "
+         "reported as their own factor (the control factor)",
+         f"- headline rule (fixed before the study ran): {meta.get('headline_rule', '-')}",
+         "- left out by this grid: " + ("; ".join(meta.get("left_out") or []) or "-"), ""]
     if meta.get("failed"):
         L += ["## Cells that did not run", ""] + [f"- {n}: {r}" + (f" (log `{lg}`)" if lg != "-" else "")
                                                   for n, r, lg in meta["failed"]] + [""]
-    return L
-
-
-def _gpus(n: int) -> str:
-    return f"{n} emulated GPU" + ("s" if n != 1 else "")
-
-
-def _cpg(x: dict) -> str:
-    """``2 cores per GPU`` (or ``0.12 core per GPU``) of a row or pair."""
-    v = x.get("cores_per_gpu")
-    return "-" if v is None else f"{v:.3g} core{'s' if v > 1 else ''} per GPU"
-
-
-def _ci_x(x: dict, key: str) -> str:
-    lo, hi = x[f"{key}_ci"]
-    return f"{x[key]:.2f}x [{lo:.2f}, {hi:.2f}]"
-
-
-def _regime_line(r: dict, headline: bool = False) -> str:
-    """One like-for-like regime: where, the speedup as the product of the two gains, the stalls."""
-    where = (f"{r['method'].upper()}, {_cpg(r)} ({_gpus(r['ranks'])} on {r['cores']} core{'s' if r['cores'] > 1 else ''}), "
-             f"{r['emulated_step_ms']:g} ms device step, {r['rays_per_rank']} rays per GPU")
-    hidden = "" if r.get("hidden_stall") is None else f", hidden {100 * r['hidden_stall']:.1f}%"
-    return (f"- {'**headline** ' if headline else ''}{where}: speedup {_ci_x(r, 'speedup')} = sampler gain "
-            f"{_ci_x(r, 'sampler_gain')} x overlap gain {_ci_x(r, 'overlap_gain')}; stall sync_global "
-            f"{100 * r['stall_baseline']:.1f}%, rays_sync {100 * r['stall_rays_sync']:.1f}%, rays "
-            f"{100 * r['stall_pipelined']:.1f}%{hidden}"
-            + ("" if r.get("pipelined_over_floor") is None else f" (step {r['pipelined_over_floor']:.2f}x the floor)")
-            + ".")
-
-
-def _regime_table(rs: List[dict]) -> List[str]:
-    """The like-for-like regimes as a table: where, the three stalls, the hidden stall and the
-    pipelined step over its floor, the speedup and its two gains."""
-    L = ["| method | cores per GPU | GPUs on cores | device step ms | rays/GPU | stall sync_global | stall rays_sync | "
-         "stall rays | hidden | rays step / floor | speedup | sampler gain | overlap gain |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rs:
-        L.append(f"| {r['method']} | {r['cores_per_gpu']:.3g} | {r['ranks']} on {r['cores']} | {r['emulated_step_ms']:g} | "
-                 f"{r['rays_per_rank']} | {100 * r['stall_baseline']:.1f}% | {_pct(r.get('stall_rays_sync'))} | "
-                 f"{100 * r['stall_pipelined']:.1f}% | {_pct(r.get('hidden_stall'))} | {_num(r.get('pipelined_over_floor'))} | "
-                 f"{_ci_x(r, 'speedup')} | {_ci_x(r, 'sampler_gain')} | {_ci_x(r, 'overlap_gain')} |")
-    return L
-
-
-def headline_sentence(s: dict, meta: dict) -> Optional[str]:
-    """The study in one sentence (README's): how much of the speedup is overlap and how much a
-    faster sampler, in which regime; None without a like-for-like regime."""
-    lf = (s or {}).get("like_for_like")
-    if not lf:
-        return None
-    h = lf["headline"]
-    return (f"On {meta['machine']} at {_cpg(h)} ({_gpus(h['ranks'])}, {h['emulated_step_ms']:g} ms device steps, "
-            f"{EMULATED_LABEL}), pipelined sampling ran {h['speedup']:.2f}x faster than the ISPASS study's "
-            f"synchronous global sampler, of which {h['sampler_gain']:.2f}x is a faster sampler (our operator, "
-            f"synchronous) and {h['overlap_gain']:.2f}x is overlap (the ISPASS study's effect: 1.95x on average); "
-            f"over the {len(lf['regimes'])} like-for-like regimes at >= 1 core per GPU the overlap gain is "
-            f"{lf['overlap_gain_mean']:.2f}x on average ({lf['overlap_gain_max']:.2f}x at most).")
-
-
-def result(s: dict, emu: List[dict], sps: List[dict], meta: dict) -> List[str]:
-    """The result, comparable with the ISPASS study: its regimes at >= 1 core per GPU first (its
-    setting, sync_global, split into the sampler gain and the overlap gain), the one mean over the
-    comparable pairs, then the starved host, the rows that do not keep up and the flags; quotes no
-    flagged pair (``s``: :func:`~dali_nerf.bench.study.derive.derive_summary`)."""
-    L = ["## Result", ""]
-    if emu:
-        L += [f"Emulated rows: {EMULATED_LABEL}. Regimes are named by cores per GPU: the cores a launch's ranks ran "
-              f"on (CPU affinity) over its emulated GPUs; GPU servers give each GPU 8-14. Below 1 core per GPU the "
-              f"host is starved: no GPU server is, so those rows are measured and listed but never set beside the "
-              f"ISPASS study. No flagged pair is quoted in this section.", ""]
-    sentence = headline_sentence(s, meta)
-    if sentence:
-        L += [f"In one sentence: {sentence}", ""]
-    lf = (s or {}).get("like_for_like")
-    if lf:
-        L += ["Like for like with the ISPASS study (its setting, sync_global: rank 0 samples every GPU's batch in the "
-              "training thread; rays_sync: our sampler, synchronous in the training thread; rays: our sampler, "
-              "pipelined). Sampler gain = sync_global step / rays_sync step (a faster sampler), overlap gain = "
-              f"rays_sync step / rays step (overlap: the ISPASS study's effect, {PAPER['speedup_mean']}x on average, "
-              f"{PAPER['speedup_max']}x at most); the stall = wait / step (the ISPASS study: input sampling up to "
-              f"{100 * PAPER['stall']:.1f}% of training time):", ""]
-        L += [_regime_line(lf["headline"], headline=True), "", "Every like-for-like regime (95% intervals over "
-              "trials; hidden: the pipelined step lost outside next()):", ""] + _regime_table(lf["regimes"]) + [""]
-    c = (s or {}).get("comparable")
-    if c:
-        L += [f"Over the {c['pairs']} comparable pairs (emulated, >= 1 core per GPU, every baseline, not flagged, "
-              f"of the main grid): "
-              f"speedup {c['mean_speedup']:.2f}x on average ({c['max_speedup']:.2f}x at most) = sampler gain "
-              f"{c['mean_sampler_gain']:.2f}x x overlap gain {c['mean_overlap_gain']:.2f}x on average (overlap gain "
-              f"{c['max_overlap_gain']:.2f}x at most; the ISPASS study: {PAPER['speedup_mean']}x on average, "
-              f"{PAPER['speedup_max']}x at most).", ""]
-    L += _starved_lines(s, emu)
-    if s and s.get("pairs"):
-        L += [f"Over all {s['pairs']} pairs (CPU and emulated, the control's included): baseline stall "
-              f"{100 * s['mean_stall_sync']:.1f}% on average (max {100 * s['max_stall_sync']:.1f}%), pipelined stall "
-              f"at most {100 * s['max_stall_pipelined']:.1f}%; {s['flagged_pairs']} of {s['pairs']} pairs flagged "
-              f"(pipelined step outside [1/{BAND[1]:g}, {BAND[1]:g}] x its floor, the threshold of \"keeps up\" too, "
-              f"or the other rules of the speedup table; causes there).", ""]
-    return L
-
-
-def _starved_lines(s: dict, emu: List[dict]) -> List[str]:
-    """The starved host in one paragraph, and the rows whose host does not keep up."""
-    L = []
-    st = (s or {}).get("starved")
-    low = [c for c in emu if starved(c)]
-    if st and low:
-        g = [c for c in low if c["sampler"] == "sync_global"]
-        lo, hi = min(c["ranks"] for c in low), max(c["ranks"] for c in low)
-        L += [f"Starved host (< 1 core per GPU: {lo if lo == hi else f'{lo}-{hi}'} emulated GPUs on "
-              f"{max(c['cores'] for c in low)} cores; not compared with the ISPASS study): "
-              + (f"sync_global stall up to {100 * max(c['stall'] for c in g):.1f}%, " if g else "")
-              + f"pipelined step up to {st['max_step_over_floor']:.2f}x its floor, hidden stall up to "
-              f"{100 * st['max_hidden_stall']:.1f}% of the step (lost outside next(), which the stall does not see).",
-              ""]
-    bad = [c for c in emu if keeps_up(c) is False]
-    if bad:
-        L += ["The pipelined CPU sampler does not keep up (step > " f"{BAND[1]:g}x the floor or stall > {100 * KEEPS_UP_STALL:g}%) at: "
-              + "; ".join(f"{c['method'].upper()} {_gpus(c['ranks'])} at {_cpg(c)}, {c['emulated_step_ms']:g} ms, "
-                          f"{c['rays_per_rank']} rays ({keeps_up_reason(c)})" for c in bad) + ".", ""]
     return L
 
 
@@ -232,10 +99,10 @@ def cpu_rows(cpu: List[dict], meta: dict) -> List[str]:
         for c in cpu:
             ph = c["phases_s"]
             psnr = f"{c['test_psnr']:.2f}" if c.get("test_psnr") is not None else "-"
-            L.append(f"| {c['method']} | {c['sampler']} | {c['ranks']} | {_num(c.get('cores_per_gpu'))} | "
-                     f"{c.get('sampler_threads') or '-'} | {c['trials']} | {_ci_ms(c)} | {_ci_pct(c)} | "
-                     f"{_pct(c.get('hidden_stall'))} | {_pct(c.get('runq_share'))} | "
-                     + " | ".join(_fmt_ms(ph[k]) for k in PHASE_KEYS)
+            L.append(f"| {c['method']} | {c['sampler']} | {c['ranks']} | {num(c.get('cores_per_gpu'))} | "
+                     f"{c.get('sampler_threads') or '-'} | {c['trials']} | {ci_ms(c)} | {ci_pct(c)} | "
+                     f"{pct(c.get('hidden_stall'))} | {pct(c.get('runq_share'))} | "
+                     + " | ".join(fmt_ms(ph[k]) for k in PHASE_KEYS)
                      + f" | {c['rays_per_s'] / 1e6:.3f} | {psnr} |")
         fus = [(c["name"], c["fusion"]) for c in cpu if c["fusion"]]
         if fus:
@@ -256,8 +123,9 @@ def emulated_rows(emu: List[dict], emulation: Optional[dict], meta: dict, sampli
     L = [f"## Emulated GPUs ({EMULATED_LABEL})", "", "![scaling](scaling.png)", "",
          "Device-side work as timed waits (the rank's thread sleeps, its core is free):", ""]
     L += [f"- {x}" for x in (emulation or {}).get("links", [])]
-    L += [f"- device step times {', '.join(f'{v:g}' for v in meta.get('emulated_step_ms', []))} ms per 4096-ray step: "
-          f"{meta.get('step_ms_source', '')}",
+    L += ["- device steps: " + ("; ".join(f"{d['name']} ({d['kind']})" for d in meta.get("device_steps") or []) or "-")
+          + " (the header gives each one's ms and source); a step's device time is its ms at the step's rays, "
+            "scaled by the rank's share of the rays in that step (the global stream's shares vary a little)",
           f"- gradients all-reduced per DDP step: {(emulation or {}).get('grad_bytes', 0) / 1e6:.2f} MB",
           "- DDP ranks keep lockstep through a shared-memory barrier each step (the all-reduce's rendezvous); "
           "sync_global: rank 0 samples every rank's batch in its training thread, writes it to shared memory, "
@@ -270,7 +138,7 @@ def emulated_rows(emu: List[dict], emulation: Optional[dict], meta: dict, sampli
           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for la in (emulation or {}).get("launches", []):
         n = la.get("cores") or la["budget"].get("cores")
-        L.append(f"| {la['method']} | {la['ranks']} | {n} | {_num(n / la['ranks'] if n else None)} | {la['cells'] or '-'} | "
+        L.append(f"| {la['method']} | {la['ranks']} | {n} | {num(n / la['ranks'] if n else None)} | {la['cells'] or '-'} | "
                  f"{la['barrier_s'] * 1e6:.0f} | "
                  f"{la['budget']['threads']} | {la['budget']['rays_per_run']} | {la['budget'].get('priority', 'normal')}"
                  f"{_demoted_note(la)} | "
@@ -296,8 +164,8 @@ def emulated_rows(emu: List[dict], emulation: Optional[dict], meta: dict, sampli
 
 def _emulated_table(emu: List[dict], per_core: Optional[float]) -> List[str]:
     """The emulated rows' table: one row per configuration, the pipelined rows with their verdict."""
-    L = ["| method | device step ms | rays/rank | ranks | cores/GPU | threads | sampler | step ms [95% CI] | floor ms | step / floor | stall [95% CI] | hidden | run-queue | overshoot | wait | h2d | compute | sync | host busy | host keeps up |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    L = ["| method | scene | device step | rays/rank | ranks | cores/GPU | threads | sampler | step ms [95% CI] | floor ms | step / floor | stall [95% CI] | hidden | run-queue | overshoot | wait | h2d | compute | sync | host busy | host keeps up |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in emu:
         ph = c["phases_s"]
         ku = keeps_up(c)
@@ -310,12 +178,13 @@ def _emulated_table(emu: List[dict], per_core: Optional[float]) -> List[str]:
                 f" Mrays/s = {100 * demand / cap:.0f}% of the sampler's capacity on its cores)" if cap else " Mrays/s)")
         sof = f"{c['step_over_floor']:.2f}" if c.get("step_over_floor") is not None else "-"
         busy = "-" if c.get("host_busy") is None else f"{100 * c['host_busy']:.0f}%"
-        regime = _num(c.get("cores_per_gpu")) + (" (starved host)" if starved(c) else "")
-        L.append(f"| {c['method']} | {c['emulated_step_ms']:g} | {c['rays_per_rank']} | {c['ranks']} | {regime} | "
-                 f"{c.get('sampler_threads') or '-'} | {c['sampler']} | {_ci_ms(c)} | {_fmt_ms(c['floor_step_s'])} | "
-                 f"{sof} | {_ci_pct(c)} | {_pct(c.get('hidden_stall'))} | {_pct(c.get('hidden_runq'))} | "
-                 f"{_pct(c.get('hidden_overshoot'))} | {_fmt_ms(ph['wait'])} | {_fmt_ms(ph['h2d'])} | "
-                 f"{_fmt_ms(ph['forward'] + ph['backward'] + ph['optimizer'])} | {_fmt_ms(ph['sync'])} | {busy} | {mark} |")
+        regime = num(c.get("cores_per_gpu")) + (" (starved host)" if starved(c) else "")
+        L.append(f"| {c['method']} | {c.get('grid') or 'main'} | {step_label(c)} | {c['rays_per_rank']} | {c['ranks']} | "
+                 f"{regime} | "
+                 f"{c.get('sampler_threads') or '-'} | {c['sampler']} | {ci_ms(c)} | {fmt_ms(c['floor_step_s'])} | "
+                 f"{sof} | {ci_pct(c)} | {pct(c.get('hidden_stall'))} | {pct(c.get('hidden_runq'))} | "
+                 f"{pct(c.get('hidden_overshoot'))} | {fmt_ms(ph['wait'])} | {fmt_ms(ph['h2d'])} | "
+                 f"{fmt_ms(ph['forward'] + ph['backward'] + ph['optimizer'])} | {fmt_ms(ph['sync'])} | {busy} | {mark} |")
     return L
 
 
@@ -344,38 +213,39 @@ def speedup_table(sps: List[dict]) -> List[str]:
          "ideal (wait) = 1 / (1 - wait / step): the ideal from the per-rank wait alone, for comparison (it misses "
          "the stall outside next()); ideal (lockstep) adds the sync above the floor's. cores/GPU below 1: the "
          "starved host.", "",
-         "| device | method | step ms | rays/rank | ranks | cores/GPU | baseline | speedup [95% CI] | sampler gain [95% CI] | overlap gain [95% CI] | ideal [95% CI] | speedup / ideal | ideal (wait) | ideal (lockstep) | data stall baseline | stall baseline | stall rays_sync | stall pipelined | pipelined step / floor | hidden stall pipelined | flag: cause |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| device | method | scene | device step | rays/rank | ranks | cores/GPU | baseline | speedup [95% CI] | sampler gain [95% CI] | overlap gain [95% CI] | ideal [95% CI] | speedup / ideal | ideal (wait) | ideal (lockstep) | data stall baseline | stall baseline | stall rays_sync | stall pipelined | pipelined step / floor | hidden stall pipelined | flag: cause |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in sps:
         fl = "-" if not x["flags"] else f"**{'; '.join(x['flags'])}**: {x['cause']}"
-        gains = " | ".join("-" if x.get(g) is None else _ci_x(x, g) for g in ("sampler_gain", "overlap_gain"))
-        regime = _num(x.get("cores_per_gpu")) + (" (starved host)" if starved(x) else "")
-        L.append(f"| {x['device']} | {x['method']} | {'-' if x['emulated_step_ms'] is None else format(x['emulated_step_ms'], 'g')} | "
-                 f"{x['rays_per_rank']} | {x['ranks']} | {regime} | {x['baseline']} | {_ci_x(x, 'speedup')} | {gains} | "
+        gains = " | ".join(ci_x(x, g) for g in ("sampler_gain", "overlap_gain"))
+        regime = num(x.get("cores_per_gpu")) + (" (starved host)" if starved(x) else "")
+        L.append(f"| {x['device']} | {x['method']} | {x.get('grid') or 'main'} | {step_label(x)} | "
+                 f"{x['rays_per_rank']} | {x['ranks']} | {regime} | {x['baseline']} | {ci_x(x, 'speedup')} | {gains} | "
                  f"{x['ideal_speedup']:.2f}x [{x['ideal_ci'][0]:.2f}, {x['ideal_ci'][1]:.2f}] | "
                  f"{x['ratio']:.2f} | {x['ideal_speedup_wait']:.2f}x | "
                  f"{'-' if x.get('ideal_speedup_lockstep') is None else format(x['ideal_speedup_lockstep'], '.2f') + 'x'} | "
-                 f"{_pct(x.get('stall_data'))} | {100 * x['stall_baseline']:.1f}% | {_pct(x.get('stall_rays_sync'))} | "
-                 f"{100 * x['stall_pipelined']:.1f}% | {_num(x.get('pipelined_over_floor'))} | "
-                 f"{_pct(x.get('hidden_stall'))} | {fl} |")
+                 f"{pct(x.get('stall_data'))} | {100 * x['stall_baseline']:.1f}% | {pct(x.get('stall_rays_sync'))} | "
+                 f"{100 * x['stall_pipelined']:.1f}% | {num(x.get('pipelined_over_floor'))} | "
+                 f"{pct(x.get('hidden_stall'))} | {fl} |")
     return L
 
 
-def sampler_section(sampler_table: Optional[str], sampling: Optional[dict]) -> List[str]:
-    """The ``dali-nerf bench sampler`` table (or that it was skipped), the sampling-cost table and
-    the per-core scaling measured on this host."""
-    L = ["", SAMPLER_SECTION, ""]
-    if sampler_table:
-        L += [sampler_table.strip(), ""]
+def sampler_section(sampler: Optional[dict], sampling: Optional[dict], control: Optional[dict]) -> List[str]:
+    """The ``dali-nerf bench sampler`` table (or that it was skipped), the control's own cost
+    measured apart, the sampling-cost table and the per-core scaling measured on this host."""
+    L = ["", "## Sampler throughput", ""]
+    if sampler:
+        L += [f"`{sampler['command']}` (run by the study):", "", sb.table_markdown(sampler["result"]), ""]
     else:
         L += [SAMPLER_SKIPPED, ""]
+    L += _control_lines(control)
     if sampling:
-        L += [SAMPLING_COST, "",
+        L += ["Sampling cost measured on its own for the cost model (world size 1, seconds per batch):", "",
               "| rays per batch | sync sampler ms | sync Mrays/s | pipelined loader ms | loader Mrays/s | rays_sync ms | rays_sync Mrays/s |",
               "|---|---|---|---|---|---|---|"]
         rs = sampling.get("rays_sync_s") or [None] * len(sampling["sizes"])
         for bb, a, c, r in zip(sampling["sizes"], sampling["sync_s"], sampling["loader_s"], rs):
-            L.append(f"| {bb} | {_fmt_ms(a)} | {bb / a / 1e6:.2f} | {_fmt_ms(c)} | {bb / c / 1e6:.2f} | {_fmt_ms(r)} | "
+            L.append(f"| {bb} | {fmt_ms(a)} | {bb / a / 1e6:.2f} | {fmt_ms(c)} | {bb / c / 1e6:.2f} | {fmt_ms(r)} | "
                      f"{'-' if r is None else format(bb / r / 1e6, '.2f')} |")
         L += ["", "pipelined loader: its production with no consumer (DALI computing ahead); rays_sync: the same "
                   "sampler in the calling thread, each run's copy out of DALI's buffers included.", ""]
@@ -383,16 +253,56 @@ def sampler_section(sampler_table: Optional[str], sampling: Optional[dict]) -> L
     return L
 
 
+def _control_lines(control: Optional[dict]) -> List[str]:
+    """The control's own cost (:mod:`dali_nerf.bench.study.control`): per batch and budget, each
+    variant's ms per step and the differences."""
+    if not control or not control.get("rows"):
+        return []
+    L = [f"The control's own cost, measured apart (the ray graph at each batch and each launch's sampler threads and "
+         f"run size, world size 1, in the calling thread; {control['rounds']} interleaved rounds of {control['runs']} "
+         f"runs each; ms per step, means over the rounds): control = the synchronous executor, each run copied out of "
+         f"its reused buffers (what rays_sync does); no copy = the same, not copied; async = the asynchronous "
+         f"executor with one run in flight, driven from the calling thread, not copied (the pipelined loader's own "
+         f"production, without overlap). The control's own cost = control - async, with its 95% interval over the "
+         f"rounds (copy = control - no copy, executor = no copy - async).", "",
+         "| rays per step | sampler threads | rays per run | control ms | no copy ms | async ms | own cost ms [95% CI] | copy ms | executor ms |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    for r in control["rows"]:
+        mean = {v: sum(r[f"{v}_s"]) / len(r[f"{v}_s"]) for v in ("control", "no_copy", "async")}
+        lo, hi = r["own_ci"]
+        L.append(f"| {r['rays']} | {r['threads']} | {r['rays_per_run']} | {fmt_ms(mean['control'])} | "
+                 f"{fmt_ms(mean['no_copy'])} | {fmt_ms(mean['async'])} | {1e3 * r['own_s']:.3f} [{1e3 * lo:.3f}, "
+                 f"{1e3 * hi:.3f}] | {1e3 * r['copy_s']:.3f} | {1e3 * r['executor_s']:.3f} |")
+    return L + [""]
+
+
+def overlap_section(s: dict, emu: List[dict]) -> List[str]:
+    """The overlap plot: the overlap gain (95% intervals) of every main-grid sync_global pair at >= 1
+    core per GPU, flagged ones marked, against the rays per GPU and against the device step (where
+    emulated rows ran; empty, and said so, without one)."""
+    if not emu:
+        return []
+    rows = (s or {}).get("overlap") or []
+    flagged = sum(1 for r in rows if r.get("flags"))
+    return ["## Overlap gain against the batch and the device step", "", "![overlap](overlap.png)", "",
+            (f"The overlap gain (rays_sync step / rays step, sync_global's pairs, 95% intervals over trials) of each "
+             f"of the {len(rows)} regimes at >= 1 core per GPU of the main grid ({flagged} flagged, drawn as crosses: "
+             "their host does not keep up) against the rays per GPU (left) and the device step (right), one panel "
+             "row per method; hollow markers: the overlap beyond the control's own cost. The dashed line is 1.0: an "
+             "interval that crosses it shows no overlap gain." if rows else
+             "No regime at >= 1 core per GPU with the control: the plot is empty."), ""]
+
+
 def _scaling_lines(sc: Optional[dict]) -> List[str]:
     """Per-core scaling of the samplers, as measured on this host (1 thread against all its cores)."""
     if not sc or not sc.get("efficiency"):
         return []
     L = [f"Scaling with threads on this host, at {sc['rays']} rays per batch (ms per batch, the best of "
-         f"{sc.get('rounds', 1)} interleaved rounds; the cost model and the projection take the per-core cost as "
-         f"linear in the cores, measured here up to {sc['threads'][-1]}):", "",
+         f"{sc.get('rounds', 1)} interleaved rounds; the cost model takes the per-core cost as linear in the "
+         f"cores, measured here up to {sc['threads'][-1]}):", "",
          "| threads | sync sampler ms | pipelined loader ms | rays_sync ms |", "|---|---|---|---|"]
     for i, n in enumerate(sc["threads"]):
-        L.append(f"| {n} | {_fmt_ms(sc['sync_s'][i])} | {_fmt_ms(sc['loader_s'][i])} | {_fmt_ms(sc['rays_sync_s'][i])} |")
+        L.append(f"| {n} | {fmt_ms(sc['sync_s'][i])} | {fmt_ms(sc['loader_s'][i])} | {fmt_ms(sc['rays_sync_s'][i])} |")
     e = sc["efficiency"]
     L += ["", f"1 -> {sc['threads'][-1]} threads: sync sampler {100 * e['sync']:.0f}% of linear, pipelined loader "
               f"{100 * e['loader']:.0f}%, rays_sync {100 * e['rays_sync']:.0f}% (100%: {sc['threads'][-1]} times the "
@@ -431,7 +341,7 @@ def cost_model_section(model: cm.CostModel, validation: List[dict], meta: dict) 
     for v in validation:
         L.append(f"| {v.get('set', '-')} | {v['method']} | {v['sampler']} | {v['ranks']} | {v.get('rays_per_rank', '-')} | "
                  f"{v.get('emulated_step_ms') if v.get('emulated_step_ms') is not None else '-'} | "
-                 f"{_fmt_ms(v['step_measured_s'])} | {_fmt_ms(v['step_predicted_s'])} | "
+                 f"{fmt_ms(v['step_measured_s'])} | {fmt_ms(v['step_predicted_s'])} | "
                  f"{100 * v['step_error']:+.1f}% | {100 * v['stall_measured']:.1f}% | {100 * v['stall_predicted']:.1f}% |")
     for name in ("fit", "check"):
         errs = [abs(v["step_error"]) for v in validation if v.get("set") == name]
@@ -442,16 +352,4 @@ def cost_model_section(model: cm.CostModel, validation: List[dict], meta: dict) 
                    for s in cm.SAMPLERS]
             L.append("(" + "; ".join(f"{s}: mean {100 * np.mean(e):.1f}%, max {100 * np.max(e):.1f}%"
                                      for s, e in per if e) + ")")
-    return L
-
-
-def projection_section(projection: List[dict], assumptions: "cm.ProjectionAssumptions") -> List[str]:
-    """The projection beyond 16 GPUs: its assumptions and the rows at 1, 8, 64 GPUs per node on 1 and 8 nodes."""
-    L = ["", "## Projection beyond 16 GPUs (a projection of the cost model, not a measurement)", "",
-         "![projection](projection.png)", "", "Assumptions:", ""]
-    L += [f"- {a}" for a in assumptions.lines()]
-    L += ["", "| nodes | GPUs/node | sampler | step ms | stall | speedup of pipelined |", "|---|---|---|---|---|---|"]
-    for p in projection:
-        if p["gpus_per_node"] in (1, 8, 64) and p["nodes"] in (1, 8):
-            L.append(f"| {p['nodes']} | {p['gpus_per_node']} | {p['sampler']} | {_fmt_ms(p['step_s'])} | {100 * p['stall']:.1f}% | {p['speedup_of_rays']:.2f}x |")
     return L
