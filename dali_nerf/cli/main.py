@@ -32,7 +32,7 @@ SUMMARIES = {
     "make-scene": "generate a multi-view scene with known cameras (objects | city | forward | unbounded)",
     "validate": "scan a scene folder (every image header) before training",
     "render": "render a split or an orbit from a DDP or SS run's checkpoint",
-    "bench": "benchmarks: sampler | study | loop | decode (docs/BENCHMARKS.md)",
+    "bench": "benchmarks: sampler | study | loop | decode | images (docs/BENCHMARKS.md)",
     "build-op": "build (or rebuild) the C++ ray sampler operator now",
 }
 """One line per subcommand: ``dali-nerf --help`` and each subcommand's own help."""
@@ -47,52 +47,8 @@ def _help_text() -> str:
     return "\n".join([_DESCRIPTION, "", "commands:"] + [f"  {n:<{width}}  {h}" for n, h in SUMMARIES.items()])
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dali-nerf", usage="dali-nerf [-h] COMMAND ...", description=_help_text(), epilog=_EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog="dali-nerf")
-
-    def add(name):
-        return sub.add_parser(name, help=SUMMARIES[name], description=SUMMARIES[name])
-
-    d = add("demo")
-    d.add_argument("--config", default=None,
-                   help="a YAML file or a shipped config's name (default: ddp_objects; dali-nerf train --list)")
-    d.add_argument("--data", default="data/default", help="scene folder (generated when missing)")
-    d.add_argument("--nproc", type=int, default=2, help="ranks (processes) to train with")
-    d.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.steps=200")
-
-    from dali_nerf.cli.train import add_arguments as train_arguments
-
-    train_arguments(add("train"))
-
-    m = add("make-scene")
-    m.add_argument("kind", choices=["objects", "city", "forward", "unbounded"])
-    m.add_argument("--out", required=True, help="output folder")
-    m.add_argument("--resolution", type=int, default=None, help="image width in pixels (objects: square; others: height = 3/4 width)")
-    m.add_argument("--images", type=int, default=None, help="training images")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--jpeg", action="store_true", help="write JPEG instead of PNG (forward, unbounded: always JPEG)")
-    m.add_argument("--format", choices=["native", "colmap"], default="native",
-                   help="native: the kind's own layout; colmap: a COLMAP sparse model + images (splatting trainers)")
-    m.add_argument("--force", action="store_true", help="overwrite an existing folder")
-    m.add_argument("--occluders", action="store_true",
-                   help="city, unbounded: a transient occluder in every image, masked (masks/, nerfstudio mask_path)")
-
-    v = add("validate")
-    v.add_argument("scene")
-    v.add_argument("--format", default="auto")
-    v.add_argument("--split", default=None, help="one split (default: all present)")
-
-    r = add("render")
-    r.add_argument("--checkpoint", required=True, help="checkpoint file or run folder")
-    r.add_argument("--out", required=True, help="folder for the PNGs")
-    r.add_argument("--split", default="test")
-    r.add_argument("--orbit", type=int, default=0, help="render N orbit views instead of a split")
-    r.add_argument("--max-images", type=int, default=0)
-
-    b = add("bench")
-    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+def _bench_parsers(bsub) -> None:
+    """The ``dali-nerf bench`` subcommands and their options."""
     bs = bsub.add_parser("sampler", help="sampler throughput table (rays/s) and decode images/s")
     bs.add_argument("--scene", default=None, help="scene folder (default: generate a 100-image 400x400 one)")
     bs.add_argument("--batches", default="4096,65536")
@@ -152,6 +108,53 @@ def _parser() -> argparse.ArgumentParser:
                     "(1-component JPEG, decoded by OpenCV)")
     bd.add_argument("--reps", type=int, default=2)
     bd.add_argument("--out", default=None, help="also write decode.json here (a folder)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dali-nerf", usage="dali-nerf [-h] COMMAND ...", description=_help_text(), epilog=_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog="dali-nerf")
+
+    def add(name):
+        return sub.add_parser(name, help=SUMMARIES[name], description=SUMMARIES[name])
+
+    d = add("demo")
+    d.add_argument("--config", default=None,
+                   help="a YAML file or a shipped config's name (default: ddp_objects; dali-nerf train --list)")
+    d.add_argument("--data", default="data/default", help="scene folder (generated when missing)")
+    d.add_argument("--nproc", type=int, default=2, help="ranks (processes) to train with")
+    d.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.steps=200")
+
+    from dali_nerf.cli.train import add_arguments as train_arguments
+
+    train_arguments(add("train"))
+
+    m = add("make-scene")
+    m.add_argument("kind", choices=["objects", "city", "forward", "unbounded"])
+    m.add_argument("--out", required=True, help="output folder")
+    m.add_argument("--resolution", type=int, default=None, help="image width in pixels (objects: square; others: height = 3/4 width)")
+    m.add_argument("--images", type=int, default=None, help="training images")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--jpeg", action="store_true", help="write JPEG instead of PNG (forward, unbounded: always JPEG)")
+    m.add_argument("--format", choices=["native", "colmap"], default="native",
+                   help="native: the kind's own layout; colmap: a COLMAP sparse model + images (splatting trainers)")
+    m.add_argument("--force", action="store_true", help="overwrite an existing folder")
+    m.add_argument("--occluders", action="store_true",
+                   help="city, unbounded: a transient occluder in every image, masked (masks/, nerfstudio mask_path)")
+
+    v = add("validate")
+    v.add_argument("scene")
+    v.add_argument("--format", default="auto")
+    v.add_argument("--split", default=None, help="one split (default: all present)")
+
+    r = add("render")
+    r.add_argument("--checkpoint", required=True, help="checkpoint file or run folder")
+    r.add_argument("--out", required=True, help="folder for the PNGs")
+    r.add_argument("--split", default="test")
+    r.add_argument("--orbit", type=int, default=0, help="render N orbit views instead of a split")
+    r.add_argument("--max-images", type=int, default=0)
+
+    _bench_parsers(add("bench").add_subparsers(dest="bench", required=True, metavar="BENCH"))
 
     o = add("build-op")
     o.add_argument("--cuda", action="store_true", help="also compile the CUDA variant with nvcc")
