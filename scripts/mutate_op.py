@@ -29,6 +29,7 @@ survivors with another seed — rescoring the same sample overstates it.
     python scripts/mutate_op.py --list                  # count the sites per file, no run
     python scripts/mutate_op.py --sample 40 --seed 1    # run 40 mutants (about a minute each here)
     python scripts/mutate_op.py --show 17 --seed 1   # mutant 17 of seed 1's order: its file, line, change
+    python scripts/mutate_op.py --replay .mutation/op/1-40.json   # rerun that file's survivors
 
 Run it in a checkout of its own (it rewrites csrc files while it runs and restores each; it refuses
 to start when csrc has uncommitted changes). Results: ``.mutation/op/<seed>-<sample>.json``
@@ -163,6 +164,28 @@ def score(results: list) -> tuple:
     return killed, survived, (killed / (killed + survived) if killed + survived else float("nan"))
 
 
+def replay(path: Path, python: str) -> int:
+    """Rerun the mutants a results file lists as survived (after tests were written for them)."""
+    fields = ("file", "start", "old", "new", "line")
+    survivors = [Mutant(**{k: d[k] for k in fields}) for d in json.loads(path.read_text())
+                 if d["status"] == "survived"]
+    left = 0
+    with tempfile.TemporaryDirectory(prefix="mutate_op_cache_") as cache:
+        for m in survivors:
+            text = (CSRC / m.file).read_text()
+            if text[m.start:m.start + len(m.old)] != m.old:
+                print(f"{m.file}:{m.line}: the source moved since {path}; draw a new sample", file=sys.stderr)
+                return 2
+            r = _run_one(m, cache, python)
+            left += r["status"] == "survived"
+            print(f"{m.file}:{m.line} {m.old!r}->{m.new!r}: {r['status']} ({r['seconds']:.0f} s) "
+                  f"{r.get('caught_by', '')}", flush=True)
+            for p in Path(cache).iterdir():
+                subprocess.run(["rm", "-rf", str(p)])
+    print(f"{len(survivors) - left} of {len(survivors)} earlier survivors now killed")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Planted-bug campaign for the C++ operator (csrc).")
     ap.add_argument("--list", action="store_true", help="count the mutation sites per file and stop")
@@ -170,6 +193,8 @@ def main(argv=None) -> int:
                     help="how many mutants that compile to run, drawn in the seed's order from every site")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--show", type=int, help="print mutant K of the sample (its file, line, change) and stop")
+    ap.add_argument("--replay", type=Path,
+                    help="rerun the survivors of this results file against today's tests (csrc unchanged)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter whose environment runs the tests")
     a = ap.parse_args(argv)
     if a.list:
@@ -188,6 +213,8 @@ def main(argv=None) -> int:
         print(f"mutate_op: {CSRC.relative_to(REPO)} has uncommitted changes; commit or stash them first "
               "(every mutant is restored from the file as it is)", file=sys.stderr)
         return 2
+    if a.replay is not None:
+        return replay(a.replay, a.python)
     OUT.mkdir(parents=True, exist_ok=True)
     out = OUT / f"{a.seed}-{a.sample}.json"
     done = json.loads(out.read_text()) if out.is_file() else []

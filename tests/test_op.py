@@ -421,6 +421,20 @@ def test_bad_inputs_raise():
         run_op(cache, 10, [0], cell=0)
 
 
+@pytest.mark.parametrize("centroids, cell", [
+    (np.zeros((4, 4), np.float32), 0),           # not 3 coordinates
+    (np.zeros((12,), np.float32), 0),             # not 2-D
+    (CENTROIDS, 4),                               # the cell is not one of them
+    (np.zeros((65, 3), np.float32), 0),           # over kMaxCells
+], ids=["4-coords", "1-D", "cell-past-end", "65-cells"])
+def test_bad_centroids_are_refused(centroids, cell):
+    """Each clause of the op's `centroids` check refuses on its own (one accepted bad shape reads
+    past the routing table)."""
+    cache = make_cache(np.random.default_rng(8))
+    with pytest.raises(RuntimeError, match="centroids"):
+        run_op(cache, 10, [0], centroids=centroids, cell=cell)
+
+
 def test_defaults_without_start():
     """`start` defaults to 0. (`seed` is always passed: when it is omitted DALI fills it from the
     pipeline's seed, like for its own random operators.)"""
