@@ -54,8 +54,8 @@ REPO = Path(__file__).resolve().parents[1]
 CSRC = REPO / "dali_nerf" / "ops" / "csrc"
 OUT = REPO / ".mutation" / "op"
 FILES = ("ray_sampler.cc", "writer.cc", "routing.cc", "global.cc", "walk.cc",
-         "ray_sampler.h", "streams.h", "ray_math.h", "hd.h", "writer.h", "routing.h", "global.h", "walk.h")
-TESTS = ("tests/test_op.py", "tests/test_op_global.py", "tests/test_properties_rays.py",
+         "ray_sampler.h", "streams.h", "ray_math.h", "hd.h", "writer.h", "routing.h", "global.h", "walk.h", "mask.h")
+TESTS = ("tests/test_op.py", "tests/test_op_global.py", "tests/test_op_masks.py", "tests/test_properties_rays.py",
          "tests/test_properties_routing.py")
 TIMEOUT_S = 900
 
