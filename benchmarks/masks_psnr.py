@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dali_nerf.cli.train import torchrun_command
 from dali_nerf.scenegen import make_scene
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,8 +28,7 @@ CONFIG = "configs/ss_city.yaml"  # its model and background for the city scene; 
 
 
 def run(config, overrides, nproc):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-           "dali_nerf.trainers.ddp", "--config", config, *overrides]
+    cmd = torchrun_command("dali_nerf.trainers.ddp", nproc, config, overrides)
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if r.returncode != 0:

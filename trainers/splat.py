@@ -37,7 +37,8 @@ from dali_nerf.data.seeds import init_seed  # noqa: E402
 from dali_nerf.models.gaussians import (Densifier, GaussianModel, render_camera, splat_loss,  # noqa: E402
                                        splat_optimizer)
 from dali_nerf.scenes.bounds import scene_bounds  # noqa: E402
-from dali_nerf.train.runtime import DistEnv, to_device  # noqa: E402
+from dali_nerf.train.loop import fetch_batch  # noqa: E402
+from dali_nerf.train.runtime import DistEnv  # noqa: E402
 from dali_nerf.train.tasks import Method, Task  # noqa: E402
 
 __all__ = ["SplatMethod", "initial_gaussians", "scene_scale", "main"]
@@ -115,13 +116,7 @@ class SplatMethod(Method):
         metrics' ``loss`` / ``psnr`` columns are the images' MSE and PSNR, as the NeRF trainers' (the
         optimised loss is gsplat's L1 + SSIM)."""
         model, opt = task.raw_field, task.optimizer
-        t0 = time.perf_counter()
-        batch = next(task.batches())
-        t1 = time.perf_counter()
-        timer.host("wait", t1 - t0)
-        m1 = t1 if not timer.cuda else timer.mark()
-        batch = to_device(batch, env.device)
-        m2 = timer.mark()
+        batch, m1, m2 = fetch_batch(task, timer, env.device)
         pixels = batch["image"].float() / 255.0
         b, h, w = pixels.shape[:3]
         colors, _, info = model.render(torch.linalg.inv(batch["camtoworld"]), batch["K"], w, h,

@@ -70,7 +70,7 @@ from dali_nerf.sources.registry import rank_feed
 from dali_nerf.train.tasks import Method, Task, close_sources
 from dali_nerf.train.tblog import TBWriter, step_scalars
 
-__all__ = ["train", "run_steps", "evaluate_and_summarise", "LoopResult", "train_task_step", "PHASES"]
+__all__ = ["train", "run_steps", "evaluate_and_summarise", "LoopResult", "train_task_step", "fetch_batch", "PHASES"]
 
 _WORLD = RaySpace("world", [[0.0] * 3, [0.0] * 3])  # render_args of world space: the rays unchanged
 
@@ -174,6 +174,19 @@ class LoopResult:
     figures: bool = True          # False: no segment ran (a resume at the end without a summary of record)
 
 
+def fetch_batch(task, timer, device):
+    """The step's batch from ``task``'s source, the wait for it timed (the host phase ``wait``),
+    moved to ``device``; returns ``(batch, m1, m2)``, the timer's marks around the copy (the
+    ``h2d`` span). Every trainer's step starts so."""
+    t0 = time.perf_counter()
+    batch = next(task.batches())
+    t1 = time.perf_counter()
+    timer.host("wait", t1 - t0)
+    m1 = t1 if not timer.cuda else timer.mark()
+    batch = to_device(batch, device)
+    return batch, m1, timer.mark()
+
+
 def train_task_step(cfg: Config, env: DistEnv, task: Task, step: int, scene, bg, sync_timers, timer: "PhaseTimer"):
     """One optimisation step of one task, its phases recorded in ``timer`` (resolved by the
     caller at the end of the step); returns (loss tensor, rays).
@@ -184,13 +197,7 @@ def train_task_step(cfg: Config, env: DistEnv, task: Task, step: int, scene, bg,
     ranks' counts), each ray's jitter and random background are keyed by its global position
     (:mod:`dali_nerf.models.keyed`), and the loss returned (logged) is the rank's own mean (NaN for
     an empty batch). Other batches: the mean over the batch, jitter from the step's generator."""
-    t0 = time.perf_counter()
-    batch = next(task.batches())
-    t1 = time.perf_counter()
-    timer.host("wait", t1 - t0)
-    m1 = t1 if not timer.cuda else timer.mark()
-    batch = to_device(batch, env.device)
-    m2 = timer.mark()
+    batch, m1, m2 = fetch_batch(task, timer, env.device)
     near, far = _near_far(batch, scene)
     # an SS cell's draws are keyed by its cell, not by the rank that trains it (any world size)
     gen = step_generator(cfg.pipeline.seed, env.rank if task.cell < 0 else 0, step, task.cell, device=env.device)
