@@ -1,8 +1,10 @@
 """COLMAP scenes: our sparse-model reader against pycolmap (the test extra's oracle), the parser's
-conversion (poses, split, camera index, data factors, lenses), one-line refusals, and RayLoader
-sampling a COLMAP scene."""
+conversion (poses, split, camera index, data factors, lenses, a ``masks/`` folder), one-line
+refusals, and RayLoader sampling a COLMAP scene."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -181,3 +183,42 @@ def test_rayloader_samples_a_colmap_scene(tmp_path):
     idx = b["indices"].numpy()
     want = np.stack([imgs[c][r, q] for c, r, q in idx]).astype(np.float32) / 255.0
     assert np.allclose(b["rgb"].numpy(), want, atol=1e-6)
+
+
+def test_a_masks_folder_gives_every_image_its_mask(tmp_path):
+    """``masks/`` beside ``images/``: COLMAP's ``<name>.png`` or nerfstudio's ``<stem>.png``; the
+    image loader's batches and the ray loader's rays honour them; ``images_2/`` without
+    ``masks_2/`` takes the full-size masks; an image without a mask is one line naming it."""
+    import cv2
+
+    from dali_nerf import RayLoader
+    from dali_nerf.sources.images import ImageLoader
+
+    seed = 4111
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    root = colmap_scene(tmp_path / "s", n=9, width=40, height=24, factors=(2,), seed=seed, ext=".jpg")
+    (root / "masks").mkdir()
+    want = {}
+    for i, img in enumerate(sorted((root / "images").iterdir())):
+        m = (rng.random((24, 40)) > 0.3).astype(np.uint8) * 255
+        name = img.name + ".png" if i % 2 else img.stem + ".png"  # COLMAP's, nerfstudio's
+        cv2.imwrite(str(root / "masks" / name), m)
+        want[img.name] = (str(root / "masks" / name), m != 0)
+    scene = load_scene(root, "train")
+    names = [os.path.basename(p) for p in scene.image_paths]
+    assert list(scene.mask_paths) == [want[n][0] for n in names] and (scene.mask_wh == [40, 24]).all()
+    with ImageLoader(scene, seed=seed, num_threads=1) as ld:
+        for _ in range(scene.num_images):
+            b = next(ld)
+            j = int(b["image_id"][0])
+            assert np.array_equal(b["mask"][0].numpy(), want[names[j]][1]), (seed, j)
+    with RayLoader(scene, rays_per_batch=256, seed=seed, prefetch=1, num_threads=1, rays_per_run=256) as ld:
+        idx = next(ld)["indices"].numpy()
+    assert all(want[names[c]][1][r, q] for c, r, q in idx), seed
+    two = load_scene(root, "train", downscale=2)  # images_2/ without masks_2/: the full masks, resized at decode
+    assert all("/images_2/" in p for p in two.image_paths) and list(two.mask_paths) == list(scene.mask_paths)
+    os.remove(want[names[3]][0])
+    with pytest.raises(SceneError, match=r"masks/img_\S+\.jpg\.png: mask not found") as e:
+        load_scene(root, "train")
+    assert "\n" not in str(e.value)

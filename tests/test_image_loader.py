@@ -1,7 +1,8 @@
 """ImageLoader: gsplat's batch contract on COLMAP scenes (PINHOLE / SIMPLE_PINHOLE, PNG, data
 factors 1/2/4, whole images and patches) against gsplat's Dataset re-derived in
 tests/_gsplat_reference.py; distorted cameras against a cv2 projection; the epoch's coverage
-through the loader (windows, resume on another world size); refusals. (The node's shared memory:
+through the loader (windows, resume on another world size); masks (each image's mask file, cropped
+with its patch; none with ``scene.masks: ignore``); refusals. (The node's shared memory:
 tests/test_nodeshare.py; two ranks of a node sharing a loader's images: the splat trainer's test.)"""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from dali_nerf.errors import ConfigError
 from dali_nerf.scenes import load_scene
-from dali_nerf.sources.images import IMAGE_KEYS, ImageLoader
+from dali_nerf.sources.images import IMAGE_KEYS, MASKED_KEYS, ImageLoader
 
 from _colmap_scene import colmap_scene
 from _gsplat_reference import GsplatReference
@@ -187,11 +188,62 @@ def test_refusals_are_one_line(tmp_path):
     other = load_scene(colmap_scene(tmp_path / "o", n=10, width=24, height=16, factors=(), seed=1), "train")
     with pytest.raises(ConfigError, match="saved from another scene"):
         _loader(other, seed=1).load_state_dict(st)
+
+
+def _mask_file(path) -> np.ndarray:
+    """(H, W) bool of a mask file read independently of the loader (nonzero = keep)."""
+    return cv2.imread(str(path), cv2.IMREAD_UNCHANGED) != 0
+
+
+def test_masked_batches_carry_each_images_mask(tmp_path):
+    """A masked scene's batches add ``mask`` (B, H, W) bool, equal to the image's mask file for every
+    image of two epochs: two ranks through windows whose budget counts the mask byte, then resumed on
+    one rank with patches (the mask cropped where the image is, the corner read from K)."""
     from dali_nerf.scenegen import make_scene
 
-    masked = load_scene(make_scene("city", tmp_path / "m", width=16, n_train=2, n_val=1, n_test=0, seed=SEED,
-                                   occluders=True), "train")
-    assert masked.mask_paths is not None
-    with pytest.raises(ConfigError, match=r"the scene has masks \(.*\), which image batches do not carry yet") as e:
-        _loader(masked)
-    assert "\n" not in str(e.value)
+    seed = 4113
+    print("seed", seed)
+    root = make_scene("city", tmp_path / "m", width=32, n_train=7, n_val=1, n_test=0, seed=seed, occluders=True)
+    scene = load_scene(root, "train")
+    n, per = scene.num_images, 32 * 24 * 4  # a pixel: 3 bytes and its mask's
+    masks = [_mask_file(p) for p in scene.mask_paths]
+    assert scene.width[0] == 32 and all(m.shape == (24, 32) for m in masks) and not all(m.all() for m in masks)
+    pix = [cv2.imread(p, cv2.IMREAD_COLOR)[:, :, ::-1] for p in scene.image_paths]  # opaque PNGs: RGB as stored
+    ids = []
+    loaders = [_loader(scene, rank=r, world_size=2, seed=seed, max_bytes=6 * per) for r in range(2)]
+    for _ in range(4):
+        for ld in loaders:
+            b = next(ld)
+            assert tuple(b) == MASKED_KEYS and b["mask"].dtype == torch.bool and b["mask"].shape == (1, 24, 32)
+            for i, j in enumerate(b["image_id"].tolist()):
+                assert np.array_equal(b["mask"][i].numpy(), masks[j]), (seed, j)
+                assert np.array_equal(b["image"][i].numpy(), pix[j]), (seed, j)
+                ids.append(j)
+    st = loaders[0].state_dict()
+    s = loaders[0].stats()
+    assert loaders[0].window == 3 and s["peak_bytes"] <= 6 * per  # two windows of 3 (without the masks: all 7 kept)
+    for ld in loaders:
+        ld.close()
+    with _loader(scene, images_per_batch=1, seed=seed, patch_size=9) as ld:
+        ld.load_state_dict(st)
+        for _ in range(n + 1):
+            b = next(ld)
+            j = int(b["image_id"][0])
+            x, y = (int(round(float(scene.intrinsics[j, 2 + c]) - float(b["K"][0, c, 2]))) for c in (0, 1))
+            assert b["mask"].shape == (1, 9, 9), b["mask"].shape
+            assert np.array_equal(b["mask"][0].numpy(), masks[j][y:y + 9, x:x + 9]), (seed, j, x, y)
+            assert np.array_equal(b["image"][0].numpy(), pix[j][y:y + 9, x:x + 9]), (seed, j, x, y)
+            ids.append(j)
+    _epoch_check(ids, n)
+
+
+def test_masks_ignore_gives_batches_without_a_mask(tmp_path):
+    from dali_nerf.config import load_config
+    from dali_nerf.scenegen import make_scene
+    from dali_nerf.scenes import scene_from_config
+
+    root = make_scene("city", tmp_path / "m", width=16, n_train=2, n_val=1, n_test=0, seed=SEED, occluders=True)
+    for mode, keys in (("ignore", IMAGE_KEYS), ("use", MASKED_KEYS)):
+        cfg = load_config("splat_objects", [f"scene.path={root}", "scene.format=auto", f"scene.masks={mode}"])
+        with _loader(scene_from_config(cfg)) as ld:
+            assert tuple(next(ld)) == keys, mode

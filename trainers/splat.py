@@ -117,15 +117,8 @@ class SplatMethod(Method):
         optimised loss is gsplat's L1 + SSIM)."""
         model, opt = task.raw_field, task.optimizer
         batch, m1, m2 = fetch_batch(task, timer, env.device)
-        pixels = batch["image"].float() / 255.0
-        b, h, w = pixels.shape[:3]
-        colors, _, info = model.render(torch.linalg.inv(batch["camtoworld"]), batch["K"], w, h,
-                                       backgrounds=self.background.expand(b, 3), backend=self.backend)
-        self.used_backend = info.get("backend", self.backend)
-        if info["means2d"].requires_grad:
-            info["means2d"].retain_grad()
-        loss = splat_loss(colors, pixels, cfg.splat.ssim_lambda, batch.get("mask"))
-        mse = ((colors.detach() - pixels) ** 2).mean()  # logged (metrics "loss", "psnr"); the step optimises ``loss``
+        loss, mse, info = self.batch_loss(cfg, model, batch)
+        b, h, w = batch["image"].shape[:3]
         m3 = timer.mark()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -146,6 +139,25 @@ class SplatMethod(Method):
         timer.host("sync", sync.seconds - s0)
         timer.span("optimizer", m4, m5, sync.seconds - s0)
         return mse, b * h * w
+
+    def batch_loss(self, cfg, model, batch: dict):
+        """``(loss, mse, info)`` of a batch: its images rendered, the optimised loss (gsplat's L1 +
+        SSIM, :func:`~dali_nerf.models.gaussians.splat_loss`) and the logged MSE, both over the
+        batch's kept pixels when it has a ``mask`` (B, H, W) bool, as gsplat's ``simple_trainer``:
+        L1 over the kept pixels, SSIM of both images with the masked pixels zeroed: a masked
+        pixel's colour never reaches a gradient."""
+        pixels = batch["image"].float() / 255.0
+        b, h, w = pixels.shape[:3]
+        colors, _, info = model.render(torch.linalg.inv(batch["camtoworld"]), batch["K"], w, h,
+                                       backgrounds=self.background.expand(b, 3), backend=self.backend)
+        self.used_backend = info.get("backend", self.backend)
+        if info["means2d"].requires_grad:
+            info["means2d"].retain_grad()
+        mask = batch.get("mask")
+        loss = splat_loss(colors, pixels, cfg.splat.ssim_lambda, mask)
+        err = (colors.detach() - pixels) ** 2  # logged (metrics "loss", "psnr"); the step optimises ``loss``
+        mse = err[mask].mean() if mask is not None and bool(mask.any()) else err.mean()
+        return loss, mse, info
 
     def eval_field(self, cfg, tasks, env):
         return tasks[0].raw_field, None

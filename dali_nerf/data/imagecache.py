@@ -262,7 +262,8 @@ def _batch_size(n: int, batch: int) -> int:
 
 def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cpu", num_threads: int = 2,
                  batch: int = 8, background=None, indices: Optional[Sequence[int]] = None,
-                 stop=None, max_pixels: Optional[int] = None, out: Optional[np.ndarray] = None) -> ImageCache:
+                 stop=None, max_pixels: Optional[int] = None, out: Optional[np.ndarray] = None,
+                 mask_out: Optional[np.ndarray] = None) -> ImageCache:
     """Decode exactly DALI's shard ``rank`` of ``world_size`` of ``scene`` into an :class:`ImageCache`.
 
     Args:
@@ -280,6 +281,8 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
         max_pixels: per-image pixel limit (None: :func:`dali_nerf.data.imageio.max_pixels_limit`).
         out: decode into this (P, 3) uint8 C-contiguous host array (memory shared between the ranks of
             a node, :mod:`dali_nerf.data.nodeshare`) instead of a new one; no memory check then.
+        mask_out: masked scenes: write the finished masks, one byte a pixel (P,) bool (0 / 1), into
+            this host array (the node's shared block of the image loader) as well as the index.
 
     Before anything is allocated, every file's header is checked (:func:`_check_files`: readable,
     not truncated, within the pixel limit, of the declared size) and the cache's size is compared
@@ -328,7 +331,7 @@ def decode_cache(scene, rank: int = 0, world_size: int = 1, *, device: str = "cp
     if not out.done.all():
         missing = scene.image_paths[int(want[np.flatnonzero(~out.done)[0]])]
         raise DataError(f"{missing}: the decode pipeline did not return this image; check the file")
-    valid = _masks(out, stop, max_pixels) if scene.mask_paths is not None else None
+    valid = _masks(out, stop, max_pixels, mask_out) if scene.mask_paths is not None else None
     return _packed(scene, want, out.offsets, out.pixels, use_gpu, rank, world_size, valid)
 
 
@@ -444,11 +447,14 @@ def _decode_with_dali(out: _Assembly, files, labels, shard_id, num_shards, n: in
         del pipe
 
 
-def _masks(out: _Assembly, stop, max_pixels) -> tuple:
+def _masks(out: _Assembly, stop, max_pixels, into: Optional[np.ndarray] = None) -> tuple:
     """The masks of the decoded images, finished like them (their undistortion maps): (the
-    valid-pixel index, (N,) valid pixels per image)."""
+    valid-pixel index, (N,) valid pixels per image); the byte-per-pixel masks are written to
+    ``into`` ((P,) bool) when given."""
     scene = out.scene
-    valid = np.empty(out.total, bool)
+    if into is not None and (into.shape != (out.total,) or into.dtype != bool):
+        raise ValueError(f"decode_cache: mask_out must be a ({out.total},) bool array")
+    valid = np.empty(out.total, bool) if into is None else into
     counts = np.zeros(len(out.want), np.int64)
     for k, cam in enumerate(out.want):
         _check_stop(stop, scene, len(out.want))
@@ -478,16 +484,21 @@ def _packed(scene, want, offsets, pixels, use_gpu: bool, rank: int, world_size: 
 # the caches a run needs, each decoded by the rule of its kind (the one place that decodes)
 
 
-def decode_into(scene, ids, out: np.ndarray, threads: int = 2, batch: int = 8, stop=None, device: str = "cpu"):
+def decode_into(scene, ids, out: np.ndarray, threads: int = 2, batch: int = 8, stop=None, device: str = "cpu",
+                mask_out: Optional[np.ndarray] = None):
     """The images ``ids`` (split indices, in order) decoded and finished into ``out`` (their
     packed pixels, (P, 3) uint8 host memory another owner allocated: a node's shared window of
-    the image loader, :mod:`dali_nerf.data.imagestore`). ``device="cuda"``: DALI's mixed decoder
-    (nvJPEG for JPEG) and the finishing on the GPU, then one copy of these images to ``out``."""
+    the image loader, :mod:`dali_nerf.data.imagestore`), and for a masked scene their finished
+    masks into ``mask_out`` ((P,) bool, one byte a pixel; the same decode as the ray caches'
+    masks). ``device="cuda"``: DALI's mixed decoder (nvJPEG for JPEG) and the finishing on the
+    GPU, then one copy of these images to ``out`` (masks are finished on the host either way)."""
     if device == "cuda":  # pragma: no cover - needs a GPU
-        cache = decode_cache(scene, 0, 1, device="cuda", num_threads=threads, batch=batch, indices=ids, stop=stop)
+        cache = decode_cache(scene, 0, 1, device="cuda", num_threads=threads, batch=batch, indices=ids, stop=stop,
+                             mask_out=mask_out)
         out[...] = cache.pixels.cpu().numpy()
         return None
-    return decode_cache(scene, 0, 1, device="cpu", num_threads=threads, batch=batch, indices=ids, stop=stop, out=out)
+    return decode_cache(scene, 0, 1, device="cpu", num_threads=threads, batch=batch, indices=ids, stop=stop, out=out,
+                        mask_out=mask_out)
 
 
 def eval_cache(scene, threads: int = 2, batch: int = 8) -> ImageCache:

@@ -14,10 +14,13 @@ Two regimes, chosen by the budget (``max_bytes`` of decoded pixels per node):
 Each chunk or window is one :class:`~dali_nerf.data.nodeshare.Block` of the node: every local rank
 decodes its part (:func:`dali_nerf.data.imagecache.decode_into`, DALI, finished as every cache is:
 composited, undistorted, downscaled; nvJPEG on a rank's GPU when the loader runs on CUDA) into the
-shared memory and all use the whole.
+shared memory and all use the whole. A masked scene's block holds, after the chunk's pixels (3
+bytes each), their finished masks, one byte a pixel (0 / 1, read as bool), written by the same
+decode (the masks the ray caches pack into their valid-pixel index).
 
 >>> store = ImageStore(scene, stream, share, window=64, keep_all=False, start=0)
 >>> views = store.images(positions)      # [(H, W, 3) uint8], waiting for their window if needed
+>>> views, masks = store.views(positions)  # and [(H, W) bool] (None each when unmasked)
 """
 
 from __future__ import annotations
@@ -31,15 +34,20 @@ import numpy as np
 from dali_nerf.data.imagecache import DecodeCancelled, decode_into
 from dali_nerf.data.imageorder import ImageStream, window_bounds
 
-__all__ = ["ImageStore", "plan_windows"]
+__all__ = ["ImageStore", "plan_windows", "bytes_per_pixel"]
+
+
+def bytes_per_pixel(scene) -> int:
+    """Bytes a decoded pixel takes in the store: 3 (RGB), plus 1 (its mask) in a masked scene."""
+    return 3 + (scene.mask_paths is not None)
 
 
 def plan_windows(scene, images_per_step: int, max_bytes: int, local_world: int = 1, decode_batch: int = 8):
-    """``(keep_all, window)``: keep the whole split when its decoded pixels fit ``max_bytes``
+    """``(keep_all, window)``: keep the whole split when its decoded pixels (and masks) fit ``max_bytes``
     (then ``window`` is the decode chunk: max(G, decode_batch x local ranks) images); else the
     largest window M for which two windows of the M largest images fit. Raises ValueError (the
     loader words it) when even a window of one global step (``images_per_step`` images) does not."""
-    px = np.sort((scene.width * scene.height).astype(np.int64) * 3)[::-1]
+    px = np.sort((scene.width * scene.height).astype(np.int64) * bytes_per_pixel(scene))[::-1]
     g = int(images_per_step)
     if int(px.sum()) <= max_bytes:
         return True, max(g, int(decode_batch) * int(local_world))
@@ -51,11 +59,27 @@ def plan_windows(scene, images_per_step: int, max_bytes: int, local_world: int =
 
 
 class _Chunk:
-    def __init__(self, name: str, ids: np.ndarray, sizes: np.ndarray):
+    """Images ``ids`` in one block: image k's pixels at bytes ``3 offsets[k]`` .. ``3 offsets[k + 1]``,
+    its mask (masked scenes) at ``mask_at + offsets[k]`` .. ``mask_at + offsets[k + 1]``."""
+
+    def __init__(self, name: str, ids: np.ndarray, pixels: np.ndarray, masked: bool):
         self.name, self.ids = name, ids
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(pixels)]).astype(np.int64)  # in pixels
+        self.mask_at = 3 * int(self.offsets[-1])
+        self.nbytes = (3 + bool(masked)) * int(self.offsets[-1])
+        self.masked = bool(masked)
         self.block = None
         self.ready = False
+
+    def pixels(self, array: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """(P, 3) uint8 the pixels of images lo..hi-1 in the block's ``array``."""
+        return array[3 * self.offsets[lo]:3 * self.offsets[hi]].reshape(-1, 3)
+
+    def mask(self, array: np.ndarray, lo: int, hi: int) -> Optional[np.ndarray]:
+        """(P,) bool the masks of images lo..hi-1 (None unmasked)."""
+        if not self.masked:
+            return None
+        return array[self.mask_at + self.offsets[lo]:self.mask_at + self.offsets[hi]].view(bool)
 
 
 class ImageStore:
@@ -88,7 +112,8 @@ class ImageStore:
         self.n = scene.num_images
         self.bounds = window_bounds(self.n, self.window)
         self.nw = len(self.bounds) - 1
-        self._px = (scene.width * scene.height).astype(np.int64) * 3
+        self._px = (scene.width * scene.height).astype(np.int64)  # pixels per image
+        self.masked = scene.mask_paths is not None
         self._cv = threading.Condition()
         self._chunks: Dict[object, _Chunk] = {}
         self._where: Dict[int, _Chunk] = {}   # keep_all: image -> its chunk
@@ -118,15 +143,14 @@ class ImageStore:
 
     def _decode(self, chunk: _Chunk) -> None:
         t0 = time.perf_counter()
-        blk = self.share.block(chunk.name, int(chunk.offsets[-1]))
+        blk = self.share.block(chunk.name, chunk.nbytes)
 
         def fill(array, part, parts):
             k = len(chunk.ids)
             lo, hi = k * part // parts, k * (part + 1) // parts
             if hi > lo:
-                view = array[chunk.offsets[lo]:chunk.offsets[hi]].reshape(-1, 3)
-                decode_into(self.scene, chunk.ids[lo:hi], view, threads=self.threads, batch=self.batch, stop=self._stop,
-                            device=self.device)
+                decode_into(self.scene, chunk.ids[lo:hi], chunk.pixels(array, lo, hi), threads=self.threads,
+                            batch=self.batch, stop=self._stop, device=self.device, mask_out=chunk.mask(array, lo, hi))
 
         blk.fill_part(fill)
         blk.wait_ready()
@@ -140,7 +164,7 @@ class ImageStore:
             if self.keep_all:
                 for i in chunk.ids:
                     self._where[int(i)] = chunk
-            held = sum(int(c.offsets[-1]) for c in self._chunks.values())
+            held = sum(c.nbytes for c in self._chunks.values())
             self.peak_bytes = max(self.peak_bytes, held)
             self._cv.notify_all()
 
@@ -154,7 +178,7 @@ class ImageStore:
                 for k, ids in enumerate(self._keep_all_chunks(start)):
                     if self._stop.is_set():
                         return
-                    chunk = _Chunk(f"{self.tag}all{k}", ids, self._px[ids])
+                    chunk = _Chunk(f"{self.tag}all{k}", ids, self._px[ids], self.masked)
                     self._decode(chunk)
                     self._publish(k, chunk)
                 return
@@ -167,7 +191,7 @@ class ImageStore:
                 if self._stop.is_set():
                     return
                 ids = self._window_ids(gw)
-                chunk = _Chunk(f"{self.tag}w{gw}", ids, self._px[ids])
+                chunk = _Chunk(f"{self.tag}w{gw}", ids, self._px[ids], self.masked)
                 self._decode(chunk)
                 self._publish(gw, chunk)
                 gw += 1
@@ -186,10 +210,15 @@ class ImageStore:
     def images(self, positions, ids=None) -> list:
         """[(H, W, 3) uint8 views] of the images at global ``positions`` (their ids ``ids`` when
         known), waiting for their windows; marks the windows before them as done."""
+        return self.views(positions, ids)[0]
+
+    def views(self, positions, ids=None) -> tuple:
+        """``(images, masks)``: :meth:`images` and [(H, W) bool views] of their masks (None for each
+        image of an unmasked scene)."""
         positions = np.asarray(positions, np.int64)
         ids = self.stream.images(positions) if ids is None else np.asarray(ids, np.int64)
         wins = [self._window_of(p) for p in positions]
-        out = []
+        out, masks = [], []
         with self._cv:
             if not self.keep_all and min(wins) > self._need:
                 self._need = min(wins)
@@ -205,9 +234,11 @@ class ImageStore:
                         raise RuntimeError("the image store's decode thread stopped")
                     self._cv.wait(0.5)
                 k = int(np.flatnonzero(chunk.ids == i)[0])
-                lo, hi = chunk.offsets[k], chunk.offsets[k + 1]
-                out.append(chunk.block.array[lo:hi].reshape(int(self.scene.height[i]), int(self.scene.width[i]), 3))
-        return out
+                h, w = int(self.scene.height[i]), int(self.scene.width[i])
+                out.append(chunk.pixels(chunk.block.array, k, k + 1).reshape(h, w, 3))
+                m = chunk.mask(chunk.block.array, k, k + 1)
+                masks.append(None if m is None else m.reshape(h, w))
+        return out, masks
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()

@@ -157,9 +157,12 @@ def _ssim_map(a: torch.Tensor, b: torch.Tensor, window: int = 11, sigma: float =
 
 def splat_loss(pred: torch.Tensor, target: torch.Tensor, ssim_lambda: float = 0.2, mask=None) -> torch.Tensor:
     """gsplat's loss: ``(1 - l) * L1 + l * (1 - SSIM)`` of (B, H, W, 3) images in [0, 1] (SSIM only
-    where the images are at least 11 pixels on a side); ``mask`` (B, H, W) bool keeps pixels."""
+    where the images are at least 11 pixels on a side); ``mask`` (B, H, W) bool keeps pixels: L1
+    over the kept pixels (0 when none is kept, where gsplat's mean would be NaN), SSIM of both
+    images with the masked pixels zeroed (gsplat's ``simple_trainer``)."""
     if mask is not None:
-        l1 = (pred - target).abs()[mask].mean()
+        kept = (pred - target).abs()[mask]
+        l1 = kept.sum() / max(kept.numel(), 1)
         pred, target = pred * mask[..., None], target * mask[..., None]
     else:
         l1 = (pred - target).abs().mean()

@@ -28,6 +28,13 @@ so COLMAP scenes need no new dependency. Conversion, per image:
   PIL's bicubic filter, so its pixels and ours differ there.)
 * sparse points: ``Scene.points`` (M, 3) float32 and ``points_rgb`` (M, 3) uint8 in file order;
   ``aabb``, ``near``, ``far`` None; ``up`` the mean camera up.
+* masks: a ``masks/`` folder beside ``images/`` gives every image of the split its mask
+  (``Scene.mask_paths``; 0 = never train on the pixel, else keep): ``masks/<name>.png`` (COLMAP's
+  ``ImageReader.mask_path`` convention, ``a.jpg`` -> ``a.jpg.png``) or ``masks/<stem>.png``
+  (nerfstudio's colmap dataparser with ``masks_path``, ``a.jpg`` -> ``a.png``); an image with
+  neither is a one-line error. With ``images_d/`` the ``masks_d/`` copies when they all exist,
+  else the full-size masks resized nearest-neighbour (:func:`._util.resolve_masks`). Without the
+  folder the scene has no masks.
 
 >>> scene = load_scene("data/garden", split="train", downscale=4)      # images_4/ when present
 >>> scene.points.shape
@@ -45,10 +52,11 @@ from dali_nerf.data.imageio import IMAGE_EXTENSIONS
 from dali_nerf.errors import SceneError
 from dali_nerf.scenes.base import Scene, register_format
 from dali_nerf.scenes._util import (check_focal, check_images_exist, check_poses, check_sizes, downscaled_size,
-                                    finite32, lens_arrays, mean_up, prescaled_sizes, scale_intrinsics)
+                                    finite32, lens_arrays, mean_up, prescaled_sizes, resolve_masks, scale_intrinsics)
 from dali_nerf.scenes.colmap_io import model_files, read_model, rotation_from_quaternion
 
-__all__ = ["detect", "parse", "TEST_EVERY", "SUPPORTED_MODELS", "model_folder", "camera_arrays", "opencv_c2w"]
+__all__ = ["detect", "parse", "TEST_EVERY", "SUPPORTED_MODELS", "model_folder", "camera_arrays", "opencv_c2w",
+           "mask_files"]
 
 TEST_EVERY = 8
 """Image i (in name order) is held out when ``i % TEST_EVERY == 0`` (gsplat's default)."""
@@ -132,6 +140,22 @@ def _prescaled(root: Path, names, d: int):
     return out
 
 
+def mask_files(root: Path, names):
+    """The masks of images ``names`` in ``root/masks/`` (module doc), or None without the folder."""
+    folder = Path(root) / "masks"
+    if not folder.is_dir():
+        return None
+    out = []
+    for name in names:
+        colmap, stem = folder / (name + ".png"), folder / (os.path.splitext(name)[0] + ".png")
+        hit = colmap if colmap.is_file() else stem if stem.is_file() else None
+        if hit is None:
+            raise SceneError(f"{colmap}: mask not found (the scene has a masks/ folder, so every image needs its mask: "
+                             f"masks/<name>.png or masks/<stem>.png); add it or remove the masks/ folder")
+        out.append(str(hit))
+    return out
+
+
 def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1.0)) -> Scene:
     """Parse one split of the COLMAP scene ``root`` (conversion in the module doc).
 
@@ -179,6 +203,9 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
         wh = downscaled_size(wh_full, downscale) if downscale > 1 else wh_full
         file_wh = wh_full
     k = scale_intrinsics(k_full, wh_full, wh)
+    masks = mask_files(root, sub_names)
+    if masks is not None:
+        masks = resolve_masks(masks, wh_full, file_wh, downscale, path)
     lens = lens_arrays(k_full, wh_full, file_wh, wh, dist, fisheye)
     if lens is not None:
         k = lens[0]
@@ -188,6 +215,7 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
         up=up, file_wh=file_wh, camera_idx=camera_idx[idx], points=model.xyz.astype(np.float32),
         points_rgb=model.rgb,
         **({} if lens is None else dict(distortion=lens[1], fisheye=lens[2], file_intrinsics=lens[3])),
+        **({} if masks is None else dict(mask_paths=masks[0], mask_wh=masks[1])),
     )
 
 

@@ -13,10 +13,14 @@ Batch (dict of torch tensors, gsplat's keys; B images per rank per step)::
                                     trainer divides by 255 either way)
     image_id    (B,) int64          index of the image in the split (gsplat's ``image_id``)
     camera_idx  (B,) int64          the image's camera, 0-based (``Scene.camera_idx``; 0 without one)
+    mask        (B, H, W) bool      only when the scene has masks (``Scene.mask_paths``; not with
+                                    ``scene.masks: ignore``): True = keep the pixel, cropped
+                                    with the patch (gsplat's key and dtype)
 
-(gsplat also gives ``mask`` for its fisheye crop and ``exposure`` from EXIF: our undistortion
-keeps every pixel valid, so no mask, and EXIF exposure is not read.) ``mask`` (B, H, W) bool is the
-key a per-pixel mask will use.
+(gsplat gives ``mask`` for its fisheye crop, whole images only; ours is the scene's per-pixel
+mask, finished with the image: undistorted, downscaled, the undistortion border masked,
+:mod:`dali_nerf.data.masks`. ``exposure`` from EXIF is not read.) The mask is decoded once per
+node with its image, one byte a pixel beside it in the node's shared block.
 
 The stream (:mod:`dali_nerf.data.imageorder`): every image of the split exactly once per epoch
 across all ranks, B per rank per step, defined by the seed alone; ``state_dict()`` holds the next
@@ -54,10 +58,11 @@ from dali_nerf.sources.base import global_epoch_steps
 from dali_nerf.sources.checks import MAX_PREFETCH, check_int
 from dali_nerf.sources.runner import Run, RunSource
 
-__all__ = ["ImageLoader", "IMAGE_KEYS", "opencv_camtoworld", "intrinsics_matrix", "total_memory"]
+__all__ = ["ImageLoader", "IMAGE_KEYS", "MASKED_KEYS", "opencv_camtoworld", "intrinsics_matrix", "total_memory"]
 
 IMAGE_KEYS = ("K", "camtoworld", "image", "image_id", "camera_idx")
-"""The keys of every image batch (gsplat's)."""
+"""The keys of every image batch (gsplat's); a masked scene's batches add ``mask``."""
+MASKED_KEYS = IMAGE_KEYS + ("mask",)
 
 
 def total_memory() -> int:
@@ -115,6 +120,7 @@ class ImageProducer:
                                                                                     decode_batch)
         self.share_key, self.local_rank, self.local_world = share_key, local_rank, local_world
         self.stream = ImageStream(scene.num_images, seed)
+        self.keys = IMAGE_KEYS if scene.mask_paths is None else MASKED_KEYS
         self.k, self.c2w = intrinsics_matrix(scene), opencv_camtoworld(scene)
         self.cam = (np.zeros(scene.num_images, np.int64) if scene.camera_idx is None
                     else np.asarray(scene.camera_idx, np.int64))
@@ -140,24 +146,29 @@ class ImageProducer:
         for _ in range(self.steps_per_run):
             steps.append(self._step(graph.store, step_positions(graph.next, 0, self.b, self.world, self.rank)))
             graph.next += self.stride
-        return Run(steps, stride=self.stride, consumed=self.stride * len(steps), keys=IMAGE_KEYS,
+        return Run(steps, stride=self.stride, consumed=self.stride * len(steps), keys=self.keys,
                    counts=[self.b] * len(steps))
 
     def _step(self, store: ImageStore, pos: np.ndarray) -> tuple:
-        """This rank's batch at global positions ``pos`` (B,), in IMAGE_KEYS order."""
+        """This rank's batch at global positions ``pos`` (B,), in ``self.keys`` order."""
         ids = self.stream.images(pos)
-        views = store.images(pos, ids)
+        views, masks = store.views(pos, ids)
         k = torch.from_numpy(self.k[ids].copy())
         if self.patch:
             p = self.patch
             x, y = patch_offsets(self.seed, pos, self.scene.width[ids], self.scene.height[ids], p)
-            image = torch.from_numpy(np.stack([v[yy:yy + p, xx:xx + p] for v, xx, yy in zip(views, x, y)]))
+
+            def crop(vs):
+                return np.stack([v[yy:yy + p, xx:xx + p] for v, xx, yy in zip(vs, x, y)])
+
             k[:, 0, 2] -= torch.from_numpy(x.astype(np.float32))
             k[:, 1, 2] -= torch.from_numpy(y.astype(np.float32))
         else:
-            image = torch.from_numpy(np.stack(views))
-        out = (k, torch.from_numpy(self.c2w[ids].copy()), image, torch.from_numpy(ids.copy()),
+            crop = np.stack
+        out = (k, torch.from_numpy(self.c2w[ids].copy()), torch.from_numpy(crop(views)), torch.from_numpy(ids.copy()),
                torch.from_numpy(self.cam[ids].copy()))
+        if self.keys is MASKED_KEYS:
+            out += (torch.from_numpy(crop(masks)),)
         if self.device == "cuda":  # pragma: no cover - needs a GPU
             out = tuple(t.pin_memory() for t in out)
         return out
@@ -252,9 +263,6 @@ class ImageLoader(RunSource):
 
     def _check_sizes(self) -> None:
         sc, p = self.scene, self.patch_size
-        if sc.mask_paths is not None:  # gsplat's per-pixel "mask" (B, H, W) bool is not in the batch yet
-            raise ConfigError(f"ImageLoader: the scene has masks ({sc.mask_paths[0]}, ...), which image batches do not "
-                              f"carry yet; train on every pixel with scene.masks: ignore, or give a scene without masks")
         if p is not None:
             check_int("patch_size", p, 1, 1 << 20)
             small = np.flatnonzero(np.minimum(sc.width, sc.height) < p)
