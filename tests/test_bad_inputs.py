@@ -132,8 +132,10 @@ def test_unknown_format(tmp_path, capsys):
     (d / "notes.txt").write_text("not a scene")
     msg = trainer_error(capsys, write_config(tmp_path, d))
     needles(msg, str(d), "unknown scene format", "transforms_train.json", "format=")
-    msg = trainer_error(capsys, write_config(tmp_path, d), "scene.format=colmap")
-    needles(msg, "scene.format", "colmap", "blender")
+    msg = trainer_error(capsys, write_config(tmp_path, d), "scene.format=bundler")
+    needles(msg, "scene.format", "bundler", "blender", "colmap")
+    msg = trainer_error(capsys, write_config(tmp_path, d), "scene.format=colmap")  # a format the folder is not
+    needles(msg, str(d / "sparse" / "0"), "not a COLMAP sparse model", "model_converter")
 
 
 def test_malformed_json(scenes, tmp_path, capsys):

@@ -6,6 +6,7 @@ run's test PSNR."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -246,10 +247,15 @@ dist.destroy_process_group()
 """
 
 
+_GROUPS = itertools.count()
+
+
 def _elastic_group(tmp_path, run: Path, counts, run_id: str = "t") -> list:
     """Two gloo ranks started as torchrun starts them (TORCHELASTIC_RUN_ID=run_id), rank r seeing
     TORCHELASTIC_RESTART_COUNT=counts[r], each running read_resume_state without --resume."""
-    store = tmp_path / f"store{counts}{run_id}"
+    # a new store file for every group: a FileStore file another group used may still hold its keys
+    # (the file is removed only when its last user has closed it), and a group meeting there hangs
+    store = tmp_path / f"store{counts}{run_id}-{next(_GROUPS)}"
     procs = []
     for r in (0, 1):
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_RUN_ID=run_id,
