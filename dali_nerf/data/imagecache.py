@@ -69,7 +69,7 @@ from dali_nerf.data.masks import check_mask_file, load_mask, unpack_valid, valid
 from dali_nerf.pipelines.decode import check_shard, decode_pipeline, shard_range
 
 __all__ = ["ImageCache", "decode_cache", "pack_cameras", "FAR_UNKNOWN", "DecodeCancelled", "available_memory",
-           "eval_cache", "CacheStore", "decode_into"]
+           "meminfo_bytes", "eval_cache", "CacheStore", "decode_into"]
 
 FAR_UNKNOWN = 1e10
 """``far`` written to ``cameras`` when the scene defines no bounds (``near`` is then 0)."""
@@ -201,14 +201,21 @@ def available_memory(device: str = "cpu") -> int:
     (else free physical pages) for "cpu", free device memory for "cuda"."""
     if device == "cuda":
         return int(torch.cuda.mem_get_info()[0])
+    return meminfo_bytes("MemAvailable", "SC_AVPHYS_PAGES")
+
+
+def meminfo_bytes(field: str, pages: str) -> int:
+    """Bytes of ``/proc/meminfo``'s ``field`` (``MemAvailable``, ``MemTotal``), else ``pages`` x
+    the page size from ``os.sysconf`` (``SC_AVPHYS_PAGES``, ``SC_PHYS_PAGES``) where there is no
+    such file."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    return int(os.sysconf(pages)) * int(os.sysconf("SC_PAGE_SIZE"))
 
 
 def _check_memory(scene, need: int, n: int, rank: int, world_size: int, device: str, windowed: bool) -> None:

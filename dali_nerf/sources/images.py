@@ -42,12 +42,12 @@ torch.Size([1, 297, 420, 3])
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
 import torch
 
+from dali_nerf.data.imagecache import meminfo_bytes
 from dali_nerf.data.imageorder import IMAGE_STREAM, ImageStream, patch_offsets, step_positions
 from dali_nerf.data.imagestore import ImageStore, plan_windows
 from dali_nerf.data.nodeshare import NodeShare, default_key
@@ -67,14 +67,7 @@ MASKED_KEYS = IMAGE_KEYS + ("mask",)
 
 def total_memory() -> int:
     """Bytes of physical memory of this node (``MemTotal``): the same for every local rank."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    return meminfo_bytes("MemTotal", "SC_PHYS_PAGES")
 
 
 def opencv_camtoworld(scene) -> np.ndarray:
