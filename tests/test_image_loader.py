@@ -247,3 +247,61 @@ def test_masks_ignore_gives_batches_without_a_mask(tmp_path):
         cfg = load_config("splat_objects", [f"scene.path={root}", "scene.format=auto", f"scene.masks={mode}"])
         with _loader(scene_from_config(cfg)) as ld:
             assert tuple(next(ld)) == keys, mode
+
+
+def _batches(ld, steps):
+    return [{k: v.clone() for k, v in next(ld).items()} for _ in range(steps)]
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert tuple(x) == tuple(y) and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def _wait_closed(ld, limit_s=120.0):
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while not ld.stats()["decode_closed"]:
+        assert time.monotonic() < deadline, "the loader never reported its decode closed"
+        time.sleep(0.01)
+
+
+def test_the_decode_is_released_once_the_split_is_held(tmp_path, monkeypatch):
+    """Kept whole, the split is decoded in DALI runs cut by bytes (two images a run here, of
+    decode batches of 8): every image bit for bit gsplat's; once every image is held the loader
+    reports its decode closed (the store's thread gone, its memory given back), and a resume or
+    ``set_epoch`` after that gives the batches the loader gave before it. Through windows the
+    decode goes on (never closed), with the same pixels."""
+    import threading
+
+    from dali_nerf.data import imagestore
+
+    print("seed", SEED)
+    monkeypatch.setattr(imagestore, "DECODE_RUN_BYTES", 2 * 48 * 32 * 3)
+    root = colmap_scene(tmp_path / "s", n=16, width=48, height=32, factors=(), seed=SEED)
+    scene, ref = load_scene(root, "train", format="colmap"), GsplatReference(root, 1)
+    n = scene.num_images
+    assert imagestore.decode_run_images(scene, threads=1, batch=8) == 2
+    with _loader(scene, seed=SEED, decode_batch=4) as ld:
+        first = _batches(ld, 3)
+        state = ld.state_dict()  # saved while the split is still being decoded
+        rest = _batches(ld, 2 * n - 3)  # through epoch 0 and all of epoch 1
+        assert ld.epoch == 2
+        _wait_closed(ld)  # the store's thread releases right after its last image: a moment later
+        assert not any(t.name == "dali_nerf-image-windows" and t.is_alive() for t in threading.enumerate())
+        for b in first + rest:
+            item = int(b["image_id"][0])
+            assert np.array_equal(b["image"][0].numpy().astype(np.float32), ref.item(item)["image"]), item
+        ld.load_state_dict(state)
+        _same(_batches(ld, 2 * n - 3), rest)
+        _wait_closed(ld)
+        ld.set_epoch(1)
+        _same(_batches(ld, n), rest[n - 3:])
+    pixels = {int(b["image_id"][0]): b["image"] for b in first + rest}
+    with _loader(scene, seed=SEED, max_bytes=6 * 48 * 32 * 3) as ld:  # windows of 3 images
+        for b in _batches(ld, 2 * n):
+            assert torch.equal(b["image"], pixels[int(b["image_id"][0])])
+        s = ld.stats()
+        assert s["window"] == 3 and not s["decode_closed"]

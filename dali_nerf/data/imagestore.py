@@ -11,6 +11,15 @@ Two regimes, chosen by the budget (``max_bytes`` of decoded pixels per node):
   two windows are held (``peak_bytes``), each at most half the budget; an image is decoded again
   in every epoch.
 
+What decoding holds, and when it is let go: each chunk or window is decoded by a DALI pipeline
+built for it and deleted after it (:func:`~dali_nerf.data.imagecache.decode_into`), in DALI runs of
+at most :data:`DECODE_RUN_BYTES` of decoded pixels (:func:`decode_run_images`: DALI keeps its runs'
+host buffers in its pool for the life of the process, so the run size bounds that for good). Kept
+whole, once the last chunk is in the store's decode thread ends and gives back what is left
+(:func:`release_decode_memory`: DALI's unused pool blocks, glibc's free heap pages); the store is
+then ``complete`` (the loader's ``stats()["decode_closed"]``) and holds only the node's shared
+blocks. Through windows the thread lives on (each window is decoded in its turn, every epoch).
+
 Each chunk or window is one :class:`~dali_nerf.data.nodeshare.Block` of the node: every local rank
 decodes its part (:func:`dali_nerf.data.imagecache.decode_into`, DALI, finished as every cache is:
 composited, undistorted, downscaled; nvJPEG on a rank's GPU when the loader runs on CUDA) into the
@@ -25,6 +34,9 @@ decode (the masks the ray caches pack into their valid-pixel index).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 import threading
 import time
 from typing import Dict, List, Optional
@@ -34,7 +46,15 @@ import numpy as np
 from dali_nerf.data.imagecache import DecodeCancelled, decode_into
 from dali_nerf.data.imageorder import ImageStream, window_bounds
 
-__all__ = ["ImageStore", "plan_windows", "bytes_per_pixel"]
+__all__ = ["ImageStore", "plan_windows", "bytes_per_pixel", "decode_run_images", "release_decode_memory",
+           "DECODE_RUN_BYTES"]
+
+DECODE_RUN_BYTES = 8 << 20
+"""Decoded bytes one DALI decode run of the store aims at (:func:`decode_run_images`): DALI keeps
+the host buffers of its runs (its memory pool, :func:`dali_nerf.data.hostmem.dali_host_pool`) for
+the life of the process, about two runs' outputs and their files, so big runs of big images cost
+every rank that memory for good (measured: ~190 -> ~120 MiB of a rank's anonymous memory with
+1600x1200 images, runs of 8 -> 1)."""
 
 
 def bytes_per_pixel(scene) -> int:
@@ -56,6 +76,39 @@ def plan_windows(scene, images_per_step: int, max_bytes: int, local_world: int =
         need = int(px[:g].sum()) * 2
         raise ValueError(f"two windows of one step's {g} images need {need} bytes, over the budget of {max_bytes}")
     return False, m
+
+
+def decode_run_images(scene, threads: int, batch: int) -> int:
+    """Images per DALI decode run of the store: as many of the split's largest images as fit
+    :data:`DECODE_RUN_BYTES`, at least ``threads`` (one per decode thread) and at most ``batch``
+    (the plan's decode batch). The run size changes no pixel, only how DALI's runs are cut.
+
+    >>> decode_run_images(scene_1600x1200, threads=1, batch=8), decode_run_images(scene_400x400, 2, 8)
+    (1, 8)
+    """
+    largest = int((scene.width * scene.height).max()) * 3
+    return int(max(1, min(int(batch), max(int(threads), DECODE_RUN_BYTES // max(1, largest)))))
+
+
+def release_decode_memory() -> dict:
+    """Give back what decoding left behind once nothing more will be decoded: DALI's unused pool
+    blocks (``nvidia.dali.backend.ReleaseUnusedMemory``: its device and pinned pools, those of
+    nvJPEG runs; only when DALI is already imported) and glibc's free heap pages (``malloc_trim(0)``,
+    where the C library has it). Returns which ran, e.g. ``{"dali": True, "malloc_trim": True}``."""
+    done = {"dali": False, "malloc_trim": False}
+    backend = sys.modules.get("nvidia.dali.backend")
+    if backend is not None and hasattr(backend, "ReleaseUnusedMemory"):
+        backend.ReleaseUnusedMemory()
+        done["dali"] = True
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        trim = None
+    if trim is not None:
+        trim(0)
+        done["malloc_trim"] = True
+    return done
 
 
 class _Chunk:
@@ -109,6 +162,7 @@ class ImageStore:
             self._gpu = torch.cuda.current_device()
         self.window, self.keep_all = int(window), bool(keep_all)
         self.threads, self.batch = int(threads), int(batch)
+        self.run_images = decode_run_images(scene, self.threads, self.batch)  # images per DALI decode run
         self.n = scene.num_images
         self.bounds = window_bounds(self.n, self.window)
         self.nw = len(self.bounds) - 1
@@ -122,6 +176,8 @@ class ImageStore:
         self._stop = threading.Event()
         self.peak_bytes = 0
         self.decode_s = 0.0
+        self.complete = False  # keep_all: every image of the split is held and the decode thread has ended
+        self.released: Optional[dict] = None  # what release_decode_memory() gave back at completion
         self._thread = threading.Thread(target=self._run, args=(int(start),), name="dali_nerf-image-windows", daemon=True)
         self._thread.start()
 
@@ -150,7 +206,7 @@ class ImageStore:
             lo, hi = k * part // parts, k * (part + 1) // parts
             if hi > lo:
                 decode_into(self.scene, chunk.ids[lo:hi], chunk.pixels(array, lo, hi), threads=self.threads,
-                            batch=self.batch, stop=self._stop, device=self.device, mask_out=chunk.mask(array, lo, hi))
+                            batch=self.run_images, stop=self._stop, device=self.device, mask_out=chunk.mask(array, lo, hi))
 
         blk.fill_part(fill)
         blk.wait_ready()
@@ -181,6 +237,7 @@ class ImageStore:
                     chunk = _Chunk(f"{self.tag}all{k}", ids, self._px[ids], self.masked)
                     self._decode(chunk)
                     self._publish(k, chunk)
+                self._finished()
                 return
             gw = self._window_of(start)
             while not self._stop.is_set():
@@ -201,6 +258,14 @@ class ImageStore:
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
+
+    def _finished(self) -> None:
+        """keep_all, the whole split held: nothing is decoded again, so what decoding left behind
+        is given back (module doc) and the store says it is complete."""
+        self.released = release_decode_memory()
+        with self._cv:
+            self.complete = True
+            self._cv.notify_all()
 
     def _free_before(self, gw: int) -> None:
         for key in [k for k in self._chunks if k < gw]:

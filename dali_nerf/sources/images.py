@@ -27,8 +27,17 @@ across all ranks, B per rank per step, defined by the seed alone; ``state_dict()
 global position, so ``load_state_dict`` continues it exactly on any number of ranks. Images are
 decoded once per node into memory the node's ranks share (:mod:`dali_nerf.data.imagestore`,
 :mod:`dali_nerf.data.nodeshare`), under ``max_bytes`` per node (windows beyond it); no worker
-processes: one thread builds the batches ahead (the runner's), one decodes. With ``device="cuda"`` batches are built in pinned memory and copied non-blocking on
-torch's current stream in ``next()``: the GPU holds the batch handed out, nothing more.
+processes: one thread builds the batches ahead (the runner's), one decodes until the split is
+held (kept whole; through windows it goes on). With ``device="cuda"`` batches are built in pinned
+memory and copied non-blocking on torch's current stream in ``next()``: the GPU holds the batch
+handed out, nothing more.
+
+Host memory a rank holds beyond the node's shared images: the batches built ahead (``prefetch``
+steps a run; a step handed out is held by the consumer alone, the runner lets go of it) and what
+decoding leaves in the process (DALI's pool, kept small by cutting its runs by bytes). Kept whole,
+once every image is decoded the decode thread ends and gives its memory back, and ``stats()``
+says ``decode_closed: True`` (:mod:`dali_nerf.data.imagestore`); a seek, a loaded state or
+``set_epoch`` builds a new store, which decodes the split again and closes again.
 
 The loader is the image *producer* (:class:`ImageProducer`) plugged into the sources' one runner
 (:class:`~dali_nerf.sources.runner.RunSource`: run-ahead thread, stall and warm-up accounting, the
@@ -103,6 +112,7 @@ class ImageProducer:
     boundary of the global stream, and a graph is built there)."""
 
     kind, thread_name, ahead, linear = "ImageLoader", "dali_nerf-image-batches", True, False
+    drop_served = True  # a batch handed out is held by the consumer alone (no second copy in the runner)
 
     def __init__(self, scene, b: int, rank: int, world: int, seed: int, steps: int, patch: Optional[int],
                  keep_all: bool, window: int, share_key: str, local_rank: int, local_world: int, device: str,
@@ -190,7 +200,8 @@ class ImageProducer:
         live = self._live
         return {"decode_s": self.decode_s + (live.decode_s if live else 0.0),
                 "peak_bytes": max(self.peak_bytes, live.peak_bytes if live else 0),
-                "window": 0 if self.keep_all else self.window, "local_ranks": self.local_world}
+                "window": 0 if self.keep_all else self.window, "local_ranks": self.local_world,
+                "decode_closed": bool(live is not None and live.complete)}
 
     def close(self) -> None:
         if self.share is not None:
@@ -308,7 +319,9 @@ class ImageLoader(RunSource):
     def stats(self) -> dict:
         """The runner's (BatchStats: ``rays_per_s`` counts images) plus ``images_per_s``,
         ``decode_s``, ``peak_bytes`` (decoded pixels this node held at most), ``window`` (0: all
-        kept), ``local_ranks`` sharing them."""
+        kept), ``local_ranks`` sharing them and ``decode_closed`` (True once the split is kept
+        whole, every image decoded and the decode thread ended with its memory given back; a
+        moment after the last image is in; always False through windows)."""
         d = super().stats()
         d["images_per_s"] = d["rays_per_s"]
         return d
