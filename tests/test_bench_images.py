@@ -9,9 +9,10 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
-from dali_nerf.bench.images import _ratios, _table, run_pair, summarise, synthetic_colmap
+from dali_nerf.bench.images import _node, _ratios, _table, run_pair, summarise, synthetic_colmap
 from dali_nerf.bench.imagepaths import GsplatStyleDataset, rank_main
 from dali_nerf.scenes import load_scene
 
@@ -19,30 +20,54 @@ from _gsplat_reference import GsplatReference
 
 
 def test_ours_and_the_cache_path_measure_a_node(tmp_path):
-    scene = synthetic_colmap(tmp_path / "scene", 10, 48, 32, seed=3)
-    args = argparse.Namespace(batches=12, warmup=1, step_ms=2.0, seed=0, timeout=600)
+    scene = synthetic_colmap(tmp_path / "scene", 16, 48, 32, seed=3)
+    n = load_scene(scene, "train", format="colmap").num_images
+    assert n > 1 + 1 + 2 * 4  # the first phase's batches are not a whole epoch: the steady phase must run on
+    args = argparse.Namespace(batches=4, warmup=1, step_ms=2.0, seed=0, timeout=600)
     (tmp_path / "sync").mkdir()
-    node = {}
+    rows = {}
     for path, ranks in (("ours", 1), ("cache", 1)):
         if path == "ours":  # in this process (one rank: no share to set up); the cache path as the command runs it
             threads = torch.get_num_threads()
             try:  # rank_main sets one torch thread, as for a rank process
-                rows = [rank_main(0, 1, "ours", str(scene), str(tmp_path / "ours.json"), str(tmp_path / "sync"), 12, 1, 2.0, 0)]
+                got = [rank_main(0, 1, "ours", str(scene), str(tmp_path / "ours.json"), str(tmp_path / "sync"), 4, 1, 2.0, 0)]
             finally:
                 torch.set_num_threads(threads)
         else:
-            rows = run_pair(path, ranks, scene, tmp_path, args, f"{path}{ranks}")
-        assert [r["rank"] for r in rows] == list(range(ranks)) and all(r["path"] == path for r in rows)
-        assert all(r["first_batch_s"] > 0 and r["images_per_s"] > 0 and 0 <= r["stall"] < 1 for r in rows)
-        assert all(r["pss_bytes"] > 10 << 20 for r in rows)  # an interpreter with torch at least
-        node[f"{path}/{ranks}"] = {"first_batch_s": 1.0, "images_per_s": sum(r["images_per_s"] for r in rows),
-                                   "stall": 0.01, "pss_bytes": sum(r["pss_bytes"] for r in rows)}
-    s = summarise([node, {k: dict(v, first_batch_s=3.0) for k, v in node.items()}])
-    assert s["ours/1"]["first_batch_s"] == {"mean": 2.0, "min": 1.0, "max": 3.0, "trials": 2}
+            got = run_pair(path, ranks, scene, tmp_path, args, f"{path}{ranks}")
+        assert [r["rank"] for r in got] == list(range(ranks)) and all(r["path"] == path for r in got)
+        for r in got:
+            assert r["first_batch_s"] > 0 and r["images_per_s"] > 0 and 0 <= r["stall"] < 1
+            assert r["steady_images_per_s"] > 0 and 0 <= r["steady_stall"] < 1
+            assert r["pss_bytes"] > 10 << 20 and r["steady_pss_bytes"] > 10 << 20  # an interpreter with torch at least
+            assert r["steady_served"] >= n  # the steady phase starts after a whole epoch
+            maps = r["steady_pss_maps"]  # the steady PSS by mapping: the interpreter's heap at least
+            assert maps and "[heap]" in maps and sum(maps.values()) <= r["steady_pss_bytes"] + (1 << 20)
+        assert got[0]["steady_decode_closed"] is (True if path == "ours" else None)
+        rows[path] = got
+    # the node's numbers of each regime come from that regime's rank numbers
+    two = [dict(rows["cache"][0], rank=0), dict(rows["cache"][0], rank=1, steady_images_per_s=7.0, steady_stall=0.5,
+                                                   steady_pss_bytes=3 << 20)]
+    node = _node(two)
+    assert node["steady_images_per_s"] == rows["cache"][0]["steady_images_per_s"] + 7.0
+    assert node["steady_stall"] == (rows["cache"][0]["steady_stall"] + 0.5) / 2
+    assert node["steady_pss_bytes"] == rows["cache"][0]["steady_pss_bytes"] + (3 << 20)
+    assert node["images_per_s"] == 2 * rows["cache"][0]["images_per_s"] and node["pss_bytes"] == 2 * rows["cache"][0]["pss_bytes"]
+    one = {f"{p}/1": _node(rows[p]) for p in rows}
+    s = summarise([one, {k: dict(v, first_batch_s=v["first_batch_s"] + 2.0, steady_stall=0.25) for k, v in one.items()}])
+    o = s["ours/1"]
+    assert o["first_batch_s"]["max"] - o["first_batch_s"]["min"] == pytest.approx(2.0) and o["first_batch_s"]["trials"] == 2
+    assert o["steady_stall"]["max"] == 0.25 and o["steady_stall"]["min"] == rows["ours"][0]["steady_stall"]
     table = _table(s, [1, 2])
-    assert "| ours | 1 | 2.00 (1.00-3.00) |" in table and "| cache | 1 |" in table and "| workers" not in table
+    head = table.splitlines()[0]
+    assert "images/s, steady" in head and "stall, steady" in head and "PSS, steady (MiB)" in head
+    line = next(l for l in table.splitlines() if l.startswith("| ours | 1 |"))
+    steady_mib = o["steady_pss_bytes"]["mean"] / 2**20
+    assert line.rstrip(" |").endswith(f"{steady_mib:.0f} ({steady_mib:.0f}-{steady_mib:.0f})")
+    assert "| cache | 1 |" in table and "| workers" not in table
     r = _ratios(s, [1, 2])
-    assert set(r) == {"pss_ours_over_cache/1", "stall_ours/1"} and r["stall_ours/1"] == 0.01
+    assert set(r) == {"pss_ours_over_cache/1", "stall_ours/1", "steady_pss_ours_over_cache/1", "steady_stall_ours/1"}
+    assert r["steady_pss_ours_over_cache/1"] == o["steady_pss_bytes"]["mean"] / s["cache/1"]["steady_pss_bytes"]["mean"]
 
 
 def test_the_gsplat_style_item_is_gsplats(tmp_path):

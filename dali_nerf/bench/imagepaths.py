@@ -11,12 +11,23 @@ process: ``python -m dali_nerf.bench.imagepaths RANK RANKS PATH SCENE OUT SYNC .
 * ``cache``: gsplat's ``--cache_images`` as a per-process uint8 cache: every rank decodes the
   whole split into its own memory first, then indexes it (no workers).
 
-A rank measures: time to first batch (from building the path to holding its first batch),
-images/s with no work between batches (``--batches`` batches after ``--warmup``), and the stall
-under an emulated device step (``--step-ms`` of sleep per batch: the share of the wall time spent
-in ``next()``); then, at a point every rank of the node reaches, its own PSS plus its worker
-processes' (``/proc/<pid>/smaps_rollup``; shared pages split among the processes mapping them, so
-the ranks' sum is the node's memory).
+A rank measures, in two regimes:
+
+* **first epoch**: time to first batch (from building the path to holding its first batch),
+  images/s with no work between batches (``--batches`` batches after ``--warmup``) and the stall
+  under an emulated device step (``--step-ms`` of sleep per batch: the share of the wall time spent
+  in ``next()``); then, at a point every rank of the node reaches, its own PSS plus its worker
+  processes' (``/proc/<pid>/smaps_rollup``; shared pages split among the processes mapping them,
+  so the ranks' sum is the node's memory). ``ours`` serves these batches while it still decodes
+  the split (its rate is then the decode rate); ``cache`` decoded everything before its first.
+* **steady state**, what a long run lives in: each rank runs on until its path's steady state —
+  ``ours``: its next batch is in epoch 1 or later and, kept whole, every image is decoded and its
+  decode closed (``stats()["decode_closed"]``); ``cache``: one whole epoch served; ``workers``: no
+  run-on (every access decodes its file, in the first epoch as in any later one, so its steady
+  state is the same per-access decode, and running on a whole epoch would decode the split
+  again) — then, once every rank of the node is there, images/s and the stall over the next
+  ``--batches`` batches each, and at a point all ranks reach after them the PSS again, with the
+  rank's own PSS by mapping (:func:`pss_by_mapping`).
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ import cv2
 import numpy as np
 import torch
 
-__all__ = ["PATHS", "GsplatStyleDataset", "pss_bytes", "rank_main"]
+__all__ = ["PATHS", "GsplatStyleDataset", "pss_bytes", "pss_by_mapping", "rank_main"]
 
 PATHS = ("ours", "workers", "cache")
 WORKERS = 4
@@ -73,6 +84,36 @@ def pss_bytes(pid: int) -> int:
     except (OSError, StopIteration, ValueError):
         pass
     return total
+
+
+def pss_by_mapping(pid: int, top: int = 40) -> dict:
+    """Process ``pid``'s own PSS (not its children's) by mapping, bytes, the ``top`` largest:
+    a file by its name (``libtorch_cpu.so``), ``[heap]``, ``[anon]`` (anonymous maps: other malloc
+    arenas, thread stacks, numpy and DALI buffers), ``memfd:NAME`` (the node's shared blocks, by the
+    name before the first ``-``), ``[stack]``; ``{}`` for a process gone meanwhile."""
+    groups: dict = {}
+    name = "[anon]"
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=5)
+                if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+                    where = head[5].strip() if len(head) > 5 else ""
+                    if not where:
+                        name = "[anon]"
+                    elif where.startswith("/memfd:"):
+                        name = "memfd:" + where[len("/memfd:"):].split("-")[0]
+                    elif where.startswith("/dev/"):  # /dev/zero: a one-rank loader's shared anonymous block
+                        name = where.split(" (deleted)")[0]
+                    elif where.startswith("/"):
+                        name = os.path.basename(where.split(" (deleted)")[0])
+                    else:
+                        name = where
+                elif head and head[0] == "Pss:":
+                    groups[name] = groups.get(name, 0) + int(head[1]) * 1024
+    except (OSError, ValueError):
+        return {}
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1])[:top])
 
 
 def _barrier(folder: Path, name: str, rank: int, ranks: int, timeout: float = 1800.0) -> None:
@@ -117,6 +158,44 @@ class _Forever:
         self.it = None
 
 
+def _timed(src, batches: int, step_ms: float) -> tuple:
+    """``(images/s with no work between batches, stall under a step_ms step)`` over ``batches`` batches each."""
+    t1 = time.perf_counter()
+    for _ in range(batches):
+        next(src)
+    rate = batches / (time.perf_counter() - t1)
+    waited, t2 = 0.0, time.perf_counter()
+    for _ in range(batches):
+        a = time.perf_counter()
+        next(src)
+        waited += time.perf_counter() - a
+        time.sleep(step_ms / 1000.0)
+    return rate, waited / (time.perf_counter() - t2)
+
+
+def _run_on(path: str, src, served: int, n: int) -> int:
+    """Batches served until ``path``'s steady state (module doc); returns them. ``ours``: its next
+    batch is in epoch 1 or later and, with the split kept whole, every image is decoded (the
+    loader's ``stats()["decode_closed"]``); ``cache``: one whole epoch served; ``workers``: none."""
+    if path == "workers":
+        return 0
+    limit = 3 * n + 1  # a loader that never reports the split decoded is a bug, not a wait
+    extra = 0
+    while not _steady(path, src, served + extra, n):
+        if extra >= limit:
+            raise RuntimeError(f"bench images: {path} did not reach its steady state within {limit} batches")
+        next(src)
+        extra += 1
+    return extra
+
+
+def _steady(path: str, src, served: int, n: int) -> bool:
+    if path == "ours":
+        st = src.stats()
+        return src.epoch >= 1 and (st["window"] > 0 or st["decode_closed"])
+    return served >= n
+
+
 def rank_main(rank: int, ranks: int, path: str, scene_dir: str, out: str, sync: str, batches: int, warmup: int,
               step_ms: float, seed: int) -> dict:
     """One rank's numbers (module doc), written to ``out`` as JSON."""
@@ -132,22 +211,22 @@ def rank_main(rank: int, ranks: int, path: str, scene_dir: str, out: str, sync: 
     ttfb = time.perf_counter() - t0
     for _ in range(warmup):
         next(src)
-    t1 = time.perf_counter()
-    for _ in range(batches):
-        next(src)
-    rate = batches / (time.perf_counter() - t1)
-    waited, t2 = 0.0, time.perf_counter()
-    for _ in range(batches):
-        a = time.perf_counter()
-        next(src)
-        waited += time.perf_counter() - a
-        time.sleep(step_ms / 1000.0)
-    stall = waited / (time.perf_counter() - t2)
+    rate, stall = _timed(src, batches, step_ms)
+    served = 1 + warmup + 2 * batches
     _barrier(sync_dir, "measure", rank, ranks)
     pss = pss_bytes(os.getpid())
     _barrier(sync_dir, "measured", rank, ranks)
+    served += _run_on(path, src, served, scene.num_images)
+    closed = bool(src.stats()["decode_closed"]) if path == "ours" else None
+    _barrier(sync_dir, "steady", rank, ranks)  # every rank in its steady state before any is timed there
+    steady_rate, steady_stall = _timed(src, batches, step_ms)
+    _barrier(sync_dir, "steady-measure", rank, ranks)
+    steady_pss, maps = pss_bytes(os.getpid()), pss_by_mapping(os.getpid())
+    _barrier(sync_dir, "steady-measured", rank, ranks)
     res = {"rank": rank, "ranks": ranks, "path": path, "first_batch_s": ttfb, "images_per_s": rate, "stall": stall,
-           "pss_bytes": pss}
+           "pss_bytes": pss, "steady_images_per_s": steady_rate, "steady_stall": steady_stall,
+           "steady_pss_bytes": steady_pss, "steady_served": served, "steady_decode_closed": closed,
+           "steady_pss_maps": maps}
     Path(out).write_text(json.dumps(res))
     _barrier(sync_dir, "written", rank, ranks)
     src.close()

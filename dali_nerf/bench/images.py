@@ -5,11 +5,12 @@ gsplat's two paths, measured in the same run (:mod:`dali_nerf.bench.imagepaths`)
 
 For each trial, every (path, ranks) pair runs in an order rotated by the trial (no path always
 first): ``ranks`` processes of this node start together, each a rank with torchrun's local
-variables, and each measures time to first batch, images/s, the stall under a ``--step-ms``
-emulated device step and, at a point all reach, its PSS (with its worker processes). Per pair and
-trial: the first batch is the ranks' mean, images/s their sum (the node's), the stall their
-mean, the memory their PSS sum (the node's). Reported: the mean over trials and the spread
-(min-max). Without ``--scene`` a synthetic COLMAP scene is written (smooth noise PNGs; random
+variables, and each measures time to first batch, then in two regimes (the first epoch, and the
+steady state after it: :mod:`dali_nerf.bench.imagepaths`) images/s, the stall under a
+``--step-ms`` emulated device step and, at a point all reach, its PSS (with its worker processes).
+Per pair and trial: the first batch is the ranks' mean, images/s their sum (the node's), the stall
+their mean, the memory their PSS sum (the node's), for each regime. Reported: the mean over
+trials and the spread (min-max). Without ``--scene`` a synthetic COLMAP scene is written (smooth noise PNGs; random
 cameras; the files' content only sets the decode cost). Writes ``images.json`` and ``images.md``.
 """
 
@@ -74,10 +75,14 @@ def run_pair(path: str, ranks: int, scene: Path, work: Path, args, tag: str) -> 
 
 
 def _node(rows: list) -> dict:
-    return {"first_batch_s": float(np.mean([r["first_batch_s"] for r in rows])),
-            "images_per_s": float(np.sum([r["images_per_s"] for r in rows])),
-            "stall": float(np.mean([r["stall"] for r in rows])),
-            "pss_bytes": int(np.sum([r["pss_bytes"] for r in rows]))}
+    """The node's numbers of one pair's rank rows (module doc), for both regimes."""
+    out = {}
+    for pre in ("", "steady_"):
+        out[f"{pre}images_per_s"] = float(np.sum([r[f"{pre}images_per_s"] for r in rows]))
+        out[f"{pre}stall"] = float(np.mean([r[f"{pre}stall"] for r in rows]))
+        out[f"{pre}pss_bytes"] = int(np.sum([r[f"{pre}pss_bytes"] for r in rows]))
+    out["first_batch_s"] = float(np.mean([r["first_batch_s"] for r in rows]))
+    return out
 
 
 def summarise(trials: list) -> dict:
@@ -92,17 +97,24 @@ def summarise(trials: list) -> dict:
 
 
 def _table(summary: dict, ranks_list) -> str:
-    lines = ["| path | ranks | first batch (s) | images/s (node) | stall at the device step | host PSS (node, MiB) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| path | ranks | first batch (s) | images/s, first epoch | stall, first epoch | PSS after the first "
+             "epoch's batches (MiB) | images/s, steady | stall, steady | PSS, steady (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for ranks in ranks_list:
         for path in PATHS:
             s = summary.get(f"{path}/{ranks}")
             if s is None:
                 continue
-            f = lambda m, scale=1.0, fmt="{:.2f}": (fmt.format(s[m]["mean"] * scale) + " (" + fmt.format(s[m]["min"] * scale)
-                                                     + "-" + fmt.format(s[m]["max"] * scale) + ")")
-            lines.append(f"| {path} | {ranks} | {f('first_batch_s')} | {f('images_per_s', fmt='{:.0f}')} | "
-                         f"{f('stall', 100, '{:.1f}')} % | {f('pss_bytes', 1 / 2**20, '{:.0f}')} |")
+
+            def f(m, scale=1.0, fmt="{:.2f}"):
+                return (fmt.format(s[m]["mean"] * scale) + " (" + fmt.format(s[m]["min"] * scale) + "-"
+                        + fmt.format(s[m]["max"] * scale) + ")")
+
+            cells = [f("first_batch_s")]
+            for pre in ("", "steady_"):
+                cells += [f(f"{pre}images_per_s", fmt="{:.0f}"), f(f"{pre}stall", 100, "{:.1f}") + " %",
+                          f(f"{pre}pss_bytes", 1 / 2**20, "{:.0f}")]
+            lines.append(f"| {path} | {ranks} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -112,10 +124,11 @@ def _ratios(summary: dict, ranks_list) -> dict:
         o, w, c = (summary.get(f"{p}/{r}") for p in PATHS)
         if o and w:
             out[f"first_batch_workers_over_ours/{r}"] = w["first_batch_s"]["mean"] / o["first_batch_s"]["mean"]
-        if o and c:
-            out[f"pss_ours_over_cache/{r}"] = o["pss_bytes"]["mean"] / c["pss_bytes"]["mean"]
-        if o:
-            out[f"stall_ours/{r}"] = o["stall"]["mean"]
+        for pre in ("", "steady_"):
+            if o and c:
+                out[f"{pre}pss_ours_over_cache/{r}"] = o[f"{pre}pss_bytes"]["mean"] / c[f"{pre}pss_bytes"]["mean"]
+            if o:
+                out[f"{pre}stall_ours/{r}"] = o[f"{pre}stall"]["mean"]
     return out
 
 
