@@ -12,9 +12,10 @@ Two regimes, chosen by the budget (``max_bytes`` of decoded pixels per node):
   in every epoch.
 
 What decoding holds, and when it is let go: each chunk or window is decoded by a DALI pipeline
-built for it and deleted after it (:func:`~dali_nerf.data.imagecache.decode_into`), in DALI runs of
-at most :data:`DECODE_RUN_BYTES` of decoded pixels (:func:`decode_run_images`: DALI keeps its runs'
-host buffers in its pool for the life of the process, so the run size bounds that for good). Kept
+built for it and deleted after it (:func:`~dali_nerf.data.imagecache.decode_into`), on the CPU in
+DALI runs of at most :data:`DECODE_RUN_BYTES` of decoded pixels (:func:`decode_run_images`: DALI
+keeps its runs' host buffers in its pool for the life of the process, so the run size bounds that
+for good; nvJPEG runs, on the GPU, keep the plan's decode batch). Kept
 whole, once the last chunk is in the store's decode thread ends and gives back what is left
 (:func:`release_decode_memory`: DALI's unused pool blocks, glibc's free heap pages); the store is
 then ``complete`` (the loader's ``stats()["decode_closed"]``) and holds only the node's shared
@@ -50,7 +51,7 @@ __all__ = ["ImageStore", "plan_windows", "bytes_per_pixel", "decode_run_images",
            "DECODE_RUN_BYTES"]
 
 DECODE_RUN_BYTES = 8 << 20
-"""Decoded bytes one DALI decode run of the store aims at (:func:`decode_run_images`): DALI keeps
+"""Decoded bytes one DALI CPU decode run of the store aims at (:func:`decode_run_images`): DALI keeps
 the host buffers of its runs (its memory pool, :func:`dali_nerf.data.hostmem.dali_host_pool`) for
 the life of the process, about two runs' outputs and their files, so big runs of big images cost
 every rank that memory for good (measured: ~190 -> ~120 MiB of a rank's anonymous memory with
@@ -162,7 +163,9 @@ class ImageStore:
             self._gpu = torch.cuda.current_device()
         self.window, self.keep_all = int(window), bool(keep_all)
         self.threads, self.batch = int(threads), int(batch)
-        self.run_images = decode_run_images(scene, self.threads, self.batch)  # images per DALI decode run
+        # images per DALI decode run: cut by bytes on the CPU, where DALI's host pool keeps the runs'
+        # outputs; nvJPEG ("cuda") decodes into device memory and gains from whole batches
+        self.run_images = decode_run_images(scene, self.threads, self.batch) if device == "cpu" else self.batch
         self.n = scene.num_images
         self.bounds = window_bounds(self.n, self.window)
         self.nw = len(self.bounds) - 1
