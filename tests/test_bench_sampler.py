@@ -49,5 +49,18 @@ def test_bench_sampler_mask_comparison_runs(tmp_path):
     assert sampler.main(args) == 0
     table = out.read_text()
     assert "| 256 | " in table and "masked cost per ray" in table and "masks iid" in table
+    assert "per round: median (min-max)" in table
     with pytest.raises(ConfigError, match=r"--mask 1.5: the masked fraction must be in \(0, 1\)"):
         sampler.main(SimpleNamespace(**{**vars(args), "mask": 1.5}))
+
+
+def test_mask_cost_row_pairs_each_rounds_runs():
+    """The per-round cost pairs round r's unmasked and masked rates (not the best of each): rounds
+    (10, 5) and (6, 6) give 2.00x and 1.00x, median 1.50x; the best rates give 10/6 = 1.67x."""
+    import pytest
+
+    from dali_nerf.bench.masked import cost_row
+
+    assert cost_row(4096, [10e6, 6e6], [5e6, 6e6]) == "| 4096 | 10.0 | 6.0 | 1.67x | 1.50x (1.00-2.00) |"
+    with pytest.raises(ValueError, match="one pair per round"):
+        cost_row(4096, [1.0], [])

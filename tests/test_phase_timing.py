@@ -143,9 +143,12 @@ def test_record_counts_the_training_threads_wait_for_a_core():
     before = os.sched_getaffinity(0)
     with pinned(first_cores(1)):
         assert len(os.sched_getaffinity(0)) == 1
-        spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 3\nwhile time.time() < t: pass"])
+        # the spinner says when it spins (on our core: it inherited the affinity); a fixed sleep
+        # was not enough for an interpreter to start on a loaded machine
+        spin = subprocess.Popen([sys.executable, "-c", "import sys, time\nprint('spinning', flush=True)\n"
+                                 "t = time.time() + 3\nwhile time.time() < t: pass"], stdout=subprocess.PIPE, text=True)
         try:
-            time.sleep(0.3)  # it runs (on our core: it inherited the affinity)
+            assert spin.stdout.readline().strip() == "spinning"
             t = PhaseTimer("cpu")
             c0 = time.thread_time()
             t.note("overshoot", 0.25)

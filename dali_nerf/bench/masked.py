@@ -6,7 +6,9 @@ the hardest case for the valid-pixel index: no long runs) or ``sky`` (the top F 
 sky segmentation). RayLoader (the same plan as ``bench sampler``'s ``rays``: prefetch 2, 262144
 rays per run, ``--stream``) over the unmasked and the masked cache is measured in ``--rounds``
 interleaved rounds (the order alternating each round), each keeping its best round; the table
-gives both rates and the masked cost per ray (unmasked rate / masked rate; the aim is <= 1.2x).
+gives both rates and the masked cost per ray (unmasked rate / masked rate; the aim is <= 1.2x), of
+the best rounds and round by round (each round's two runs are adjacent: the median and the range
+of those paired ratios are the spread the machine's drift leaves).
 
     dali-nerf bench sampler --mask 0.5 --seconds 2 --rounds 5
 """
@@ -27,7 +29,7 @@ from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.errors import ConfigError
 from dali_nerf.sources import make_source
 
-__all__ = ["mask_main", "masked_scene", "MASK_KINDS"]
+__all__ = ["mask_main", "masked_scene", "cost_row", "MASK_KINDS"]
 
 MASK_KINDS = ("iid", "sky")
 
@@ -51,6 +53,17 @@ def masked_scene(scene, folder, fraction: float, kind: str = "iid", seed: int = 
     return dataclasses.replace(scene, mask_paths=paths, mask_wh=np.stack([scene.width, scene.height], 1))
 
 
+def cost_row(rays: int, none: list, masked: list) -> str:
+    """The table row of ``rays`` per step from the rounds' rates (rays/s; ``none[r]`` and
+    ``masked[r]`` measured next to each other in round r): the best rates, the cost of the best
+    (best unmasked / best masked) and the paired costs' median (min-max) over the rounds."""
+    if not none or len(none) != len(masked):
+        raise ValueError(f"cost_row: {len(none)} unmasked and {len(masked)} masked rounds: give one pair per round")
+    paired = np.asarray(none, float) / np.asarray(masked, float)
+    return (f"| {rays} | {max(none) / 1e6:.1f} | {max(masked) / 1e6:.1f} | {max(none) / max(masked):.2f}x | "
+            f"{np.median(paired):.2f}x ({paired.min():.2f}-{paired.max():.2f}) |")
+
+
 def mask_main(args, scene, measure) -> int:
     """The masked-vs-unmasked comparison of ``bench sampler --mask`` (``measure``: the sampler
     benchmark's consumer loop)."""
@@ -70,22 +83,23 @@ def mask_main(args, scene, measure) -> int:
         share = caches["masked"].num_valid / caches["masked"].num_pixels
         print(f"scene: {scene}  ({caches['none'].num_pixels / 1e6:.1f} M pixels; masks: {kind}, "
               f"{1 - share:.1%} masked)", flush=True)
-        lines = ["| rays/step | unmasked Mrays/s | masked Mrays/s | masked cost per ray |", "|---:|---:|---:|---:|"]
+        lines = ["| rays/step | unmasked Mrays/s | masked Mrays/s | masked cost per ray | per round: median (min-max) |",
+                 "|---:|---:|---:|---:|---:|"]
         for B in batches:
             plan = SamplingPlan.for_loader(B, num_threads=threads, rays_per_run=max(262144, B), prefetch=2,
                                            stream=stream)
-            best = {"none": 0.0, "masked": 0.0}
+            rates = {"none": [], "masked": []}
             for r in range(rounds):  # interleaved, the order alternating: neither always runs first
                 for which in (("none", "masked") if r % 2 == 0 else ("masked", "none")):
                     with make_source("rays", scenes[which], plan, cache=caches[which]) as L:
-                        best[which] = max(best[which], measure(L, B, seconds))
-            lines.append(f"| {B} | {best['none'] / 1e6:.1f} | {best['masked'] / 1e6:.1f} | "
-                         f"{best['none'] / best['masked']:.2f}x |")
+                        rates[which].append(measure(L, B, seconds))
+            lines.append(cost_row(B, rates["none"], rates["masked"]))
             print(lines[-1], flush=True)
     lines += ["", f"Scene: {scene.num_images} images, {caches['none'].num_pixels / 1e6:.1f} M pixels, masks {kind} "
               f"({1 - share:.1%} of the pixels masked); RayLoader, stream {stream}, {threads} DALI threads, prefetch 2, "
               f"{max(262144, batches[0])} rays per run; each: the best of {rounds} interleaved rounds of {seconds:g} s "
-              f"(order alternating); {os.cpu_count()} CPU cores; cost per ray = unmasked rate / masked rate."]
+              f"(order alternating); {os.cpu_count()} CPU cores; cost per ray = unmasked rate / masked rate (of the "
+              f"best rounds; per round: the two runs of each round paired)."]
     table = "\n".join(lines)
     print(table)
     if args.out:
