@@ -4,8 +4,8 @@ ahead of use by a background thread (the windows of :mod:`dali_nerf.data.imageor
 Two regimes, chosen by the budget (``max_bytes`` of decoded pixels per node):
 
 * **everything fits**: the split is decoded once, in chunks that follow the stream from the start
-  position (the first chunk holds the first step's images, so the first batch waits for one
-  chunk, not the split), and kept;
+  position (the first chunk is the first step's images alone, so the first batch waits for the
+  decode of its own images, not of a chunk or the split), and kept;
 * **windows**: window ``(e, j)`` (its images, :func:`~dali_nerf.data.imageorder.window_bounds`) is
   decoded when the loader reaches the previous window and freed when it has passed it: at most
   two windows are held (``peak_bytes``), each at most half the budget; an image is decoded again
@@ -147,6 +147,8 @@ class ImageStore:
         window: images per window (windows) or per decode chunk (keep_all).
         keep_all: everything fits (module doc).
         start: the first global position the loader will ask for.
+        first: keep_all: images of the first chunk (the first step's, ``B x W``; 0 or more than
+            ``window``: ``window``).
         threads, batch: DALI decode threads and images per decode run.
         tag: prefix of the block names (the same on every local rank).
         device: where a rank decodes its part: "cpu" (DALI's CPU decoder) or "cuda" (nvJPEG on the
@@ -154,7 +156,7 @@ class ImageStore:
     """
 
     def __init__(self, scene, stream: ImageStream, share, window: int, keep_all: bool, start: int = 0,
-                 threads: int = 2, batch: int = 8, tag: str = "", device: str = "cpu"):
+                 threads: int = 2, batch: int = 8, tag: str = "", device: str = "cpu", first: int = 0):
         self.scene, self.stream, self.share, self.tag, self.device = scene, stream, share, tag, device
         self._gpu = None
         if device == "cuda":  # pragma: no cover - needs a GPU; the thread decodes on the rank's device
@@ -162,6 +164,7 @@ class ImageStore:
 
             self._gpu = torch.cuda.current_device()
         self.window, self.keep_all = int(window), bool(keep_all)
+        self.first = int(first) if 0 < int(first) < self.window else self.window
         self.threads, self.batch = int(threads), int(batch)
         # images per DALI decode run: cut by bytes on the CPU, where DALI's host pool keeps the runs'
         # outputs; nvJPEG ("cuda") decodes into device memory and gains from whole batches
@@ -194,11 +197,12 @@ class ImageStore:
         return self.stream.order(e)[self.bounds[j]:self.bounds[j + 1]]
 
     def _keep_all_chunks(self, start: int) -> List[np.ndarray]:
-        """Every image once, in stream order from ``start``, cut into chunks of ``window``."""
+        """Every image once, in stream order from ``start``, cut into a first chunk of ``first`` images
+        and chunks of ``window`` after it."""
         ids = self.stream.images(np.arange(start, start + 2 * self.n))
-        _, first = np.unique(ids, return_index=True)
-        order = ids[np.sort(first)]
-        return [order[i:i + self.window] for i in range(0, self.n, self.window)]
+        _, seen = np.unique(ids, return_index=True)
+        order = ids[np.sort(seen)]
+        return [order[:self.first]] + [order[i:i + self.window] for i in range(self.first, self.n, self.window)]
 
     def _decode(self, chunk: _Chunk) -> None:
         t0 = time.perf_counter()
