@@ -295,3 +295,101 @@ def test_sigterm_to_torchrun_checkpoints_the_last_common_step_and_resume_continu
     assert new["test_psnr"] == summary["test_psnr"] and new["steps"] == 12 and (cut / "metrics.jsonl").read_bytes() == metrics
     assert new["final_train_loss"] == a[12]["loss"] and new["rays_per_s"] is None and new["phase_totals_s"] is None
     assert new["resumed_at_end"][0]["summary"] == "written by this resume: the run had none at its last step"
+
+
+# ------------------------------------------------------------------------------ torchrun, SS
+
+SS_TINY = ["model.resolution=20", "model.samples_per_ray=16", "model.occupancy_resolution=16",
+           "model.occupancy_warmup=4", "model.occupancy_every=4", "model.hidden=16", "model.sigma_init=0.1",
+           "model.density_components=8", "model.color_components=12", "partition.grid=[2,2]",
+           "pipeline.rays_per_batch=128", "pipeline.rays_per_run=1024", "train.steps=24", "train.checkpoint_every=0",
+           "train.log_every=1", "train.eval_images=1", "train.lr=0.02", "train.device=cpu"]
+
+
+# the SS trainer's __main__ that also records the code each rank's main() returned (torchrun does
+# not report the exit codes of workers it stopped)
+SS_MAIN = """
+import os, sys
+from pathlib import Path
+from dali_nerf.interrupt import exit_process
+from dali_nerf.trainers.spatial import main
+rc = main(sys.argv[1:])
+Path(os.environ["SS_EXIT_CODES"], "rank" + os.environ["RANK"]).write_text(str(rc))
+exit_process(rc)
+"""
+
+
+def _ss_torchrun(scene, runs, name, *extra, codes: Path = None):
+    if codes is not None:
+        codes.mkdir()
+        (codes.parent / "ss_main.py").write_text(SS_MAIN)
+    entry = [str(codes.parent / "ss_main.py")] if codes is not None else ["-m", "dali_nerf.trainers.spatial"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           *entry, "--config", "configs/ss_city.yaml", f"scene.path={scene}",
+           f"train.runs_dir={runs}", f"name={name}", *SS_TINY, *extra]
+    env = _env(SS_EXIT_CODES=str(codes)) if codes is not None else _env()
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+
+
+@pytest.mark.slow  # 3 torchrun launches of 2 CPU ranks (2 at once)
+def test_sigterm_to_torchrun_of_the_spatial_trainer_checkpoints_every_cell_at_one_step(tmp_path):
+    """The spatial-segmentation trainer (4 cells, 2 per rank, no collective per step: the ranks
+    may drift up to 8 steps apart) under torchrun, SIGTERM to the agent once rank 1 logged a
+    random step (2-5 of 24): every rank stops after the same step T (both metrics files end at T,
+    rank 0 prints it), T's checkpoint holds all 4 cells (each rank's own), no summary, exit 143;
+    ``--resume`` on 2 ranks runs T+1..24 and every step's loss on both ranks and every cell's
+    field and Adam state end bitwise equal to an uninterrupted run's (launched beside it): a
+    cell's stream, jitter and background draws are its own, restored from its checkpoint, and
+    its arithmetic runs on the same rank in the same order."""
+    import random
+
+    from dali_nerf.train.checkpoint import RUN_FILE, cell_file
+
+    scene = make_scene("city", tmp_path / "city", width=32, height=24, n_train=12, n_val=1, seed=1)
+    runs = tmp_path / "runs"
+    at = random.Random().randint(2, 5)
+    print(f"SIGTERM after rank 1 logged step {at}")
+    ref = _ss_torchrun(scene, runs, "whole")
+    codes = tmp_path / "codes"
+    cut = _ss_torchrun(scene, runs, "cut", codes=codes)
+    metrics1 = runs / "cut" / "metrics.rank1.jsonl"
+    deadline = time.time() + 300
+    while max(_rows(metrics1), default=0) < at:
+        assert cut.poll() is None and time.time() < deadline, _finish(cut)[2][-3000:]
+        time.sleep(0.02)
+    cut.send_signal(signal.SIGTERM)
+    code, _, err = _finish(cut)
+    line = [l for l in err.splitlines() if l.startswith("stopped by SIGTERM after step ")]
+    assert len(line) == 1, err[-3000:]
+    T = int(line[0].split("after step ")[1].split()[0])
+    ends = [max(_rows(runs / "cut" / f)) for f in ("metrics.jsonl", "metrics.rank1.jsonl")]
+    assert ends == [T, T] and at <= T < 24, (ends, T, err[-2000:])
+    ck = latest_checkpoint(runs / "cut" / "checkpoints")
+    assert ck.name == f"step_{T:07d}"
+    assert sorted(p.name for p in ck.iterdir()) == sorted([*(cell_file(c) for c in range(4)), RUN_FILE])
+    assert load_file(ck, RUN_FILE)["step"] == T
+    assert not (runs / "cut" / "summary.json").exists() and not (runs / "cut" / ".lock").exists()
+    # every rank's trainer returned 128 + SIGTERM (torchrun's own exit code is its agent's: torch
+    # re-raises the signal there as an exception, exit 1)
+    assert {f.name: f.read_text() for f in codes.iterdir()} == {"rank0": "143", "rank1": "143"}, err[-3000:]
+    print(f"stopped after step {T}; torchrun exit {code}")
+
+    code, _, err = _finish(_ss_torchrun(scene, runs, "cut", "--resume"))
+    assert code == 0, err[-3000:]
+    code, _, err = _finish(ref)
+    assert code == 0, err[-3000:]
+    for f in ("metrics.jsonl", "metrics.rank1.jsonl"):
+        a, b = _rows(runs / "cut" / f), _rows(runs / "whole" / f)
+        assert sorted(a) == list(range(1, 25)), (f, sorted(a))
+        assert {s: r["loss"] for s, r in a.items()} == {s: r["loss"] for s, r in b.items()}, f
+    ca, cb = (latest_checkpoint(runs / n / "checkpoints") for n in ("cut", "whole"))
+    for c in range(4):
+        ta, tb = (load_file(ck, cell_file(c))["task"] for ck in (ca, cb))
+        for k, v in tb["field"].items():
+            assert torch.equal(ta["field"][k], v), (c, k)
+        for p, st in tb["optimizer"]["state"].items():
+            assert all(torch.equal(torch.as_tensor(ta["optimizer"]["state"][p][k]), torch.as_tensor(x))
+                       for k, x in st.items()), (c, p)
+    summary = json.loads((runs / "cut" / "summary.json").read_text())
+    assert summary["resumed_from"] == T and summary["steps"] == 24 and summary["cells"] == 4
