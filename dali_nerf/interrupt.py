@@ -56,9 +56,9 @@ from typing import List, Optional
 
 from dali_nerf.errors import stderr_line
 
-__all__ = ["interrupt_guard", "grace_at_least", "quiet_startup", "exit_process", "ignore_interrupts", "interrupts_deferred", "interrupted", "descendants", "kill_descendants",
+__all__ = ["interrupt_guard", "grace_at_least", "quiet_startup", "exit_process", "ignore_interrupts", "interrupts_deferred", "interrupted", "children", "descendants", "kill_descendants",
            "EXIT_INTERRUPTED", "DEFAULT_GRACE_S", "ECHO_S", "Terminated", "StopRequest", "stop_signal",
-           "CHECKPOINT_SIGNALS", "DEFAULT_TERM_GRACE_S"]
+           "CHECKPOINT_SIGNALS", "DEFAULT_TERM_GRACE_S", "env_seconds"]
 
 EXIT_INTERRUPTED = 130
 """Exit code after an interrupt (128 + SIGINT, as shells report it)."""
@@ -80,12 +80,22 @@ Not INT (Ctrl-C: :func:`interrupt_guard`), USR1 (the stack dump), KILL or STOP (
 _state = {"first": None, "grace_s": DEFAULT_GRACE_S, "watchdog": None}
 
 
+def env_seconds(var: str, default: float) -> float:
+    """Seconds from the environment variable ``var`` (``DALI_NERF_INTERRUPT_GRACE_S``,
+    ``DALI_NERF_TERM_GRACE_S``), ``default`` when it is unset or not a number."""
+    try:
+        return float(os.environ.get(var, default))
+    except ValueError:
+        return float(default)
+
+
 def interrupted() -> bool:
     """True once this process received SIGINT under :func:`interrupt_guard`."""
     return _state["first"] is not None
 
 
-def _children(pid: int) -> List[int]:
+def children(pid: int) -> List[int]:
+    """Pids of the live children of ``pid`` (Linux /proc)."""
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
@@ -99,7 +109,7 @@ def descendants(pid: Optional[int] = None) -> List[int]:
     """Pids of every live descendant of ``pid`` (default: this process), children first (Linux /proc)."""
     todo, out = [os.getpid() if pid is None else int(pid)], []
     while todo:
-        kids = _children(todo.pop(0))
+        kids = children(todo.pop(0))
         out += kids
         todo += kids
     return out
@@ -180,10 +190,7 @@ def interrupt_guard(grace_s: Optional[float] = None):
         yield
         return
     if grace_s is None:
-        try:
-            grace_s = float(os.environ.get("DALI_NERF_INTERRUPT_GRACE_S", DEFAULT_GRACE_S))
-        except ValueError:
-            grace_s = DEFAULT_GRACE_S
+        grace_s = env_seconds("DALI_NERF_INTERRUPT_GRACE_S", DEFAULT_GRACE_S)
     _state.update(first=None, grace_s=max(0.1, grace_s), watchdog=None)
     prev = signal.signal(signal.SIGINT, _on_sigint)
     usr1 = False
@@ -230,17 +237,18 @@ def exit_process(code: int) -> None:
 
 
 @contextlib.contextmanager
-def interrupts_deferred():
+def interrupts_deferred(block: bool = True):
     """Start worker processes inside this block. A SIGINT that arrives meanwhile is held and
     raised (by the handler in force before the block) when the block ends, so the start is never
     cut in half (a DataLoader iterator interrupted inside its constructor leaves workers behind and
     a traceback from its ``__del__``); and SIGINT is blocked in the calling thread, so a process
     forked here starts with it blocked (the mask is inherited) until its :func:`ignore_interrupts`
-    runs."""
+    runs. ``block=False``: held only, not blocked (a child that must get SIGINT, e.g. torchrun)."""
     main = threading.current_thread() is threading.main_thread()
     held = []
     prev = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum)) if main else None
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
+    old = (signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+           if block and hasattr(signal, "pthread_sigmask") else None)
     try:
         yield
     finally:
@@ -355,10 +363,7 @@ def stop_signal(name: str = "TERM", grace_s: Optional[float] = None):
     the block: yields a :class:`StopRequest` (see the module doc); the previous handler is put back
     after. ``none``, or a thread other than the main one: no handler, the request never fires."""
     if grace_s is None:
-        try:
-            grace_s = float(os.environ.get("DALI_NERF_TERM_GRACE_S", DEFAULT_TERM_GRACE_S))
-        except ValueError:
-            grace_s = DEFAULT_TERM_GRACE_S
+        grace_s = env_seconds("DALI_NERF_TERM_GRACE_S", DEFAULT_TERM_GRACE_S)
     if name == "none" or threading.current_thread() is not threading.main_thread():
         yield StopRequest(None, grace_s)
         return

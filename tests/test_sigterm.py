@@ -393,3 +393,107 @@ def test_sigterm_to_torchrun_of_the_spatial_trainer_checkpoints_every_cell_at_on
                        for k, x in st.items()), (c, p)
     summary = json.loads((runs / "cut" / "summary.json").read_text())
     assert summary["resumed_from"] == T and summary["steps"] == 24 and summary["cells"] == 4
+
+
+# ------------------------------------------------------------------------------ dali-nerf demo
+
+def _marked(mark: str) -> list:
+    """Pids of the live processes whose environment holds ``mark`` (/proc; zombies have none)."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            if d.isdigit() and mark.encode() in Path(f"/proc/{d}/environ").read_bytes().split(b"\0"):
+                out.append(int(d))
+        except OSError:
+            continue
+    return out
+
+
+def test_torchrun_is_told_to_pass_on_a_checkpoint_signal_it_would_die_of():
+    """torchrun passes TERM and HUP on to its ranks by itself; USR2 or XCPU would kill it (the
+    default action), so the command adds ``--signals-to-handle`` with it, which torchrun's own
+    parser accepts (torch >= 2.9; an older torchrun gets nothing and ``dali-nerf demo`` signals
+    its ranks itself)."""
+    from torch.distributed.run import get_args_parser
+
+    from dali_nerf.cli.train import torchrun_command
+
+    base = torchrun_command("dali_nerf.trainers.ddp", 2, "ddp_objects", ["train.steps=9"])
+    for name in ("TERM", "HUP", "none"):
+        assert torchrun_command("dali_nerf.trainers.ddp", 2, "ddp_objects", ["train.steps=9"], checkpoint_signal=name) == base
+    cmd = torchrun_command("dali_nerf.trainers.ddp", 2, "ddp_objects", ["train.steps=9"], checkpoint_signal="USR2")
+    if "--signals-to-handle" not in get_args_parser()._option_string_actions:
+        assert cmd == base
+        return
+    assert cmd == [*base[:4], "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2", *base[4:]]
+    assert get_args_parser().parse_args(cmd[3:]).signals_to_handle == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
+
+
+@pytest.mark.slow  # one demo each: a torchrun launch of 2 CPU ranks
+@pytest.mark.parametrize("how", ["TERM to its pid", "INT to its group"])
+def test_a_signal_to_the_demo_stops_its_torchrun_and_ranks(tmp_path, how):
+    """``dali-nerf demo`` keeps torchrun as its child (in a session of its own). SIGTERM to the
+    demo's pid alone (``kill <pid>``: a job script, a scheduler signalling the top process) once
+    rank 1 logged a random step (2-5 of 30) is passed on to torchrun and its ranks: rank 0 prints
+    that they stopped after step T, both ranks' metrics end at T, ``latest`` is T's checkpoint;
+    the demo exits 143 with its one line (the checkpoint folder and the resume command). Ctrl-C
+    (SIGINT to the demo's process group, as a terminal sends it) still stops the ranks without a
+    checkpoint: ``interrupted``, exit 130. Either way no summary, no report, the scene and what the
+    run wrote stay, and no process of the run is left (every process that inherited the test's
+    marker variable, /proc)."""
+    import random
+    import uuid
+
+    scene = make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=8, n_val=1, n_test=2, seed=5)
+    before = {p: p.read_bytes() for p in scene.rglob("*") if p.is_file()}
+    runs = tmp_path / "runs"
+    at = random.Random().randint(2, 5)
+    print(f"{how} after rank 1 logged step {at}")
+    mark = f"DALI_NERF_TEST_RUN={uuid.uuid4().hex}"
+    cmd = [sys.executable, "-m", "dali_nerf", "demo", "--data", str(scene), "--nproc", "2", f"train.runs_dir={runs}",
+           "name=demo", *TINY, "train.steps=30"]
+    demo = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=_env(**dict([mark.split("=")])), start_new_session=True)
+    try:
+        metrics1 = runs / "demo" / "metrics.rank1.jsonl"
+        deadline = time.time() + 300
+        while max(_rows(metrics1), default=0) < at:
+            assert demo.poll() is None and time.time() < deadline, demo.communicate()[1][-3000:]
+            time.sleep(0.02)
+        if how == "TERM to its pid":
+            demo.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(demo.pid, signal.SIGINT)
+        out, err = demo.communicate(timeout=120)
+        left = [p for p in _marked(mark) if p != demo.pid]
+        time.sleep(0.5)
+        left = [p for p in left if p in _marked(mark)]  # still there half a second later: not a zombie's last moment
+    finally:
+        for p in [demo.pid, *_marked(mark)]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        demo.wait()
+    assert left == [], (left, err[-3000:])
+    last = err.strip().splitlines()[-1]
+    assert "[3/4] training" in out and "[4/4] report" not in out
+    assert not (runs / "demo" / "summary.json").exists() and not (runs / "demo" / "report.md").exists()
+    assert (runs / "demo" / "config.yaml").is_file() and not (runs / "demo" / ".lock").exists()
+    assert {p: p.read_bytes() for p in scene.rglob("*") if p.is_file()} == before
+    if how != "TERM to its pid":
+        assert demo.returncode == 130 and last == "interrupted", err[-3000:]
+        # Ctrl-C writes no checkpoint (checkpoint_every=0: the only one is the last step's, if the
+        # ranks got that far before the signal reached them)
+        assert latest_checkpoint(runs / "demo" / "checkpoints") in (None, runs / "demo" / "checkpoints" / "step_0000030")
+        return
+    assert demo.returncode == 143, err[-3000:]
+    line = [l for l in err.splitlines() if l.startswith("stopped by SIGTERM after step ")]
+    assert len(line) == 1, err[-3000:]
+    T = int(line[0].split("after step ")[1].split()[0])
+    assert last.startswith("terminated by SIGTERM: passed on to torchrun, which stopped its ranks (exit code "), last
+    assert f"; no report written; the last checkpoint is in {runs / 'demo' / 'checkpoints'} (`dali-nerf train " in last
+    assert last.endswith(" --resume` continues it)"), last
+    ends = [max(_rows(runs / "demo" / f)) for f in ("metrics.jsonl", "metrics.rank1.jsonl")]
+    assert ends == [T, T] and at <= T < 30, (ends, T, err[-2000:])
+    assert latest_checkpoint(runs / "demo" / "checkpoints").name == f"step_{T:07d}"

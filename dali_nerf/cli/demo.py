@@ -5,17 +5,29 @@
 3. train with ``--nproc`` ranks under torchrun (the config's method; DDP with our DALI RayLoader
    by default; the launch of ``dali-nerf train``);
 4. render held-out views, write ``summary.json`` and a short ``report.md`` in ``runs/<name>/``.
+
+Signals: the trainer's torchrun is this command's child (:func:`~dali_nerf.cli.train.launch_trainer`),
+in a session of its own. Ctrl-C, or SIGTERM / SIGHUP / the config's ``train.checkpoint_signal``
+sent to this command alone (``kill <pid>``, a job script, a scheduler that signals the top
+process), is passed on to torchrun and its ranks: on the checkpoint signal they write the
+checkpoint of their last common step; this command waits for them (bounded), writes no report
+and exits with 128 + the signal (143 for SIGTERM) and one line naming the checkpoint folder and
+the ``dali-nerf train ... --resume`` that continues it. With ``--nproc 1`` the trainer runs in this
+process and handles the signal itself; the command ends the same way.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import shlex
+import signal
 from pathlib import Path
 
 from dali_nerf.atomic import atomic_write_text
 from dali_nerf.config import load_config
 from dali_nerf.errors import DaliNerfError
+from dali_nerf.interrupt import CHECKPOINT_SIGNALS, Terminated
 from dali_nerf.scenegen import make_scene
 from dali_nerf.cli.train import launch_trainer, trainer_module
 from dali_nerf.cli.validate import validate_scene
@@ -84,6 +96,17 @@ def write_report(run_dir: Path) -> str:
     return text
 
 
+def _after_signal(cfg, config: str, nproc: int, overrides, signum: int) -> str:
+    """The end of the demo's line after a signal stopped its training: no report; where the
+    checkpoint is and the command that continues it."""
+    ckpt = cfg.run_dir / "checkpoints"
+    resume = shlex.join(["dali-nerf", "train", "--config", config, "--nproc", str(nproc), *overrides, "--resume"])
+    if signum == getattr(signal, f"SIG{cfg.train.checkpoint_signal}", None):
+        return f"no report written; the last checkpoint is in {ckpt} (`{resume}` continues it)"
+    return (f"no report written; not the checkpoint signal (train.checkpoint_signal={cfg.train.checkpoint_signal}): "
+            f"the ranks stopped without one; any earlier checkpoint stays in {ckpt}")
+
+
 def main(args) -> int:
     data = Path(args.data)
     config = args.config or DEFAULT_CONFIG
@@ -102,9 +125,15 @@ def main(args) -> int:
     print(f"[3/4] training: {cfg.method} with {args.nproc} ranks, {cfg.train.steps} steps", flush=True)
     module = trainer_module(cfg.method, f"{config}: method")
     if args.nproc > 1:
-        rc = launch_trainer(module, args.nproc, config, overrides)
+        try:
+            rc = launch_trainer(module, args.nproc, config, overrides, checkpoint_signal=cfg.train.checkpoint_signal)
+        except Terminated as e:
+            raise Terminated(e.signum, f"{e}; {_after_signal(cfg, config, args.nproc, overrides, e.signum)}") from None
     else:
         rc = importlib.import_module(module).main((["--config", config] if config else []) + overrides)
+        if rc - 128 in {getattr(signal, f"SIG{n}") for n in CHECKPOINT_SIGNALS}:  # the trainer stopped on it
+            raise Terminated(rc - 128, f"terminated by {signal.Signals(rc - 128).name}; "
+                                       f"{_after_signal(cfg, config, args.nproc, overrides, rc - 128)}")
     if rc != 0:
         raise DaliNerfError(f"training failed (exit code {rc}); see the messages above")
     print("[4/4] report", flush=True)

@@ -21,16 +21,19 @@ this command starts exactly those modules.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 
 from dali_nerf.config import load_config
 from dali_nerf.config.shipped import describe_config, shipped_configs, shipped_dir
 from dali_nerf.errors import ConfigError, DaliNerfError, LaunchError
-from dali_nerf.interrupt import DEFAULT_GRACE_S, grace_at_least
+from dali_nerf.interrupt import (DEFAULT_GRACE_S, DEFAULT_TERM_GRACE_S, Terminated, children, descendants,
+                                 env_seconds, grace_at_least, interrupts_deferred, stop_signal)
 from dali_nerf.launch_env import launch_env
 
 __all__ = ["TRAINERS", "LAUNCH_OPTIONS", "trainer_module", "torchrun_command", "launch_trainer", "exec_torchrun",
@@ -52,7 +55,16 @@ LAUNCH_OPTIONS = {  # dali-nerf train option -> torchrun option (underscore spel
 """The rendezvous and restart options passed through to ``torch.distributed.run``."""
 
 TORCHRUN_SHUTDOWN_S = 15.0
-"""After Ctrl-C the launching command waits for torchrun this long beyond the ranks' own bound."""
+"""After Ctrl-C or a stop signal the launching command waits for torchrun this long beyond the
+ranks' own bound (for a stop signal: beyond torchrun's, ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``)."""
+
+PASSED_ON = ("TERM", "HUP")
+"""Besides SIGINT, the signals :func:`launch_trainer` passes on to its torchrun (torchrun's own
+stop signals; the run's checkpoint signal is added). torchrun runs in a session of its own, so
+these reach it only through the launching command, once."""
+
+TORCHRUN_SIGNALS = ("TERM", "INT", "HUP", "QUIT")
+"""The signals torchrun handles by default (passes on to its ranks, then exits)."""
 
 
 def _installed(module: str) -> bool:
@@ -73,17 +85,18 @@ def trainer_module(method: str, where: str = "method") -> str:
 
 
 def torchrun_command(module: str, nproc: int, config: str | None, overrides, resume: bool = False,
-                     launch=()) -> list:
+                     launch=(), checkpoint_signal: str = "TERM") -> list:
     """``python -m torch.distributed.run [launch | --standalone] --nproc_per_node N -m <module> ...``.
 
     ``launch``: torchrun options (``["--nnodes", "2", ...]``); without any, ``--standalone`` (one
-    node, a local rendezvous).
+    node, a local rendezvous). ``checkpoint_signal``: the run's (``train.checkpoint_signal``);
+    torchrun is told to pass it on where it would not (:func:`torchrun_signals`).
 
     >>> torchrun_command("dali_nerf.trainers.ddp", 2, "ddp_objects", ["train.steps=9"])[3:]
     ['--standalone', '--nproc_per_node=2', '-m', 'dali_nerf.trainers.ddp', '--config', 'ddp_objects', 'train.steps=9']
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", *(list(launch) or ["--standalone"]),
-           f"--nproc_per_node={nproc}", "-m", module]
+           *torchrun_signals(checkpoint_signal), f"--nproc_per_node={nproc}", "-m", module]
     if config:
         cmd += ["--config", str(config)]
     if resume:
@@ -99,11 +112,27 @@ def _torchrun_env() -> dict:
     return env
 
 
-def exec_torchrun(module: str, nproc: int, config: str | None, overrides, resume: bool = False, launch=()):
+def torchrun_signals(checkpoint_signal: str) -> list:
+    """torchrun's options for the run's checkpoint signal: none for one torchrun passes on to its
+    ranks anyway (:data:`TORCHRUN_SIGNALS`: TERM, HUP; INT and QUIT are not checkpoint signals) or
+    for ``none``; for USR2 or XCPU ``--signals-to-handle`` with it added (torch >= 2.9), so that
+    torchrun passes it on rather than die of it; [] where this torchrun has no such option."""
+    if checkpoint_signal == "none" or checkpoint_signal in TORCHRUN_SIGNALS:
+        return []
+    from torch.distributed.run import get_args_parser
+
+    if "--signals-to-handle" not in get_args_parser()._option_string_actions:
+        return []
+    return ["--signals-to-handle", ",".join(f"SIG{n}" for n in (*TORCHRUN_SIGNALS, checkpoint_signal))]
+
+
+def exec_torchrun(module: str, nproc: int, config: str | None, overrides, resume: bool = False, launch=(),
+                  checkpoint_signal: str = "TERM"):
     """Become :func:`torchrun_command` (``os.execve``: this process, its pid, is torchrun from here
     on, so a signal sent to it is torchrun's, and torchrun's exit code is the command's). Returns
-    only on failure to start it (a one-line error)."""
-    cmd = torchrun_command(module, nproc, config, overrides, resume, launch)
+    only on failure to start it (a one-line error). ``checkpoint_signal``: the run's
+    (``train.checkpoint_signal``), which torchrun passes on to its ranks."""
+    cmd = torchrun_command(module, nproc, config, overrides, resume, launch, checkpoint_signal)
     env = _torchrun_env()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -114,32 +143,78 @@ def exec_torchrun(module: str, nproc: int, config: str | None, overrides, resume
 
 
 def launch_trainer(module: str, nproc: int, config: str | None, overrides, resume: bool = False,
-                   launch=()) -> int:
+                   launch=(), checkpoint_signal: str = "TERM") -> int:
     """Run :func:`torchrun_command` as a child and return torchrun's exit code (``dali-nerf demo``,
     which goes on after training; ``dali-nerf train`` becomes torchrun instead: :func:`exec_torchrun`).
 
+    torchrun runs in a session of its own and gets its signals from this process, each once,
+    whoever sent them: Ctrl-C (SIGINT) raises ``KeyboardInterrupt`` here, SIGTERM, SIGHUP and the
+    run's ``checkpoint_signal`` raise :class:`~dali_nerf.interrupt.Terminated`
+    (:func:`~dali_nerf.interrupt.stop_signal`); either way the signal is passed on to torchrun,
+    which passes it to its ranks (on the checkpoint signal they checkpoint their last common step,
+    :mod:`dali_nerf.train.stopping`), and this process waits for torchrun under a bound that
+    outlasts theirs, then kills torchrun and its ranks, and re-raises: ``Terminated``'s line
+    names the signal and torchrun's exit code. A signal while torchrun starts is held until it
+    has started (no torchrun left behind unsignalled).
+
     The parent has already validated the config and the scene, so rank errors are rare; a rank's
     one-line error is passed through."""
-    cmd = torchrun_command(module, nproc, config, overrides, resume, launch)
-    proc = subprocess.Popen(cmd, env=_torchrun_env())
-    # After a terminal's Ctrl-C (the whole process group gets it) torchrun stops its ranks, each on
-    # its bounded path (dali_nerf.interrupt, $DALI_NERF_INTERRUPT_GRACE_S): wait for that rather than
-    # kill torchrun mid-shutdown, under a watchdog of this process that outlasts theirs.
-    try:
-        rank_grace_s = float(os.environ.get("DALI_NERF_INTERRUPT_GRACE_S", DEFAULT_GRACE_S))
-    except ValueError:
-        rank_grace_s = DEFAULT_GRACE_S
-    wait_s = rank_grace_s + TORCHRUN_SHUTDOWN_S
-    with grace_at_least(wait_s + 5.0):
+    cmd = torchrun_command(module, nproc, config, overrides, resume, launch, checkpoint_signal)
+    # torchrun passes a signal on to its ranks if it handles it; else (a checkpoint signal of an
+    # older torchrun) the ranks get it from here, and torchrun ends when they have
+    direct = {getattr(signal, f"SIG{n}") for n in TORCHRUN_SIGNALS}
+    if "--signals-to-handle" in cmd:
+        direct.add(getattr(signal, f"SIG{checkpoint_signal}"))
+    # bounds: the ranks' own (dali_nerf.interrupt) plus TORCHRUN_SHUTDOWN_S; after a stop signal
+    # torchrun itself waits up to TORCH_ELASTIC_SHUTDOWN_TIMEOUT for its ranks before its SIGKILL
+    int_wait_s = env_seconds("DALI_NERF_INTERRUPT_GRACE_S", DEFAULT_GRACE_S) + TORCHRUN_SHUTDOWN_S
+    term_wait_s = max(env_seconds("DALI_NERF_TERM_GRACE_S", DEFAULT_TERM_GRACE_S),
+                      env_seconds("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30.0)) + TORCHRUN_SHUTDOWN_S
+    names = [n for n in dict.fromkeys((*PASSED_ON, checkpoint_signal)) if n != "none"]
+    proc = None
+    with grace_at_least(int_wait_s + 5.0), contextlib.ExitStack() as stack:
+        stops = [stack.enter_context(stop_signal(n, grace_s=term_wait_s + 5.0)) for n in names]
         try:
+            with interrupts_deferred(block=False), contextlib.ExitStack() as held:
+                for stop in stops:
+                    held.enter_context(stop.deferred())
+                proc = subprocess.Popen(cmd, env=_torchrun_env(), start_new_session=True)
+            # Popen.wait gives a child 0.25 s after Ctrl-C before it re-raises, assuming the child got
+            # the terminal's SIGINT too (bpo-25942): torchrun gets it from here, so pass it on at once
+            proc._sigint_wait_secs = 0.0
+            for stop in stops:
+                stop.raise_if_received()
             return proc.wait()
         except KeyboardInterrupt:
-            try:
-                proc.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            if proc is not None:
+                _stop_torchrun(proc, signal.SIGINT, int_wait_s)
             raise
+        except Terminated as e:
+            name, ranks = signal.Signals(e.signum).name, e.signum not in direct
+            rc = _stop_torchrun(proc, e.signum, term_wait_s, ranks) if proc is not None else None
+            how = (f"passed on to the ranks (this torchrun does not pass {name} on), then torchrun ended" if ranks else
+                   "passed on to torchrun, which stopped its ranks")
+            raise Terminated(e.signum, f"terminated by {name}: {how} (exit code {rc})") from None
+
+
+def _stop_torchrun(proc: subprocess.Popen, signum: int, wait_s: float, ranks: bool = False):
+    """Send ``signum`` to torchrun (``ranks``: to its ranks, its children, instead) and wait up to
+    ``wait_s`` seconds for it; then SIGKILL torchrun and every process under it (its ranks are in
+    sessions of their own: torchrun's ``killpg`` alone reaches them). Returns torchrun's exit code."""
+    for pid in children(proc.pid) if ranks else [proc.pid]:
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
+    try:
+        return proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        for pid in [*descendants(proc.pid), proc.pid]:  # listed before any dies (orphans leave the tree)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return proc.wait()
 
 
 def launch_options(args) -> list:
@@ -202,5 +277,6 @@ def main(args) -> int:
         raise LaunchError(f"this process is already rank {env.rank} of a launch (WORLD_SIZE={env.world_size}"
                           f"{', under torchrun' if env.elastic else ''}): start `dali-nerf train` with --nproc 1 and no "
                           f"rendezvous option inside it (the trainer joins that launch), or unset the launcher's variables")
-    exec_torchrun(module, args.nproc, args.config, overrides, resume=args.resume, launch=launch)
+    exec_torchrun(module, args.nproc, args.config, overrides, resume=args.resume, launch=launch,
+                  checkpoint_signal=cfg.train.checkpoint_signal)
     return 0  # not reached: torchrun replaced this process
