@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dali_nerf.errors import DaliNerfError
-from dali_nerf.interrupt import Terminated, stop_signal
+from dali_nerf.interrupt import Terminated, descendants, stop_signal
 from dali_nerf.scenegen import make_scene
 from dali_nerf.train.checkpoint import MODEL_FILE, latest_checkpoint, load_file
 from dali_nerf.train.runlock import RunLock
@@ -430,13 +430,16 @@ def test_torchrun_is_told_to_pass_on_a_checkpoint_signal_it_would_die_of():
 
 
 @pytest.mark.slow  # one demo each: a torchrun launch of 2 CPU ranks
-@pytest.mark.parametrize("how", ["TERM to its pid", "INT to its group"])
+@pytest.mark.parametrize("how", ["TERM to its pid", "TERM to every process", "INT to its group"])
 def test_a_signal_to_the_demo_stops_its_torchrun_and_ranks(tmp_path, how):
     """``dali-nerf demo`` keeps torchrun as its child (in a session of its own). SIGTERM to the
     demo's pid alone (``kill <pid>``: a job script, a scheduler signalling the top process) once
     rank 1 logged a random step (2-5 of 30) is passed on to torchrun and its ranks: rank 0 prints
     that they stopped after step T, both ranks' metrics end at T, ``latest`` is T's checkpoint;
-    the demo exits 143 with its one line (the checkpoint folder and the resume command). Ctrl-C
+    the demo exits 143 with its one line (the checkpoint folder and the resume command). The same
+    when every process of the run gets SIGTERM at once (torchrun then has it twice, from the demo
+    too, and passes it on twice within milliseconds: the ranks take the second for the same
+    signal). Ctrl-C
     (SIGINT to the demo's process group, as a terminal sends it) still stops the ranks without a
     checkpoint: ``interrupted``, exit 130. Either way no summary, no report, the scene and what the
     run wrote stay, and no process of the run is left (every process that inherited the test's
@@ -462,6 +465,9 @@ def test_a_signal_to_the_demo_stops_its_torchrun_and_ranks(tmp_path, how):
             time.sleep(0.02)
         if how == "TERM to its pid":
             demo.send_signal(signal.SIGTERM)
+        elif how == "TERM to every process":  # a scheduler that signals the job's every process (SLURM, systemd)
+            for p in [demo.pid, *descendants(demo.pid)]:
+                os.kill(p, signal.SIGTERM)
         else:
             os.killpg(demo.pid, signal.SIGINT)
         out, err = demo.communicate(timeout=120)
@@ -481,7 +487,7 @@ def test_a_signal_to_the_demo_stops_its_torchrun_and_ranks(tmp_path, how):
     assert not (runs / "demo" / "summary.json").exists() and not (runs / "demo" / "report.md").exists()
     assert (runs / "demo" / "config.yaml").is_file() and not (runs / "demo" / ".lock").exists()
     assert {p: p.read_bytes() for p in scene.rglob("*") if p.is_file()} == before
-    if how != "TERM to its pid":
+    if how == "INT to its group":
         assert demo.returncode == 130 and last == "interrupted", err[-3000:]
         # Ctrl-C writes no checkpoint (checkpoint_every=0: the only one is the last step's, if the
         # ranks got that far before the signal reached them)
