@@ -37,6 +37,8 @@ SIGTERM). Outside the loop (setup, the final evaluation) it raises :class:`Termi
 handler's block, it prints every thread's stack and exits; a second signal one second or more
 after the first exits at once. DataLoader workers
 ignore it (torchrun signals each worker's whole process group): the main process shuts them down.
+A command that keeps torchrun as its child (``dali-nerf demo``) holds the same handler around its
+wait and passes the signal on to torchrun (:func:`dali_nerf.cli.train.launch_trainer`).
 
 >>> with interrupt_guard():
 ...     pass                # handlers installed for the block, the previous ones restored after

@@ -16,7 +16,11 @@ option or ``--max-restarts`` runs the trainer in this process (no torchrun; the 
 trainer's). A process that is already a rank of a launch (``launch_env``: ``WORLD_SIZE`` > 1 or
 torchrun's variables) may only do the latter: a torchrun inside a rank is refused in one line.
 ``torchrun trainers/ddp.py ...`` and ``torchrun -m dali_nerf.trainers.spatial ...`` keep working:
-this command starts exactly those modules.
+this command starts exactly those modules. A checkpoint signal torchrun would die of (USR2, XCPU)
+is added to its ``--signals-to-handle`` (:func:`torchrun_signals`).
+
+``dali-nerf demo`` goes on after training, so it keeps torchrun as its child instead
+(:func:`launch_trainer`) and passes the signals it gets on to it.
 """
 
 from __future__ import annotations
