@@ -205,11 +205,12 @@ def _stop_torchrun(proc: subprocess.Popen, signum: int, wait_s: float, ranks: bo
     """Send ``signum`` to torchrun (``ranks``: to its ranks, its children, instead) and wait up to
     ``wait_s`` seconds for it; then SIGKILL torchrun and every process under it (its ranks are in
     sessions of their own: torchrun's ``killpg`` alone reaches them). Returns torchrun's exit code."""
-    for pid in children(proc.pid) if ranks else [proc.pid]:
-        try:
-            os.kill(pid, signum)
-        except OSError:
-            pass
+    if proc.poll() is None:  # not yet reaped: its pid is still torchrun's
+        for pid in children(proc.pid) if ranks else [proc.pid]:
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
     try:
         return proc.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
