@@ -302,7 +302,7 @@ def test_sigterm_to_torchrun_checkpoints_the_last_common_step_and_resume_continu
 SS_TINY = ["model.resolution=20", "model.samples_per_ray=16", "model.occupancy_resolution=16",
            "model.occupancy_warmup=4", "model.occupancy_every=4", "model.hidden=16", "model.sigma_init=0.1",
            "model.density_components=8", "model.color_components=12", "partition.grid=[2,2]",
-           "pipeline.rays_per_batch=128", "pipeline.rays_per_run=1024", "train.steps=24", "train.checkpoint_every=0",
+           "pipeline.rays_per_batch=128", "pipeline.rays_per_run=1024", "train.steps=32", "train.checkpoint_every=0",
            "train.log_every=1", "train.eval_images=1", "train.lr=0.02", "train.device=cpu"]
 
 
@@ -336,9 +336,9 @@ def _ss_torchrun(scene, runs, name, *extra, codes: Path = None):
 def test_sigterm_to_torchrun_of_the_spatial_trainer_checkpoints_every_cell_at_one_step(tmp_path):
     """The spatial-segmentation trainer (4 cells, 2 per rank, no collective per step: the ranks
     may drift up to 8 steps apart) under torchrun, SIGTERM to the agent once rank 1 logged a
-    random step (2-5 of 24): every rank stops after the same step T (both metrics files end at T,
+    random step (2-5 of 32): every rank stops after the same step T (both metrics files end at T,
     rank 0 prints it), T's checkpoint holds all 4 cells (each rank's own), no summary, exit 143;
-    ``--resume`` on 2 ranks runs T+1..24 and every step's loss on both ranks and every cell's
+    ``--resume`` on 2 ranks runs T+1..32 and every step's loss on both ranks and every cell's
     field and Adam state end bitwise equal to an uninterrupted run's (launched beside it): a
     cell's stream, jitter and background draws are its own, restored from its checkpoint, and
     its arithmetic runs on the same rank in the same order."""
@@ -364,7 +364,7 @@ def test_sigterm_to_torchrun_of_the_spatial_trainer_checkpoints_every_cell_at_on
     assert len(line) == 1, err[-3000:]
     T = int(line[0].split("after step ")[1].split()[0])
     ends = [max(_rows(runs / "cut" / f)) for f in ("metrics.jsonl", "metrics.rank1.jsonl")]
-    assert ends == [T, T] and at <= T < 24, (ends, T, err[-2000:])
+    assert ends == [T, T] and at <= T < 32, (ends, T, err[-2000:])
     ck = latest_checkpoint(runs / "cut" / "checkpoints")
     assert ck.name == f"step_{T:07d}"
     assert sorted(p.name for p in ck.iterdir()) == sorted([*(cell_file(c) for c in range(4)), RUN_FILE])
@@ -381,7 +381,7 @@ def test_sigterm_to_torchrun_of_the_spatial_trainer_checkpoints_every_cell_at_on
     assert code == 0, err[-3000:]
     for f in ("metrics.jsonl", "metrics.rank1.jsonl"):
         a, b = _rows(runs / "cut" / f), _rows(runs / "whole" / f)
-        assert sorted(a) == list(range(1, 25)), (f, sorted(a))
+        assert sorted(a) == list(range(1, 33)), (f, sorted(a))
         assert {s: r["loss"] for s, r in a.items()} == {s: r["loss"] for s, r in b.items()}, f
     ca, cb = (latest_checkpoint(runs / n / "checkpoints") for n in ("cut", "whole"))
     for c in range(4):
@@ -392,7 +392,7 @@ def test_sigterm_to_torchrun_of_the_spatial_trainer_checkpoints_every_cell_at_on
             assert all(torch.equal(torch.as_tensor(ta["optimizer"]["state"][p][k]), torch.as_tensor(x))
                        for k, x in st.items()), (c, p)
     summary = json.loads((runs / "cut" / "summary.json").read_text())
-    assert summary["resumed_from"] == T and summary["steps"] == 24 and summary["cells"] == 4
+    assert summary["resumed_from"] == T and summary["steps"] == 32 and summary["cells"] == 4
 
 
 # ------------------------------------------------------------------------------ dali-nerf demo
