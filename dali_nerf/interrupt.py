@@ -304,6 +304,7 @@ class StopRequest:
         self.defer = False
         self.grace_s = grace_s
         self.disarmed = threading.Event()  # set when the handler's block ends: the watchdog stands down
+        self.term_prev = None  # SIGTERM's handler before _handle took it over (another checkpoint signal)
 
     @property
     def received(self) -> bool:
@@ -334,9 +335,18 @@ class StopRequest:
                 _exit_now(f"{signal.Signals(signum).name} again; exiting without finishing the checkpoint", 128 + signum)
             return  # the same signal delivered twice (torchrun signals each worker's process group)
         self.signum, self.first = signum, now
+        if signum != signal.SIGTERM and threading.current_thread() is threading.main_thread():
+            # a checkpoint signal other than TERM: a SIGTERM from now on is the same stop, not a
+            # second one (torchrun, signalled twice, shuts its workers down again with SIGTERM,
+            # its default): recorded, not fatal, so the checkpoint is finished (the watchdog
+            # still bounds it); the handler before it comes back when the block ends
+            self.term_prev = signal.signal(signal.SIGTERM, self._echo)
         threading.Thread(target=self._watchdog, name="dali_nerf-term-watchdog", daemon=True).start()
         if not self.defer:
             raise Terminated(signum)
+
+    def _echo(self, signum, frame):
+        """SIGTERM after another checkpoint signal was received: the stop already under way."""
 
     def _watchdog(self):
         if self.disarmed.wait(self.grace_s):  # the block ended in time (the process may go on: tests, notebooks)
@@ -376,4 +386,6 @@ def stop_signal(name: str = "TERM", grace_s: Optional[float] = None):
         yield req
     finally:
         signal.signal(signum, prev)
+        if req.term_prev is not None:
+            signal.signal(signal.SIGTERM, req.term_prev)
         req.disarmed.set()

@@ -71,6 +71,41 @@ def test_outside_the_loop_the_signal_raises_inside_it_is_recorded():
     time.sleep(1.0)  # past the first block's grace: its watchdog stood down
 
 
+SAME_STOP = r"""
+import os, signal, time
+from dali_nerf.interrupt import Terminated, stop_signal
+before = signal.getsignal(signal.SIGTERM)
+with stop_signal("USR2", grace_s=60) as stop:
+    assert signal.getsignal(signal.SIGTERM) is before  # untouched before the checkpoint signal
+    with stop.deferred():
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.01)
+        assert stop.signum == signal.SIGUSR2
+        os.kill(os.getpid(), signal.SIGTERM)  # its default action would end this process here
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # again, later: still the same stop
+        time.sleep(0.01)
+    assert stop.signum == signal.SIGUSR2
+    try:
+        stop.raise_if_received()
+    except Terminated as e:
+        print("exit code", e.exit_code, flush=True)
+assert signal.getsignal(signal.SIGTERM) is before
+print("handler restored", flush=True)
+"""
+
+
+def test_after_another_checkpoint_signal_a_sigterm_is_the_same_stop():
+    """With USR2 as the checkpoint signal, SIGTERM is left alone until USR2 arrives (torchrun
+    stopping workers without a checkpoint still kills them); once it has, a SIGTERM (torchrun's
+    agent shutting the workers down a second time, with its default SIGTERM) is recorded as the
+    stop already under way, not fatal, so the checkpoint can finish; SIGTERM's handler comes back
+    when the block ends. (In a process of its own: without this, SIGTERM ends it.)"""
+    r = subprocess.run([sys.executable, "-c", SAME_STOP], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split("\n")[:2] == ["exit code 140", "handler restored"], (r.returncode,
+                                                                                                     r.stdout, r.stderr)
+
+
 STUCK = r"""
 import sys, time
 from dali_nerf.interrupt import stop_signal

@@ -62,7 +62,7 @@ TORCHRUN_SHUTDOWN_S = 15.0
 """After Ctrl-C or a stop signal the launching command waits for torchrun this long beyond the
 ranks' own bound (for a stop signal: beyond torchrun's, ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``)."""
 
-PASSED_ON = ("TERM", "HUP")
+PASSED_ON = ("TERM", "HUP", "QUIT")
 """Besides SIGINT, the signals :func:`launch_trainer` passes on to its torchrun (torchrun's own
 stop signals; the run's checkpoint signal is added). torchrun runs in a session of its own, so
 these reach it only through the launching command, once."""
@@ -152,8 +152,8 @@ def launch_trainer(module: str, nproc: int, config: str | None, overrides, resum
     which goes on after training; ``dali-nerf train`` becomes torchrun instead: :func:`exec_torchrun`).
 
     torchrun runs in a session of its own and gets its signals from this process, each once,
-    whoever sent them: Ctrl-C (SIGINT) raises ``KeyboardInterrupt`` here, SIGTERM, SIGHUP and the
-    run's ``checkpoint_signal`` raise :class:`~dali_nerf.interrupt.Terminated`
+    whoever sent them: Ctrl-C (SIGINT) raises ``KeyboardInterrupt`` here, SIGTERM, SIGHUP, SIGQUIT
+    and the run's ``checkpoint_signal`` raise :class:`~dali_nerf.interrupt.Terminated`
     (:func:`~dali_nerf.interrupt.stop_signal`); either way the signal is passed on to torchrun,
     which passes it to its ranks (on the checkpoint signal they checkpoint their last common step,
     :mod:`dali_nerf.train.stopping`), and this process waits for torchrun under a bound that
@@ -179,10 +179,13 @@ def launch_trainer(module: str, nproc: int, config: str | None, overrides, resum
     with grace_at_least(int_wait_s + 5.0), contextlib.ExitStack() as stack:
         stops = [stack.enter_context(stop_signal(n, grace_s=term_wait_s + 5.0)) for n in names]
         try:
-            with interrupts_deferred(block=False), contextlib.ExitStack() as held:
+            # the stop signals' deferral ends last: one that arrives as the block ends is recorded
+            # (raised just below), never raised while SIGINT's handler is still the held one
+            with contextlib.ExitStack() as held:
                 for stop in stops:
                     held.enter_context(stop.deferred())
-                proc = subprocess.Popen(cmd, env=_torchrun_env(), start_new_session=True)
+                with interrupts_deferred(block=False):
+                    proc = subprocess.Popen(cmd, env=_torchrun_env(), start_new_session=True)
             # Popen.wait gives a child 0.25 s after Ctrl-C before it re-raises, assuming the child got
             # the terminal's SIGINT too (bpo-25942): torchrun gets it from here, so pass it on at once
             proc._sigint_wait_secs = 0.0
