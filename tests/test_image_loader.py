@@ -290,6 +290,10 @@ def test_the_decode_is_released_once_the_split_is_held(tmp_path, monkeypatch):
         rest = _batches(ld, 2 * n - 3)  # through epoch 0 and all of epoch 1
         assert ld.epoch == 2
         _wait_closed(ld)  # the store's thread releases right after its last image: a moment later
+        store = ld.producer._live
+        assert store.run_images == 2  # the DALI runs the store decoded with, cut by bytes
+        assert store.released["malloc_trim"] or not hasattr(__import__("ctypes").CDLL(None), "malloc_trim")
+        store._thread.join(10.0)  # complete is the thread's last step: it ends right after
         assert not any(t.name == "dali_nerf-image-windows" and t.is_alive() for t in threading.enumerate())
         for b in first + rest:
             item = int(b["image_id"][0])
@@ -322,6 +326,8 @@ def test_the_first_chunk_is_the_first_steps_images(tmp_path):
             b = _batches(ld, 1)[0]
             store = ld.producer._live
             chunks = store._keep_all_chunks(2 * 2 * start_step)
+            with store._cv:  # the chunk the store decoded first is that one
+                assert np.array_equal(store._chunks[0].ids, chunks[0])
             assert store.window == 8 and [len(c) for c in chunks] == [4, 8, n - 12], (store.window, n)
             step = ld.producer.stream.images(np.arange(4 * start_step, 4 * start_step + 4))
             # the step's images (a step across the epoch's end may hold one image twice: the first

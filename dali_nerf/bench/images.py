@@ -5,8 +5,8 @@ gsplat's two paths, measured in the same run (:mod:`dali_nerf.bench.imagepaths`)
 
 For each trial, every (path, ranks) pair runs in an order rotated by the trial (no path always
 first): ``ranks`` processes of this node start together, each a rank with torchrun's local
-variables, and each measures time to first batch, then in two regimes (the first epoch, and the
-steady state after it: :mod:`dali_nerf.bench.imagepaths`) images/s, the stall under a
+variables, and each measures time to first batch, then in two regimes (the first phase, right
+after it, and the steady state: :mod:`dali_nerf.bench.imagepaths`) images/s, the stall under a
 ``--step-ms`` emulated device step and, at a point all reach, its PSS (with its worker processes).
 Per pair and trial: the first batch is the ranks' mean, images/s their sum (the node's), the stall
 their mean, the memory their PSS sum (the node's), for each regime. Reported: the mean over
@@ -97,8 +97,8 @@ def summarise(trials: list) -> dict:
 
 
 def _table(summary: dict, ranks_list) -> str:
-    lines = ["| path | ranks | first batch (s) | images/s, first epoch | stall, first epoch | PSS after the first "
-             "epoch's batches (MiB) | images/s, steady | stall, steady | PSS, steady (MiB) |",
+    lines = ["| path | ranks | first batch (s) | images/s, first phase | stall, first phase | PSS after the first "
+             "phase (MiB) | images/s, steady | stall, steady | PSS, steady (MiB) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for ranks in ranks_list:
         for path in PATHS:

@@ -16,9 +16,10 @@ built for it and deleted after it (:func:`~dali_nerf.data.imagecache.decode_into
 DALI runs of at most :data:`DECODE_RUN_BYTES` of decoded pixels (:func:`decode_run_images`: DALI
 keeps its runs' host buffers in its pool for the life of the process, so the run size bounds that
 for good; nvJPEG runs, on the GPU, keep the plan's decode batch). Kept
-whole, once the last chunk is in the store's decode thread ends and gives back what is left
-(:func:`release_decode_memory`: DALI's unused pool blocks, glibc's free heap pages); the store is
-then ``complete`` (the loader's ``stats()["decode_closed"]``) and holds only the node's shared
+whole, once the last chunk is in, the store's decode thread gives back what is left
+(:func:`release_decode_memory`: glibc's free heap pages; after nvJPEG runs DALI's unused device
+and pinned pool blocks too) and ends; the store is then ``complete`` (the loader's
+``stats()["decode_closed"]``; set as the thread's last step) and holds only the node's shared
 blocks. Through windows the thread lives on (each window is decoded in its turn, every epoch).
 
 Each chunk or window is one :class:`~dali_nerf.data.nodeshare.Block` of the node: every local rank
@@ -91,24 +92,32 @@ def decode_run_images(scene, threads: int, batch: int) -> int:
     return int(max(1, min(int(batch), max(int(threads), DECODE_RUN_BYTES // max(1, largest)))))
 
 
-def release_decode_memory() -> dict:
-    """Give back what decoding left behind once nothing more will be decoded: DALI's unused pool
-    blocks (``nvidia.dali.backend.ReleaseUnusedMemory``: its device and pinned pools, those of
-    nvJPEG runs; only when DALI is already imported) and glibc's free heap pages (``malloc_trim(0)``,
-    where the C library has it). Returns which ran, e.g. ``{"dali": True, "malloc_trim": True}``."""
+def release_decode_memory(device: str = "cpu") -> dict:
+    """Give back what decoding left behind once nothing more will be decoded, best effort: after
+    nvJPEG runs (``device="cuda"``) DALI's unused pool blocks (``nvidia.dali.backend.
+    ReleaseUnusedMemory``: its device and pinned pools, which a CPU decode does not use; only when
+    DALI is already imported), and glibc's free heap pages (``malloc_trim(0)``, where the C library
+    has it). Returns which ran, e.g. ``{"dali": False, "malloc_trim": True}``, and ``"error"`` (one
+    line) where one failed: nothing here may fail a loader that holds every image."""
     done = {"dali": False, "malloc_trim": False}
     backend = sys.modules.get("nvidia.dali.backend")
-    if backend is not None and hasattr(backend, "ReleaseUnusedMemory"):
-        backend.ReleaseUnusedMemory()
-        done["dali"] = True
+    if device == "cuda" and backend is not None and hasattr(backend, "ReleaseUnusedMemory"):  # pragma: no cover - GPU
+        try:
+            backend.ReleaseUnusedMemory()
+            done["dali"] = True
+        except Exception as e:
+            done["error"] = f"ReleaseUnusedMemory: {e}".splitlines()[0]
     name = ctypes.util.find_library("c")
     try:
         trim = ctypes.CDLL(name).malloc_trim if name else None
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
         trim = None
     if trim is not None:
-        trim(0)
-        done["malloc_trim"] = True
+        try:
+            trim(0)
+            done["malloc_trim"] = True
+        except Exception as e:  # pragma: no cover - a C library whose symbol misbehaves
+            done["error"] = f"malloc_trim: {e}".splitlines()[0]
     return done
 
 
@@ -182,7 +191,7 @@ class ImageStore:
         self._stop = threading.Event()
         self.peak_bytes = 0
         self.decode_s = 0.0
-        self.complete = False  # keep_all: every image of the split is held and the decode thread has ended
+        self.complete = False  # keep_all: every image of the split is held, its memory given back (the thread ends next)
         self.released: Optional[dict] = None  # what release_decode_memory() gave back at completion
         self._thread = threading.Thread(target=self._run, args=(int(start),), name="dali_nerf-image-windows", daemon=True)
         self._thread.start()
@@ -269,7 +278,7 @@ class ImageStore:
     def _finished(self) -> None:
         """keep_all, the whole split held: nothing is decoded again, so what decoding left behind
         is given back (module doc) and the store says it is complete."""
-        self.released = release_decode_memory()
+        self.released = release_decode_memory(self.device)
         with self._cv:
             self.complete = True
             self._cv.notify_all()

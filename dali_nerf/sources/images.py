@@ -320,7 +320,7 @@ class ImageLoader(RunSource):
         """The runner's (BatchStats: ``rays_per_s`` counts images) plus ``images_per_s``,
         ``decode_s``, ``peak_bytes`` (decoded pixels this node held at most), ``window`` (0: all
         kept), ``local_ranks`` sharing them and ``decode_closed`` (True once the split is kept
-        whole, every image decoded and the decode thread ended with its memory given back; a
+        whole, every image decoded and the decode thread's memory given back, as its last step; a
         moment after the last image is in; always False through windows)."""
         d = super().stats()
         d["images_per_s"] = d["rays_per_s"]
