@@ -33,7 +33,8 @@ memory and copied non-blocking on torch's current stream in ``next()``: the GPU 
 handed out, nothing more.
 
 Host memory a rank holds beyond the node's shared images: the batches built ahead (``prefetch``
-steps a run; a step handed out is held by the consumer alone, the runner lets go of it) and what
+steps a run; a run's steps are freed on the run-ahead thread once the loader has moved past the
+run, so the training thread never pays for freeing a batch it dropped inside the run) and what
 decoding leaves in the process (DALI's pool, kept small by cutting its runs by bytes). Kept whole,
 once every image is decoded the decode thread ends and gives its memory back, and ``stats()``
 says ``decode_closed: True`` (:mod:`dali_nerf.data.imagestore`); a seek, a loaded state or
@@ -112,7 +113,6 @@ class ImageProducer:
     boundary of the global stream, and a graph is built there)."""
 
     kind, thread_name, ahead, linear = "ImageLoader", "dali_nerf-image-batches", True, False
-    drop_served = True  # a batch handed out is held by the consumer alone (no second copy in the runner)
 
     def __init__(self, scene, b: int, rank: int, world: int, seed: int, steps: int, patch: Optional[int],
                  keep_all: bool, window: int, share_key: str, local_rank: int, local_world: int, device: str,

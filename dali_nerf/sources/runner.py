@@ -36,10 +36,6 @@ The producer contract (what a batch kind implements; attributes are fixed at con
 ``load_state(state)``          check a state against the producer's settings (one-line
                                ConfigError) and return its ``(start, offset)``
 ``info()``                     what ``stats()`` adds (a dict, may be empty)
-``drop_served`` (optional)     True: the runner lets go of each step batch once it is handed
-                               out, so only the consumer holds it (a producer that is not
-                               ``linear`` never hands a step out twice; big batches, such as
-                               whole images, are then not held twice); default False
 ``close()``                    free what the producer holds (idempotent)
 ============================== =================================================================
 
@@ -323,7 +319,6 @@ class RunSource(BatchSource):
 
     def __init__(self, producer, priority: str = "normal"):
         self.producer = producer
-        self._drop_served = bool(getattr(producer, "drop_served", False)) and not producer.linear
         self.thread_priority = priority  # the sampler's priority now (a starved one returns to normal)
         self._stats = BatchStats()
         self._graph = None  # the producer's live graph (None: built at the next fetch)
@@ -350,8 +345,6 @@ class RunSource(BatchSource):
         k, r = divmod(off, run.stride)
         if r == 0:  # the usual case: a precomputed step (a fresh dict, so callers may mutate it)
             batch = dict(zip(run.keys, run.steps[k])) if run.keys is not None else dict(run.steps[k])
-            if self._drop_served:
-                run.steps[k] = None
             if k == self._phase and self._ahead is not None:
                 self._ahead.release()
             n = run.stride if run.counts is None else run.counts[k]
