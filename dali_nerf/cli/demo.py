@@ -7,8 +7,8 @@
 4. render held-out views, write ``summary.json`` and a short ``report.md`` in ``runs/<name>/``.
 
 Signals: the trainer's torchrun is this command's child (:func:`~dali_nerf.cli.train.launch_trainer`),
-in a session of its own. Ctrl-C, or SIGTERM / SIGHUP / the config's ``train.checkpoint_signal``
-sent to this command alone (``kill <pid>``, a job script, a scheduler that signals the top
+in a session of its own. Ctrl-C, or SIGTERM / SIGHUP / SIGQUIT / the config's
+``train.checkpoint_signal`` sent to this command alone (``kill <pid>``, a job script, a scheduler that signals the top
 process), is passed on to torchrun and its ranks: on the checkpoint signal they write the
 checkpoint of their last common step; this command waits for them (bounded), writes no report
 and exits with 128 + the signal (143 for SIGTERM) and one line naming the checkpoint folder and

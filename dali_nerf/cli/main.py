@@ -94,7 +94,7 @@ def _bench_parsers(bsub) -> None:
     bi.add_argument("--height", type=int, default=600)
     bi.add_argument("--ranks", default="1,2,4", help="ranks of the node, comma-separated")
     bi.add_argument("--trials", type=int, default=3)
-    bi.add_argument("--batches", type=int, default=200, help="timed batches per rank (throughput and stall each, in each regime: first epoch, steady state)")
+    bi.add_argument("--batches", type=int, default=200, help="timed batches per rank (throughput and stall each, in each regime: first phase, steady state)")
     bi.add_argument("--warmup", type=int, default=10)
     bi.add_argument("--step-ms", dest="step_ms", type=float, default=10.0, help="emulated device step")
     bi.add_argument("--seed", type=int, default=0)
