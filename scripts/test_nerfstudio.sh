@@ -27,7 +27,7 @@ PY
 "$PY" - <<'PY'
 import importlib.metadata as m
 eps = [e.name for e in m.entry_points(group="nerfstudio.method_configs")]
-assert "dali-nerfacto" in eps, f"dali-nerfacto entry point missing: {eps}"
+assert {"dali-nerfacto", "dali-splatfacto"} <= set(eps), f"dali-nerfacto or dali-splatfacto entry point missing: {eps}"
 print("nerfstudio", m.version("nerfstudio"), "torch", m.version("torch"), "methods:", ", ".join(eps))
 PY
 "$PY" -m pytest -q -p no:cacheprovider tests/nerfstudio_extra "$@"

@@ -171,6 +171,31 @@ def test_coverage_through_the_loader_with_windows_and_an_elastic_resume(tmp_path
     _epoch_check(stream, n)
 
 
+def test_set_step_places_the_stream_at_a_global_step(tmp_path):
+    """set_step(s): the next batch is this rank's part of global step s of the seed's stream, on any
+    number of ranks (how a trainer that keeps only its step count resumes, e.g. nerfstudio's)."""
+    root = colmap_scene(tmp_path / "s", n=10, width=24, height=16, factors=(), seed=SEED)
+    scene = load_scene(root, "train", format="colmap")
+    with _loader(scene, seed=7) as a:  # one rank, B = 1: global step p is stream position p
+        ids = [int(next(a)["image_id"][0]) for _ in range(14)]
+    _epoch_check(ids, scene.num_images)
+    with _loader(scene, seed=7) as b:
+        b.set_step(9)
+        assert b.step == 9
+        assert [int(next(b)["image_id"][0]) for _ in range(5)] == ids[9:14]
+        assert b.step == 14
+        b.set_step(2)  # back again, past batches already built
+        assert int(next(b)["image_id"][0]) == ids[2]
+        with pytest.raises(ConfigError, match="set_step: step"):
+            b.set_step(-1)
+    two = [_loader(scene, seed=7, rank=r, world_size=2) for r in range(2)]
+    for ld in two:
+        ld.set_step(3)  # G = 2: positions 6 and 7
+    assert [int(next(ld)["image_id"][0]) for ld in two] == ids[6:8]
+    for ld in two:
+        ld.close()
+
+
 def test_refusals_are_one_line(tmp_path):
     root = colmap_scene(tmp_path / "s", n=9, width=24, height=16, factors=(), seed=SEED)
     scene = load_scene(root, "train", format="colmap")

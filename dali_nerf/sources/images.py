@@ -311,6 +311,19 @@ class ImageLoader(RunSource):
     def epoch(self) -> int:
         return self.position // self.scene.num_images
 
+    @property
+    def step(self) -> int:
+        """The global step of the next batch (its first position / G)."""
+        return sum(self._cursor()) // self.global_batch
+
+    def set_step(self, step: int) -> None:
+        """Go to global step ``step`` (positions [step G, (step + 1) G)), whatever the number of
+        ranks the stream ran on before: the next batch is this rank's B images of that step (a
+        trainer that keeps only its step count resumes the epoch exactly with it)."""
+        check_int("set_step: step", step, 0, ((1 << 62) - 1) // self.global_batch)
+        if int(step) * self.global_batch != sum(self._cursor()):
+            self._restart(int(step) * self.global_batch, 0)
+
     def set_epoch(self, epoch: int) -> None:
         """Go to the first step of ``epoch`` (:func:`~dali_nerf.sources.base.global_epoch_steps`)."""
         first, _ = global_epoch_steps(int(epoch), self.scene.num_images, self.global_batch)
