@@ -1,6 +1,5 @@
-"""nerfstudio 1.1.x: a DataManager backed by :class:`~dali_nerf.RayLoader`, and ``dali-nerfacto``;
-a FullImageDatamanager backed by :class:`~dali_nerf.ImageLoader`, and ``dali-splatfacto``
-(:class:`DaliFullImageDatamanager`: its docstring says what it returns and where it differs).
+"""nerfstudio 1.1.x: a DataManager backed by :class:`~dali_nerf.RayLoader`, and ``dali-nerfacto``
+(splatfacto's image datamanager and ``dali-splatfacto``: :mod:`dali_nerf.integrations.nerfstudio_splat`).
 
 Install the extra (its own environment: ``constraints/nerfstudio.txt``, ``scripts/test_nerfstudio.sh``)
 and train with::
@@ -56,9 +55,6 @@ from the internet (and fails offline). ``dali-nerfacto`` uses :class:`DaliNerfac
 from __future__ import annotations
 
 import contextlib
-import copy
-import secrets
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Literal, Optional, Tuple, Type
@@ -76,9 +72,7 @@ from nerfstudio.cameras.camera_optimizers import CameraOptimizerConfig
 from nerfstudio.cameras.cameras import CameraType
 from nerfstudio.cameras.rays import RayBundle
 from nerfstudio.configs.base_config import ViewerConfig
-from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.data.datamanagers.base_datamanager import VanillaDataManager, VanillaDataManagerConfig
-from nerfstudio.data.datamanagers.full_images_datamanager import FullImageDatamanager, FullImageDatamanagerConfig
 from nerfstudio.data.dataparsers.nerfstudio_dataparser import NerfstudioDataParserConfig
 from nerfstudio.engine.optimizers import AdamOptimizerConfig
 from nerfstudio.engine.schedulers import ExponentialDecaySchedulerConfig
@@ -89,9 +83,7 @@ from nerfstudio.pipelines.base_pipeline import VanillaPipelineConfig
 from nerfstudio.plugins.types import MethodSpecification
 from nerfstudio.utils.rich_utils import CONSOLE
 
-from dali_nerf import ImageLoader, RayLoader, Scene
-from dali_nerf.launch_env import launch_env
-from dali_nerf.scenes._util import lens_arrays
+from dali_nerf import RayLoader, Scene
 from dali_nerf.data.plan import SamplingPlan, global_batch_share
 from dali_nerf.sources import make_source
 from dali_nerf.errors import ConfigError
@@ -100,19 +92,17 @@ from dali_nerf.data.imageio import read_header
 __all__ = [
     "DaliDataManagerConfig", "DaliDataManager", "DaliNerfactoModelConfig", "DaliNerfactoModel",
     "scene_from_dataset", "pinhole_ray_terms", "dali_nerfacto",
-    "DaliFullImageDatamanagerConfig", "DaliFullImageDatamanager", "dali_splatfacto",
 ]
 
 
-def scene_from_dataset(dataset, split: str = "train", undistort: bool = False) -> Scene:
+def scene_from_dataset(dataset, split: str = "train") -> Scene:
     """nerfstudio ``InputDataset`` (its cameras after the dataparser's transform and scale) ->
     our :class:`~dali_nerf.Scene` of the same images in the same order (camera index = position).
 
     Masks (``mask_filenames``) go with the images, which they match in size (nerfstudio asserts it).
-    Raises ConfigError for what the RayLoader cannot reproduce (RGBA without alpha colour).
-    ``undistort``: the cameras' lenses go with the Scene (:func:`_lens_from_cameras`), so that its
-    images are undistorted at decode and its ``intrinsics`` are the undistorted pinholes' (the image
-    datamanager's); else the lenses are left to nerfstudio's RayGenerator (the ray datamanager's).
+    Raises ConfigError for what the RayLoader cannot reproduce (RGBA without alpha colour). The
+    cameras' lenses are left to nerfstudio's RayGenerator (DaliDataManager); the image datamanager
+    adds them (:func:`dali_nerf.integrations.nerfstudio_splat.image_scene_from_dataset`).
     """
     out = dataset._dataparser_outputs
     cams = dataset.cameras
@@ -133,49 +123,9 @@ def scene_from_dataset(dataset, split: str = "train", undistort: bool = False) -
     aabb = out.scene_box.aabb.detach().cpu().numpy() if out.scene_box is not None else None
     wh = np.stack([cams.width.reshape(-1).cpu().numpy(), cams.height.reshape(-1).cpu().numpy()], 1)
     masks = {} if out.mask_filenames is None else dict(mask_paths=[str(p) for p in out.mask_filenames], mask_wh=wh)
-    lens = {}
-    if undistort:
-        got = _lens_from_cameras(cams, intr, wh, paths)
-        if got is not None:
-            intr = got[0]
-            lens = dict(distortion=got[1], fisheye=got[2], file_intrinsics=got[3], file_wh=wh)
     return Scene(image_paths=tuple(str(p) for p in paths), c2w=c2w, intrinsics=intr, width=wh[:, 0], height=wh[:, 1],
                  split=split, format="nerfstudio-dataparser", root=str(paths[0].parent if paths else "."),
-                 background=bg, world_from_source=wfs, aabb=aabb, **masks, **lens)
-
-
-def _lens_from_cameras(cams, intr: np.ndarray, wh: np.ndarray, paths) -> Optional[tuple]:
-    """nerfstudio's lenses as our Scene's (:func:`dali_nerf.scenes._util.lens_arrays`): None when no
-    camera is distorted; else (undistorted intrinsics (N, 4), OpenCV coefficients (N, 8), fisheye
-    (N,), the files' intrinsics (N, 4)). nerfstudio's ``distortion_params`` are (k1, k2, k3, k4, p1,
-    p2): a PERSPECTIVE camera's go to OpenCV's (k1, k2, p1, p2, k3) as nerfstudio's own image
-    undistortion orders them (its k4 must be 0, as there); FISHEYE's k1..k4 to ``cv2.fisheye``.
-    Other camera types: a one-line ConfigError naming the first such image."""
-    n = len(paths)
-    types = cams.camera_type.reshape(-1).cpu().numpy()
-    if types.size == 1 and n > 1:
-        types = np.repeat(types, n)
-    known = {CameraType.PERSPECTIVE.value, CameraType.FISHEYE.value}
-    bad = np.flatnonzero(~np.isin(types, list(known)))
-    if len(bad):
-        i = int(bad[0])
-        raise ConfigError(f"{paths[i]}: camera type {CameraType(int(types[i])).name} has no undistorted pinhole image; "
-                          f"the image datamanager takes PERSPECTIVE and FISHEYE cameras (else use splatfacto's own "
-                          f"FullImageDatamanager)")
-    fisheye = types == CameraType.FISHEYE.value
-    if cams.distortion_params is None and not fisheye.any():
-        return None
-    d = (np.zeros((n, 6)) if cams.distortion_params is None
-         else cams.distortion_params.detach().cpu().numpy().astype(np.float64).reshape(n, 6))
-    dist = np.zeros((n, 8), np.float64)
-    persp = ~fisheye
-    if np.any(d[persp, 3] != 0):
-        i = int(np.flatnonzero(persp & (d[:, 3] != 0))[0])
-        raise ConfigError(f"{paths[i]}: PERSPECTIVE camera with k4={d[i, 3]:g}; nerfstudio's image undistortion takes "
-                          f"k1, k2, k3, p1, p2 only, and so does this datamanager")
-    dist[persp, :5] = d[persp][:, [0, 1, 4, 5, 2]]
-    dist[fisheye, :4] = d[fisheye, :4]
-    return lens_arrays(intr.astype(np.float64), wh, wh, wh, dist, fisheye)
+                 background=bg, world_from_source=wfs, aabb=aabb, **masks)
 
 
 def _pinhole_ok(cams) -> bool:
@@ -356,129 +306,6 @@ class DaliDataManager(VanillaDataManager):
             self._loader, self._iter = None, None
 
 
-@dataclass
-class DaliFullImageDatamanagerConfig(FullImageDatamanagerConfig):
-    """FullImageDatamanagerConfig (splatfacto's) whose training images come from dali_nerf's
-    ImageLoader: decoded once per node, held once, each image once per epoch across the ranks."""
-
-    _target: Type = field(default_factory=lambda: DaliFullImageDatamanager)
-    """Target class to instantiate."""
-    seed: int = 0
-    """Seed of the image order (every training image once per epoch across all ranks)."""
-    prefetch: int = 2
-    """Batches built ahead of training (>= 1)."""
-    num_threads: int = 2
-    """DALI decode threads of this rank."""
-    max_bytes: int = 0
-    """Decoded pixels the node may hold; beyond it the split streams through windows (decoded
-    again each epoch). 0 = half the node's physical memory."""
-
-
-class DaliFullImageDatamanager(FullImageDatamanager):
-    """splatfacto's datamanager with ``next_train`` served by an :class:`~dali_nerf.ImageLoader`.
-
-    nerfstudio's FullImageDatamanager decodes (and undistorts) every training image in every
-    process before the first step and keeps them (on the GPU up to 500 images); here the images
-    are decoded once per node with DALI, into memory the node's ranks share, and one thread builds
-    the next batches while the model trains. ``next_train`` returns what nerfstudio's does:
-    ``(camera, data)``, ``camera`` the image's (1,) :class:`Cameras` with ``metadata["cam_idx"]``,
-    ``data`` {``image_idx``, ``image`` (H, W, 3) uint8 (or float32 / 255 with
-    ``cache_images_type: float32``), ``mask`` (H, W, 1) bool where the dataparser has masks}.
-
-    What differs from nerfstudio's:
-
-    * the order: every training image exactly once per epoch across all ranks (nerfstudio: each
-      rank shuffles the whole split by itself), defined by ``seed`` alone; a resumed ``ns-train``
-      places it at its step (the loader's ``set_step``): exactly where it stopped on the same
-      number of devices (nerfstudio's checkpoint does not say how many there were);
-    * distorted cameras (PERSPECTIVE k1, k2, k3, p1, p2; FISHEYE k1..k4) are undistorted to the same
-      size with alpha = 0 (:func:`dali_nerf.scenes._util.undistorted_intrinsics`), the cameras
-      handed out being those pinholes; nerfstudio crops to OpenCV's valid region instead. Masks are
-      undistorted with their images (nearest-neighbour); the eval side is nerfstudio's own.
-
-    Ranks: under torchrun the node's ranks are torchrun's; under nerfstudio's own launcher (no
-    torchrun variables) they are found from the process group (the ranks on this host by name).
-    """
-
-    config: DaliFullImageDatamanagerConfig
-
-    def __init__(self, config: DaliFullImageDatamanagerConfig, device="cpu", test_mode="val", world_size: int = 1,
-                 local_rank: int = 0, **kwargs):
-        if config.camera_res_scale_factor != 1.0:
-            raise ConfigError("pipeline.datamanager.camera-res-scale-factor: must be 1.0 with DaliFullImageDatamanager; "
-                              "downscale with the dataparser's --downscale-factor instead")
-        super().__init__(config, device=device, test_mode=test_mode, world_size=world_size, local_rank=local_rank,
-                         **kwargs)
-        self.train_scene = scene_from_dataset(self.train_dataset, "train", undistort=True)
-        sc = self.train_scene
-        cams = copy.deepcopy(self.train_dataset.cameras)
-        k = torch.from_numpy(np.array(sc.intrinsics, np.float32))
-        for j, name in enumerate(("fx", "fy", "cx", "cy")):  # the undistorted pinholes the images are
-            setattr(cams, name, k[:, j:j + 1].to(getattr(cams, name).dtype).contiguous())
-        if cams.distortion_params is not None:
-            cams.distortion_params = torch.zeros_like(cams.distortion_params)
-        cams.camera_type = torch.full_like(cams.camera_type, CameraType.PERSPECTIVE.value)
-        self.train_cameras = cams.to(self.device)
-        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(self.local_rank)
-        self._loader = None
-        CONSOLE.print(f"DaliFullImageDatamanager: rank {self.rank}/{self.world_size}, {sc.num_images} train images "
-                      f"decoded once per node{' (undistorted)' if sc.distortion is not None else ''}")
-
-    def _node(self) -> tuple:
-        """(local_rank, local_world_size, share_key) for the ImageLoader (see the class docstring)."""
-        env = launch_env()
-        W = int(self.world_size)
-        if env.run_id or W == 1 or not (dist.is_available() and dist.is_initialized()):
-            return None, None, None  # torchrun's variables, or one rank: the loader's own defaults
-        hosts = [None] * W
-        dist.all_gather_object(hosts, socket.gethostname())
-        key = [secrets.token_hex(8) if self.rank == 0 else None]
-        dist.broadcast_object_list(key, src=0)
-        mine = [r for r, h in enumerate(hosts) if h == hosts[self.rank]]
-        return mine.index(self.rank), len(mine), f"nerfstudio/{key[0]}"
-
-    def _start(self, step: int) -> None:
-        c = self.config
-        local_rank, local_world, key = self._node()
-        self._loader = ImageLoader(self.train_scene, images_per_batch=1, rank=self.rank, world_size=int(self.world_size),
-                                   seed=c.seed, prefetch=c.prefetch, max_bytes=c.max_bytes or None,
-                                   local_rank=local_rank, local_world_size=local_world, share_key=key,
-                                   num_threads=c.num_threads)
-        self._loader.set_step(int(step))  # nerfstudio keeps no datamanager state: its step is the stream's
-
-    def next_train(self, step: int) -> Tuple[Cameras, Dict]:
-        """This rank's image of global step ``step`` (the first call places the stream there)."""
-        self.train_count += 1
-        if self._loader is None:
-            self._start(step)
-        b = next(self._loader)
-        idx = int(b["image_id"][0])
-        image = b["image"][0]
-        if self.config.cache_images_type == "float32":  # nerfstudio's get_image_float32: uint8 / 255.0
-            image = image.float() / 255.0
-        data = {"image_idx": idx, "image": image.to(self.device)}
-        if "mask" in b:
-            data["mask"] = b["mask"][0, :, :, None]
-        camera = self.train_cameras[idx:idx + 1].to(self.device)
-        camera.metadata = dict(camera.metadata or {}, cam_idx=idx)
-        return camera, data
-
-    def get_train_rays_per_batch(self) -> int:
-        """Pixels of the first training image (nerfstudio's rule), without decoding the split."""
-        return int(self.train_scene.width[0]) * int(self.train_scene.height[0])
-
-    def loader_stats(self) -> dict:
-        """The ImageLoader's ``stats()`` (wait_s, stall_fraction, images_per_s, decode_closed, ...); {} before the
-        first step."""
-        return self._loader.stats() if self._loader is not None else {}
-
-    def close(self) -> None:
-        """Stop the ImageLoader (also done at interpreter exit)."""
-        if self._loader is not None:
-            self._loader.close()
-            self._loader = None
-
-
 class _LpipsOff(torch.nn.Module):
     """Takes the place of torchmetrics' LPIPS when ``lpips`` is off: built without downloading
     anything; its NaN is dropped from the eval metrics by DaliNerfactoModel."""
@@ -571,51 +398,3 @@ dali_nerfacto = MethodSpecification(
                 "prefetch; one image shard per rank); LPIPS off by default (offline)",
 )
 """Registered as ``dali-nerfacto`` through the ``nerfstudio.method_configs`` entry point (setup.cfg)."""
-
-
-def _dali_splatfacto_config() -> TrainerConfig:
-    """nerfstudio 1.1.5's ``splatfacto`` method config with DaliFullImageDatamanager (its settings,
-    optimisers and schedules as nerfstudio's method_configs has them)."""
-    from nerfstudio.models.splatfacto import SplatfactoModelConfig  # imports gsplat: only when the method is built
-
-    def adam(lr, sched=None):
-        return {"optimizer": AdamOptimizerConfig(lr=lr, eps=1e-15), "scheduler": sched}
-
-    return TrainerConfig(
-        method_name="dali-splatfacto",
-        steps_per_eval_image=100,
-        steps_per_eval_batch=0,
-        steps_per_save=2000,
-        steps_per_eval_all_images=1000,
-        max_num_iterations=30000,
-        mixed_precision=False,
-        pipeline=VanillaPipelineConfig(
-            datamanager=DaliFullImageDatamanagerConfig(
-                dataparser=NerfstudioDataParserConfig(load_3D_points=True),
-                cache_images_type="uint8",
-            ),
-            model=SplatfactoModelConfig(),
-        ),
-        optimizers={
-            "means": adam(1.6e-4, ExponentialDecaySchedulerConfig(lr_final=1.6e-6, max_steps=30000)),
-            "features_dc": adam(0.0025),
-            "features_rest": adam(0.0025 / 20),
-            "opacities": adam(0.05),
-            "scales": adam(0.005),
-            "quats": adam(0.001),
-            "camera_opt": adam(1e-4, ExponentialDecaySchedulerConfig(lr_final=5e-7, max_steps=30000, warmup_steps=1000,
-                                                                     lr_pre_warmup=0)),
-            "bilateral_grid": adam(2e-3, ExponentialDecaySchedulerConfig(lr_final=1e-4, max_steps=30000,
-                                                                         warmup_steps=1000, lr_pre_warmup=0)),
-        },
-        viewer=ViewerConfig(num_rays_per_chunk=1 << 15),
-        vis="viewer",
-    )
-
-
-dali_splatfacto = MethodSpecification(
-    config=_dali_splatfacto_config(),
-    description="splatfacto with dali_nerf's ImageLoader as its train datamanager (decode once per node, each image "
-                "once per epoch across ranks, batches built ahead, resumes its order at the step)",
-)
-"""Registered as ``dali-splatfacto`` through the ``nerfstudio.method_configs`` entry point (setup.cfg)."""

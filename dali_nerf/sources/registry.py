@@ -60,7 +60,7 @@ from dali_nerf.sources.sync import (RoutedSyncGlobal, RoutedSyncLocal, SyncGloba
                                     TorchWorkersSampler)
 
 __all__ = ["build_source", "make_source", "source_from_config", "rank_feed", "Feed", "floor_source", "run_stream",
-           "image_source",
+           "image_source", "image_loader",
            "SOURCES", "SS_SOURCES", "RAY_GRAPH_SOURCES"]
 
 SOURCES = ("rays", "rays_sync", "sync_global", "sync_local", "torch_workers", "ready")
@@ -251,10 +251,17 @@ def image_source(cfg, scene, rank: int, world_size: int, plan: Optional[Sampling
     (cuda: pinned, copied in ``next()``), node sharing from torchrun's environment."""
     plan = plan or plan_from_config(cfg, rank, world_size)
     im = cfg.images
-    return ImageLoader(scene, images_per_batch=im.images_per_batch, rank=rank, world_size=world_size,
-                       seed=cfg.pipeline.seed, prefetch=im.prefetch, patch_size=im.patch_size or None,
-                       max_bytes=im.max_bytes or None, device=plan.device, num_threads=plan.threads,
-                       decode_batch=plan.decode_batch)
+    return image_loader(scene, images_per_batch=im.images_per_batch, rank=rank, world_size=world_size,
+                        seed=cfg.pipeline.seed, prefetch=im.prefetch, patch_size=im.patch_size or None,
+                        max_bytes=im.max_bytes or None, device=plan.device, num_threads=plan.threads,
+                        decode_batch=plan.decode_batch)
+
+
+def image_loader(scene, **settings) -> ImageLoader:
+    """An image loader of ``scene`` with explicit settings (:class:`~dali_nerf.sources.images.ImageLoader`'s
+    arguments): for :func:`image_source` and for integrations that carry their own config
+    (nerfstudio's image datamanager)."""
+    return ImageLoader(scene, **settings)
 
 
 def floor_source(batch: dict) -> ReadySource:

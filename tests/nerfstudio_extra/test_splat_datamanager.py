@@ -23,7 +23,7 @@ from nerfstudio.data.dataparsers.nerfstudio_dataparser import NerfstudioDataPars
 
 from dali_nerf import ImageLoader  # noqa: E402
 from dali_nerf.errors import ConfigError  # noqa: E402
-from dali_nerf.integrations.nerfstudio import DaliFullImageDatamanagerConfig, dali_splatfacto  # noqa: E402
+from dali_nerf.integrations.nerfstudio_splat import DaliFullImageDatamanagerConfig, dali_splatfacto  # noqa: E402
 from dali_nerf.scenegen import make_scene  # noqa: E402
 from dali_nerf.scenes import load_scene  # noqa: E402
 
