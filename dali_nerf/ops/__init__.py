@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 import sys
 import tempfile
 import threading
@@ -214,7 +215,7 @@ def _build_plan(cuda: bool) -> dict:
         # -fmad=false: the device rounds a * b + c like the host (ray_math.h: the same bits)
         flags = ["-std=c++20", "-O3", "-shared", "-fmad=false", "-Xcompiler", "-fPIC",
                  "-Xcompiler", "-fno-math-errno", "--expt-relaxed-constexpr",
-                 "-Xcompiler", "-Wno-free-nonheap-object", *_cuda_archs()]
+                 "-Xcompiler", "-Wno-free-nonheap-object", "--threads", "0", *_cuda_archs()]
         sources = _CUDA_SOURCES
     else:
         compiler = _find_cxx()
@@ -229,7 +230,18 @@ def _build_plan(cuda: bool) -> dict:
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
     key = ("cuda-" if cuda else "cpu-") + key
     cmd = [compiler, *flags, *[str(_CSRC / s) for s in sources]]
-    return {"key": key, "cmd": cmd, "link": lflags, "ident": ident}
+    compile_flags = [f for f in flags if f != "-shared"]
+    return {"key": key, "cmd": cmd, "link": lflags, "ident": ident, "compiler": compiler, "flags": flags,
+            "compile": [[compiler, *compile_flags, "-c", str(_CSRC / s)] for s in sources]}
+
+
+def _build_jobs() -> int:
+    """Compilers run at once: the cores this process may use (a sampling decision reads
+    :mod:`dali_nerf.data.hostbudget`; a build only wants them busy)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - no affinity call on this platform
+        return max(1, os.cpu_count() or 1)
 
 
 def _cached_ok(lib: Path, manifest: Path, key: str) -> bool:
@@ -287,16 +299,22 @@ def _build_locked(plan: dict, folder: Path, force: bool) -> Path:
         return lib
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
     os.close(fd)
-    cmd = [*plan["cmd"], "-o", tmp, *plan["link"]]
-    with open(folder / "builds.log", "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "cmd": cmd}) + "\n")
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as e:
-        os.unlink(tmp)
-        raise PluginBuildError(f"cannot run {cmd[0]} ({e.strerror}): install g++ or set CXX") from None
-    log.write_text(" ".join(cmd) + "\n\n" + res.stdout + res.stderr)
-    if res.returncode != 0 or os.path.getsize(tmp) == 0:
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=folder) as objs:
+        # each source compiled by its own compiler process, as many at once as there are cores, then linked
+        cmds = [[*c, "-o", os.path.join(objs, f"{i}.o")] for i, c in enumerate(plan["compile"])]
+        link = [plan["compiler"], *plan["flags"], *[c[-1] for c in cmds], "-o", tmp, *plan["link"]]
+        with open(folder / "builds.log", "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "cmd": link, "compile": cmds}) + "\n")
+        try:
+            with ThreadPoolExecutor(min(len(cmds), _build_jobs())) as pool:
+                results = list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True), cmds))
+            if all(r.returncode == 0 for r in results):
+                results.append(subprocess.run(link, capture_output=True, text=True))
+        except OSError as e:
+            os.unlink(tmp)
+            raise PluginBuildError(f"cannot run {cmds[0][0]} ({e.strerror}): install g++ or set CXX") from None
+        log.write_text("\n\n".join(" ".join(c) + "\n" + r.stdout + r.stderr for c, r in zip(cmds + [link], results)))
+    if any(r.returncode != 0 for r in results) or os.path.getsize(tmp) == 0:
         os.unlink(tmp)
         raise PluginBuildError(f"compiling the dali_nerf operator failed: full compiler output in {log}")
     os.replace(tmp, lib)
