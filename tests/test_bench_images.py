@@ -80,3 +80,17 @@ def test_the_gsplat_style_item_is_gsplats(tmp_path):
         assert np.array_equal(got["image"].numpy(), want["image"]) and got["image"].numpy().dtype == want["image"].dtype
         assert np.array_equal(c["image"].numpy(), want["image"].astype(np.uint8))
         assert np.array_equal(got["K"].numpy(), want["K"]) and np.array_equal(got["camtoworld"].numpy(), want["camtoworld"])
+
+
+def test_the_bench_loads_dali_nerf_from_its_bytecode_cache():
+    """Every rank and worker of every path starts by importing dali_nerf: the bench compiles its
+    modules to their bytecode cache first, as an install does, so that none compiles them per start."""
+    import importlib.util
+
+    import dali_nerf.sources.images as mod
+    from dali_nerf.bench.images import bytecode_cached
+
+    cached = Path(importlib.util.cache_from_source(mod.__file__))
+    cached.unlink(missing_ok=True)  # (the module is imported: nothing writes its cache again but the bench)
+    assert bytecode_cached()
+    assert cached.is_file() and cached.stat().st_mtime >= Path(mod.__file__).stat().st_mtime
