@@ -336,16 +336,17 @@ def test_the_decode_is_released_once_the_split_is_held(tmp_path, monkeypatch):
         assert s["window"] == 3 and not s["decode_closed"]
 
 
-def test_the_first_chunk_is_the_first_steps_images(tmp_path):
-    """Kept whole, the first chunk the store decodes is the first step's G = B x W images alone (the
-    first batch waits for its own images, not a chunk of decode_batch x local ranks), then chunks of
-    the window; every image once; the batches as gsplat's, from a start at 0 and mid-epoch."""
+def test_the_first_chunk_is_the_first_runs_images(tmp_path):
+    """Kept whole, the first chunk the store decodes is the first run's images alone (G = B x W
+    images a step, ``prefetch`` steps a run: the first batch is handed over with its run, and waits
+    for those images, not for the next chunk of decode_batch x local ranks), then chunks of the
+    window; every image once; the batches as gsplat's, from a start at 0 and mid-epoch."""
     print("seed", SEED)
     root = colmap_scene(tmp_path / "s", n=16, width=48, height=32, factors=(), seed=SEED)
     scene, ref = load_scene(root, "train", format="colmap"), GsplatReference(root, 1)
     n = scene.num_images
     for start_step in (0, 2, 3):  # 3: the step across the end of the epoch (positions 12-15 of 14)
-        with _loader(scene, seed=SEED, images_per_batch=2, world_size=2, rank=1, decode_batch=8) as ld:
+        with _loader(scene, seed=SEED, images_per_batch=2, world_size=2, rank=1, decode_batch=10, prefetch=2) as ld:
             if start_step:
                 ld.load_state_dict({**ld.state_dict(), "position": 2 * 2 * start_step})
             b = _batches(ld, 1)[0]
@@ -353,11 +354,11 @@ def test_the_first_chunk_is_the_first_steps_images(tmp_path):
             chunks = store._keep_all_chunks(2 * 2 * start_step)
             with store._cv:  # the chunk the store decoded first is that one
                 assert np.array_equal(store._chunks[0].ids, chunks[0])
-            assert store.window == 8 and [len(c) for c in chunks] == [4, 8, n - 12], (store.window, n)
-            step = ld.producer.stream.images(np.arange(4 * start_step, 4 * start_step + 4))
-            # the step's images (a step across the epoch's end may hold one image twice: the first
-            # chunk is the first 4 distinct images from the start, so it holds them all)
-            assert set(step.tolist()) <= set(chunks[0].tolist())
+            assert store.window == 10 and [len(c) for c in chunks] == [8, n - 8], (store.window, n)
+            run = ld.producer.stream.images(np.arange(4 * start_step, 4 * start_step + 8))
+            # the run's images (a run across the epoch's end may hold an image twice: the first
+            # chunk is the first 8 distinct images from the start, so it holds them all)
+            assert set(run.tolist()) <= set(chunks[0].tolist())
             assert sorted(np.concatenate(chunks).tolist()) == list(range(n))
             for i in range(2):
                 item = int(b["image_id"][i])

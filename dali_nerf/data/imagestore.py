@@ -4,8 +4,9 @@ ahead of use by a background thread (the windows of :mod:`dali_nerf.data.imageor
 Two regimes, chosen by the budget (``max_bytes`` of decoded pixels per node):
 
 * **everything fits**: the split is decoded once, in chunks that follow the stream from the start
-  position (the first chunk is the first step's images alone, so the first batch waits for the
-  decode of its own images, not of a chunk or the split), and kept;
+  position (the first chunk is the images of the loader's first run alone, the steps its first
+  batch is handed over with, so that batch waits for the decode of those, not of a whole chunk or
+  the split), and kept;
 * **windows**: window ``(e, j)`` (its images, :func:`~dali_nerf.data.imageorder.window_bounds`) is
   decoded when the loader reaches the previous window and freed when it has passed it: at most
   two windows are held (``peak_bytes``), each at most half the budget; an image is decoded again
@@ -156,8 +157,8 @@ class ImageStore:
         window: images per window (windows) or per decode chunk (keep_all).
         keep_all: everything fits (module doc).
         start: the first global position the loader will ask for.
-        first: keep_all: images of the first chunk (the first step's, ``B x W``; 0 or more than
-            ``window``: ``window``).
+        first: keep_all: images of the first chunk (the loader's first run's, ``B x W x`` its steps
+            a run: the first batch is handed over with its run; 0 or more than ``window``: ``window``).
         threads, batch: DALI decode threads and images per decode run.
         tag: prefix of the block names (the same on every local rank).
         device: where a rank decodes its part: "cpu" (DALI's CPU decoder) or "cuda" (nvJPEG on the

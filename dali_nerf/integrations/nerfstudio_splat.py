@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import secrets
-import socket
+import os
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple, Type
 
@@ -34,6 +33,7 @@ from nerfstudio.engine.schedulers import ExponentialDecaySchedulerConfig
 from nerfstudio.engine.trainer import TrainerConfig
 from nerfstudio.pipelines.base_pipeline import VanillaPipelineConfig
 from nerfstudio.plugins.types import MethodSpecification
+from nerfstudio.utils import comms
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from dali_nerf import Scene
@@ -134,7 +134,7 @@ class DaliFullImageDatamanager(FullImageDatamanager):
       undistorted with their images (nearest-neighbour); the eval side is nerfstudio's own.
 
     Ranks: under torchrun the node's ranks are torchrun's; under nerfstudio's own launcher (no
-    torchrun variables) they are found from the process group (the ranks on this host by name).
+    torchrun variables) they are its per-machine process group's.
     """
 
     config: DaliFullImageDatamanagerConfig
@@ -162,17 +162,18 @@ class DaliFullImageDatamanager(FullImageDatamanager):
                       f"decoded once per node{' (undistorted)' if sc.distortion is not None else ''}")
 
     def _node(self) -> tuple:
-        """(local_rank, local_world_size, share_key) for the ImageLoader (see the class docstring)."""
-        env = launch_env()
-        W = int(self.world_size)
-        if env.run_id or W == 1 or not (dist.is_available() and dist.is_initialized()):
-            return None, None, None  # torchrun's variables, or one rank: the loader's own defaults
-        hosts = [None] * W
-        dist.all_gather_object(hosts, socket.gethostname())
-        key = [secrets.token_hex(8) if self.rank == 0 else None]
-        dist.broadcast_object_list(key, src=0)
-        mine = [r for r, h in enumerate(hosts) if h == hosts[self.rank]]
-        return mine.index(self.rank), len(mine), f"nerfstudio/{key[0]}"
+        """(local_rank, local_world_size, share_key) for the ImageLoader (see the class docstring):
+        torchrun's variables (the loader's defaults); nerfstudio's launcher's per-machine process
+        group (``nerfstudio.utils.comms``) and, for the key, the launcher's process id, the parent
+        of every rank it spawned on this machine (no collective call: nerfstudio does not set each
+        rank's CUDA device, which NCCL's object collectives need); else this rank alone."""
+        if launch_env().run_id or int(self.world_size) == 1:
+            return None, None, None
+        if comms.is_dist_avail_and_initialized() and comms.LOCAL_PROCESS_GROUP is not None:
+            return comms.get_local_rank(), comms.get_local_size(), f"nerfstudio/{os.getppid()}"
+        CONSOLE.print("DaliFullImageDatamanager: ranks not launched by torchrun or nerfstudio's launcher: each holds "
+                      "its own copy of the decoded images")
+        return 0, 1, None
 
     def _start(self, step: int) -> None:
         c = self.config

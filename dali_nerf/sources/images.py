@@ -141,7 +141,7 @@ class ImageProducer:
         self.builds += 1  # every local rank seeks alike: the same build number names the same blocks
         self._live = ImageStore(self.scene, self.stream, self.share, self.window, self.keep_all, start=start,
                                 threads=self.threads, batch=self.decode_batch, tag=f"r{self.builds}",
-                                device=self.device, first=self.stride)
+                                device=self.device, first=self.stride * self.steps_per_run)
         return _Graph(self._live, start)
 
     def produce(self, graph: _Graph) -> Run:

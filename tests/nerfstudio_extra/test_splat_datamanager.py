@@ -160,7 +160,9 @@ def test_the_method_is_splatfactos_with_our_datamanager():
 
 def _rank_main(rank: int, root: str, port: int, out: str) -> None:
     import torch.distributed as dist
+    from nerfstudio.utils import comms
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    comms.LOCAL_PROCESS_GROUP = dist.new_group([0, 1])  # as nerfstudio's launcher (scripts/train.py) sets it
     try:
         dm = DaliFullImageDatamanagerConfig(dataparser=_parser(root), cache_images_type="uint8", seed=SEED).setup(
             device="cpu", test_mode="val", world_size=2, local_rank=rank)
@@ -174,8 +176,8 @@ def _rank_main(rank: int, root: str, port: int, out: str) -> None:
 
 
 def test_two_ranks_of_nerfstudios_launcher_share_the_node_and_split_each_epoch(city, tmp_path):
-    """nerfstudio's launcher sets no torchrun variables: the node's ranks come from the process group
-    (both here, so they decode into one shared store), and each epoch is split between them."""
+    """nerfstudio's launcher sets no torchrun variables: the node's ranks are its per-machine process
+    group (both here, so they decode into one shared store), and each epoch is split between them."""
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as s:
