@@ -42,10 +42,17 @@ class SceneConfig:
     split's masks are dropped (every pixel trains, as if it had none; for comparisons); the
     evaluation split keeps them for its unmasked-pixel PSNR."""
 
+    exposure: bool = False
+    """COLMAP scenes: read each image's exposure from the EXIF of its original (``images/``) file,
+    as gsplat's ``--load_exposure`` (EV relative to the capture's mean): the image batches then
+    carry ``exposure``. Off by default, as in gsplat."""
+
     def validate(self, key: str):
         path_value(f"{key}.path", self.path)
         choice(f"{key}.format", self.format, ("auto", "blender", "nerfstudio", "llff", "mega_nerf", "colmap"))
         choice(f"{key}.masks", self.masks, ("use", "ignore"))
+        if not isinstance(self.exposure, bool):
+            raise ConfigError(f"{key}.exposure: must be true or false, got {shown(self.exposure)}")
         positive(f"{key}.downscale", self.downscale)
         bg = self.background
         names = ("auto", "white", "black", "random", "learned")

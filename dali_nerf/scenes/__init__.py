@@ -96,10 +96,15 @@ def load_scene(
 def scene_from_config(cfg, split: Optional[str] = None) -> Scene:
     """The split ``split`` (default ``cfg.scene.train_split``) of the scene a config names, with
     its format, downscale and background: the one config -> Scene. ``scene.masks: ignore`` drops
-    the training split's masks (every pixel trains); other splits keep theirs."""
+    the training split's masks (every pixel trains); other splits keep theirs. ``scene.exposure:
+    true`` reads each image's EXIF exposure (:func:`dali_nerf.scenes.exif.with_exposure`)."""
     s = cfg.scene
     split = s.train_split if split is None else split
     scene = load_scene(s.path, split=split, format=s.format, downscale=s.downscale, background=s.background)
     if getattr(s, "masks", "use") == "ignore" and split == s.train_split and scene.masked:
         scene = dataclasses.replace(scene, mask_paths=None, mask_wh=None)  # train on every pixel
+    if getattr(s, "exposure", False):
+        from dali_nerf.scenes.exif import with_exposure
+
+        scene = with_exposure(scene)
     return scene

@@ -92,6 +92,9 @@ class Scene:
         points: (M, 3) float32 sparse points of the capture in the Scene's world (COLMAP's
             points3D, for initialising Gaussian splats), the same for every split; or None.
         points_rgb: (M, 3) uint8 their colours; None iff ``points`` is None.
+        exposure: (N,) float32 each image's exposure in EV from its EXIF, relative to the
+            capture's mean (gsplat's ``load_exposure``: :func:`dali_nerf.scenes.exif.with_exposure`),
+            NaN where an image has none; None when not read (the default).
 
     Example:
         >>> scene = load_scene("data/default", split="train")
@@ -124,6 +127,7 @@ class Scene:
     camera_idx: Optional[np.ndarray] = None
     points: Optional[np.ndarray] = None
     points_rgb: Optional[np.ndarray] = None
+    exposure: Optional[np.ndarray] = None
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
@@ -169,7 +173,9 @@ class Scene:
             set_("points_rgb", _frozen_array(np.reshape(self.points_rgb, (-1, 3)), np.uint8, (3,), "points_rgb"))
             if len(self.points) != len(self.points_rgb):
                 raise ValueError(f"Scene.points_rgb has {len(self.points_rgb)} rows for {len(self.points)} points")
-        for k in ("c2w", "intrinsics", "width", "height", "mask_paths", "mask_wh", "camera_idx") + lens:
+        if self.exposure is not None:
+            set_("exposure", _frozen_array(self.exposure, np.float32, (), "exposure"))
+        for k in ("c2w", "intrinsics", "width", "height", "mask_paths", "mask_wh", "camera_idx", "exposure") + lens:
             if getattr(self, k) is not None and len(getattr(self, k)) != n:
                 raise ValueError(f"Scene.{k} has {len(getattr(self, k))} entries for {n} images")
 

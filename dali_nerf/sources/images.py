@@ -16,10 +16,14 @@ Batch (dict of torch tensors, gsplat's keys; B images per rank per step)::
     mask        (B, H, W) bool      only when the scene has masks (``Scene.mask_paths``; not with
                                     ``scene.masks: ignore``): True = keep the pixel, cropped
                                     with the patch (gsplat's key and dtype)
+    exposure    (B,) float32        only when the scene's exposure was read (``scene.exposure:
+                                    true``, :func:`dali_nerf.scenes.exif.with_exposure`) and
+                                    some image has one: EV relative to the capture's mean
+                                    (gsplat's ``load_exposure``)
 
 (gsplat gives ``mask`` for its fisheye crop, whole images only; ours is the scene's per-pixel
 mask, finished with the image: undistorted, downscaled, the undistortion border masked,
-:mod:`dali_nerf.data.masks`. ``exposure`` from EXIF is not read.) The mask is decoded once per
+:mod:`dali_nerf.data.masks`.) The mask is decoded once per
 node with its image, one byte a pixel beside it in the node's shared block.
 
 The stream (:mod:`dali_nerf.data.imageorder`): every image of the split exactly once per epoch
@@ -124,6 +128,10 @@ class ImageProducer:
         self.share_key, self.local_rank, self.local_world = share_key, local_rank, local_world
         self.stream = ImageStream(scene.num_images, seed)
         self.keys = IMAGE_KEYS if scene.mask_paths is None else MASKED_KEYS
+        ev = scene.exposure
+        self.exposure = None if ev is None or not np.isfinite(ev).any() else np.asarray(ev, np.float32)
+        if self.exposure is not None:
+            self.keys = self.keys + ("exposure",)
         self.k, self.c2w = intrinsics_matrix(scene), opencv_camtoworld(scene)
         self.cam = (np.zeros(scene.num_images, np.int64) if scene.camera_idx is None
                     else np.asarray(scene.camera_idx, np.int64))
@@ -170,8 +178,10 @@ class ImageProducer:
             crop = np.stack
         out = (k, torch.from_numpy(self.c2w[ids].copy()), torch.from_numpy(crop(views)), torch.from_numpy(ids.copy()),
                torch.from_numpy(self.cam[ids].copy()))
-        if self.keys is MASKED_KEYS:
+        if self.scene.mask_paths is not None:
             out += (torch.from_numpy(crop(masks)),)
+        if self.exposure is not None:
+            out += (torch.from_numpy(self.exposure[ids]),)
         if self.device == "cuda":  # pragma: no cover - needs a GPU
             out = tuple(t.pin_memory() for t in out)
         return out
@@ -267,6 +277,12 @@ class ImageLoader(RunSource):
 
     def _check_sizes(self) -> None:
         sc, p = self.scene, self.patch_size
+        ev = sc.exposure
+        if ev is not None and np.isfinite(ev).any() and not np.isfinite(ev).all():
+            i = int(np.flatnonzero(~np.isfinite(ev))[0])
+            raise ConfigError(f"{sc.image_paths[i]}: no EXIF exposure in its original image while "
+                              f"{int(np.isfinite(ev).sum())} of the split have one (gsplat cannot batch them either); "
+                              f"set scene.exposure: false, or give every image its EXIF")
         if p is not None:
             check_int("patch_size", p, 1, 1 << 20)
             small = np.flatnonzero(np.minimum(sc.width, sc.height) < p)
