@@ -157,8 +157,9 @@ class ImageStore:
         window: images per window (windows) or per decode chunk (keep_all).
         keep_all: everything fits (module doc).
         start: the first global position the loader will ask for.
-        first: keep_all: images of the first chunk (the loader's first run's, ``B x W x`` its steps
-            a run: the first batch is handed over with its run; 0 or more than ``window``: ``window``).
+        first: keep_all: images of the first chunk: the loader's first run's (B x W images a step,
+            times its steps a run; the first batch is handed over with its run); 0 or more than
+            ``window``: ``window``.
         threads, batch: DALI decode threads and images per decode run.
         tag: prefix of the block names (the same on every local rank).
         device: where a rank decodes its part: "cpu" (DALI's CPU decoder) or "cuda" (nvJPEG on the

@@ -81,27 +81,28 @@ def _lens_from_cameras(cams, intr: np.ndarray, wh: np.ndarray, paths) -> Optiona
     if cams.distortion_params is None and not fisheye.any():
         return None
     d = (np.zeros((n, 6)) if cams.distortion_params is None
-         else cams.distortion_params.detach().cpu().numpy().astype(np.float64).reshape(n, 6))
-    dist = np.zeros((n, 8), np.float64)
+         else cams.distortion_params.detach().cpu().numpy().astype(np.float64).reshape(-1, 6))
+    if len(d) == 1 and n > 1:  # one camera for every image
+        d = np.repeat(d, n, 0)
+    coef = np.zeros((n, 8), np.float64)
     persp = ~fisheye
     if np.any(d[persp, 3] != 0):
         i = int(np.flatnonzero(persp & (d[:, 3] != 0))[0])
         raise ConfigError(f"{paths[i]}: PERSPECTIVE camera with k4={d[i, 3]:g}; nerfstudio's image undistortion takes "
                           f"k1, k2, k3, p1, p2 only, and so does this datamanager")
-    dist[persp, :5] = d[persp][:, [0, 1, 4, 5, 2]]
-    dist[fisheye, :4] = d[fisheye, :4]
-    return lens_arrays(intr.astype(np.float64), wh, wh, wh, dist, fisheye)
+    coef[persp, :5] = d[persp][:, [0, 1, 4, 5, 2]]
+    coef[fisheye, :4] = d[fisheye, :4]
+    return lens_arrays(intr.astype(np.float64), wh, wh, wh, coef, fisheye)
 
 
 @dataclass
 class DaliFullImageDatamanagerConfig(FullImageDatamanagerConfig):
     """FullImageDatamanagerConfig (splatfacto's) whose training images come from dali_nerf's
-    ImageLoader: decoded once per node, held once, each image once per epoch across the ranks."""
+    ImageLoader: decoded once per node, held once, each image once per epoch across the ranks, in
+    the order ``train_cameras_sampling_seed`` defines (``random`` sampling only)."""
 
     _target: Type = field(default_factory=lambda: DaliFullImageDatamanager)
     """Target class to instantiate."""
-    seed: int = 0
-    """Seed of the image order (every training image once per epoch across all ranks)."""
     prefetch: int = 2
     """Batches built ahead of training (>= 1)."""
     num_threads: int = 2
@@ -117,35 +118,56 @@ class DaliFullImageDatamanager(FullImageDatamanager):
     nerfstudio's FullImageDatamanager decodes (and undistorts) every training image in every
     process before the first step and keeps them (on the GPU up to 500 images); here the images
     are decoded once per node with DALI, into memory the node's ranks share, and one thread builds
-    the next batches while the model trains. ``next_train`` returns what nerfstudio's does:
-    ``(camera, data)``, ``camera`` the image's (1,) :class:`Cameras` with ``metadata["cam_idx"]``,
-    ``data`` {``image_idx``, ``image`` (H, W, 3) uint8 (or float32 / 255 with
-    ``cache_images_type: float32``), ``mask`` (H, W, 1) bool where the dataparser has masks}.
+    the next batches while the model trains. ``next_train`` returns nerfstudio's ``(camera,
+    data)``: ``camera`` the image's (1,) :class:`Cameras` with ``metadata["cam_idx"]``, ``data``
+    {``image_idx``, ``image`` (H, W, 3) uint8 (or float32 / 255 with ``cache_images_type:
+    float32``) on the device, ``mask`` (H, W, 1) bool on the host where the dataparser has masks
+    (splatfacto moves it)}. RGB images equal nerfstudio's bit for bit (tested).
 
     What differs from nerfstudio's:
 
     * the order: every training image exactly once per epoch across all ranks (nerfstudio: each
-      rank shuffles the whole split by itself), defined by ``seed`` alone; a resumed ``ns-train``
-      places it at its step (the loader's ``set_step``): exactly where it stopped on the same
-      number of devices (nerfstudio's checkpoint does not say how many there were);
-    * distorted cameras (PERSPECTIVE k1, k2, k3, p1, p2; FISHEYE k1..k4) are undistorted to the same
-      size with alpha = 0 (:func:`dali_nerf.scenes._util.undistorted_intrinsics`), the cameras
-      handed out being those pinholes; nerfstudio crops to OpenCV's valid region instead. Masks are
-      undistorted with their images (nearest-neighbour); the eval side is nerfstudio's own.
+      rank shuffles the whole split by itself), defined by ``train_cameras_sampling_seed`` alone
+      (``fps`` sampling is refused); a resumed ``ns-train`` places it at its step (the loader's
+      ``set_step``): exactly where it stopped on the same number of devices (nerfstudio's
+      checkpoint does not say how many there were);
+    * distorted cameras (PERSPECTIVE k1, k2, k3, p1, p2; FISHEYE k1..k4, also all zero: the
+      equidistant model, which nerfstudio then leaves as it is) are undistorted to the same size
+      with alpha = 0 (:func:`dali_nerf.scenes._util.undistorted_intrinsics`), the cameras handed out
+      being those pinholes (also after nerfstudio caches its eval images, which resets its own
+      ``train_cameras``); nerfstudio crops to OpenCV's valid region instead. Masks are undistorted
+      with their images (nearest-neighbour); the eval side is nerfstudio's own;
+    * RGBA images composited over the dataparser's ``alpha_color`` round where nerfstudio's uint8
+      path truncates (within 1); a ``mask_color`` is refused; the dataset's other keys (depth
+      images) are not carried; ``cache_images`` and ``max_thread_workers`` have no effect.
 
     Ranks: under torchrun the node's ranks are torchrun's; under nerfstudio's own launcher (no
-    torchrun variables) they are its per-machine process group's.
+    torchrun variables) they are its per-machine process group's. In ``test_mode="inference"``
+    (``ns-render``, ``ns-export``) nothing of the training split is read, as nerfstudio does.
     """
 
     config: DaliFullImageDatamanagerConfig
 
     def __init__(self, config: DaliFullImageDatamanagerConfig, device="cpu", test_mode="val", world_size: int = 1,
                  local_rank: int = 0, **kwargs):
+        key = "pipeline.datamanager"
         if config.camera_res_scale_factor != 1.0:
-            raise ConfigError("pipeline.datamanager.camera-res-scale-factor: must be 1.0 with DaliFullImageDatamanager; "
-                              "downscale with the dataparser's --downscale-factor instead")
+            raise ConfigError(f"{key}.camera-res-scale-factor: must be 1.0 with DaliFullImageDatamanager; "
+                              f"downscale with the dataparser's --downscale-factor instead")
+        if config.train_cameras_sampling_strategy != "random":
+            raise ConfigError(f"{key}.train-cameras-sampling-strategy: DaliFullImageDatamanager takes random (each image "
+                              f"once an epoch, in the seed's order), got {config.train_cameras_sampling_strategy!r}")
         super().__init__(config, device=device, test_mode=test_mode, world_size=world_size, local_rank=local_rank,
                          **kwargs)
+        self._loader, self._started = None, False
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(self.local_rank)
+        if test_mode == "inference":  # nerfstudio opens no image then (its dataparser's downscale is 1)
+            self.train_scene, self._pinholes = None, None
+            return
+        if self.train_dataset.mask_color is not None:
+            raise ConfigError(f"{key}.dataparser: mask_color {self.train_dataset.mask_color} fills masked pixels in "
+                              f"nerfstudio's images; DaliFullImageDatamanager does not: drop it (splatfacto masks the "
+                              f"loss with the mask instead)")
         self.train_scene = image_scene_from_dataset(self.train_dataset, "train")
         sc = self.train_scene
         cams = copy.deepcopy(self.train_dataset.cameras)
@@ -155,11 +177,29 @@ class DaliFullImageDatamanager(FullImageDatamanager):
         if cams.distortion_params is not None:
             cams.distortion_params = torch.zeros_like(cams.distortion_params)
         cams.camera_type = torch.full_like(cams.camera_type, CameraType.PERSPECTIVE.value)
-        self.train_cameras = cams.to(self.device)
-        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(self.local_rank)
-        self._loader = None
-        CONSOLE.print(f"DaliFullImageDatamanager: rank {self.rank}/{self.world_size}, {sc.num_images} train images "
-                      f"decoded once per node{' (undistorted)' if sc.distortion is not None else ''}")
+        self._pinholes = cams.to(self.device)
+        local_rank, local_world, share = self._node()
+        try:  # built now (its images are decoded at the first batch): a bad setting fails before the model
+            self._loader = image_loader(sc, images_per_batch=1, rank=self.rank, world_size=int(self.world_size),
+                                        seed=int(config.train_cameras_sampling_seed), prefetch=config.prefetch,
+                                        max_bytes=config.max_bytes or None, local_rank=local_rank,
+                                        local_world_size=local_world, share_key=share, num_threads=config.num_threads)
+        except ConfigError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        if self.rank == 0:
+            CONSOLE.print(f"DaliFullImageDatamanager: {self.world_size} rank(s), {sc.num_images} train images decoded "
+                          f"once per node{' (undistorted)' if sc.distortion is not None else ''}")
+
+    @property
+    def train_cameras(self):
+        """The training cameras handed out: the undistorted pinholes of the images we decode.
+        nerfstudio's ``_load_images`` assigns its own here whenever it caches a split (also the eval
+        split); those assignments are ignored."""
+        return self._pinholes
+
+    @train_cameras.setter
+    def train_cameras(self, value) -> None:
+        pass
 
     def _node(self) -> tuple:
         """(local_rank, local_world_size, share_key) for the ImageLoader (see the class docstring):
@@ -175,26 +215,20 @@ class DaliFullImageDatamanager(FullImageDatamanager):
                       "its own copy of the decoded images")
         return 0, 1, None
 
-    def _start(self, step: int) -> None:
-        c = self.config
-        local_rank, local_world, key = self._node()
-        self._loader = image_loader(self.train_scene, images_per_batch=1, rank=self.rank, world_size=int(self.world_size),
-                                    seed=c.seed, prefetch=c.prefetch, max_bytes=c.max_bytes or None,
-                                    local_rank=local_rank, local_world_size=local_world, share_key=key,
-                                    num_threads=c.num_threads)
-        self._loader.set_step(int(step))  # nerfstudio keeps no datamanager state: its step is the stream's
-
     def next_train(self, step: int) -> Tuple[Cameras, Dict]:
         """This rank's image of global step ``step`` (the first call places the stream there)."""
-        self.train_count += 1
         if self._loader is None:
-            self._start(step)
+            raise RuntimeError("DaliFullImageDatamanager: no training images in test_mode='inference'")
+        self.train_count += 1
+        if not self._started:
+            self._loader.set_step(int(step))  # nerfstudio keeps no datamanager state: its step is the stream's
+            self._started = True
         b = next(self._loader)
         idx = int(b["image_id"][0])
-        image = b["image"][0]
+        image = b["image"][0].to(self.device)
         if self.config.cache_images_type == "float32":  # nerfstudio's get_image_float32: uint8 / 255.0
             image = image.float() / 255.0
-        data = {"image_idx": idx, "image": image.to(self.device)}
+        data = {"image_idx": idx, "image": image}
         if "mask" in b:
             data["mask"] = b["mask"][0, :, :, None]
         camera = self.train_cameras[idx:idx + 1].to(self.device)
@@ -203,11 +237,13 @@ class DaliFullImageDatamanager(FullImageDatamanager):
 
     def get_train_rays_per_batch(self) -> int:
         """Pixels of the first training image (nerfstudio's rule), without decoding the split."""
+        if self.train_scene is None:  # inference: nerfstudio's own answer
+            return super().get_train_rays_per_batch()
         return int(self.train_scene.width[0]) * int(self.train_scene.height[0])
 
     def loader_stats(self) -> dict:
-        """The ImageLoader's ``stats()`` (wait_s, stall_fraction, images_per_s, decode_closed, ...); {} before the
-        first step."""
+        """The ImageLoader's ``stats()`` (wait_s, stall_fraction, images_per_s, decode_closed, ...); {} in
+        inference mode."""
         return self._loader.stats() if self._loader is not None else {}
 
     def close(self) -> None:

@@ -42,9 +42,9 @@ def _parser(root):
     return NerfstudioDataParserConfig(data=Path(root), downscale_factor=1)
 
 
-def _ours(root, **kw):
-    print("seed", kw.setdefault("seed", SEED))
-    return DaliFullImageDatamanagerConfig(dataparser=_parser(root), **kw).setup(device="cpu", test_mode="val",
+def _ours(root, test_mode="val", **kw):
+    print("seed", kw.setdefault("train_cameras_sampling_seed", SEED))
+    return DaliFullImageDatamanagerConfig(dataparser=_parser(root), **kw).setup(device="cpu", test_mode=test_mode,
                                                                                world_size=1, local_rank=0)
 
 
@@ -96,7 +96,7 @@ def _distorted(src: Path, dst: Path, model: str) -> Path:
     shutil.copytree(src, dst)
     meta = json.loads((dst / "transforms.json").read_text())
     meta["camera_model"] = model
-    meta.update(dict(k1=-0.08, k2=0.01, p1=0.002, p2=-0.001) if model == "OPENCV"
+    meta.update(dict(k1=-0.08, k2=0.01, k3=0.003, p1=0.002, p2=-0.001) if model == "OPENCV"
                 else dict(k1=0.05, k2=-0.01, k3=0.002, k4=-0.0005))
     (dst / "transforms.json").write_text(json.dumps(meta))
     return dst
@@ -115,7 +115,7 @@ def test_distorted_cameras_are_our_parsers_undistorted_pinholes(city, tmp_path, 
         np.testing.assert_allclose(sc.distortion, own.distortion, rtol=1e-6, atol=0)  # nerfstudio holds float32
         np.testing.assert_allclose(sc.intrinsics, own.intrinsics, rtol=1e-6)
         ids = []
-        with ImageLoader(own, seed=SEED) as loader:
+        with ImageLoader(own, seed=SEED) as loader:  # the datamanager's seed: train_cameras_sampling_seed
             for step in range(3):
                 cam, data = dm.next_train(step)
                 ids.append(data["image_idx"])
@@ -132,6 +132,10 @@ def test_distorted_cameras_are_our_parsers_undistorted_pinholes(city, tmp_path, 
                 torch.testing.assert_close(torch.cat([cam.fx, cam.fy, cam.cx, cam.cy], -1)[0],
                                            torch.stack([k[0, 0], k[1, 1], k[0, 2], k[1, 2]]), rtol=1e-6, atol=0)
         assert len(set(ids)) == 3
+        dm.fixed_indices_eval_dataloader  # nerfstudio caches the eval split, and resets its train_cameras doing so
+        cam, data = dm.next_train(3)
+        assert cam.camera_type.item() == CameraType.PERSPECTIVE.value
+        assert float(cam.fx[0, 0]) == pytest.approx(float(sc.intrinsics[data["image_idx"], 0]), rel=1e-6)
     finally:
         dm.close()
 
@@ -139,6 +143,15 @@ def test_distorted_cameras_are_our_parsers_undistorted_pinholes(city, tmp_path, 
 def test_refusals_are_one_line(city, tmp_path):
     with pytest.raises(ConfigError, match="camera-res-scale-factor"):
         _ours(city, camera_res_scale_factor=0.5)
+    with pytest.raises(ConfigError, match="train-cameras-sampling-strategy"):
+        _ours(city, train_cameras_sampling_strategy="fps")
+    with pytest.raises(ConfigError, match="pipeline.datamanager: prefetch") as e:
+        _ours(city, prefetch=0)  # at set-up, before any model is built
+    assert "\n" not in str(e.value)
+    masked = DaliFullImageDatamanagerConfig(dataparser=NerfstudioDataParserConfig(data=Path(city), downscale_factor=1,
+                                                                                  mask_color=(0.0, 0.0, 0.0)))
+    with pytest.raises(ConfigError, match="mask_color"):
+        masked.setup(device="cpu", test_mode="val", world_size=1, local_rank=0)
     root = _distorted(Path(city), tmp_path / "k4", "OPENCV")
     meta = json.loads((root / "transforms.json").read_text())
     meta["k4"] = 0.01  # nerfstudio's image undistortion refuses it too (an assert)
@@ -146,6 +159,13 @@ def test_refusals_are_one_line(city, tmp_path):
     with pytest.raises(ConfigError, match="k4") as e:
         _ours(root)
     assert "\n" not in str(e.value)
+
+
+def test_inference_mode_reads_no_training_image(city, tmp_path):
+    root = Path(shutil.copytree(city, tmp_path / "c"))
+    shutil.rmtree(root / "train")  # ns-render / ns-export: the training images need not be there
+    dm = _ours(root, test_mode="inference")
+    assert dm.train_scene is None and dm.loader_stats() == {}
 
 
 def test_the_method_is_splatfactos_with_our_datamanager():
@@ -164,7 +184,8 @@ def _rank_main(rank: int, root: str, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     comms.LOCAL_PROCESS_GROUP = dist.new_group([0, 1])  # as nerfstudio's launcher (scripts/train.py) sets it
     try:
-        dm = DaliFullImageDatamanagerConfig(dataparser=_parser(root), cache_images_type="uint8", seed=SEED).setup(
+        dm = DaliFullImageDatamanagerConfig(dataparser=_parser(root), cache_images_type="uint8",
+                                            train_cameras_sampling_seed=SEED).setup(
             device="cpu", test_mode="val", world_size=2, local_rank=rank)
         try:
             ids = [dm.next_train(s)[1]["image_idx"] for s in range(6)]
