@@ -82,15 +82,20 @@ def test_the_gsplat_style_item_is_gsplats(tmp_path):
         assert np.array_equal(got["K"].numpy(), want["K"]) and np.array_equal(got["camtoworld"].numpy(), want["camtoworld"])
 
 
-def test_the_bench_loads_dali_nerf_from_its_bytecode_cache():
+def test_the_bench_compiles_dali_nerf_into_a_bytecode_cache_its_ranks_read(tmp_path):
     """Every rank and worker of every path starts by importing dali_nerf: the bench compiles its
-    modules to their bytecode cache first, as an install does, so that none compiles them per start."""
-    import importlib.util
+    modules into a bytecode cache outside the checkout first (PYTHONPYCACHEPREFIX, as its ranks run
+    with), as an install has them, so that none compiles them per start."""
+    import subprocess
+    import sys
 
-    import dali_nerf.sources.images as mod
     from dali_nerf.bench.images import bytecode_cached
 
-    cached = Path(importlib.util.cache_from_source(mod.__file__))
-    cached.unlink(missing_ok=True)  # (the module is imported: nothing writes its cache again but the bench)
-    assert bytecode_cached()
-    assert cached.is_file() and cached.stat().st_mtime >= Path(mod.__file__).stat().st_mtime
+    prefix = tmp_path / "pycache"
+    assert bytecode_cached(prefix)
+    env = {**__import__("os").environ, "PYTHONPYCACHEPREFIX": str(prefix), "PYTHONDONTWRITEBYTECODE": "1"}
+    code = ("import importlib.util, dali_nerf.sources.images as m; "
+            "print(importlib.util.cache_from_source(m.__file__))")
+    cached = Path(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                 check=True).stdout.strip())
+    assert cached.is_file() and prefix in cached.parents  # what a rank reads, written by the bench alone

@@ -110,8 +110,9 @@ def test_compile_error_points_at_log(monkeypatch, tmp_path):
     with pytest.raises(PluginBuildError, match=r"full compiler output in .*build\.log") as e:
         ops.build_plugin(cuda=False)
     log = Path(str(e.value).rsplit(" ", 1)[-1])
-    assert "broken on purpose" in log.read_text()
+    assert "broken on purpose" in log.read_text() and "(exit 1)" in log.read_text()
     assert not (log.parent / ops.LIB_NAME).exists()
+    assert not list(log.parent.glob(".build-*"))  # neither the library's temporary file nor the objects' folder
 
 
 def test_import_is_not_native():
@@ -164,7 +165,8 @@ def test_device_formula_has_no_fma(tmp_path):
         pytest.skip("nvcc not found (the CUDA toolkit, or the nvidia-cuda-nvcc-cu12 wheel): the device code cannot be "
                     "compiled here; runs wherever nvcc is found ($NVCC, PATH, CUDA_HOME)")
     plan = ops._build_plan(cuda=True)
-    fp_flags = [f for f in plan["cmd"] if f.startswith(("-fmad", "--fmad", "-use_fast_math", "--use_fast_math",
+    (cu,) = [c for c in plan["compile"] if c[-1].endswith(".cu")]  # the command that compiles the device code
+    fp_flags = [f for f in cu if f.startswith(("-fmad", "--fmad", "-use_fast_math", "--use_fast_math",
                                                           "-ftz", "--ftz", "-prec-", "--prec-"))]
     assert "-fmad=false" in fp_flags
     (tmp_path / "probe.cu").write_text(PTX_PROBE)

@@ -12,7 +12,7 @@ Per pair and trial: the first batch is the ranks' mean, images/s their sum (the 
 their mean, the memory their PSS sum (the node's), for each regime. Reported: the mean over
 trials and the spread (min-max). Without ``--scene`` a synthetic COLMAP scene is written (smooth noise PNGs; random
 cameras; the files' content only sets the decode cost). Before the trials dali_nerf's modules are
-compiled to their bytecode cache (:func:`bytecode_cached`), as an install does. Writes
+compiled into a bytecode cache the ranks read (:func:`bytecode_cached`), as an install has it. Writes
 ``images.json`` and ``images.md``.
 """
 
@@ -64,7 +64,7 @@ def run_pair(path: str, ranks: int, scene: Path, work: Path, args, tag: str) -> 
     procs = []
     for r in range(ranks):
         env = {**os.environ, **rank_variables(r, ranks, r, ranks, f"bench-{os.getpid()}-{tag}"),
-               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPYCACHEPREFIX": str(work / "pycache")}
         cmd = [sys.executable, "-m", "dali_nerf.bench.imagepaths", str(r), str(ranks), path, str(scene),
                str(sync / f"rank{r}.json"), str(sync), str(args.batches), str(args.warmup), str(args.step_ms),
                str(args.seed)]
@@ -146,20 +146,18 @@ def _check(args) -> list:
     return ranks
 
 
-def bytecode_cached() -> bool:
-    """Compile dali_nerf's modules to their bytecode cache (``__pycache__``), as installing a wheel
-    does, so that the rank and worker processes of every path load them rather than compile them
-    at each start (an editable checkout under ``PYTHONDONTWRITEBYTECODE=1``, as on the machine these
-    numbers come from, never writes that cache). True when every module compiled (a read-only
-    checkout: False, and the processes compile as before)."""
-    import compileall
-
+def bytecode_cached(prefix: Path) -> bool:
+    """Compile dali_nerf's modules into a bytecode cache under ``prefix`` (``PYTHONPYCACHEPREFIX``:
+    outside the checkout, which this leaves as it is), as installing a wheel compiles them, so
+    that the rank and worker processes of every path (run with the same prefix) load them rather
+    than compile them at each start; an editable checkout under ``PYTHONDONTWRITEBYTECODE=1``, as
+    on the machine these numbers come from, never has that cache. True when every module compiled."""
     import dali_nerf
 
-    try:
-        return bool(compileall.compile_dir(os.path.dirname(dali_nerf.__file__), quiet=2))
-    except OSError:
-        return False
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(prefix)}
+    res = subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.dirname(dali_nerf.__file__)], env=env,
+                         capture_output=True, text=True)
+    return res.returncode == 0
 
 
 def main(args) -> int:
@@ -167,9 +165,9 @@ def main(args) -> int:
     ranks_list = _check(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bytecode = bytecode_cached()
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         work = Path(tmp)
+        bytecode = bytecode_cached(work / "pycache")
         scene = Path(args.scene) if args.scene else synthetic_colmap(work / "scene", args.images, args.width, args.height)
         pairs = [(p, r) for r in ranks_list for p in PATHS]
         trials, raw = [], []

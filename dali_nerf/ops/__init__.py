@@ -40,11 +40,11 @@ import json
 import os
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dali_nerf.errors import PluginBuildError
@@ -313,7 +313,8 @@ def _build_locked(plan: dict, folder: Path, force: bool) -> Path:
         except OSError as e:
             os.unlink(tmp)
             raise PluginBuildError(f"cannot run {cmds[0][0]} ({e.strerror}): install g++ or set CXX") from None
-        log.write_text("\n\n".join(" ".join(c) + "\n" + r.stdout + r.stderr for c, r in zip(cmds + [link], results)))
+        log.write_text("\n\n".join(f"{' '.join(c)}\n(exit {r.returncode})\n{r.stdout}{r.stderr}"
+                                   for c, r in zip(cmds + [link], results)))
     if any(r.returncode != 0 for r in results) or os.path.getsize(tmp) == 0:
         os.unlink(tmp)
         raise PluginBuildError(f"compiling the dali_nerf operator failed: full compiler output in {log}")
