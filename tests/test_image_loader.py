@@ -297,8 +297,9 @@ def test_the_decode_is_released_once_the_split_is_held(tmp_path, monkeypatch):
     """Kept whole, the split is decoded in DALI runs cut by bytes (two images a run here, of
     decode batches of 8): every image bit for bit gsplat's; once every image is held the loader
     reports its decode closed (the store's thread gone, its memory given back), and a resume or
-    ``set_epoch`` after that gives the batches the loader gave before it. Through windows the
-    decode goes on (never closed), with the same pixels."""
+    ``set_epoch`` after that gives the batches the loader gave before it from the same store, with
+    nothing decoded again. Through windows the decode goes on (never closed), with the same pixels,
+    and a seek builds a store there."""
     import threading
 
     from dali_nerf.data import imagestore
@@ -323,17 +324,26 @@ def test_the_decode_is_released_once_the_split_is_held(tmp_path, monkeypatch):
         for b in first + rest:
             item = int(b["image_id"][0])
             assert np.array_equal(b["image"][0].numpy().astype(np.float32), ref.item(item)["image"]), item
-        ld.load_state_dict(state)
+        decoded = ld.stats()["decode_s"]
+        assert ld.producer.builds == 1
+        ld.load_state_dict(state)  # a seek goes on with the held split: nothing decoded again
         _same(_batches(ld, 2 * n - 3), rest)
-        _wait_closed(ld)
         ld.set_epoch(1)
         _same(_batches(ld, n), rest[n - 3:])
+        s = ld.stats()
+        assert ld.producer.builds == 1 and ld.producer._live is store and s["decode_closed"], s
+        assert s["decode_s"] == decoded, (s["decode_s"], decoded)
+    assert ld.producer._live is None and store.complete  # closed with the loader
     pixels = {int(b["image_id"][0]): b["image"] for b in first + rest}
     with _loader(scene, seed=SEED, max_bytes=6 * 48 * 32 * 3) as ld:  # windows of 3 images
         for b in _batches(ld, 2 * n):
             assert torch.equal(b["image"], pixels[int(b["image_id"][0])])
         s = ld.stats()
         assert s["window"] == 3 and not s["decode_closed"]
+        ld.set_epoch(1)  # through windows a seek builds a store there
+        for b in _batches(ld, n):
+            assert torch.equal(b["image"], pixels[int(b["image_id"][0])])
+        assert ld.producer.builds == 2
 
 
 def test_the_first_chunk_is_the_first_runs_images(tmp_path):

@@ -42,7 +42,8 @@ run, so the training thread never pays for freeing a batch it dropped inside the
 decoding leaves in the process (DALI's pool, kept small by cutting its runs by bytes). Kept whole,
 once every image is decoded the decode thread ends and gives its memory back, and ``stats()``
 says ``decode_closed: True`` (:mod:`dali_nerf.data.imagestore`); a seek, a loaded state or
-``set_epoch`` builds a new store, which decodes the split again and closes again.
+``set_epoch`` then goes on with the same store (nothing is decoded again; before the first batch
+the store is built at the loaded position). Through windows a seek builds a new store there.
 
 The loader is the image *producer* (:class:`ImageProducer`) plugged into the sources' one runner
 (:class:`~dali_nerf.sources.runner.RunSource`: run-ahead thread, stall and warm-up accounting, the
@@ -146,6 +147,10 @@ class ImageProducer:
     def build(self, start: int) -> _Graph:
         if self.share is None:  # the node's share, opened at the first build (every local rank builds alike)
             self.share = NodeShare(self.share_key, self.local_rank, self.local_world)
+        if self.keep_all and self._live is not None:
+            # kept whole, the live store serves any position (by image id; its decode, if still
+            # running, goes on in its own order): a seek, a loaded state or set_epoch decodes nothing again
+            return _Graph(self._live, start)
         self.builds += 1  # every local rank seeks alike: the same build number names the same blocks
         self._live = ImageStore(self.scene, self.stream, self.share, self.window, self.keep_all, start=start,
                                 threads=self.threads, batch=self.decode_batch, tag=f"r{self.builds}",
@@ -188,6 +193,8 @@ class ImageProducer:
 
     def release(self, graph: _Graph) -> None:
         st = graph.store
+        if self.keep_all and st is self._live:
+            return  # kept for the next graph (build); closed with the producer (close)
         st.close()
         self.decode_s += st.decode_s
         self.peak_bytes = max(self.peak_bytes, st.peak_bytes)
@@ -214,6 +221,9 @@ class ImageProducer:
                 "decode_closed": bool(live is not None and live.complete)}
 
     def close(self) -> None:
+        live, self._live = self._live, None
+        if live is not None:  # no longer the live store: released for good
+            self.release(_Graph(live, 0))
         if self.share is not None:
             self.share.close()
             self.share = None
