@@ -83,19 +83,26 @@ def test_the_gsplat_style_item_is_gsplats(tmp_path):
 
 
 def test_the_bench_compiles_dali_nerf_into_a_bytecode_cache_its_ranks_read(tmp_path):
-    """Every rank and worker of every path starts by importing dali_nerf: the bench compiles its
-    modules into a bytecode cache outside the checkout first (PYTHONPYCACHEPREFIX, as its ranks run
-    with), as an install has them, so that none compiles them per start."""
+    """Every rank and worker of every path starts by importing dali_nerf: the bench copies its
+    modules outside the checkout and compiles them there first, as an install has them, so that
+    none compiles them per start; the ranks import that copy, with no pycache prefix (under one,
+    torch's and DALI's own bytecode is not read either)."""
+    import os
     import subprocess
     import sys
 
-    from dali_nerf.bench.images import bytecode_cached
+    from dali_nerf.bench.images import bytecode_cached, rank_env
 
-    prefix = tmp_path / "pycache"
-    assert bytecode_cached(prefix)
-    env = {**__import__("os").environ, "PYTHONPYCACHEPREFIX": str(prefix), "PYTHONDONTWRITEBYTECODE": "1"}
-    code = ("import importlib.util, dali_nerf.sources.images as m; "
-            "print(importlib.util.cache_from_source(m.__file__))")
-    cached = Path(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                 check=True).stdout.strip())
-    assert cached.is_file() and prefix in cached.parents  # what a rank reads, written by the bench alone
+    lib = tmp_path / "lib"
+    assert bytecode_cached(lib)
+    env = {**os.environ, **rank_env(lib), "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    code = ("import importlib.util, sys, torch, dali_nerf.sources.images as m; "
+            "print(m.__file__); print(importlib.util.cache_from_source(m.__file__)); print(sys.pycache_prefix); "
+            "print(importlib.util.cache_from_source(torch.__file__))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=lib).stdout.split("\n")  # as the ranks run (run_pair)
+    source, cached, prefix, torch_cached = (Path(x) if x != "None" else None for x in out[:4])
+    assert lib in source.parents and prefix is None, out  # the copy, no prefix
+    assert cached.is_file() and lib in cached.parents  # what a rank reads, written by the bench alone
+    assert torch_cached.parent.name == "__pycache__" and lib not in torch_cached.parents

@@ -12,7 +12,7 @@ Per pair and trial: the first batch is the ranks' mean, images/s their sum (the 
 their mean, the memory their PSS sum (the node's), for each regime. Reported: the mean over
 trials and the spread (min-max). Without ``--scene`` a synthetic COLMAP scene is written (smooth noise PNGs; random
 cameras; the files' content only sets the decode cost). Before the trials dali_nerf's modules are
-compiled into a bytecode cache the ranks read (:func:`bytecode_cached`), as an install has it. Writes
+copied and compiled to a folder first on the ranks' path (:func:`bytecode_cached`), as an install has them. Writes
 ``images.json`` and ``images.md``.
 """
 
@@ -34,7 +34,7 @@ from dali_nerf.bench.imagepaths import PATHS
 from dali_nerf.errors import ConfigError
 from dali_nerf.launch_env import rank_variables
 
-__all__ = ["main", "synthetic_colmap", "run_pair", "summarise", "bytecode_cached"]
+__all__ = ["main", "synthetic_colmap", "run_pair", "summarise", "bytecode_cached", "rank_env"]
 
 
 def synthetic_colmap(folder: Path, n: int, width: int, height: int, seed: int = 0) -> Path:
@@ -59,16 +59,20 @@ def synthetic_colmap(folder: Path, n: int, width: int, height: int, seed: int = 
 
 def run_pair(path: str, ranks: int, scene: Path, work: Path, args, tag: str) -> list:
     """One (path, ranks) measurement: ``ranks`` rank processes; their JSON results."""
-    sync = work / f"sync-{tag}"
+    sync, scene = (work / f"sync-{tag}").resolve(), scene.resolve()
     sync.mkdir(parents=True)
+    if not (work / "lib" / "dali_nerf").is_dir():
+        bytecode_cached(work / "lib")
     procs = []
     for r in range(ranks):
         env = {**os.environ, **rank_variables(r, ranks, r, ranks, f"bench-{os.getpid()}-{tag}"),
-               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPYCACHEPREFIX": str(work / "pycache")}
+               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **rank_env(work / "lib")}
         cmd = [sys.executable, "-m", "dali_nerf.bench.imagepaths", str(r), str(ranks), path, str(scene),
                str(sync / f"rank{r}.json"), str(sync), str(args.batches), str(args.warmup), str(args.step_ms),
                str(args.seed)]
-        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+        # run in the copy's folder: `-m` puts the working directory first on the path, where a
+        # checkout's own dali_nerf would come before the compiled copy
+        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=work / "lib"))
     for p in procs:
         _, err = p.communicate(timeout=args.timeout)
         if p.returncode != 0:
@@ -146,18 +150,29 @@ def _check(args) -> list:
     return ranks
 
 
-def bytecode_cached(prefix: Path) -> bool:
-    """Compile dali_nerf's modules into a bytecode cache under ``prefix`` (``PYTHONPYCACHEPREFIX``:
-    outside the checkout, which this leaves as it is), as installing a wheel compiles them, so
-    that the rank and worker processes of every path (run with the same prefix) load them rather
-    than compile them at each start; an editable checkout under ``PYTHONDONTWRITEBYTECODE=1``, as
-    on the machine these numbers come from, never has that cache. True when every module compiled."""
+def bytecode_cached(lib: Path) -> bool:
+    """Copy dali_nerf's modules to ``lib`` (outside the checkout, which this leaves as it is) and
+    compile them there, as installing a wheel compiles them: the rank and worker processes of every
+    path run with ``lib`` first on ``PYTHONPATH`` and load them rather than compile them at each
+    start (an editable checkout under ``PYTHONDONTWRITEBYTECODE=1``, as on the machine these numbers
+    come from, never has that cache). Not ``PYTHONPYCACHEPREFIX``: under a prefix every other module
+    (torch, DALI, numpy) is looked up there too and compiled at each start, which doubled an import
+    of torch, cv2 and DALI here (1.6 -> 3.5 s) and slowed the spawned-worker path most. True when
+    every module compiled."""
+    import shutil
+
     import dali_nerf
 
-    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(prefix)}
-    res = subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.dirname(dali_nerf.__file__)], env=env,
-                         capture_output=True, text=True)
+    dst = lib / "dali_nerf"
+    shutil.copytree(os.path.dirname(dali_nerf.__file__), dst, ignore=shutil.ignore_patterns("__pycache__"))
+    res = subprocess.run([sys.executable, "-m", "compileall", "-q", str(dst)], capture_output=True, text=True)
     return res.returncode == 0
+
+
+def rank_env(lib: Path) -> dict:
+    """What a rank process adds to the environment: ``lib`` (:func:`bytecode_cached`) first on the path."""
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": str(lib) + (os.pathsep + path if path else "")}
 
 
 def main(args) -> int:
@@ -167,7 +182,7 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         work = Path(tmp)
-        bytecode = bytecode_cached(work / "pycache")
+        bytecode = bytecode_cached(work / "lib")
         scene = Path(args.scene) if args.scene else synthetic_colmap(work / "scene", args.images, args.width, args.height)
         pairs = [(p, r) for r in ranks_list for p in PATHS]
         trials, raw = [], []
