@@ -56,6 +56,7 @@ def test_two_ranks_then_resume_on_one(tmp_path, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["resumed_from"] == 4 and summary["world_size"] == 1
     assert summary["method"] == "splat" and np.isfinite(summary["test_psnr"]) and summary["renders"]
+    assert summary["pipeline"] == "images" and summary["rays_per_batch"] is None  # image batches, not rays
     final = load_checkpoint(latest_checkpoint(run / "checkpoints"), 0)
     assert final["ranks"][0]["sources"]["splat"]["position"] == 12  # continued: 4 more steps of 1 image
     assert final["tasks"]["splat"]["field"]["means"].shape[0] == summary["gaussians"] and n_before > 0

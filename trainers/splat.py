@@ -167,7 +167,10 @@ class SplatMethod(Method):
         return render_camera(field, sub.c2w[i], sub.intrinsics[i], width, height, background, self.backend)
 
     def extra_summary(self, cfg, tasks, env, eval_scene, field, occupancy, views=None) -> dict:
-        return {"gaussians": tasks[0].raw_field.num_gaussians, "images_per_batch": cfg.images.images_per_batch,
+        # a step takes whole images (or patches), not pipeline.rays_per_batch rays of a ray pipeline;
+        # rays_per_s counts the pixels of its batches
+        return {"pipeline": "images", "rays_per_batch": None,
+                "gaussians": tasks[0].raw_field.num_gaussians, "images_per_batch": cfg.images.images_per_batch,
                 "patch_size": cfg.images.patch_size, "scene_scale": self.scale,
                 "rasteriser": getattr(self, "used_backend", None)}
 
