@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 PLACES = {"dali_nerf": "dali_nerf", "pipelines": "dali_nerf/pipelines", "trainers": "dali_nerf/trainers",
           "configs": "dali_nerf/configs"}
 EXTRAS = {"dali_nerf.integrations.nerfstudio": "nerfstudio"}
-"""Modules that need an optional extra (setup.cfg extras_require), imported only where it is installed."""
+"""Modules that need an optional extra (setup.cfg extras_require), imported only where it is
+installed: a key names the modules whose names start with it (nerfstudio, nerfstudio_splat)."""
 
 
 def _wheel_path(path: Path) -> str:
@@ -101,8 +102,8 @@ import importlib, importlib.util, sys
 target = {str(target.resolve())!r}
 bad = []
 for m in {modules!r}:
-    extra = {EXTRAS!r}.get(m)
-    if extra and importlib.util.find_spec(extra) is None:
+    extra = [e for k, e in {EXTRAS!r}.items() if m.startswith(k)]
+    if extra and importlib.util.find_spec(extra[0]) is None:
         continue
     mod = importlib.import_module(m)
     if not (getattr(mod, "__file__", None) or "").startswith(target):
