@@ -182,3 +182,42 @@ def test_device_formula_has_no_fma(tmp_path):
     assert "fma." not in code and ".approx" not in code and ".ftz" not in code
     assert "sqrt.rn.f32" in code and "sqrt.rn.f64" in code  # IEEE square roots, as on the host
     assert "fma." in ptx([f for f in fp_flags if not f.startswith("-fmad")])
+
+
+def test_a_build_killed_midway_leaves_nothing_the_next_build_keeps(tmp_path):
+    """A process killed while it compiles (SIGKILL: no handler, no cleanup) leaves its temporary
+    library and object folder in the key folder; the next build or reuse of that folder, under its
+    lock, removes them (no living build owns one) and builds as usual."""
+    import signal
+    import time
+
+    src, cache = tmp_path / "csrc", tmp_path / "cache"
+    src.mkdir()
+    for i, name in enumerate(ops._CPU_SOURCES):  # a small plugin: one function per source
+        (src / name).write_text(f"int dn_probe_{i}() {{ return {i}; }}\n")
+    cxx = tmp_path / "slow-cxx"  # compiles as g++ does, after a long pause when DN_SLOW is set
+    cxx.write_text('#!/bin/sh\ncase " $* " in *" -c "*) [ -n "$DN_SLOW" ] && sleep 120;; esac\nexec g++ "$@"\n')
+    cxx.chmod(0o755)
+    env = {**os.environ, "DALI_NERF_CACHE": str(cache), "CXX": str(cxx), "DN_SLOW": "1"}
+    code = f"import dali_nerf.ops as o, pathlib; o._CSRC = pathlib.Path({str(src)!r}); o.build_plugin(cuda=False)"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(cache.glob("cpu-*/.build-*")):  # compiling: its temporaries exist
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the build and its compilers
+        proc.wait(timeout=60)
+    (folder,) = cache.glob("cpu-*")
+    left = sorted(p.name for p in folder.glob(".build-*"))
+    assert any(n.endswith(".so") for n in left) and not (folder / ops.LIB_NAME).exists(), left
+
+    env.pop("DN_SLOW")
+    code = (f"import dali_nerf.ops as o, pathlib; o._CSRC = pathlib.Path({str(src)!r}); "
+            f"print(o.build_plugin(cuda=False))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert Path(r.stdout.strip()) == folder / ops.LIB_NAME and (folder / ops.LIB_NAME).stat().st_size > 0
+    assert not list(folder.glob(".build-*")), sorted(p.name for p in folder.glob(".build-*"))

@@ -13,8 +13,9 @@ library; sha256 of ``csrc/*``, compiler path and version, flags, CUDA or not) ho
 compiler output), ``builds.log`` (one line per compiler run) and ``last_used`` (touched whenever
 the folder's library is returned). A ``filelock.FileLock`` makes several ranks starting at once
 build once; the library is written to a temporary file in the same folder and moved into place
-with ``os.replace``. A cached library whose sha256 does not match its manifest, or that fails to
-load, is rebuilt once automatically.
+with ``os.replace``; the ``.build-*`` temporaries a killed build leaves are removed by the next
+build or reuse of the folder (under its lock). A cached library whose sha256 does not match its
+manifest, or that fails to load, is rebuilt once automatically.
 
 Pruning (:func:`prune_cache`, after every build or reuse): a key folder unused for
 ``$DALI_NERF_CACHE_MAX_AGE_DAYS`` days (default 14) is removed, never the folder just used, and
@@ -295,6 +296,7 @@ def build_plugin(cuda: bool = False, force: bool = False) -> Path:
 def _build_locked(plan: dict, folder: Path, force: bool) -> Path:
     """The cached library of ``plan`` in ``folder`` (its lock held), compiled when missing or bad."""
     lib, manifest, log = folder / LIB_NAME, folder / "manifest.json", folder / "build.log"
+    _sweep_dead_builds(folder)
     if not force and _cached_ok(lib, manifest, plan["key"]):
         return lib
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
@@ -322,6 +324,24 @@ def _build_locked(plan: dict, folder: Path, force: bool) -> Path:
     manifest.write_text(json.dumps({"key": plan["key"], "sha256": _sha256(lib),
                                     "ident": plan["ident"]}, indent=1))
     return lib
+
+
+def _sweep_dead_builds(folder: Path) -> None:
+    """Remove the ``.build-*`` temporaries of builds that died in ``folder`` (a process killed while
+    it compiled: its library and object folder were never renamed or removed). Called with the
+    folder's lock held, so no living build owns one. Errors are ignored, as the prune's are."""
+    try:
+        left = [p for p in folder.iterdir() if p.name.startswith(".build-")]
+    except OSError:
+        return
+    for p in left:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            try:
+                p.unlink()
+            except OSError:
+                pass
 
 
 def _touch(path: Path) -> None:
