@@ -470,8 +470,47 @@ def test_torchrun_is_told_to_pass_on_a_checkpoint_signal_it_would_die_of():
     assert get_args_parser().parse_args(cmd[3:]).signals_to_handle == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 
 
+def test_a_tied_child_gets_sigterm_when_its_parent_is_killed(tmp_path):
+    """A command run through ``tied_to_this_process`` (how the demo starts torchrun) gets SIGTERM
+    when the process that started it dies of SIGKILL (no handler of the parent runs), and runs on
+    undisturbed while the parent lives."""
+    import textwrap
+
+    flag = tmp_path / "flag"
+    child = (f"import signal, sys, time\n"
+             f"signal.signal(signal.SIGTERM, lambda *a: (open({str(flag)!r}, 'w').write('term'), sys.exit(0)))\n"
+             f"open({str(flag)!r}, 'w').write('ready')\n"
+             f"time.sleep(120)\n")
+    parent = textwrap.dedent(f"""
+        import subprocess, sys, time
+        from dali_nerf.cli.train import tied_to_this_process
+        p = subprocess.Popen(tied_to_this_process([sys.executable, "-c", {child!r}]), start_new_session=True)
+        print(p.pid, flush=True)
+        p.wait()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True, env=_env())
+    pid = int(proc.stdout.readline())
+    try:
+        deadline = time.time() + 60
+        while not (flag.is_file() and flag.read_text() == "ready"):
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert flag.read_text() == "ready" and os.path.exists(f"/proc/{pid}")  # the parent lives: nothing sent
+        proc.kill()
+        proc.wait()
+        while flag.read_text() != "term":
+            assert time.time() < deadline, "the child never got SIGTERM after its parent was killed"
+            time.sleep(0.02)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 @pytest.mark.slow  # one demo each: a torchrun launch of 2 CPU ranks
-@pytest.mark.parametrize("how", ["TERM to its pid", "TERM to every process", "INT to its group"])
+@pytest.mark.parametrize("how", ["TERM to its pid", "TERM to every process", "INT to its group", "KILL to its pid"])
 def test_a_signal_to_the_demo_stops_its_torchrun_and_ranks(tmp_path, how):
     """``dali-nerf demo`` keeps torchrun as its child (in a session of its own). SIGTERM to the
     demo's pid alone (``kill <pid>``: a job script, a scheduler signalling the top process) once
@@ -482,9 +521,11 @@ def test_a_signal_to_the_demo_stops_its_torchrun_and_ranks(tmp_path, how):
     too, and passes it on twice within milliseconds: the ranks take the second for the same
     signal). Ctrl-C
     (SIGINT to the demo's process group, as a terminal sends it) still stops the ranks without a
-    checkpoint: ``interrupted``, exit 130. Either way no summary, no report, the scene and what the
-    run wrote stay, and no process of the run is left (every process that inherited the test's
-    marker variable, /proc)."""
+    checkpoint: ``interrupted``, exit 130. SIGKILL to the demo (the OOM killer, ``kill -9``: no
+    handler runs) reaches torchrun as SIGTERM (its parent-death signal), so the ranks stop and
+    checkpoint as with TERM, and nobody trains on as an orphan. Either way no summary, no report,
+    the scene and what the run wrote stay, and no process of the run is left (every process that
+    inherited the test's marker variable, /proc)."""
     import random
     import uuid
 
@@ -511,9 +552,11 @@ def test_a_signal_to_the_demo_stops_its_torchrun_and_ranks(tmp_path, how):
         elif how == "TERM to every process":  # a scheduler that signals the job's every process (SLURM, systemd)
             for p in [demo.pid, *descendants(demo.pid)]:
                 os.kill(p, signal.SIGTERM)
+        elif how == "KILL to its pid":
+            demo.kill()
         else:
             os.killpg(demo.pid, signal.SIGINT)
-        out, err = demo.communicate(timeout=120)
+        out, err = demo.communicate(timeout=120)  # the pipes close when torchrun and its ranks have ended too
         left = [p for p in _marked(mark) if p != demo.pid]
         time.sleep(0.5)
         left = [p for p in left if p in _marked(mark)]  # still there half a second later: not a zombie's last moment
@@ -530,6 +573,15 @@ def test_a_signal_to_the_demo_stops_its_torchrun_and_ranks(tmp_path, how):
     assert not (runs / "demo" / "summary.json").exists() and not (runs / "demo" / "report.md").exists()
     assert (runs / "demo" / "config.yaml").is_file() and not (runs / "demo" / ".lock").exists()
     assert {p: p.read_bytes() for p in scene.rglob("*") if p.is_file()} == before
+    if how == "KILL to its pid":  # no line of the demo's own: it died at once
+        assert demo.returncode == -signal.SIGKILL, err[-3000:]
+        line = [l for l in err.splitlines() if l.startswith("stopped by SIGTERM after step ")]
+        assert len(line) == 1, err[-3000:]
+        T = int(line[0].split("after step ")[1].split()[0])
+        ends = [max(_rows(runs / "demo" / f)) for f in ("metrics.jsonl", "metrics.rank1.jsonl")]
+        assert ends == [T, T] and at <= T < 30, (ends, T, err[-2000:])
+        assert latest_checkpoint(runs / "demo" / "checkpoints").name == f"step_{T:07d}"
+        return
     if how == "INT to its group":
         assert demo.returncode == 130 and last == "interrupted", err[-3000:]
         # Ctrl-C writes no checkpoint (checkpoint_every=0: the only one is the last step's, if the

@@ -41,7 +41,7 @@ from dali_nerf.interrupt import (DEFAULT_GRACE_S, DEFAULT_TERM_GRACE_S, Terminat
 from dali_nerf.launch_env import launch_env
 
 __all__ = ["TRAINERS", "LAUNCH_OPTIONS", "trainer_module", "torchrun_command", "launch_trainer", "exec_torchrun",
-           "launch_options", "add_arguments", "list_configs", "main"]
+           "tied_to_this_process", "launch_options", "add_arguments", "list_configs", "main"]
 
 TRAINERS = {
     "ddp": "dali_nerf.trainers.ddp",
@@ -185,7 +185,7 @@ def launch_trainer(module: str, nproc: int, config: str | None, overrides, resum
                 for stop in stops:
                     held.enter_context(stop.deferred())
                 with interrupts_deferred(block=False):
-                    proc = subprocess.Popen(cmd, env=_torchrun_env(), start_new_session=True)
+                    proc = subprocess.Popen(tied_to_this_process(cmd), env=_torchrun_env(), start_new_session=True)
             # Popen.wait gives a child 0.25 s after Ctrl-C before it re-raises, assuming the child got
             # the terminal's SIGINT too (bpo-25942): torchrun gets it from here, so pass it on at once
             proc._sigint_wait_secs = 0.0
@@ -202,6 +202,21 @@ def launch_trainer(module: str, nproc: int, config: str | None, overrides, resum
             how = (f"passed on to the ranks (this torchrun does not pass {name} on), then torchrun ended" if ranks else
                    "passed on to torchrun, which stopped its ranks")
             raise Terminated(e.signum, f"terminated by {name}: {how} (exit code {rc})") from None
+
+
+def tied_to_this_process(cmd: list) -> list:
+    """``cmd`` as a command that gets SIGTERM when this process dies, however it dies (SIGKILL, the
+    OOM killer: no handler of ours runs), on Linux: ``PR_SET_PDEATHSIG``, set in a small Python
+    that then ``exec``s ``cmd`` (the setting survives the exec; the pid is ``cmd``'s), which exits
+    143 at once when this process is already gone. So torchrun, in a session of its own, passes
+    the SIGTERM on to its ranks, which checkpoint and stop, rather than train on as orphans. The
+    signal follows the thread that started the child: call from a thread that outlives it (the
+    main thread). Elsewhere ``cmd`` as it is."""
+    if not sys.platform.startswith("linux"):  # pragma: no cover - Linux only
+        return list(cmd)
+    code = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0); "
+            "os.getppid() == int(sys.argv[1]) or os._exit(143); os.execv(sys.argv[2], sys.argv[2:])")
+    return [sys.executable, "-S", "-c", code, str(os.getpid()), *cmd]
 
 
 def _stop_torchrun(proc: subprocess.Popen, signum: int, wait_s: float, ranks: bool = False):
