@@ -82,27 +82,39 @@ def test_the_gsplat_style_item_is_gsplats(tmp_path):
         assert np.array_equal(got["K"].numpy(), want["K"]) and np.array_equal(got["camtoworld"].numpy(), want["camtoworld"])
 
 
-def test_the_bench_compiles_dali_nerf_into_a_bytecode_cache_its_ranks_read(tmp_path):
-    """Every rank and worker of every path starts by importing dali_nerf: the bench copies its
-    modules outside the checkout and compiles them there first, as an install has them, so that
-    none compiles them per start; the ranks import that copy, with no pycache prefix (under one,
-    torch's and DALI's own bytecode is not read either)."""
-    import os
+def test_the_bench_compiles_dali_nerf_into_a_bytecode_cache_its_ranks_read(tmp_path, monkeypatch):
+    """Every rank and worker of every path starts by importing dali_nerf: the bench lays it out
+    outside the checkout as an install has it (the package and the folders a checkout keeps beside
+    it: pipelines, trainers, configs) and compiles it there first, so that none compiles a module
+    per start; a rank imports every dali_nerf module it uses from that copy, finds the shipped
+    configs there, and runs with no pycache prefix (under one, torch's and DALI's own bytecode is
+    not read either), even when the bench's own environment has one."""
+    import importlib.util
     import subprocess
     import sys
 
     from dali_nerf.bench.images import bytecode_cached, rank_env
 
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "prefix"))
     lib = tmp_path / "lib"
     assert bytecode_cached(lib)
-    env = {**os.environ, **rank_env(lib), "PYTHONDONTWRITEBYTECODE": "1"}
-    env.pop("PYTHONPYCACHEPREFIX", None)
-    code = ("import importlib.util, sys, torch, dali_nerf.sources.images as m; "
-            "print(m.__file__); print(importlib.util.cache_from_source(m.__file__)); print(sys.pycache_prefix); "
-            "print(importlib.util.cache_from_source(torch.__file__))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                         cwd=lib).stdout.split("\n")  # as the ranks run (run_pair)
-    source, cached, prefix, torch_cached = (Path(x) if x != "None" else None for x in out[:4])
-    assert lib in source.parents and prefix is None, out  # the copy, no prefix
-    assert cached.is_file() and lib in cached.parents  # what a rank reads, written by the bench alone
+    env = {**rank_env(lib), "PYTHONDONTWRITEBYTECODE": "1"}
+    assert "PYTHONPYCACHEPREFIX" not in env
+    code = ("import importlib.util, json, sys, torch, dali_nerf.bench.imagepaths, dali_nerf.sources.images, "
+            "dali_nerf.pipelines.decode\n"
+            "from dali_nerf.config import shipped_configs\n"
+            "mods = {n: getattr(m, '__file__', None) for n, m in list(sys.modules.items()) if n.startswith('dali_nerf')}\n"
+            "print(json.dumps({'mods': mods, 'prefix': sys.pycache_prefix, 'configs': [str(p) for p in shipped_configs().values()],"
+            " 'torch': importlib.util.cache_from_source(torch.__file__)}))")
+    out = __import__("json").loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                                  check=True, cwd=lib).stdout)  # as the ranks run (run_pair)
+    assert out["prefix"] is None
+    files = {n: Path(f) for n, f in out["mods"].items() if f}
+    assert "dali_nerf.pipelines.decode" in files and len(files) > 20
+    outside = {n: str(f) for n, f in files.items() if lib not in f.parents}
+    assert not outside, outside  # every module from the copy
+    for n, f in files.items():  # each with the bytecode the bench wrote (the rank could not write it)
+        assert Path(importlib.util.cache_from_source(str(f))).is_file(), n
+    assert out["configs"] and all(lib in Path(c).parents for c in out["configs"])
+    torch_cached = Path(out["torch"])
     assert torch_cached.parent.name == "__pycache__" and lib not in torch_cached.parents

@@ -34,7 +34,7 @@ from dali_nerf.bench.imagepaths import PATHS
 from dali_nerf.errors import ConfigError
 from dali_nerf.launch_env import rank_variables
 
-__all__ = ["main", "synthetic_colmap", "run_pair", "summarise", "bytecode_cached", "rank_env"]
+__all__ = ["main", "synthetic_colmap", "run_pair", "summarise", "bytecode_cached", "rank_env", "MAPPED"]
 
 
 def synthetic_colmap(folder: Path, n: int, width: int, height: int, seed: int = 0) -> Path:
@@ -65,8 +65,8 @@ def run_pair(path: str, ranks: int, scene: Path, work: Path, args, tag: str) -> 
         bytecode_cached(work / "lib")
     procs = []
     for r in range(ranks):
-        env = {**os.environ, **rank_variables(r, ranks, r, ranks, f"bench-{os.getpid()}-{tag}"),
-               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **rank_env(work / "lib")}
+        env = {**rank_env(work / "lib"), **rank_variables(r, ranks, r, ranks, f"bench-{os.getpid()}-{tag}"),
+               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "dali_nerf.bench.imagepaths", str(r), str(ranks), path, str(scene),
                str(sync / f"rank{r}.json"), str(sync), str(args.batches), str(args.warmup), str(args.step_ms),
                str(args.seed)]
@@ -150,29 +150,43 @@ def _check(args) -> list:
     return ranks
 
 
+#: dali_nerf's subpackages that a checkout keeps outside dali_nerf/ (setup.cfg package_dir) and an
+#: install puts inside it
+MAPPED = ("pipelines", "trainers", "configs")
+
+
 def bytecode_cached(lib: Path) -> bool:
-    """Copy dali_nerf's modules to ``lib`` (outside the checkout, which this leaves as it is) and
-    compile them there, as installing a wheel compiles them: the rank and worker processes of every
-    path run with ``lib`` first on ``PYTHONPATH`` and load them rather than compile them at each
-    start (an editable checkout under ``PYTHONDONTWRITEBYTECODE=1``, as on the machine these numbers
-    come from, never has that cache). Not ``PYTHONPYCACHEPREFIX``: under a prefix every other module
-    (torch, DALI, numpy) is looked up there too and compiled at each start, which doubled an import
-    of torch, cv2 and DALI here (1.6 -> 3.5 s) and slowed the spawned-worker path most. True when
-    every module compiled."""
+    """Lay dali_nerf out in ``lib`` as an install has it (outside the checkout, which this leaves
+    as it is: the package, and the folders a checkout keeps beside it, :data:`MAPPED`) and compile
+    it there, as installing a wheel does: the rank and worker processes of every path run in
+    ``lib`` with it first on ``PYTHONPATH`` and load the bytecode rather than compile every module
+    at each start (an editable checkout under ``PYTHONDONTWRITEBYTECODE=1``, as on the machine
+    these numbers come from, never has that cache). Not ``PYTHONPYCACHEPREFIX``: under a prefix
+    every other module (torch, DALI, numpy) is looked up there too and compiled at each start,
+    which doubled an import of torch, cv2 and DALI here (1.6 -> 3.5 s) and slowed the
+    spawned-worker path most. True when every module compiled."""
     import shutil
 
     import dali_nerf
 
-    dst = lib / "dali_nerf"
-    shutil.copytree(os.path.dirname(dali_nerf.__file__), dst, ignore=shutil.ignore_patterns("__pycache__"))
-    res = subprocess.run([sys.executable, "-m", "compileall", "-q", str(dst)], capture_output=True, text=True)
+    pkg, dst = Path(dali_nerf.__file__).resolve().parent, lib / "dali_nerf"
+    shutil.copytree(pkg, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in MAPPED:
+        src = pkg.parent / name  # a checkout's (an install has them inside the package, copied above)
+        if not (dst / name).exists() and src.is_dir():
+            shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    res = subprocess.run([sys.executable, "-m", "compileall", "-q", str(dst)], capture_output=True, text=True, env=env)
     return res.returncode == 0
 
 
 def rank_env(lib: Path) -> dict:
-    """What a rank process adds to the environment: ``lib`` (:func:`bytecode_cached`) first on the path."""
-    path = os.environ.get("PYTHONPATH")
-    return {"PYTHONPATH": str(lib) + (os.pathsep + path if path else "")}
+    """A rank process's environment: this one with ``lib`` (:func:`bytecode_cached`) first on the
+    path and no ``PYTHONPYCACHEPREFIX`` (under one, no module's own bytecode is read)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(Path(lib).resolve()) + (os.pathsep + path if path else "")
+    return env
 
 
 def main(args) -> int:
@@ -181,7 +195,7 @@ def main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out) as tmp:
-        work = Path(tmp)
+        work = Path(tmp).resolve()
         bytecode = bytecode_cached(work / "lib")
         scene = Path(args.scene) if args.scene else synthetic_colmap(work / "scene", args.images, args.width, args.height)
         pairs = [(p, r) for r in ranks_list for p in PATHS]
