@@ -13,8 +13,9 @@ library; sha256 of ``csrc/*``, compiler path and version, flags, CUDA or not) ho
 compiler output), ``builds.log`` (one line per compiler run) and ``last_used`` (touched whenever
 the folder's library is returned). A ``filelock.FileLock`` makes several ranks starting at once
 build once; the library is written to a temporary file in the same folder and moved into place
-with ``os.replace``; the ``.build-*`` temporaries a killed build leaves are removed by the next
-build or reuse of the folder (under its lock). A cached library whose sha256 does not match its
+with ``os.replace``; the ``.build-<pid>@<host>@*`` temporaries a killed build leaves are removed
+by the next build or reuse of the folder on that host once the pid is gone, or by any after a
+day (a cache shared by several nodes may not share its locks). A cached library whose sha256 does not match its
 manifest, or that fails to load, is rebuilt once automatically.
 
 Pruning (:func:`prune_cache`, after every build or reuse): a key folder unused for
@@ -39,7 +40,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -299,9 +302,10 @@ def _build_locked(plan: dict, folder: Path, force: bool) -> Path:
     _sweep_dead_builds(folder)
     if not force and _cached_ok(lib, manifest, plan["key"]):
         return lib
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+    owner = _build_owner()
+    fd, tmp = tempfile.mkstemp(prefix=owner, suffix=".so", dir=folder)
     os.close(fd)
-    with tempfile.TemporaryDirectory(prefix=".build-", dir=folder) as objs:
+    with tempfile.TemporaryDirectory(prefix=owner, dir=folder) as objs:
         # each source compiled by its own compiler process, as many at once as there are cores, then linked
         cmds = [[*c, "-o", os.path.join(objs, f"{i}.o")] for i, c in enumerate(plan["compile"])]
         link = [plan["compiler"], *plan["flags"], *[c[-1] for c in cmds], "-o", tmp, *plan["link"]]
@@ -326,15 +330,36 @@ def _build_locked(plan: dict, folder: Path, force: bool) -> Path:
     return lib
 
 
-def _sweep_dead_builds(folder: Path) -> None:
+#: a build's temporaries older than this are removed whoever made them (a build never takes an hour)
+DEAD_BUILD_AGE_S = 24 * 3600.0
+
+
+def _build_owner() -> str:
+    """The prefix of this process's build temporaries: ``.build-<pid>@<host>@``."""
+    return f".build-{os.getpid()}@{socket.gethostname()}@"
+
+
+def _sweep_dead_builds(folder: Path, now: float | None = None) -> None:
     """Remove the ``.build-*`` temporaries of builds that died in ``folder`` (a process killed while
-    it compiled: its library and object folder were never renamed or removed). Called with the
-    folder's lock held, so no living build owns one. Errors are ignored, as the prune's are."""
+    it compiled: its library and object folder were never renamed or removed): those this host's
+    dead processes made (their pid is gone), and any older than :data:`DEAD_BUILD_AGE_S`. Never a
+    living process's on this host, nor another host's recent ones: a cache shared by several nodes
+    (a network home) may not share its file locks between them, so a lock held here does not say
+    that no other node builds in the folder. Errors are ignored, as the prune's are."""
+    now = time.time() if now is None else now
+    host = socket.gethostname()
     try:
         left = [p for p in folder.iterdir() if p.name.startswith(".build-")]
     except OSError:
         return
     for p in left:
+        m = re.match(r"\.build-(\d+)@([^@]+)@", p.name)
+        try:
+            old = now - p.lstat().st_mtime > DEAD_BUILD_AGE_S
+        except OSError:
+            continue
+        if not (old or (m is not None and m.group(2) == host and not _alive(int(m.group(1))))):
+            continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
         else:
@@ -342,6 +367,17 @@ def _sweep_dead_builds(folder: Path) -> None:
                 p.unlink()
             except OSError:
                 pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one we may not signal exists too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _touch(path: Path) -> None:
