@@ -333,7 +333,7 @@ def test_the_decode_is_released_once_the_split_is_held(tmp_path, monkeypatch):
         s = ld.stats()
         assert ld.producer.builds == 1 and ld.producer._live is store and s["decode_closed"], s
         assert s["decode_s"] == decoded, (s["decode_s"], decoded)
-    assert ld.producer._live is None and store.complete  # closed with the loader
+    assert ld.producer._live is None and not store._chunks  # closed with the loader: its blocks released
     pixels = {int(b["image_id"][0]): b["image"] for b in first + rest}
     with _loader(scene, seed=SEED, max_bytes=6 * 48 * 32 * 3) as ld:  # windows of 3 images
         for b in _batches(ld, 2 * n):
@@ -344,6 +344,41 @@ def test_the_decode_is_released_once_the_split_is_held(tmp_path, monkeypatch):
         for b in _batches(ld, n):
             assert torch.equal(b["image"], pixels[int(b["image_id"][0])])
         assert ld.producer.builds == 2
+
+
+def test_a_seek_while_the_split_is_still_decoding_keeps_the_store(tmp_path, monkeypatch):
+    """Kept whole, a seek while the store still decodes (its second chunk held back here until the
+    seek has begun) goes on with the same store: no second build, and the batches after it are
+    gsplat's images at the new positions, served as the decode reaches them."""
+    import threading
+
+    from dali_nerf.data import imagestore
+
+    print("seed", SEED)
+    root = colmap_scene(tmp_path / "s", n=16, width=48, height=32, factors=(), seed=SEED)
+    scene, ref = load_scene(root, "train", format="colmap"), GsplatReference(root, 1)
+    n = scene.num_images
+    go, decode = threading.Event(), imagestore.ImageStore._decode
+
+    def held(self, chunk):
+        if not chunk.name.endswith("all0"):  # every chunk after the first waits for the test
+            assert go.wait(120), "the test never let the decode go on"
+        return decode(self, chunk)
+
+    monkeypatch.setattr(imagestore.ImageStore, "_decode", held)
+    with _loader(scene, seed=SEED, decode_batch=2, prefetch=1) as ld:
+        _batches(ld, 1)
+        assert not ld.stats()["decode_closed"] and ld.producer.builds == 1
+        # the run-ahead thread waits for the held chunk: let the decode go on a moment into the seek
+        # (the seek stops that thread first, which waits for its images)
+        threading.Timer(0.2, go.set).start()
+        ld.set_epoch(1)
+        after = _batches(ld, n)
+        assert ld.producer.builds == 1
+    for b in after:
+        item = int(b["image_id"][0])
+        assert np.array_equal(b["image"][0].numpy().astype(np.float32), ref.item(item)["image"]), item
+    assert sorted(int(b["image_id"][0]) for b in after) == list(range(n))  # epoch 1, each image once
 
 
 def test_the_first_chunk_is_the_first_runs_images(tmp_path):

@@ -285,4 +285,10 @@ def test_demo_report_separates_warmup_from_steady_stall(tmp_path):
     (run / "summary.json").write_text(json.dumps(summary))
     recs[50]["wait_s"] = 0.75
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    needles(write_report(run), "warm-up 0.75 s")
+    needles(write_report(run), "warm-up 0.75 s", "100 steps x 64 rays/rank", "1.00 Mrays/s trained")
+    # a splatting run takes image batches: images per rank and pixels, no rays per batch
+    summary.update(method="splat", pipeline="images", rays_per_batch=None, images_per_batch=2, patch_size=0)
+    (run / "summary.json").write_text(json.dumps(summary))
+    text = write_report(run)
+    needles(text, "100 steps x 2 images/rank", "1.00 Mpixels/s trained", "pipeline: images")
+    assert "None" not in text and "rays" not in text

@@ -470,21 +470,38 @@ def test_torchrun_is_told_to_pass_on_a_checkpoint_signal_it_would_die_of():
     assert get_args_parser().parse_args(cmd[3:]).signals_to_handle == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 
 
-def test_a_tied_child_gets_sigterm_when_its_parent_is_killed(tmp_path):
-    """A command run through ``tied_to_this_process`` (how the demo starts torchrun) gets SIGTERM
-    when the process that started it dies of SIGKILL (no handler of the parent runs), and runs on
-    undisturbed while the parent lives."""
+def test_the_parent_death_signal_is_the_checkpoint_signal_torchrun_passes_on():
+    """If the demo dies, torchrun gets the run's checkpoint signal where torchrun passes it on to
+    the ranks (they checkpoint on it), else SIGTERM."""
+    from dali_nerf.cli.train import death_signal
+
+    term, hup, usr2 = signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2
+    assert death_signal("TERM", {term, hup}) == term and death_signal("HUP", {term, hup}) == hup
+    assert death_signal("USR2", {term, hup, usr2}) == usr2  # torchrun told --signals-to-handle
+    assert death_signal("USR2", {term, hup}) == term and death_signal("none", {term, hup}) == term
+
+
+@pytest.mark.parametrize("name", ["TERM", "USR2"])
+def test_a_tied_child_gets_its_signal_when_its_parent_is_killed(tmp_path, name):
+    """A command run through ``tied_to_this_process`` (how the demo starts torchrun) gets the
+    signal it was tied with when the process that started it dies of SIGKILL (no handler of the
+    parent runs), and runs on undisturbed while the parent lives."""
     import textwrap
 
     flag = tmp_path / "flag"
-    child = (f"import signal, sys, time\n"
-             f"signal.signal(signal.SIGTERM, lambda *a: (open({str(flag)!r}, 'w').write('term'), sys.exit(0)))\n"
-             f"open({str(flag)!r}, 'w').write('ready')\n"
+    child = (f"import os, signal, sys, time\n"
+             f"def say(text):  # whole or not at all: the test reads it meanwhile\n"
+             f"    open({str(flag)!r} + '.tmp', 'w').write(text)\n"
+             f"    os.replace({str(flag)!r} + '.tmp', {str(flag)!r})\n"
+             f"for s in (signal.SIGTERM, signal.SIGUSR2):\n"
+             f"    signal.signal(s, lambda n, f: (say(signal.Signals(n).name), sys.exit(0)))\n"
+             f"say('ready')\n"
              f"time.sleep(120)\n")
     parent = textwrap.dedent(f"""
-        import subprocess, sys, time
+        import signal, subprocess, sys, time
         from dali_nerf.cli.train import tied_to_this_process
-        p = subprocess.Popen(tied_to_this_process([sys.executable, "-c", {child!r}]), start_new_session=True)
+        p = subprocess.Popen(tied_to_this_process([sys.executable, "-c", {child!r}], signal.SIG{name}),
+                             start_new_session=True)
         print(p.pid, flush=True)
         p.wait()
     """)
@@ -499,14 +516,14 @@ def test_a_tied_child_gets_sigterm_when_its_parent_is_killed(tmp_path):
         assert flag.read_text() == "ready" and os.path.exists(f"/proc/{pid}")  # the parent lives: nothing sent
         proc.kill()
         proc.wait()
-        while flag.read_text() != "term":
-            assert time.time() < deadline, "the child never got SIGTERM after its parent was killed"
+        while flag.read_text() == "ready":
+            assert time.time() < deadline, f"the child never got SIG{name} after its parent was killed"
             time.sleep(0.02)
+        assert flag.read_text() == f"SIG{name}"
     finally:
-        try:
+        proc.stdout.close()
+        if flag.read_text() == "ready":  # still running: stop it (it has not exited, so its pid is its own)
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 @pytest.mark.slow  # one demo each: a torchrun launch of 2 CPU ranks

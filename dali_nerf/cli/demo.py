@@ -80,8 +80,11 @@ def write_report(run_dir: Path) -> str:
         f"# {s['name']}: {s['method']} x{s['world_size']} on {s['device']}",
         "",
         f"- test PSNR **{s['test_psnr']:.2f} dB**, SSIM {s['test_ssim']:.3f} ({s['eval_images']} {s['eval_split']} views)",
-        f"- {s['steps']} steps x {s['rays_per_batch']} rays/rank, wall time {s['wall_s']:.1f} s, "
-        f"{s['rays_per_s'] / 1e6:.2f} Mrays/s trained",
+        (f"- {s['steps']} steps x {s['rays_per_batch']} rays/rank, wall time {s['wall_s']:.1f} s, "
+         f"{s['rays_per_s'] / 1e6:.2f} Mrays/s trained" if s.get("rays_per_batch") is not None else  # image batches
+         f"- {s['steps']} steps x {s.get('images_per_batch')} "
+         f"{'patches' if s.get('patch_size') else 'images'}/rank, wall time {s['wall_s']:.1f} s, "
+         f"{s['rays_per_s'] / 1e6:.2f} Mpixels/s trained"),
         f"- data stall (pipeline: {s['pipeline']}): steady {steady_s}; warm-up {warm_s} "
         f"(plugin load, pipeline build, first run); overall {100 * s['stall_fraction']:.2f}% including warm-up",
         "",

@@ -41,7 +41,7 @@ from dali_nerf.interrupt import (DEFAULT_GRACE_S, DEFAULT_TERM_GRACE_S, Terminat
 from dali_nerf.launch_env import launch_env
 
 __all__ = ["TRAINERS", "LAUNCH_OPTIONS", "trainer_module", "torchrun_command", "launch_trainer", "exec_torchrun",
-           "tied_to_this_process", "launch_options", "add_arguments", "list_configs", "main"]
+           "tied_to_this_process", "death_signal", "launch_options", "add_arguments", "list_configs", "main"]
 
 TRAINERS = {
     "ddp": "dali_nerf.trainers.ddp",
@@ -175,6 +175,7 @@ def launch_trainer(module: str, nproc: int, config: str | None, overrides, resum
     term_wait_s = max(env_seconds("DALI_NERF_TERM_GRACE_S", DEFAULT_TERM_GRACE_S),
                       env_seconds("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30.0)) + TORCHRUN_SHUTDOWN_S
     names = [n for n in dict.fromkeys((*PASSED_ON, checkpoint_signal)) if n != "none"]
+    death = death_signal(checkpoint_signal, direct)
     proc = None
     with grace_at_least(int_wait_s + 5.0), contextlib.ExitStack() as stack:
         stops = [stack.enter_context(stop_signal(n, grace_s=term_wait_s + 5.0)) for n in names]
@@ -185,7 +186,7 @@ def launch_trainer(module: str, nproc: int, config: str | None, overrides, resum
                 for stop in stops:
                     held.enter_context(stop.deferred())
                 with interrupts_deferred(block=False):
-                    proc = subprocess.Popen(tied_to_this_process(cmd), env=_torchrun_env(), start_new_session=True)
+                    proc = subprocess.Popen(tied_to_this_process(cmd, death), env=_torchrun_env(), start_new_session=True)
             # Popen.wait gives a child 0.25 s after Ctrl-C before it re-raises, assuming the child got
             # the terminal's SIGINT too (bpo-25942): torchrun gets it from here, so pass it on at once
             proc._sigint_wait_secs = 0.0
@@ -204,19 +205,33 @@ def launch_trainer(module: str, nproc: int, config: str | None, overrides, resum
             raise Terminated(e.signum, f"terminated by {name}: {how} (exit code {rc})") from None
 
 
-def tied_to_this_process(cmd: list) -> list:
-    """``cmd`` as a command that gets SIGTERM when this process dies, however it dies (SIGKILL, the
-    OOM killer: no handler of ours runs), on Linux: ``PR_SET_PDEATHSIG``, set in a small Python
+def death_signal(checkpoint_signal: str, direct) -> int:
+    """The signal torchrun gets if the process that started it dies (:func:`tied_to_this_process`):
+    the run's checkpoint signal where torchrun passes it on to the ranks (``direct``), so they
+    checkpoint and stop; else SIGTERM (ranks that stop on another signal then stop without one)."""
+    ckpt = getattr(signal, f"SIG{checkpoint_signal}", None)
+    return ckpt if ckpt in direct else signal.SIGTERM
+
+
+def tied_to_this_process(cmd: list, signum: int = signal.SIGTERM) -> list:
+    """``cmd`` as a command that gets ``signum`` when this process dies, however it dies (SIGKILL,
+    the OOM killer: no handler of ours runs), on Linux: ``PR_SET_PDEATHSIG``, set in a small Python
     that then ``exec``s ``cmd`` (the setting survives the exec; the pid is ``cmd``'s), which exits
-    143 at once when this process is already gone. So torchrun, in a session of its own, passes
-    the SIGTERM on to its ranks, which checkpoint and stop, rather than train on as orphans. The
+    at once when this process is already gone, and says in one line when the kernel refuses the
+    setting (a seccomp filter; ``cmd`` runs untied). So torchrun, in a session of its own, passes
+    the signal on to its ranks, which checkpoint and stop, rather than train on as orphans. The
     signal follows the thread that started the child: call from a thread that outlives it (the
     main thread). Elsewhere ``cmd`` as it is."""
     if not sys.platform.startswith("linux"):  # pragma: no cover - Linux only
         return list(cmd)
-    code = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0); "
-            "os.getppid() == int(sys.argv[1]) or os._exit(143); os.execv(sys.argv[2], sys.argv[2:])")
-    return [sys.executable, "-S", "-c", code, str(os.getpid()), *cmd]
+    code = ("import ctypes, os, sys\n"
+            "if ctypes.CDLL(None).prctl(1, int(sys.argv[2]), 0, 0, 0) != 0:\n"
+            "    sys.stderr.write('dali_nerf: the kernel refused a parent-death signal for torchrun: if this process is '\n"
+            "                     'killed, stop torchrun and its ranks yourself\\n')\n"
+            "if os.getppid() != int(sys.argv[1]):\n"
+            "    os._exit(128 + int(sys.argv[2]))\n"
+            "os.execv(sys.argv[3], sys.argv[3:])\n")
+    return [sys.executable, "-S", "-c", code, str(os.getpid()), str(int(signum)), *cmd]
 
 
 def _stop_torchrun(proc: subprocess.Popen, signum: int, wait_s: float, ranks: bool = False):

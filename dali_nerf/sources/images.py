@@ -149,7 +149,10 @@ class ImageProducer:
             self.share = NodeShare(self.share_key, self.local_rank, self.local_world)
         if self.keep_all and self._live is not None:
             # kept whole, the live store serves any position (by image id; its decode, if still
-            # running, goes on in its own order): a seek, a loaded state or set_epoch decodes nothing again
+            # running, goes on in its own order, so a seek before the split is decoded waits for
+            # that order to reach its images): a seek, a loaded state or set_epoch decodes nothing
+            # again. A store whose decode failed raises its error again (every local rank keeps its
+            # store alike, so the node's block names, by build number, stay the same on all)
             return _Graph(self._live, start)
         self.builds += 1  # every local rank seeks alike: the same build number names the same blocks
         self._live = ImageStore(self.scene, self.stream, self.share, self.window, self.keep_all, start=start,
