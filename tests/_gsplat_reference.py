@@ -3,7 +3,9 @@ for a COLMAP scene, re-derived from its definitions with numpy and cv2 (not its 
 loader is tested against. pycolmap reads the model as gsplat does when it is installed (the test
 extra); else our reader (itself tested against pycolmap in tests/test_colmap.py).
 
-Parser(data_dir, factor, normalize=False, test_every=8):
+Parser(data_dir, factor, normalize=False, test_every=8) (``normalize=True``: gsplat's
+``normalize_world_space``, ``datasets/normalize.py`` read at 11909fc, re-derived below in
+:func:`_normalised`):
 * every registered image: world-to-camera ``[R | t]`` (4x4), its camera's calibration matrix with
   rows 0 and 1 divided by ``factor``; camera-to-world = ``np.linalg.inv`` of the stack (float64);
 * images sorted by name; ``camera_idx`` = index of the camera id among the sorted distinct ids;
@@ -54,12 +56,59 @@ def _read(folder: Path):
     return images, cams, "dali_nerf reader"
 
 
+def _points(folder: Path) -> np.ndarray:
+    """(M, 3) float64 the sparse points, as the Parser reads them (pycolmap, else our reader)."""
+    try:
+        import pycolmap
+    except ImportError:
+        from dali_nerf.scenes.colmap_io import read_model
+
+        return np.asarray(read_model(folder).xyz, np.float64).reshape(-1, 3)
+    rec = pycolmap.Reconstruction(str(folder))
+    return np.array([p.xyz for _, p in sorted(rec.points3D.items())], np.float64).reshape(-1, 3)
+
+
+def _normalised(c2w: np.ndarray, pts: np.ndarray):
+    """gsplat's normalisation of every camera (OpenCV axes, sorted by name) and the points: the
+    world turned so the cameras' mean up (their -y) becomes -y by the shortest rotation (here an
+    axis-angle through cv2.Rodrigues), recentred on the median of the points closest to the origin
+    on the optical axes, scaled so the median camera distance is 1; then rotated about the points'
+    median onto their principal axes (descending variance, made right-handed by flipping the
+    first); the cameras' rotations divided by the scale."""
+    up = -c2w[:, :3, 1].mean(axis=0)
+    up /= np.linalg.norm(up)
+    target = np.array([0.0, -1.0, 0.0])
+    axis = np.cross(up, target)
+    angle = np.arctan2(np.linalg.norm(axis), up @ target)
+    rot = cv2.Rodrigues(axis / max(np.linalg.norm(axis), 1e-300) * angle)[0]
+    cam = np.einsum("ij,njk->nik", rot, c2w[:, :3, :4])
+    t, fwd = cam[:, :, 3], cam[:, :, 2]
+    foot = t - (fwd * t).sum(1)[:, None] * fwd
+    centre = np.median(foot, axis=0)
+    s = 1.0 / np.median(np.linalg.norm(t - centre, axis=1))
+    sim = np.eye(4)
+    sim[:3, :3], sim[:3, 3] = s * rot, -s * centre
+    p1 = (pts @ sim[:3, :3].T) + sim[:3, 3]
+    med = np.median(p1, axis=0)
+    w, v = np.linalg.eigh(np.cov(p1 - med, rowvar=False))
+    v = v[:, np.argsort(w)[::-1]]
+    if np.linalg.det(v) < 0:
+        v[:, 0] *= -1
+    pa = np.eye(4)
+    pa[:3, :3], pa[:3, 3] = v.T, -v.T @ med
+    T = pa @ sim
+    out = np.einsum("ki,nij->nkj", T, c2w)
+    out[:, :3, :3] /= np.linalg.norm(out[:, 0, :3], axis=1)[:, None, None]
+    return out, pts @ T[:3, :3].T + T[:3, 3]
+
+
 class GsplatReference:
     """The Parser + Dataset of the module doc for ``root`` at ``factor``, ``split`` train | val."""
 
-    def __init__(self, root, factor: int = 1, split: str = "train", test_every: int = 8):
+    def __init__(self, root, factor: int = 1, split: str = "train", test_every: int = 8, normalize: bool = False):
         root = Path(root)
         images, cams, self.reader = _read(root / "sparse" / "0")
+        self.points = _points(root / "sparse" / "0")
         ks = {}
         for cid, (k, w, h) in cams.items():
             k = k.copy()
@@ -70,6 +119,8 @@ class GsplatReference:
         order = np.argsort(names)
         self.names = [names[i] for i in order]
         self.c2w = c2w[order]
+        if normalize:
+            self.c2w, self.points = _normalised(self.c2w, self.points)
         self.camera_ids = [images[i][2] for i in order]
         ids = sorted(set(self.camera_ids))
         self.camera_idx = [ids.index(c) for c in self.camera_ids]

@@ -46,13 +46,18 @@ class SceneConfig:
     """COLMAP scenes: read each image's exposure from the EXIF of its original (``images/``) file,
     as gsplat's ``--load_exposure`` (EV relative to the capture's mean): the image batches then
     carry ``exposure``. Off by default, as in gsplat."""
+    normalize_world: bool = False
+    """COLMAP scenes: poses and sparse points in gsplat's normalised world (its default
+    ``normalize_world_space``: a similarity from the cameras, then the points' principal axes;
+    :mod:`dali_nerf.scenes.worldnorm`), for every split; off: COLMAP's own world."""
 
     def validate(self, key: str):
         path_value(f"{key}.path", self.path)
         choice(f"{key}.format", self.format, ("auto", "blender", "nerfstudio", "llff", "mega_nerf", "colmap"))
         choice(f"{key}.masks", self.masks, ("use", "ignore"))
-        if not isinstance(self.exposure, bool):
-            raise ConfigError(f"{key}.exposure: must be true or false, got {shown(self.exposure)}")
+        for name in ("exposure", "normalize_world"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{key}.{name}: must be true or false, got {shown(getattr(self, name))}")
         positive(f"{key}.downscale", self.downscale)
         bg = self.background
         names = ("auto", "white", "black", "random", "learned")

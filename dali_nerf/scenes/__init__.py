@@ -97,7 +97,9 @@ def scene_from_config(cfg, split: Optional[str] = None) -> Scene:
     """The split ``split`` (default ``cfg.scene.train_split``) of the scene a config names, with
     its format, downscale and background: the one config -> Scene. ``scene.masks: ignore`` drops
     the training split's masks (every pixel trains); other splits keep theirs. ``scene.exposure:
-    true`` reads each image's EXIF exposure (:func:`dali_nerf.scenes.exif.with_exposure`)."""
+    true`` reads each image's EXIF exposure (:func:`dali_nerf.scenes.exif.with_exposure`);
+    ``scene.normalize_world: true`` moves it into gsplat's normalised world
+    (:func:`dali_nerf.scenes.worldnorm.with_gsplat_world`)."""
     s = cfg.scene
     split = s.train_split if split is None else split
     scene = load_scene(s.path, split=split, format=s.format, downscale=s.downscale, background=s.background)
@@ -107,4 +109,8 @@ def scene_from_config(cfg, split: Optional[str] = None) -> Scene:
         from dali_nerf.scenes.exif import with_exposure
 
         scene = with_exposure(scene)
+    if getattr(s, "normalize_world", False):
+        from dali_nerf.scenes.worldnorm import with_gsplat_world
+
+        scene = with_gsplat_world(scene)
     return scene
