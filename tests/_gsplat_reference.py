@@ -63,9 +63,9 @@ def _points(folder: Path) -> np.ndarray:
     except ImportError:
         from dali_nerf.scenes.colmap_io import read_model
 
-        return np.asarray(read_model(folder).xyz, np.float64).reshape(-1, 3)
-    rec = pycolmap.Reconstruction(str(folder))
-    return np.array([p.xyz for _, p in sorted(rec.points3D.items())], np.float64).reshape(-1, 3)
+        return np.asarray(read_model(folder).xyz, np.float32).reshape(-1, 3).astype(np.float64)
+    rec = pycolmap.Reconstruction(str(folder))  # the Parser holds them as float32
+    return np.array([p.xyz for _, p in sorted(rec.points3D.items())], np.float32).reshape(-1, 3).astype(np.float64)
 
 
 def _normalised(c2w: np.ndarray, pts: np.ndarray):
@@ -74,7 +74,8 @@ def _normalised(c2w: np.ndarray, pts: np.ndarray):
     axis-angle through cv2.Rodrigues), recentred on the median of the points closest to the origin
     on the optical axes, scaled so the median camera distance is 1; then rotated about the points'
     median onto their principal axes (descending variance, made right-handed by flipping the
-    first); the cameras' rotations divided by the scale."""
+    first); then, as the Parser does (``examples/datasets/colmap.py``), y and z negated when the
+    points' median height is above their mean; the cameras' rotations divided by the scale."""
     up = -c2w[:, :3, 1].mean(axis=0)
     up /= np.linalg.norm(up)
     target = np.array([0.0, -1.0, 0.0])
@@ -97,9 +98,13 @@ def _normalised(c2w: np.ndarray, pts: np.ndarray):
     pa = np.eye(4)
     pa[:3, :3], pa[:3, 3] = v.T, -v.T @ med
     T = pa @ sim
+    height = (pts @ T[:3, :3].T + T[:3, 3])[:, 2]
+    flipped = bool(np.median(height) > height.mean())
+    if flipped:  # colmap.py's upside-down fix: y and z negated
+        T = np.diag([1.0, -1.0, -1.0, 1.0]) @ T
     out = np.einsum("ki,nij->nkj", T, c2w)
     out[:, :3, :3] /= np.linalg.norm(out[:, 0, :3], axis=1)[:, None, None]
-    return out, pts @ T[:3, :3].T + T[:3, 3]
+    return out, pts @ T[:3, :3].T + T[:3, 3], flipped
 
 
 class GsplatReference:
@@ -120,7 +125,7 @@ class GsplatReference:
         self.names = [names[i] for i in order]
         self.c2w = c2w[order]
         if normalize:
-            self.c2w, self.points = _normalised(self.c2w, self.points)
+            self.c2w, self.points, self.flipped = _normalised(self.c2w, self.points)
         self.camera_ids = [images[i][2] for i in order]
         ids = sorted(set(self.camera_ids))
         self.camera_idx = [ids.index(c) for c in self.camera_ids]

@@ -6,7 +6,9 @@ gsplat's Parser normalises the world by default (``normalize_world_space``; gspl
 shortest rotation), moves the median of the points nearest the origin on the cameras' optical axes to the origin and
 scales the median camera distance to 1; then, from the sparse points in that frame, a rotation
 onto their principal axes (largest variance on x, smallest on z, right-handed) about their
-median. Its poses and points live in that frame; ours, by default, in COLMAP's own
+median; last, the Parser's own step (``examples/datasets/colmap.py``): a half turn about x when
+the points' median height is above their mean (it takes most points to lie low, on a floor). Its
+poses and points live in that frame; ours, by default, in COLMAP's own
 (docs/SPLATTING.md). With this option every split of the scene, its points, ``up``,
 ``world_from_source`` and (where set) near/far and ``aabb`` move into gsplat's frame, so a gsplat
 checkpoint's Gaussians and our batches share one world.
@@ -40,9 +42,11 @@ def _align_up(up: np.ndarray) -> np.ndarray:
 
 
 def gsplat_world_transform(c2w_cv: np.ndarray, points: np.ndarray) -> np.ndarray:
-    """(4, 4) float64 T, x_gsplat = T @ x: gsplat's normalisation (module doc) of cameras
+    """(4, 4) float64 T, x_gsplat = T @ x: gsplat's Parser's normalisation (module doc) of cameras
     ``c2w_cv`` (N, 4, 4 or 3, 4; OpenCV axes; every image of the capture) and sparse ``points``
-    (M, 3, M >= 4) in their world. T's upper 3x3 is a scale times a rotation."""
+    (M, 3, M >= 4) in their world. T's upper 3x3 is a scale times a rotation. The principal axes'
+    signs are LAPACK's (``eigh``), as in gsplat: another numpy build may turn the frame by a half
+    turn about an axis."""
     R, t = c2w_cv[:, :3, :3], c2w_cv[:, :3, 3]
     up = (R @ np.array([0.0, -1.0, 0.0])).mean(axis=0)
     align = _align_up(up / np.linalg.norm(up))
@@ -61,20 +65,27 @@ def gsplat_world_transform(c2w_cv: np.ndarray, points: np.ndarray) -> np.ndarray
         vec[:, 0] = -vec[:, 0]
     t2 = np.eye(4)
     t2[:3, :3], t2[:3, 3] = vec.T, -vec.T @ centre
-    return t2 @ t1
+    T = t2 @ t1
+    z = (points @ T[:3, :3].T + T[:3, 3])[:, 2]
+    if np.median(z) > np.mean(z):  # the Parser's upside-down fix: most points taken to lie low (a floor)
+        T = np.diag([1.0, -1.0, -1.0, 1.0]) @ T
+    return T
 
 
 def with_gsplat_world(scene):
     """``scene`` (a COLMAP split) in gsplat's normalised world (module doc): the transform from
     every registered image and the sparse points of the capture, the same for every split.
     Raises SceneError for another format or fewer than 4 sparse points."""
+    if not np.array_equal(scene.world_from_source, np.eye(4)):
+        raise SceneError(f"{scene.root}: the scene is already moved from its source world (world_from_source is not "
+                         f"the identity); apply gsplat's normalisation to the parsed scene only")
     if scene.format != "colmap":
         raise SceneError(f"{scene.root}: gsplat's world normalisation applies to COLMAP scenes, not {scene.format!r}; "
                          f"set scene.normalize_world: false")
     from dali_nerf.scenes.colmap import model_folder, opencv_c2w, read_model
 
     model = read_model(model_folder(Path(scene.root)))
-    pts = np.asarray(model.xyz, np.float64).reshape(-1, 3)
+    pts = np.asarray(model.xyz, np.float32).reshape(-1, 3).astype(np.float64)  # the Parser's float32 points
     if len(pts) < 4:
         raise SceneError(f"{model_folder(Path(scene.root))}: {len(pts)} sparse points; gsplat's normalisation aligns "
                          f"the world to their principal axes and needs at least 4: set scene.normalize_world: false")
@@ -88,8 +99,8 @@ def with_gsplat_world(scene):
     up = rot @ np.asarray(scene.up, np.float64)
     fields = dict(c2w=c2w.astype(scene.c2w.dtype), world_from_source=T @ scene.world_from_source,
                   up=(up / np.linalg.norm(up)).astype(np.float32))
-    if scene.points is not None:
-        fields["points"] = (scene.points.astype(np.float64) @ A.T + b).astype(np.float32)
+    if scene.points is not None:  # the model's points (the scene's, in file order)
+        fields["points"] = (pts @ A.T + b).astype(np.float32)
     if scene.near is not None:
         fields["near"] = scene.near * s
     if scene.far is not None:

@@ -1,0 +1,29 @@
+"""benchmarks/versions_ab.py runs its pairs: with one Python as both versions, each row's pairs
+alternate, every measurement is a fresh process of that Python's dali_nerf, ratios are new / old."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from dali_nerf.scenegen import make_scene
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_harness_pairs_two_pythons(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("versions_ab", REPO / "benchmarks" / "versions_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    scene = make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=4, n_val=1, n_test=1, seed=3)
+    out = tmp_path / "ab.json"
+    assert ab.main(["--old-python", sys.executable, "--scene", str(scene), "--pairs", "2", "--seconds", "0.2",
+                    "--rows", "global:256", "--out", str(out)]) == 0
+    (r,) = json.loads(out.read_text())
+    assert r["stream"] == "global" and r["rays"] == 256 and len(r["ratios"]) == 2
+    assert all(x > 0 for x in r["ratios"]) and r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"]
+    assert len(r["modules"]) == 1 and r["modules"][0].endswith("dali_nerf/__init__.py")  # one version, both sides
+    printed = capsys.readouterr().out
+    assert "global 256 pair 1:" in printed and "| global | 256 |" in printed
