@@ -75,6 +75,16 @@ def test_off_by_default_and_refused_where_it_does_not_apply(tmp_path):
     with pytest.raises(SceneError, match=r"3 sparse points.*set scene.normalize_world: false") as e:
         with_gsplat_world(load_scene(few, "train", format="colmap"))
     assert "\n" not in str(e.value)
+    same = colmap_scene(tmp_path / "same", n=9, width=32, height=24, factors=(), seed=SEED, points=60)
+    from dali_nerf.scenes.colmap_io import read_model, write_model
+
+    model = read_model(same / "sparse" / "0")
+    for im in model.images:  # every camera at the origin, looking the same way: no distance to scale by
+        im.qvec[:], im.tvec[:] = (1.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0)
+    write_model(same / "sparse" / "0", model)
+    with pytest.raises(SceneError, match=r"normalisation is undefined for this capture.*normalize_world: false") as e:
+        with_gsplat_world(load_scene(same, "train", format="colmap"))
+    assert "\n" not in str(e.value)
     from dali_nerf.scenegen import make_scene
 
     blender = make_scene("objects", tmp_path / "b", width=16, height=16, n_train=2, n_val=1, n_test=1, seed=SEED)

@@ -75,7 +75,8 @@ def gsplat_world_transform(c2w_cv: np.ndarray, points: np.ndarray) -> np.ndarray
 def with_gsplat_world(scene):
     """``scene`` (a COLMAP split) in gsplat's normalised world (module doc): the transform from
     every registered image and the sparse points of the capture, the same for every split.
-    Raises SceneError for another format or fewer than 4 sparse points."""
+    Raises SceneError for another format, fewer than 4 sparse points, a capture the transform is
+    undefined for (every camera where their optical axes meet), or a scene already moved from its source world."""
     if not np.array_equal(scene.world_from_source, np.eye(4)):
         raise SceneError(f"{scene.root}: the scene is already moved from its source world (world_from_source is not "
                          f"the identity); apply gsplat's normalisation to the parsed scene only")
@@ -89,7 +90,15 @@ def with_gsplat_world(scene):
     if len(pts) < 4:
         raise SceneError(f"{model_folder(Path(scene.root))}: {len(pts)} sparse points; gsplat's normalisation aligns "
                          f"the world to their principal axes and needs at least 4: set scene.normalize_world: false")
-    T = gsplat_world_transform(opencv_c2w(sorted(model.images, key=lambda im: im.name)), pts)
+    try:
+        with np.errstate(all="ignore"):
+            T = gsplat_world_transform(opencv_c2w(sorted(model.images, key=lambda im: im.name)), pts)
+    except np.linalg.LinAlgError:
+        T = np.full((4, 4), np.nan)
+    if not np.isfinite(T).all() or abs(np.linalg.det(T[:3, :3])) < 1e-300:
+        raise SceneError(f"{model_folder(Path(scene.root))}: gsplat's normalisation is undefined for this capture "
+                         f"(its cameras or sparse points do not span a scene: e.g. every camera at the point their optical axes meet); "
+                         f"set scene.normalize_world: false")
     A, b = T[:3, :3], T[:3, 3]
     s = float(np.linalg.norm(A[0]))  # the scale (gsplat divides the cameras' rotations by it)
     rot = A / s
