@@ -90,3 +90,24 @@ def test_off_by_default_and_refused_where_it_does_not_apply(tmp_path):
     blender = make_scene("objects", tmp_path / "b", width=16, height=16, n_train=2, n_val=1, n_test=1, seed=SEED)
     with pytest.raises(SceneError, match=r"COLMAP scenes, not 'blender'; set scene.normalize_world: false"):
         with_gsplat_world(load_scene(blender, "train"))
+
+
+def test_the_capture_model_is_read_once_while_its_files_stay(tmp_path, monkeypatch):
+    """Both splits, gsplat's normalisation and EXIF exposure read the sparse model once per process
+    (the parser's, kept while its files' sizes and times stay); a rewritten model is read again."""
+    import os
+
+    from dali_nerf.scenes import colmap
+
+    root = colmap_scene(tmp_path / "s", n=9, width=32, height=24, factors=(), seed=SEED, points=60)
+    reads = []
+    real = colmap.read_model
+    monkeypatch.setattr(colmap, "read_model", lambda folder: reads.append(folder) or real(folder))
+    for split in ("train", "test"):
+        scene_from_config(_cfg(root, "scene.normalize_world=true"), split)
+    assert len(reads) == 1
+    pts = root / "sparse" / "0" / "points3D.bin"
+    st = pts.stat()
+    os.utime(pts, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # the same bytes, a new time: read again
+    load_scene(root, "train", format="colmap")
+    assert len(reads) == 2

@@ -43,6 +43,8 @@ so COLMAP scenes need no new dependency. Conversion, per image:
 
 from __future__ import annotations
 
+import functools
+
 import os
 from pathlib import Path
 
@@ -56,10 +58,33 @@ from dali_nerf.scenes._util import (check_focal, check_images_exist, check_poses
 from dali_nerf.scenes.colmap_io import model_files, read_model, rotation_from_quaternion
 
 __all__ = ["detect", "parse", "TEST_EVERY", "SUPPORTED_MODELS", "model_folder", "camera_arrays", "opencv_c2w",
-           "mask_files"]
+           "mask_files", "split_indices", "capture_model"]
 
 TEST_EVERY = 8
 """Image i (in name order) is held out when ``i % TEST_EVERY == 0`` (gsplat's default)."""
+
+
+def split_indices(n: int, split: str) -> np.ndarray:
+    """Indices (in name order) of a capture of ``n`` images that form ``split``: val / test every
+    :data:`TEST_EVERY`-th from 0, train the others (gsplat's ``test_every`` rule)."""
+    idx = np.arange(n)
+    return idx[idx % TEST_EVERY == 0] if split in ("val", "test") else idx[idx % TEST_EVERY != 0]
+
+
+def capture_model(root: Path):
+    """The sparse model of the COLMAP scene ``root`` (:func:`model_folder`), read once per process
+    while its files stay as they are (their sizes and modification times key the copy): the parser
+    of each split, EXIF exposure and gsplat's world normalisation all read it. Callers must not
+    change it."""
+    folder = model_folder(Path(root))
+    _, paths = model_files(folder)
+    stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(paths.values()))
+    return _read_model_once(str(folder), stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_model_once(folder: str, stamp: tuple):
+    return read_model(folder)
 
 #: model -> (OpenCV coefficient positions of its extra parameters, fisheye)
 SUPPORTED_MODELS = {
@@ -165,7 +190,7 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
     """
     root = Path(root).resolve()
     folder = model_folder(root)
-    model = read_model(folder)
+    model = capture_model(root)
     path = folder / f"images.{model_files(folder)[0]}"
     if not model.images:
         raise SceneError(f"{path}: has no registered images; reconstruct the scene first")
@@ -179,8 +204,7 @@ def parse(root: Path, split: str, *, downscale: int = 1, background=(1.0, 1.0, 1
     check_poses(c2w, names, path)
     up = mean_up(c2w)
 
-    idx = np.arange(len(images))
-    idx = idx[idx % TEST_EVERY == 0] if split in ("val", "test") else idx[idx % TEST_EVERY != 0]
+    idx = split_indices(len(images), split)
     if len(idx) == 0:
         raise SceneError(f"{path}: split {split!r} has no images ({len(images)} images; every {TEST_EVERY}th is held out)")
     cams = [model.cameras[images[i].camera_id] for i in idx]

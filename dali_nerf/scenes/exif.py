@@ -123,13 +123,12 @@ def with_exposure(scene):
     if scene.format != "colmap":
         raise SceneError(f"{scene.root}: exposure from EXIF is read for COLMAP scenes, not {scene.format!r}; "
                          f"set scene.exposure: false")
-    from dali_nerf.scenes.colmap import TEST_EVERY, model_folder, read_model  # the parser's own names and split
+    from dali_nerf.scenes.colmap import capture_model, split_indices  # the parser's own model and split
 
     root = Path(scene.root)
-    names = sorted(im.name for im in read_model(model_folder(root)).images)
+    names = sorted(im.name for im in capture_model(root).images)
     ev = np.array([np.nan if (e := exposure_ev(root / "images" / n)) is None else e for n in names], np.float64)
-    idx = np.arange(len(names))
-    idx = idx[idx % TEST_EVERY == 0] if scene.split in ("val", "test") else idx[idx % TEST_EVERY != 0]
+    idx = split_indices(len(names), scene.split)
     if len(idx) != scene.num_images:  # pragma: no cover - a split this module does not know
         raise SceneError(f"{root}: {scene.num_images} images in the split, {len(idx)} by the COLMAP split rule")
     rel = ev - np.nanmean(ev) if np.isfinite(ev).any() else ev

@@ -83,9 +83,9 @@ def with_gsplat_world(scene):
     if scene.format != "colmap":
         raise SceneError(f"{scene.root}: gsplat's world normalisation applies to COLMAP scenes, not {scene.format!r}; "
                          f"set scene.normalize_world: false")
-    from dali_nerf.scenes.colmap import model_folder, opencv_c2w, read_model
+    from dali_nerf.scenes.colmap import capture_model, model_folder, opencv_c2w
 
-    model = read_model(model_folder(Path(scene.root)))
+    model = capture_model(Path(scene.root))
     pts = np.asarray(model.xyz, np.float32).reshape(-1, 3).astype(np.float64)  # the Parser's float32 points
     if len(pts) < 4:
         raise SceneError(f"{model_folder(Path(scene.root))}: {len(pts)} sparse points; gsplat's normalisation aligns "
