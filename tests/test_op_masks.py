@@ -90,8 +90,20 @@ HARNESS = r"""
 #include <cstdint>
 #include <vector>
 #include "mask.h"
+#include "mask_avx512.h"
 #include "streams.h"
 using namespace dali_nerf::detail;
+// -2: this CPU lacks AVX-512 F/DQ/VL/BW; -1: a bad index; else 0 with out[i] = the pixel of k[i] by
+// select_batch_avx512 (the op's CPU select where the CPU has them), `in place` in k's own buffer
+extern "C" int dn_select_avx512(const uint64_t *data, uint64_t L, uint64_t P, uint64_t *k, int64_t n, uint64_t *out,
+                                int in_place) {
+  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))) return -2;
+  ValidIndex vi;
+  if (!vi.init(data, L, P).empty()) return -1;
+  select_batch_avx512(vi, k, in_place ? k : out, n);
+  return 0;
+}
 // -1: a bad index; else 0 with out[i] = select(k[i]), ranks[p] = rank(p) for p <= P
 extern "C" int dn_select(const uint64_t *data, uint64_t L, uint64_t P, const uint64_t *k, int64_t n, uint64_t *out,
                          uint64_t *ranks) {
@@ -144,6 +156,9 @@ extern "C" int64_t dn_gpu_masked(uint64_t key, int mode, uint64_t Vsplit, uint64
 def harness(tmp_path_factory):
     h = compile_harness(tmp_path_factory.mktemp("mask"), HARNESS)
     h.dn_select.restype = ctypes.c_int
+    h.dn_select_avx512.restype = ctypes.c_int
+    h.dn_select_avx512.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.c_void_p, ctypes.c_int]
     h.dn_select.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64,
                             ctypes.c_void_p, ctypes.c_void_p]
     u64, vp = ctypes.c_uint64, ctypes.c_void_p
@@ -171,6 +186,45 @@ def test_select_is_the_kth_valid_pixel(harness, P, kind, seed):
     assert harness.dn_select(_p(data), len(data), P, _p(k), V, _p(out), _p(ranks)) == 0
     assert np.array_equal(out.astype(np.int64), np.flatnonzero(valid)), (P, kind, seed)
     assert np.array_equal(ranks.astype(np.int64), np.concatenate([[0], np.cumsum(valid)]))
+
+
+@settings(max_examples=40)
+@given(P=st.one_of(st.integers(1, 600), st.integers(600, 40000)), kind=st.sampled_from(["iid", "runs", "sparse", "all"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_avx512_select_is_select(harness, P, kind, seed):
+    """select_batch_avx512 (8 lanes, the op's CPU select with AVX-512 F/DQ/VL/BW) gives select's
+    pixel for every valid-pixel number: all of them in order (batch lengths not a multiple of 8
+    leave a tail group), at random (the lines prefetched ahead in another order), in place; and on
+    an index whose lines and samples are random words, no pixel id at or past P (as select)."""
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    valid = random_mask(rng, P, kind)
+    data = np.ascontiguousarray(valid_index(valid))
+    V = int(valid.sum())
+    want = np.flatnonzero(valid).astype(np.uint64)
+    k = np.arange(V, dtype=np.uint64)
+    out = np.zeros(V, np.uint64)
+    rc = harness.dn_select_avx512(_p(data), len(data), P, _p(k), V, _p(out), 0)
+    if rc == -2:
+        pytest.skip("this CPU has no AVX-512 F/DQ/VL/BW: the op selects one by one (test_select_is_the_kth_valid_pixel)")
+    assert rc == 0 and np.array_equal(out, want), (P, kind, seed)
+    if V == 0:
+        return  # no valid-pixel number to select
+    for n in (1, 7, 9, int(rng.integers(1, 3 * V + 2))):
+        ks = rng.integers(0, V, n).astype(np.uint64)
+        got = ks.copy()
+        assert harness.dn_select_avx512(_p(data), len(data), P, _p(got), n, _p(got), 1) == 0
+        assert np.array_equal(got, want[ks.astype(np.int64)]), (P, kind, seed, n)
+    # random words for every line and sample (the counts V and the sentinels kept): wrong pixels, never >= P
+    junk = data.copy()
+    nb = -(-P // 384)
+    body = np.r_[0:8 * nb, 9 * nb + 13:len(junk) - 2]
+    junk[body] = rng.integers(0, 2**64, len(body), dtype=np.uint64)
+    junk[0] = 0
+    ks = rng.integers(0, V, 4 * V + 5).astype(np.uint64)
+    bad = np.zeros_like(ks)
+    assert harness.dn_select_avx512(_p(junk), len(junk), P, _p(ks), len(ks), _p(bad), 0) == 0
+    assert int(bad.max()) < P
 
 
 def test_device_in_byte_select_matches_the_table_and_bad_indexes_are_refused(harness):

@@ -26,7 +26,8 @@
 // select never reads outside the index and always returns a pixel id < P, whatever the index
 // holds; an index that does not describe its bits (not built by valid_index) selects wrong pixels.
 // The CPU selects a batch at a time, each line found and prefetched a few selects ahead
-// (select_batch), with BMI2's pdep for the in-word select where it is fast.
+// (select_batch): 8 lanes at a time with AVX-512 (mask_avx512.h), else one by one with BMI2's pdep
+// for the in-word select where it is fast.
 #ifndef DALI_NERF_OPS_MASK_H_
 #define DALI_NERF_OPS_MASK_H_
 

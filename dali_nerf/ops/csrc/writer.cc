@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "dali/core/error_handling.h"
+#include "mask_avx512.h"
 
 namespace dali_nerf {
 namespace cpu {
@@ -248,6 +249,9 @@ __attribute__((target("avx2"))) void write8_avx2(const Cache &c, const Outputs &
 
 namespace {
 
+// the masked select 8 lanes at a time (mask_avx512.h: its 16-bit compares and byte ops need BW)
+const bool kHasAvx512Bw = kHasAvx512 && __builtin_cpu_supports("avx512bw");
+
 // BMI2's pdep is a 3-cycle instruction on Intel and AMD Zen 3+, microcoded (hundreds of cycles) on
 // AMD families 15h and 17h (Zen 1/2): there the broadword select_in_word is faster
 const bool kFastPdep = __builtin_cpu_supports("bmi2") && !__builtin_cpu_is("amdfam15h") &&
@@ -283,105 +287,51 @@ void select_batch_in(const detail::ValidIndex &vi, const uint64_t *in, uint64_t 
   }
 }
 
-template <int Mode>
-void run_chunk_in(const Cache &c, const Outputs &out_, uint64_t key, uint64_t s0, int64_t i0, int64_t n,
-                  bool simd) {
-  const Outputs out = out_;  // a local copy: its pointers stay in registers across the stores
-  // pixel ids run kAhead rays ahead of the writes, each prefetched when generated: a large cache
-  // is random-access DRAM-latency bound, and a steady prefetch distance keeps the misses in flight
-  // (a burst of prefetches per group stalls on the fill buffers)
-  constexpr int64_t kAhead = 32;
-  uint64_t ring[kAhead];
-  detail::Stream<Mode> st(key, c.P, s0);
-  for (int64_t k = 0; k < std::min(kAhead, n); k++) {
-    ring[k] = st.next();
-    __builtin_prefetch(c.pixels + 3 * ring[k]);
-  }
-  int64_t i = 0;
-  if (simd && c.simd) {  // groups of 8 rays (AVX2), the tail one by one
-    for (; i + 8 <= n; i += 8) {
-      uint64_t pix[8];
-      for (int j = 0; j < 8; j++) {
-        int64_t k = i + j;
-        pix[j] = ring[k & (kAhead - 1)];
-        if (k + kAhead < n) {
-          uint64_t q = st.next();
-          ring[k & (kAhead - 1)] = q;
-          __builtin_prefetch(c.pixels + 3 * q);
-        }
-      }
-      write8_avx2(c, out, i0 + i, pix);
-    }
-  }
-  for (; i < n; i++) {
-    uint64_t pix = ring[i & (kAhead - 1)];
-    if (i + kAhead < n) {
-      uint64_t q = st.next();
-      ring[i & (kAhead - 1)] = q;
-      __builtin_prefetch(c.pixels + 3 * q);
-    }
-    out.write(c, i0 + i, pix);
-  }
+}  // namespace
+
+void select_batch(const Cache &c, const uint64_t *in, uint64_t *out, int64_t n, bool simd) {
+  if (simd && kHasAvx512Bw) detail::select_batch_avx512(c.vi, in, out, n);
+  else if (simd && kFastPdep) select_batch_in<true>(c.vi, in, out, n);
+  else select_batch_in<false>(c.vi, in, out, n);
 }
 
-/// Masked: the stream's valid-pixel numbers in batches, selected (index lines prefetched ahead), then
-/// written by write_pixels (pixels prefetched ahead).
+/// The stream's pixel ids (masked: valid-pixel numbers, then selected) kSub at a time, then their
+/// rays by write_pixels (pixels prefetched ahead). Batches measured 1.1-1.35x faster on the
+/// unmasked per-rank stream than generating each id beside its write, kAhead ahead (2026-12-07:
+/// docs/BENCHMARKS.md); the global stream's chunks are batched the same way (global.cc).
 template <int Mode>
-void run_chunk_masked(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, int64_t i0, int64_t n,
-                      bool simd) {
+void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, int64_t i0, int64_t n, bool simd) {
   constexpr int64_t kSub = 512;
   uint64_t pix[kSub];
-  detail::Stream<Mode> st(key, c.dom.n, s0);
+  detail::Stream<Mode> st(key, c.dom.n, s0);  // stream ids: pixels, or valid pixels
   for (int64_t done = 0; done < n; done += kSub) {
     const int64_t m = std::min(kSub, n - done);
     for (int64_t j = 0; j < m; j++) pix[j] = st.next();
-    select_batch(c, pix, pix, m, simd);
+    if (c.masked) select_batch(c, pix, pix, m, simd);
     write_pixels(c, out, pix, i0 + done, m, simd);
   }
 }
 
-}  // namespace
-
-void select_batch(const Cache &c, const uint64_t *in, uint64_t *out, int64_t n, bool simd) {
-  if (simd && kFastPdep) select_batch_in<true>(c.vi, in, out, n);
-  else select_batch_in<false>(c.vi, in, out, n);
-}
-
-template <int Mode>
-void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, int64_t i0, int64_t n, bool simd) {
-  if (c.masked) run_chunk_masked<Mode>(c, out, key, s0, i0, n, simd);
-  else run_chunk_in<Mode>(c, out, key, s0, i0, n, simd);
-}
-
 /// Writes the rays of the pixel ids pix[0, n) to output slots [slot, slot + n).
-namespace {
-
-template <int Locality>
-void write_pixels_in(const Cache &c, const Outputs &out_, const uint64_t *pix, int64_t slot, int64_t n, bool simd) {
+void write_pixels(const Cache &c, const Outputs &out_, const uint64_t *pix, int64_t slot, int64_t n, bool simd) {
+  // pixels prefetched kAhead rays ahead into every cache level, masked caches too: prefetchnta
+  // (which the masked path used, to keep the valid-pixel index cached) measured slower with the
+  // AVX-512 select (2026-12-07, docs/MASKS.md)
   const Outputs out = out_;
   constexpr int64_t kAhead = 32;
-  for (int64_t k = 0; k < std::min(kAhead, n); k++) __builtin_prefetch(c.pixels + 3 * pix[k], 0, Locality);
+  for (int64_t k = 0; k < std::min(kAhead, n); k++) __builtin_prefetch(c.pixels + 3 * pix[k]);
   int64_t k = 0;
   if (simd && c.simd) {
     for (; k + 8 <= n; k += 8) {
       for (int j = 0; j < 8; j++)
-        if (k + j + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + j + kAhead], 0, Locality);
+        if (k + j + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + j + kAhead]);
       write8_avx2(c, out, slot + k, pix + k);
     }
   }
   for (; k < n; k++) {
-    if (k + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + kAhead], 0, Locality);
+    if (k + kAhead < n) __builtin_prefetch(c.pixels + 3 * pix[k + kAhead]);
     out.write(c, slot + k, pix[k]);
   }
-}
-
-}  // namespace
-
-void write_pixels(const Cache &c, const Outputs &out, const uint64_t *pix, int64_t slot, int64_t n, bool simd) {
-  // a masked cache's pixels are prefetched non-temporally (prefetchnta): a random pixel is read once,
-  // and the valid-pixel index lines it would evict from the caches are read again
-  if (c.masked) write_pixels_in<0>(c, out, pix, slot, n, simd);
-  else write_pixels_in<3>(c, out, pix, slot, n, simd);
 }
 
 template void run_chunk<kRandom>(const Cache &, const Outputs &, uint64_t, uint64_t, int64_t, int64_t, bool);

@@ -109,7 +109,7 @@ struct Cache {
 extern const bool kHasAvx2;
 /// AVX-512 F/DQ/VL on this CPU, unless DALI_NERF_NO_AVX512 is set to anything but "" or "0" (the
 /// AVX2 and scalar code give the same bits: for checks, and for CPUs that lower their clock under
-/// AVX-512): the global stream's level 2 and the masked select, 8 lanes at a time.
+/// AVX-512): the global stream's level 2 and (with BW too) the masked select, 8 lanes at a time.
 extern const bool kHasAvx512;
 
 struct Outputs {
@@ -131,8 +131,9 @@ void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, in
                bool simd);
 
 /// out[i] = the pixel of valid-pixel number in[i] (c.vi.select) for i < n, with the index lines
-/// prefetched a few selects ahead (in may be out). With BMI2 where its pdep is fast (not AMD
-/// families 15h/17h, which microcode it) the in-word select is pdep; the same pixels either way.
+/// prefetched a few selects ahead (in may be out). With AVX-512 F/DQ/VL/BW (kHasAvx512 and BW) 8
+/// selects at a time (mask_avx512.h); else one by one, the in-word select by BMI2's pdep where it
+/// is fast (not AMD families 15h/17h, which microcode it); the same pixels every way.
 void select_batch(const Cache &c, const uint64_t *in, uint64_t *out, int64_t n, bool simd);
 
 /// Writes the rays of the pixel ids pix[0, n) to output slots [slot, slot + n).

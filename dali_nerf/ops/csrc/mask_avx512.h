@@ -1,0 +1,177 @@
+// dali_nerf ray sampler: the valid-pixel index's select, 8 at a time with AVX-512 (host only).
+//
+// ValidIndex::select (mask.h) for 8 valid-pixel numbers per step, the same pixel ids bit for bit
+// (select_in_word's broadword steps, lane by lane): the sample's two words and the line's three by
+// gathers, the sample's 4 counts compared as 16-bit lanes and counted by vpsadbw, the in-byte
+// select broadword too (the byte's bits spread one per byte, their prefix sums: kSelectInByte's
+// values, 8 when none, without a table). A sample flagged sparse (rare: a long masked stretch
+// follows it) takes ValidIndex::line_of for its lane. Like select, it never reads outside the index
+// and always returns a pixel id < P, whatever the index holds (tests/test_op_masks.py compares the
+// two on the host).
+//
+// select_batch_avx512 runs it as a software pipeline over a batch: the samples of the selects
+// 2 kAheadGroups groups ahead and the lines of those kAheadGroups groups ahead are prefetched, so
+// a step finds both in cache (a batch's numbers are at random places of the index).
+// Needs AVX-512 F, DQ, VL and BW (the caller checks: kHasAvx512 and avx512bw).
+#ifndef DALI_NERF_OPS_MASK_AVX512_H_
+#define DALI_NERF_OPS_MASK_AVX512_H_
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "mask.h"
+
+namespace dali_nerf {
+namespace detail {
+
+#define DN_SELECT512 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw")))
+
+/// The lines holding valid pixels k (live lanes; others give 0): ValidIndex::line_of lane by lane.
+DN_SELECT512 inline __m512i lines_of8(const ValidIndex &vi, __m512i k, __mmask8 live) {
+  const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi64(static_cast<int64_t>(uint64_t(1) << 63));
+  const __m512i last = _mm512_set1_epi64(static_cast<int64_t>(vi.nb - 1));
+  const long long *S = reinterpret_cast<const long long *>(vi.samples);
+  const __m512i j2 = _mm512_slli_epi64(_mm512_srli_epi64(k, kValidSampleShift), 1);  // 2 j
+  const __m512i s0 = _mm512_mask_i64gather_epi64(zero, live, j2, S, 8);
+  const __m512i s1 = _mm512_mask_i64gather_epi64(zero, live, j2, S + 1, 8);
+  __m512i lo = _mm512_min_epu64(_mm512_andnot_si512(top, s0), last);
+  // the counts of the next 4 lines (16-bit fields of s1) that are <= r = k - 256 j (r < 256: its
+  // byte into the low byte of every field, vpshufb), counted by vpsadbw (a 1 in each such field)
+  const __m512i r16 = _mm512_set_epi64(static_cast<int64_t>(0x8008800880088008ull), static_cast<int64_t>(0x8000800080008000ull),
+                                       static_cast<int64_t>(0x8008800880088008ull), static_cast<int64_t>(0x8000800080008000ull),
+                                       static_cast<int64_t>(0x8008800880088008ull), static_cast<int64_t>(0x8000800080008000ull),
+                                       static_cast<int64_t>(0x8008800880088008ull), static_cast<int64_t>(0x8000800080008000ull));
+  const __m512i r = _mm512_shuffle_epi8(k, r16);
+  const __m512i ones = _mm512_maskz_set1_epi16(_mm512_cmple_epu16_mask(s1, r), 1);
+  lo = _mm512_add_epi64(lo, _mm512_sad_epu8(ones, zero));
+  const __mmask8 sparse = _mm512_mask_test_epi64_mask(live, s0, top);
+  if (sparse) {  // lanes whose sample is sparse: line_of searches the compact counts
+    alignas(64) uint64_t ks[8], los[8];
+    _mm512_store_si512(ks, k);
+    _mm512_store_si512(los, lo);
+    for (unsigned m = sparse; m; m &= m - 1) {
+      const int i = __builtin_ctz(m);
+      los[i] = vi.line_of(ks[i]);
+    }
+    lo = _mm512_load_si512(los);
+  }
+  return _mm512_maskz_min_epu64(live, lo, last);
+}
+
+/// The pixel ids of valid pixels k in lines b (= lines_of8(k)): ValidIndex::in_line with
+/// select_in_word, lane by lane.
+DN_SELECT512 inline __m512i in_lines8(const ValidIndex &vi, __m512i k, __m512i b, __mmask8 live) {
+  const __m512i zero = _mm512_setzero_si512();
+  const long long *L = reinterpret_cast<const long long *>(vi.lines);
+  const __m512i at = _mm512_slli_epi64(b, 3);  // 8 b: the line's first word
+  const __m512i ln0 = _mm512_mask_i64gather_epi64(zero, live, at, L, 8);
+  const __m512i sub = _mm512_mask_i64gather_epi64(zero, live, at, L + 1, 8);
+  const __m512i r = _mm512_sub_epi64(k, ln0);
+  // the word holding k: the 9-bit fields of sub <= r (uleq_step9), counted, minus 1, at most 5
+  const __m512i msbs9 = _mm512_set1_epi64(static_cast<int64_t>(kMsbsStep9));
+  const __m512i ones9 = _mm512_set1_epi64(static_cast<int64_t>(kOnesStep9));
+  // r's 9 bits in every field (bit 63, a piece of an 8th field, is masked off below): the
+  // product (r & 511) kOnesStep9 by shifts, which measured faster than vpmullq
+  __m512i y = _mm512_and_si512(r, _mm512_set1_epi64(511));
+  y = _mm512_or_si512(y, _mm512_slli_epi64(y, 9));
+  y = _mm512_or_si512(y, _mm512_slli_epi64(y, 18));
+  y = _mm512_or_si512(y, _mm512_slli_epi64(y, 36));
+  const __m512i t = _mm512_sub_epi64(_mm512_or_si512(y, msbs9), _mm512_andnot_si512(msbs9, sub));
+  const __m512i le = _mm512_srli_epi64(
+      _mm512_and_si512(_mm512_xor_si512(_mm512_or_si512(t, _mm512_xor_si512(sub, y)), _mm512_andnot_si512(y, sub)),
+                       msbs9), 8);
+  const __m512i seven = _mm512_set1_epi64(7);
+  __m512i w = _mm512_and_si512(_mm512_srli_epi64(_mm512_mullo_epi64(le, ones9), 54), seven);
+  w = _mm512_min_epu64(_mm512_sub_epi64(w, _mm512_set1_epi64(1)), _mm512_set1_epi64(5));
+  const __m512i w9 = _mm512_add_epi64(_mm512_slli_epi64(w, 3), w);
+  const __m512i before_w = _mm512_and_si512(_mm512_srlv_epi64(sub, w9), _mm512_set1_epi64(511));
+  const __m512i x = _mm512_mask_i64gather_epi64(zero, live, _mm512_add_epi64(at, w), L + 2, 8);
+  const __m512i rw = _mm512_sub_epi64(r, before_w);  // select_in_word(x, rw), broadword
+  const __m512i msbs8 = _mm512_set1_epi64(static_cast<int64_t>(kMsbsStep8));
+  __m512i s = _mm512_sub_epi64(x, _mm512_and_si512(_mm512_srli_epi64(x, 1), _mm512_set1_epi64(0x5555555555555555ll)));
+  const __m512i m3 = _mm512_set1_epi64(0x3333333333333333ll);
+  s = _mm512_add_epi64(_mm512_and_si512(s, m3), _mm512_and_si512(_mm512_srli_epi64(s, 2), m3));
+  __m512i sums = _mm512_and_si512(_mm512_add_epi64(s, _mm512_srli_epi64(s, 4)), _mm512_set1_epi64(0x0F0F0F0F0F0F0F0Fll));
+  sums = _mm512_add_epi64(sums, _mm512_slli_epi64(sums, 8));  // byte i: the bits of bytes 0..i (x kOnesStep8)
+  sums = _mm512_add_epi64(sums, _mm512_slli_epi64(sums, 16));
+  sums = _mm512_add_epi64(sums, _mm512_slli_epi64(sums, 32));
+  // byte i of every lane <- byte 0 (vpshufb within 128-bit lanes: control 0 or 8)
+  const __m512i bcast0 = _mm512_set_epi64(0x0808080808080808ll, 0, 0x0808080808080808ll, 0, 0x0808080808080808ll, 0,
+                                          0x0808080808080808ll, 0);
+  const __m512i r6 = _mm512_shuffle_epi8(_mm512_and_si512(rw, _mm512_set1_epi64(63)), bcast0);
+  const __m512i geq = _mm512_and_si512(_mm512_sub_epi64(_mm512_or_si512(r6, msbs8), sums), msbs8);
+  // the bytes whose sum is <= r (their msbs, summed by vpsadbw), 8 bits each
+  __m512i place = _mm512_slli_epi64(_mm512_sad_epu8(_mm512_srli_epi64(geq, 7), zero), 3);
+  place = _mm512_min_epu64(place, _mm512_set1_epi64(56));
+  const __m512i ff = _mm512_set1_epi64(0xFF);
+  const __m512i in_byte = _mm512_and_si512(
+      _mm512_sub_epi64(rw, _mm512_and_si512(_mm512_srlv_epi64(_mm512_slli_epi64(sums, 8), place), ff)), seven);
+  // the in_byte-th set bit of the byte, as kSelectInByte (8 if none): byte k of the lane holds bit
+  // k of the byte (0 or 1), their prefix sums; the bytes whose prefix sum is <= in_byte, counted
+  const __m512i byte = _mm512_shuffle_epi8(_mm512_srlv_epi64(x, place), bcast0);
+  const __m512i bits = _mm512_min_epu8(_mm512_and_si512(byte, _mm512_set1_epi64(static_cast<int64_t>(0x8040201008040201ull))),
+                                       _mm512_set1_epi8(1));
+  __m512i pre = _mm512_add_epi64(bits, _mm512_slli_epi64(bits, 8));
+  pre = _mm512_add_epi64(pre, _mm512_slli_epi64(pre, 16));
+  pre = _mm512_add_epi64(pre, _mm512_slli_epi64(pre, 32));
+  const __m512i geq_b = _mm512_and_si512(_mm512_sub_epi64(_mm512_or_si512(_mm512_shuffle_epi8(in_byte, bcast0), msbs8), pre),
+                                         msbs8);
+  const __m512i inb = _mm512_sad_epu8(_mm512_srli_epi64(geq_b, 7), zero);
+  // b 384 + 64 w + place + the bit in the byte, below P
+  __m512i pix = _mm512_add_epi64(_mm512_slli_epi64(b, 8), _mm512_slli_epi64(b, 7));
+  pix = _mm512_add_epi64(pix, _mm512_add_epi64(_mm512_slli_epi64(w, 6), place));
+  pix = _mm512_add_epi64(pix, inb);
+  return _mm512_min_epu64(pix, _mm512_set1_epi64(static_cast<int64_t>(vi.P - 1)));
+}
+
+/// The live lanes of group g (selects 8 g .. 8 g + 7) of a batch of n.
+inline __mmask8 live_of8(int64_t g, int64_t n) {
+  const int64_t left = n - 8 * g;
+  return left >= 8 ? __mmask8(0xFF) : static_cast<__mmask8>((1u << left) - 1);
+}
+
+/// Prefetches the samples of group g's selects.
+inline void prefetch_samples8(const ValidIndex &vi, const uint64_t *in, int64_t g, int64_t n) {
+  const int64_t e = n - 8 * g < 8 ? n - 8 * g : 8;
+  for (int64_t i = 0; i < e; i++) __builtin_prefetch(vi.samples + 2 * (in[8 * g + i] >> kValidSampleShift));
+}
+
+/// Finds group g's lines into slot and prefetches them.
+DN_SELECT512 inline void prefetch_lines8(const ValidIndex &vi, const uint64_t *in, int64_t g, int64_t n,
+                                         uint64_t *slot) {
+  const __mmask8 live = live_of8(g, n);
+  _mm512_store_si512(slot, lines_of8(vi, _mm512_maskz_loadu_epi64(live, in + 8 * g), live));
+  const int64_t e = n - 8 * g < 8 ? n - 8 * g : 8;
+  for (int64_t i = 0; i < e; i++) __builtin_prefetch(vi.lines + 8 * slot[i]);
+}
+
+/// out[i] = vi.select(in[i]) for i < n (in may be out; every in[i] < vi.V, as select needs).
+template <int64_t kAheadGroups>
+DN_SELECT512 inline void select_batch_avx512_t(const ValidIndex &vi, const uint64_t *in, uint64_t *out, int64_t n) {
+  const int64_t G = (n + 7) / 8;
+  alignas(64) uint64_t ring[kAheadGroups][8];
+  for (int64_t g = 0; g < 2 * kAheadGroups && g < G; g++) prefetch_samples8(vi, in, g, n);
+  for (int64_t g = 0; g < kAheadGroups && g < G; g++) prefetch_lines8(vi, in, g, n, ring[g % kAheadGroups]);
+  for (int64_t g = 0; g < G; g++) {
+    const __mmask8 live = live_of8(g, n);
+    const __m512i k = _mm512_maskz_loadu_epi64(live, in + 8 * g);
+    const __m512i b = _mm512_load_si512(ring[g % kAheadGroups]);
+    if (g + 2 * kAheadGroups < G) prefetch_samples8(vi, in, g + 2 * kAheadGroups, n);
+    if (g + kAheadGroups < G) prefetch_lines8(vi, in, g + kAheadGroups, n, ring[g % kAheadGroups]);
+    _mm512_mask_storeu_epi64(out + 8 * g, live, in_lines8(vi, k, b, live));
+  }
+}
+
+/// select_batch_avx512_t with the lines 16 selects ahead (2 groups) and the samples 32: a longer
+/// distance measured no faster (2026-12-07, Xeon with AVX-512 VM: 2, 4 and 8 groups ahead).
+inline void select_batch_avx512(const ValidIndex &vi, const uint64_t *in, uint64_t *out, int64_t n) {
+  select_batch_avx512_t<2>(vi, in, out, n);
+}
+
+#undef DN_SELECT512
+
+}  // namespace detail
+}  // namespace dali_nerf
+
+#endif  // DALI_NERF_OPS_MASK_AVX512_H_
