@@ -227,6 +227,29 @@ def test_avx512_select_is_select(harness, P, kind, seed):
     assert int(bad.max()) < P
 
 
+@pytest.mark.parametrize("density", [0.01, 0.05, 0.12])
+def test_avx512_select_searches_sparse_samples(harness, density):
+    """Few scattered valid pixels put the samples more than 4 lines apart (flagged sparse): the
+    8-lane select searches the compact counts for those lanes as line_of does, the same pixels."""
+    seed = 4100 + int(density * 100)
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    P = 60000
+    valid = rng.random(P) < density
+    valid[20000:45000] = False  # and a long masked stretch
+    data = np.ascontiguousarray(valid_index(valid))
+    V = int(valid.sum())
+    nb, ns = -(-P // 384), -(-V // 256)
+    flags = data[9 * nb + 13:].reshape(-1, 2)[:ns, 0] >> np.uint64(63)
+    assert int(flags.sum()) >= 2, "the mask should give sparse samples"
+    k = rng.permutation(V).astype(np.uint64)
+    out = np.zeros(V, np.uint64)
+    rc = harness.dn_select_avx512(_p(data), len(data), P, _p(k), V, _p(out), 0)
+    if rc == -2:
+        pytest.skip("this CPU has no AVX-512 F/DQ/VL/BW")
+    assert rc == 0 and np.array_equal(out, np.flatnonzero(valid)[k.astype(np.int64)])
+
+
 def test_device_in_byte_select_matches_the_table_and_bad_indexes_are_refused(harness):
     assert harness.dn_bytes() == 0
     idx = np.ascontiguousarray(valid_index(np.ones(700, bool)))

@@ -4,8 +4,9 @@
 // (select_in_word's broadword steps, lane by lane): the sample's two words and the line's three by
 // gathers, the sample's 4 counts compared as 16-bit lanes and counted by vpsadbw, the in-byte
 // select broadword too (the byte's bits spread one per byte, their prefix sums: kSelectInByte's
-// values, 8 when none, without a table). A sample flagged sparse (rare: a long masked stretch
-// follows it) takes ValidIndex::line_of for its lane. Like select, it never reads outside the index
+// values, 8 when none, without a table). Lanes whose sample is flagged sparse (a long masked
+// stretch follows it, or few scattered valid pixels) search the compact counts as
+// ValidIndex::line_of does, all such lanes at once. Like select, it never reads outside the index
 // and always returns a pixel id < P, whatever the index holds (tests/test_op_masks.py compares the
 // two on the host).
 //
@@ -46,15 +47,25 @@ DN_SELECT512 inline __m512i lines_of8(const ValidIndex &vi, __m512i k, __mmask8 
   const __m512i ones = _mm512_maskz_set1_epi16(_mm512_cmple_epu16_mask(s1, r), 1);
   lo = _mm512_add_epi64(lo, _mm512_sad_epu8(ones, zero));
   const __mmask8 sparse = _mm512_mask_test_epi64_mask(live, s0, top);
-  if (sparse) {  // lanes whose sample is sparse: line_of searches the compact counts
-    alignas(64) uint64_t ks[8], los[8];
-    _mm512_store_si512(ks, k);
-    _mm512_store_si512(los, lo);
-    for (unsigned m = sparse; m; m &= m - 1) {
-      const int i = __builtin_ctz(m);
-      los[i] = vi.line_of(ks[i]);
+  if (sparse) {  // lanes whose sample is sparse: line_of's search of the compact counts, 8 lanes
+    const long long *B = reinterpret_cast<const long long *>(vi.before);
+    const __m512i one = _mm512_set1_epi64(1), four = _mm512_set1_epi64(4);
+    __m512i slo = _mm512_min_epu64(_mm512_andnot_si512(top, s0), last);
+    const __m512i s2 = _mm512_mask_i64gather_epi64(zero, sparse, _mm512_add_epi64(j2, _mm512_set1_epi64(2)), S, 8);
+    __m512i shi = _mm512_min_epu64(_mm512_andnot_si512(top, s2), last);
+    for (__mmask8 m = _mm512_mask_cmpgt_epu64_mask(sparse, shi, _mm512_add_epi64(slo, four)); m;
+         m = _mm512_mask_cmpgt_epu64_mask(m, shi, _mm512_add_epi64(slo, four))) {
+      const __m512i mid = _mm512_srli_epi64(_mm512_add_epi64(_mm512_add_epi64(slo, shi), one), 1);
+      const __mmask8 le = _mm512_mask_cmple_epu64_mask(m, _mm512_mask_i64gather_epi64(zero, m, mid, B, 8), k);
+      slo = _mm512_mask_mov_epi64(slo, le, mid);
+      shi = _mm512_mask_mov_epi64(shi, m & ~le, _mm512_sub_epi64(mid, one));
     }
-    lo = _mm512_load_si512(los);
+    __m512i cnt = zero;  // before[slo + d] <= k, d = 1..4 (4 words of V follow before[nb])
+    for (int d = 1; d <= 4; d++) {
+      const __m512i c = _mm512_mask_i64gather_epi64(zero, sparse, _mm512_add_epi64(slo, _mm512_set1_epi64(d)), B, 8);
+      cnt = _mm512_mask_add_epi64(cnt, _mm512_mask_cmple_epu64_mask(sparse, c, k), cnt, one);
+    }
+    lo = _mm512_mask_mov_epi64(lo, sparse, _mm512_add_epi64(slo, cnt));
   }
   return _mm512_maskz_min_epu64(live, lo, last);
 }
