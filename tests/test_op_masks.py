@@ -215,16 +215,18 @@ def test_avx512_select_is_select(harness, P, kind, seed):
         got = ks.copy()
         assert harness.dn_select_avx512(_p(data), len(data), P, _p(got), n, _p(got), 1) == 0
         assert np.array_equal(got, want[ks.astype(np.int64)]), (P, kind, seed, n)
-    # random words for every line and sample (the counts V and the sentinels kept): wrong pixels, never >= P
+    # random words for every line, the compact counts and every sample (the counts V and the
+    # sentinels kept): wrong pixels, never >= P, and the same wrong pixels as select's
     junk = data.copy()
     nb = -(-P // 384)
-    body = np.r_[0:8 * nb, 9 * nb + 13:len(junk) - 2]
+    body = np.r_[0:8 * nb, 8 * nb + 8:9 * nb + 8, 9 * nb + 13:len(junk) - 2]
     junk[body] = rng.integers(0, 2**64, len(body), dtype=np.uint64)
     junk[0] = 0
     ks = rng.integers(0, V, 4 * V + 5).astype(np.uint64)
-    bad = np.zeros_like(ks)
+    bad, scalar, ranks = np.zeros_like(ks), np.zeros_like(ks), np.zeros(P + 1, np.uint64)
     assert harness.dn_select_avx512(_p(junk), len(junk), P, _p(ks), len(ks), _p(bad), 0) == 0
-    assert int(bad.max()) < P
+    assert harness.dn_select(_p(junk), len(junk), P, _p(ks), len(ks), _p(scalar), _p(ranks)) == 0
+    assert int(bad.max()) < P and np.array_equal(bad, scalar)
 
 
 @pytest.mark.parametrize("density", [0.01, 0.05, 0.12])
@@ -366,7 +368,8 @@ def test_global_stream_over_valid_pixels_across_world_sizes(seed, mode, W, W2, G
     """Each rank keeps the positions whose slot is in its shard's valid range: the union over the
     ranks of any world size is the reference's masked global batch, position for position; an
     epoch of V positions run on W ranks then resumed on W2 covers every valid pixel exactly once.
-    With and without the SIMD paths (AVX-512 level 2 over the bucket table, the pdep select)."""
+    With and without the SIMD paths (AVX-512 level 2 over the bucket table, the 8-lane AVX-512
+    select where the CPU has F/DQ/VL/BW, else the pdep select)."""
     rng = np.random.default_rng(seed)
     sizes = [tuple(int(v) for v in rng.integers(1, 9, 2)) for _ in range(6)]
     cache = make_cache(rng, sizes=sizes)
@@ -401,6 +404,56 @@ def test_global_stream_over_valid_pixels_across_world_sizes(seed, mode, W, W2, G
 
 
 # ------------------------------------------------------------------------------ bad inputs
+
+NO_AVX512_MASKED_CHILD = r"""
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import test_op_masks as t
+t.load_plugin(cuda=False)
+np.savez({path!r}, **t.masked_cases())
+"""
+
+
+def masked_cases() -> dict:
+    """The op's outputs on masked caches (iid at 50% and 6%, runs; random and epoch mode; two
+    starts), by name: what test_masked_select_paths_give_the_same_bits compares across processes."""
+    out = {}
+    for kind, density in (("iid", 0.5), ("iid", 0.06), ("runs", 0.0)):
+        rng = np.random.default_rng(77)
+        cache = make_cache(rng, sizes=((96, 64), (120, 80), (31, 17), (200, 90)))
+        P = len(cache[0])
+        valid = rng.random(P) < density if kind == "iid" else random_mask(rng, P, "runs")
+        for mode in ("random", "epoch"):
+            for start in (0, 12345):
+                o = run(cache, 5000, start, valid=valid, mode=mode, seed=5)
+                for k in ("indices", "rgb", "origins", "directions"):
+                    out[f"{kind}{density}/{mode}/{start}/{k}"] = o[k]
+    return out
+
+
+def test_masked_select_paths_give_the_same_bits(tmp_path):
+    """``DALI_NERF_NO_AVX512=1`` (a fresh process: read when the plugin loads) makes the op select
+    one by one (pdep where it is fast) instead of 8 lanes with AVX-512: the same rays, bit for bit,
+    on masks dense, sparse (sparse samples) and in runs, both modes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("flags")), []) if Path("/proc/cpuinfo").exists() else []
+    if not {"avx512f", "avx512dq", "avx512vl", "avx512bw"} <= set(flags):
+        pytest.skip("this CPU has no AVX-512 F/DQ/VL/BW: both processes would select one by one")
+    path = tmp_path / "no_avx512_masked.npz"
+    code = NO_AVX512_MASKED_CHILD.format(tests=str(Path(__file__).parent), path=str(path))
+    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DALI_NERF_NO_AVX512": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    child, here = np.load(path), masked_cases()
+    assert sorted(child.files) == sorted(here)
+    for k, v in here.items():
+        assert child[k].tobytes() == v.tobytes(), k
+
 
 def test_bad_valid_inputs_are_one_line_errors():
     cache = make_cache(np.random.default_rng(5))

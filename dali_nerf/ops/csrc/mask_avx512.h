@@ -174,8 +174,8 @@ DN_SELECT512 inline void select_batch_avx512_t(const ValidIndex &vi, const uint6
   }
 }
 
-/// select_batch_avx512_t with the lines 16 selects ahead (2 groups) and the samples 32: a longer
-/// distance measured no faster (2026-12-07, Xeon with AVX-512 VM: 2, 4 and 8 groups ahead).
+/// select_batch_avx512_t with the lines 16 selects ahead (2 groups) and the samples 32: 1 and 4
+/// groups ahead measured no faster (2026-12-07, a Xeon VM with AVX-512; docs/MASKS.md).
 inline void select_batch_avx512(const ValidIndex &vi, const uint64_t *in, uint64_t *out, int64_t n) {
   select_batch_avx512_t<2>(vi, in, out, n);
 }

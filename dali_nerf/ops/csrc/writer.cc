@@ -297,8 +297,8 @@ void select_batch(const Cache &c, const uint64_t *in, uint64_t *out, int64_t n, 
 
 /// The stream's pixel ids (masked: valid-pixel numbers, then selected) kSub at a time, then their
 /// rays by write_pixels (pixels prefetched ahead). Batches measured 1.1-1.35x faster on the
-/// unmasked per-rank stream than generating each id beside its write, kAhead ahead (2026-12-07:
-/// docs/BENCHMARKS.md); the global stream's chunks are batched the same way (global.cc).
+/// unmasked per-rank stream (epoch, random mode) than generating each id beside its write, kAhead
+/// ahead (2026-12-07: docs/BENCHMARKS.md); the global stream's chunks are batched the same way.
 template <int Mode>
 void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, int64_t i0, int64_t n, bool simd) {
   constexpr int64_t kSub = 512;
@@ -315,8 +315,8 @@ void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, in
 /// Writes the rays of the pixel ids pix[0, n) to output slots [slot, slot + n).
 void write_pixels(const Cache &c, const Outputs &out_, const uint64_t *pix, int64_t slot, int64_t n, bool simd) {
   // pixels prefetched kAhead rays ahead into every cache level, masked caches too: prefetchnta
-  // (which the masked path used, to keep the valid-pixel index cached) measured slower with the
-  // AVX-512 select (2026-12-07, docs/MASKS.md)
+  // (which the masked path used, to keep the valid-pixel index cached) measured slower with both
+  // the one-by-one pdep select and the 8-lane one (2026-12-07, a Xeon VM: docs/MASKS.md)
   const Outputs out = out_;
   constexpr int64_t kAhead = 32;
   for (int64_t k = 0; k < std::min(kAhead, n); k++) __builtin_prefetch(c.pixels + 3 * pix[k]);
