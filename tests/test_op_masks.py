@@ -93,15 +93,20 @@ HARNESS = r"""
 #include "mask_avx512.h"
 #include "streams.h"
 using namespace dali_nerf::detail;
-// -2: this CPU lacks AVX-512 F/DQ/VL/BW; -1: a bad index; else 0 with out[i] = the pixel of k[i] by
-// select_batch_avx512 (the op's CPU select where the CPU has them), `in place` in k's own buffer
+// -2: this CPU lacks AVX-512 F/DQ/VL/BW (icl: BITALG, VPOPCNTDQ and VBMI too); -1: a bad index; else
+// 0 with out[i] = the pixel of k[i] by select_batch_avx512 (icl: select_batch_avx512_icl; the op's
+// CPU select is the latter where the CPU has its features, else the former), `in place` in k's own
+// buffer
 extern "C" int dn_select_avx512(const uint64_t *data, uint64_t L, uint64_t P, uint64_t *k, int64_t n, uint64_t *out,
-                                int in_place) {
+                                int in_place, int icl) {
   if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))) return -2;
+  if (icl && !(__builtin_cpu_supports("avx512bitalg") && __builtin_cpu_supports("avx512vpopcntdq") &&
+               __builtin_cpu_supports("avx512vbmi"))) return -2;
   ValidIndex vi;
   if (!vi.init(data, L, P).empty()) return -1;
-  select_batch_avx512(vi, k, in_place ? k : out, n);
+  if (icl) select_batch_avx512_icl(vi, k, in_place ? k : out, n);
+  else select_batch_avx512(vi, k, in_place ? k : out, n);
   return 0;
 }
 // -1: a bad index; else 0 with out[i] = select(k[i]), ranks[p] = rank(p) for p <= P
@@ -158,7 +163,7 @@ def harness(tmp_path_factory):
     h.dn_select.restype = ctypes.c_int
     h.dn_select_avx512.restype = ctypes.c_int
     h.dn_select_avx512.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64,
-                                   ctypes.c_void_p, ctypes.c_int]
+                                   ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     h.dn_select.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64,
                             ctypes.c_void_p, ctypes.c_void_p]
     u64, vp = ctypes.c_uint64, ctypes.c_void_p
@@ -192,10 +197,11 @@ def test_select_is_the_kth_valid_pixel(harness, P, kind, seed):
 @given(P=st.one_of(st.integers(1, 600), st.integers(600, 40000)), kind=st.sampled_from(["iid", "runs", "sparse", "all"]),
        seed=st.integers(0, 2**32 - 1))
 def test_avx512_select_is_select(harness, P, kind, seed):
-    """select_batch_avx512 (8 lanes, the op's CPU select with AVX-512 F/DQ/VL/BW) gives select's
-    pixel for every valid-pixel number: all of them in order (batch lengths not a multiple of 8
-    leave a tail group), at random (the lines prefetched ahead in another order), in place; and on
-    an index whose lines and samples are random words, no pixel id at or past P (as select)."""
+    """select_batch_avx512 and select_batch_avx512_icl (8 lanes, the op's CPU select with AVX-512
+    F/DQ/VL/BW, and with BITALG/VPOPCNTDQ/VBMI too; each where this CPU has it) give select's pixel
+    for every valid-pixel number: all of them in order (batch lengths not a multiple of 8 leave a
+    tail group), at random (the lines prefetched ahead in another order), in place; and on an index
+    whose lines and samples are random words, no pixel id at or past P (as select)."""
     print("seed", seed)
     rng = np.random.default_rng(seed)
     valid = random_mask(rng, P, kind)
@@ -203,30 +209,31 @@ def test_avx512_select_is_select(harness, P, kind, seed):
     V = int(valid.sum())
     want = np.flatnonzero(valid).astype(np.uint64)
     k = np.arange(V, dtype=np.uint64)
-    out = np.zeros(V, np.uint64)
-    rc = harness.dn_select_avx512(_p(data), len(data), P, _p(k), V, _p(out), 0)
-    if rc == -2:
+    builds = [icl for icl in (0, 1) if harness.dn_select_avx512(_p(data), len(data), P, _p(k), 0, _p(k), 1, icl) == 0]
+    if not builds:
         pytest.skip("this CPU has no AVX-512 F/DQ/VL/BW: the op selects one by one (test_select_is_the_kth_valid_pixel)")
-    assert rc == 0 and np.array_equal(out, want), (P, kind, seed)
-    if V == 0:
-        return  # no valid-pixel number to select
-    for n in (1, 7, 9, int(rng.integers(1, 3 * V + 2))):
-        ks = rng.integers(0, V, n).astype(np.uint64)
-        got = ks.copy()
-        assert harness.dn_select_avx512(_p(data), len(data), P, _p(got), n, _p(got), 1) == 0
-        assert np.array_equal(got, want[ks.astype(np.int64)]), (P, kind, seed, n)
-    # random words for every line, the compact counts and every sample (the counts V and the
-    # sentinels kept): wrong pixels, never >= P, and the same wrong pixels as select's
-    junk = data.copy()
-    nb = -(-P // 384)
+    junk = data.copy()  # random words for every line, the compact counts and every sample (the
+    nb = -(-P // 384)   # counts V and the sentinels kept): wrong pixels, never >= P, select's own
     body = np.r_[0:8 * nb, 8 * nb + 8:9 * nb + 8, 9 * nb + 13:len(junk) - 2]
     junk[body] = rng.integers(0, 2**64, len(body), dtype=np.uint64)
     junk[0] = 0
-    ks = rng.integers(0, V, 4 * V + 5).astype(np.uint64)
-    bad, scalar, ranks = np.zeros_like(ks), np.zeros_like(ks), np.zeros(P + 1, np.uint64)
-    assert harness.dn_select_avx512(_p(junk), len(junk), P, _p(ks), len(ks), _p(bad), 0) == 0
-    assert harness.dn_select(_p(junk), len(junk), P, _p(ks), len(ks), _p(scalar), _p(ranks)) == 0
-    assert int(bad.max()) < P and np.array_equal(bad, scalar)
+    ns = [1, 7, 9, int(rng.integers(1, 3 * V + 2))]
+    picks = [rng.integers(0, V, n).astype(np.uint64) for n in ns] if V else []
+    junk_ks = rng.integers(0, V, 4 * V + 5).astype(np.uint64) if V else None
+    for icl in builds:
+        out = np.zeros(V, np.uint64)
+        assert harness.dn_select_avx512(_p(data), len(data), P, _p(k), V, _p(out), 0, icl) == 0
+        assert np.array_equal(out, want), (P, kind, seed, icl)
+        if V == 0:
+            continue  # no valid-pixel number to select
+        for ks in picks:
+            got = ks.copy()
+            assert harness.dn_select_avx512(_p(data), len(data), P, _p(got), len(ks), _p(got), 1, icl) == 0
+            assert np.array_equal(got, want[ks.astype(np.int64)]), (P, kind, seed, len(ks), icl)
+        bad, scalar, ranks = np.zeros_like(junk_ks), np.zeros_like(junk_ks), np.zeros(P + 1, np.uint64)
+        assert harness.dn_select_avx512(_p(junk), len(junk), P, _p(junk_ks), len(junk_ks), _p(bad), 0, icl) == 0
+        assert harness.dn_select(_p(junk), len(junk), P, _p(junk_ks), len(junk_ks), _p(scalar), _p(ranks)) == 0
+        assert int(bad.max()) < P and np.array_equal(bad, scalar), (P, kind, seed, icl)
 
 
 @pytest.mark.parametrize("density", [0.01, 0.05, 0.12])
@@ -245,11 +252,16 @@ def test_avx512_select_searches_sparse_samples(harness, density):
     flags = data[9 * nb + 13:].reshape(-1, 2)[:ns, 0] >> np.uint64(63)
     assert int(flags.sum()) >= 2, "the mask should give sparse samples"
     k = rng.permutation(V).astype(np.uint64)
-    out = np.zeros(V, np.uint64)
-    rc = harness.dn_select_avx512(_p(data), len(data), P, _p(k), V, _p(out), 0)
-    if rc == -2:
+    ran = 0
+    for icl in (0, 1):  # the F/DQ/VL/BW build and the BITALG/VPOPCNTDQ/VBMI one, where this CPU has it
+        out = np.zeros(V, np.uint64)
+        rc = harness.dn_select_avx512(_p(data), len(data), P, _p(k), V, _p(out), 0, icl)
+        if rc == -2:
+            continue
+        ran += 1
+        assert rc == 0 and np.array_equal(out, np.flatnonzero(valid)[k.astype(np.int64)]), icl
+    if not ran:
         pytest.skip("this CPU has no AVX-512 F/DQ/VL/BW")
-    assert rc == 0 and np.array_equal(out, np.flatnonzero(valid)[k.astype(np.int64)])
 
 
 def test_device_in_byte_select_matches_the_table_and_bad_indexes_are_refused(harness):

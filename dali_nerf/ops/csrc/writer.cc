@@ -249,8 +249,11 @@ __attribute__((target("avx2"))) void write8_avx2(const Cache &c, const Outputs &
 
 namespace {
 
-// the masked select 8 lanes at a time (mask_avx512.h: its 16-bit compares and byte ops need BW)
+// the masked select 8 lanes at a time (mask_avx512.h: its 16-bit compares and byte ops need BW;
+// its shorter build BITALG, VPOPCNTDQ and VBMI too)
 const bool kHasAvx512Bw = kHasAvx512 && __builtin_cpu_supports("avx512bw");
+const bool kHasAvx512Icl = kHasAvx512Bw && __builtin_cpu_supports("avx512bitalg") &&
+                           __builtin_cpu_supports("avx512vpopcntdq") && __builtin_cpu_supports("avx512vbmi");
 
 // BMI2's pdep is a 3-cycle instruction on Intel and AMD Zen 3+, microcoded (hundreds of cycles) on
 // AMD families 15h and 17h (Zen 1/2): there the broadword select_in_word is faster
@@ -290,7 +293,8 @@ void select_batch_in(const detail::ValidIndex &vi, const uint64_t *in, uint64_t 
 }  // namespace
 
 void select_batch(const Cache &c, const uint64_t *in, uint64_t *out, int64_t n, bool simd) {
-  if (simd && kHasAvx512Bw) detail::select_batch_avx512(c.vi, in, out, n);
+  if (simd && kHasAvx512Icl) detail::select_batch_avx512_icl(c.vi, in, out, n);
+  else if (simd && kHasAvx512Bw) detail::select_batch_avx512(c.vi, in, out, n);
   else if (simd && kFastPdep) select_batch_in<true>(c.vi, in, out, n);
   else select_batch_in<false>(c.vi, in, out, n);
 }

@@ -132,8 +132,9 @@ void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, in
 
 /// out[i] = the pixel of valid-pixel number in[i] (c.vi.select) for i < n, with the index lines
 /// prefetched a few selects ahead (in may be out). With AVX-512 F/DQ/VL/BW (kHasAvx512 and BW) 8
-/// selects at a time (mask_avx512.h); else one by one, the in-word select by BMI2's pdep where it
-/// is fast (not AMD families 15h/17h, which microcode it); the same pixels every way.
+/// selects at a time (mask_avx512.h; its shorter build where BITALG, VPOPCNTDQ and VBMI are there
+/// too); else one by one, the in-word select by BMI2's pdep where it is fast (not AMD families
+/// 15h/17h, which microcode it); the same pixels every way.
 void select_batch(const Cache &c, const uint64_t *in, uint64_t *out, int64_t n, bool simd);
 
 /// Writes the rays of the pixel ids pix[0, n) to output slots [slot, slot + n).
