@@ -6,6 +6,7 @@
 #   note RAN|SKIPPED|FAILED NAME REASON   one line in $STEPS (and on stdout)
 #   left                                  seconds of $TOTAL not yet spent
 #   run_step NAME LIMIT CMD...            CMD with a time limit, logged to $OUT_DIR/NAME.log
+#   run_build NAME LIMIT CMD...           run_step for a plugin build; its line says when it reused one
 #   verify_pieces DIR                     the DALI pieces listed in DIR/dali_site.sha256 are there, intact
 #   unpack_pieces DIR SITE                verify, then unpack them (in the listed order) into SITE
 
@@ -48,6 +49,27 @@ run_step() {
   fi
   tail -n 15 "$log" | sed 's/^/    /'
   FAILED=1
+  return "$rc"
+}
+
+# run_build NAME LIMIT CMD...: run_step for CMD that prints a plugin library's path last (dali-nerf
+# build-op). When that library's builds.log (one line per compile) is older than a second before
+# the step began, no compiler ran: the step's line in $STEPS then begins "reused <library>".
+# Otherwise (no such file, a newer builds.log) the line is run_step's. Returns CMD's status.
+run_build() {
+  local name=$1 stamp rc lib line
+  stamp=$(mktemp) || return 1
+  touch -d "1 second ago" "$stamp"  # a compile in this step is newer, even where mtimes are whole seconds
+  run_step "$@"
+  rc=$?
+  (( rc == 0 )) && lib=$(tail -n 1 "$OUT_DIR/$name.log")
+  if (( rc == 0 )) && [ -f "$lib" ] && [ -f "$(dirname "$lib")/builds.log" ] \
+       && [ ! "$(dirname "$lib")/builds.log" -nt "$stamp" ]; then
+    line=$(tail -n 1 "$STEPS")
+    sed -i '$ d' "$STEPS"
+    note RAN "$name" "reused $lib (built before this step: no compiler ran); ${line#*: }"
+  fi
+  rm -f "$stamp"
   return "$rc"
 }
 

@@ -7,7 +7,8 @@
 #   dali          20   DALI importable, else the pieces under .whl/ checked (sha256)   dali.log
 #                      and unpacked into .whl/site (scripts/gpu_pack_dali.sh)
 #   install       20   pip install --no-deps -e . (dali_nerf.trainers / .pipelines)   install.log
-#   build         80   the CUDA plugin with nvcc, for this GPU's arch only             build.log
+#   build         80   the CUDA plugin with nvcc, for this GPU's arch only (a plugin    build.log
+#                      already in the cache is reused, and its line says "reused")
 #   make-scene    35   a generated objects scene, 100 images of 800x800                make-scene.log
 #   loop          90   dali-nerf bench loop: configs/ddp_blender_gpu.yaml's model on   loop/loop.json, loop.md
 #                      the GPU, CUDA-event phases, 3 rotated trials at 16384 and
@@ -44,6 +45,9 @@
 # (the device call's folder) or ./gpu_study_out/; the scene and run folders to $GPU_STUDY_WORK
 # (default .whl/gpu_study_work on the GPU machine, $TMPDIR/dali_nerf_gpu_study in a dry run: a
 # warm machine's second call reuses the scene and the results of the first).
+# GPU_STUDY_PLUGIN_CACHE (a dry run only; the GPU run ignores it): the plugin cache of the build
+# step (its DALI_NERF_CACHE; the other steps keep theirs). The tests build the CUDA plugin there
+# once (tests/conftest.py) and the dry run's build step reuses it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_lib.sh
@@ -177,9 +181,13 @@ pack
 
 # ---- build: the CUDA plugin ----------------------------------------------------------------------
 NVCC=0; have_nvcc && NVCC=1
+BUILD=("$PY" -m dali_nerf build-op --cuda)
+if [ "$MODE" = dry ] && [ -n "${GPU_STUDY_PLUGIN_CACHE:-}" ]; then
+  BUILD=(env "DALI_NERF_CACHE=$GPU_STUDY_PLUGIN_CACHE" "${BUILD[@]}")
+fi
 if [ $DALI = 0 ]; then note SKIPPED build "no DALI (its headers and library are needed)"
 elif [ $NVCC = 0 ]; then note SKIPPED build "nvcc not found (install the CUDA toolkit or set CUDA_HOME)"
-else run_step build "$(slice 80)" "$PY" -m dali_nerf build-op --cuda
+else run_build build "$(slice 80)" "${BUILD[@]}"
 fi
 
 pack

@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -117,3 +121,32 @@ def _process_state_is_restored(request):
     if changed:
         pytest.fail(f"{request.node.nodeid} left process-global state changed: {'; '.join(changed)} "
                     f"(use monkeypatch or restore it)", pytrace=False)
+
+
+class CudaPlugin(NamedTuple):
+    cache: Path
+    """The plugin cache it was built in (a folder of this session's)."""
+    env: dict
+    """What the build set: ``DALI_NERF_CACHE`` (``cache``) and ``DALI_NERF_CUDA_ARCHS`` (``80``)."""
+    build: subprocess.CompletedProcess
+    """The build: ``build_plugin(cuda=True)`` in a new process; stdout's last line is the library."""
+
+
+@pytest.fixture(scope="session")
+def cuda_plugin(tmp_path_factory):
+    """The CUDA plugin compiled by nvcc once per session, into an empty cache of its own, for sm_80
+    only (shorter; the default build targets sm_80 and sm_90); None where nvcc is not found.
+
+    Not checked here: ``test_cuda_source_compiles_with_nvcc`` checks it, and the GPU study's dry
+    run reuses it for its build step.
+    """
+    from dali_nerf.ops import _find_nvcc
+
+    if _find_nvcc() is None:
+        return None
+    cache = tmp_path_factory.mktemp("cuda_plugin")
+    env = {"DALI_NERF_CACHE": str(cache), "DALI_NERF_CUDA_ARCHS": "80"}
+    code = "from dali_nerf.ops import build_plugin; print(build_plugin(cuda=True))"
+    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=900)
+    return CudaPlugin(cache, env, res)

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-import dali_nerf.ops as ops
-
 REPO = Path(__file__).resolve().parent.parent
 LIB = REPO / "scripts" / "gpu_lib.sh"
 
@@ -120,14 +118,41 @@ def test_bad_arguments_exit_2(tmp_path):
     assert r.returncode == 2 and "GPU_STUDY_TOTAL=9m" in r.stderr
 
 
+def test_run_build_says_when_no_compiler_ran(tmp_path):
+    lib = tmp_path / "cache" / "cuda-x" / "lib.so"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"")
+    (lib.parent / "builds.log").write_text("{}\n")
+    os.utime(lib.parent / "builds.log", (time.time() - 60,) * 2)  # compiled a minute ago
+    compile_ = 'echo "{}" >> "$0/builds.log"; echo "$0/lib.so"'
+    r = bash(f"""
+        run_build reused 10 echo "{lib}"; echo "reused=$?"
+        run_build compiled 10 bash -c '{compile_}' "{lib.parent}"; echo "compiled=$?"
+        run_build other 10 echo "{tmp_path}/no-such.so"; echo "other=$?"
+        run_build bad 10 bash -c 'echo "$0"; exit 3' "{lib}"; echo "bad=$?"
+    """, tmp_path)
+    for expect in ("reused=0", "compiled=0", "other=0", "bad=3"):
+        assert expect in r.stdout, r.stdout + r.stderr
+    lines = steps(tmp_path)
+    assert len(lines) == 4, lines
+    assert lines[0].startswith(f"RAN reused: reused {lib} (built before this step: no compiler ran); ok in "), lines
+    assert lines[1].startswith("RAN compiled: ok in "), lines
+    assert lines[2].startswith("RAN other: ok in "), lines  # no library to look at: run_step's line
+    assert lines[3].startswith("FAILED bad: exit 3 after "), lines
+
+
 @pytest.mark.slow
-def test_gpu_study_dry_run(tmp_path):
-    """``scripts/gpu_study.sh --dry-run`` runs every step on the CPU at toy sizes (the nvcc build,
-    the loop benchmark, the emulated study on the study's grid and the scene it made, time to quality, the
-    splat trainer, decode,
+def test_gpu_study_dry_run(tmp_path, cuda_plugin):
+    """``scripts/gpu_study.sh --dry-run`` runs every step on the CPU at toy sizes (the build step,
+    which reuses the session's nvcc build (conftest.py) and says so, the loop benchmark, the emulated
+    study on the study's grid and the scene it made, time to quality, the splat trainer, decode,
     the gpu tests' collection and skips), one line per step with its reason; nothing fails."""
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_STUDY_WORK": str(tmp_path / "work")}
+    if cuda_plugin is not None:
+        env.update(DALI_NERF_CUDA_ARCHS=cuda_plugin.env["DALI_NERF_CUDA_ARCHS"],
+                   GPU_STUDY_PLUGIN_CACHE=str(cuda_plugin.cache))
+        builds = {p: p.read_text() for p in cuda_plugin.cache.glob("cuda-*/builds.log")}
     res = subprocess.run(["bash", str(REPO / "scripts" / "gpu_study.sh"), "--dry-run"], env=env, capture_output=True,
                          text=True, timeout=1500)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
@@ -143,9 +168,14 @@ def test_gpu_study_dry_run(tmp_path):
     assert len(lines) >= 10 and all(l.split(" ", 1)[0] in ("RAN", "SKIPPED") and ": " in l for l in lines), lines
     ran = {l.split(":")[0].split(" ", 1)[1] for l in lines if l.startswith("RAN ")}
     expect = {"dali", "make-scene", "loop", "study-host", "ttq", "splat", "decode", "gpu-tests"}
-    if ops._find_nvcc() is not None:
+    if cuda_plugin is not None:
         expect.add("build")
     assert expect <= ran, lines
+    if cuda_plugin is not None:  # the session's library reused: no compiler ran in the dry run
+        lib = Path(cuda_plugin.build.stdout.strip().splitlines()[-1])
+        (build,) = [l for l in lines if l.startswith("RAN build: ")]
+        assert build.startswith(f"RAN build: reused {lib} "), build
+        assert {p: p.read_text() for p in cuda_plugin.cache.glob("cuda-*/builds.log")} == builds
     loop = json.loads((out / "loop" / "loop.json").read_text())
     assert loop["meta"]["phase_timing"] == "host" and loop["device_steps"] and loop["rows"]
     (derived,) = (out / "study").glob("*/derived.json")

@@ -123,18 +123,19 @@ def test_import_is_not_native():
 
 
 @pytest.mark.slow
-def test_cuda_source_compiles_with_nvcc(tmp_path):
-    if ops._find_nvcc() is None:
+def test_cuda_source_compiles_with_nvcc(cuda_plugin):
+    if cuda_plugin is None:
         pytest.skip("nvcc not found (the CUDA toolkit, or the nvidia-cuda-nvcc-cu12 wheel): the CUDA backend cannot be "
                     "compiled here; runs wherever nvcc is found ($NVCC, PATH, CUDA_HOME), and on a GPU machine the same "
-                    "build is step 1 of scripts/gpu_study.sh")
-    # one arch keeps this test shorter; the default build targets sm_80 and sm_90
-    env = {**os.environ, "DALI_NERF_CACHE": str(tmp_path), "DALI_NERF_CUDA_ARCHS": "80"}
-    code = "from dali_nerf.ops import build_plugin; print(build_plugin(cuda=True))"
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+                    "build is the build step of scripts/gpu_study.sh")
+    # the session's build (conftest.py: an empty cache, sm_80 only), which the GPU study's dry run reuses
+    res = cuda_plugin.build
     assert res.returncode == 0, res.stderr[-3000:]
     lib = Path(res.stdout.strip().splitlines()[-1])
-    assert lib.is_file() and lib.parent.name.startswith("cuda-")
+    assert lib.is_file() and lib.parent.name.startswith("cuda-") and lib.parent.parent == cuda_plugin.cache
+    first = json.loads((lib.parent / "builds.log").read_text().splitlines()[0])
+    assert first["cmd"][0] == ops._find_nvcc()  # the first build in that cache: nvcc's
+    env = {**os.environ, **cuda_plugin.env}
     # the CUDA library also carries the CPU backend: load it and run on the CPU
     proc = subprocess.Popen([sys.executable, "-c", LOAD_AND_RUN.format(cuda=True)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
