@@ -40,7 +40,7 @@ def _why_not() -> str | None:
 
 REASON = _why_not()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    REASON is not None, reason=f"GPU test: {REASON}; runs on a GPU machine as step 2 of scripts/gpu_study.sh (pytest -m gpu)")]
+    REASON is not None, reason=f"GPU test: {REASON}; runs on a GPU machine as the gpu-tests step of scripts/gpu_study.sh (pytest -m gpu)")]
 
 PREAMBLE = f"""
 import sys
