@@ -247,3 +247,27 @@ def test_starvation_guard_windows():
     g = StarvationGuard(max_stall=0.2, window_s=1.0)
     g.add(0.0, 0.1)
     assert not g.add(30.0, 30.5)             # a long pause without waiting: 0.5 s of 30.4 s
+
+
+def test_first_run_is_made_at_normal_priority_then_background():
+    """The hand-over thread makes a background source's first run at normal priority (the consumer
+    waits for it, and the starvation guard does not count that wait: at SCHED_IDLE on busy cores it
+    went unnoticed for minutes), then its own later runs at SCHED_IDLE."""
+    from dali_nerf.sources.runner import RunAhead
+
+    seen = []
+
+    def produce(pipe):
+        seen.append(_policy(threading.get_native_id()))
+        return len(seen)
+
+    ahead = RunAhead(None, produce, depth=1, name="dali_nerf-prio-test", background=frozenset(dali_threads()))
+    try:
+        got = []
+        for _ in range(3):
+            got.append(ahead.get())
+            ahead.release()
+    finally:
+        assert ahead.close()
+    assert got == [1, 2, 3]
+    assert seen[0] == os.SCHED_OTHER and set(seen[1:]) == {os.SCHED_IDLE}, seen

@@ -109,8 +109,6 @@ class _Failure:
 def _run_ahead_loop(pipe, produce, q: "queue.Queue", stop: threading.Event, retired: collections.deque,
                     go: threading.Event, background: Optional[frozenset]) -> None:
     try:
-        if background is not None:
-            to_background([0])
         while not stop.is_set():
             go.wait()  # the consumer's release() (or get() on an empty queue)
             if stop.is_set():
@@ -118,7 +116,12 @@ def _run_ahead_loop(pipe, produce, q: "queue.Queue", stop: threading.Event, reti
             go.clear()
             retired.clear()  # the consumer's finished runs die here, not on the training thread
             item = produce(pipe)
-            if background is not None:  # the pipeline's threads all exist after its first run
+            if background is not None:
+                # after the first run, made at normal priority: the consumer waits for it (yielding
+                # the cores gains nothing then), and the guard does not count that wait, so on busy
+                # cores a first run at SCHED_IDLE went unnoticed for minutes (2026-12-07: 74 s, two
+                # busy loops on 2 cores). The pipeline's threads all exist after its first run.
+                to_background([0])
                 to_background(dali_threads() - background)
                 background = None
             q.put(item)
