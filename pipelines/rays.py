@@ -62,7 +62,7 @@ from dali_nerf.data._dali import ray_graph_api
 from dali_nerf.errors import ConfigError
 from dali_nerf.ops.limits import INT32_MAX, INT64_MAX, MAX_CELLS, RAY_BYTES  # the op's limits (re-exported)
 
-__all__ = ["RayGraph", "ray_pipeline", "release_pipeline", "RAY_OUTPUTS", "GLOBAL_OUTPUTS", "GLOBAL_STREAM", "SHARD_STREAM", "pixel_feed", "OP_ARGS", "check_op_args",
+__all__ = ["RayGraph", "ray_pipeline", "release_pipeline", "abort_pipeline", "RAY_OUTPUTS", "GLOBAL_OUTPUTS", "GLOBAL_STREAM", "SHARD_STREAM", "pixel_feed", "OP_ARGS", "check_op_args",
            "INT32_MAX", "INT64_MAX", "MAX_CELLS", "RAY_BYTES"]
 
 _FLOAT_MAX = float(np.finfo(np.float32).max)
@@ -296,6 +296,15 @@ def ray_pipeline(cache, graph: RayGraph):
         pipe.feed_input(name, data)
     pipe._dali_nerf_sources = srcs  # kept alive while the pipeline exists; see release_pipeline
     return pipe
+
+
+def abort_pipeline(pipe) -> None:
+    """Shut a pipeline from :func:`ray_pipeline` down while another thread may be inside its
+    ``run()``: that run raises there at once (the executor stops), where it could otherwise last
+    minutes on starved cores. DALI's own exit handler shuts every live pipeline down the same way
+    (``Pipeline._shutdown``, its only shutdown call); the pipeline cannot run again, and
+    :func:`release_pipeline` still frees it."""
+    pipe._shutdown()
 
 
 def release_pipeline(pipe) -> None:

@@ -8,6 +8,7 @@ with the same batches, close, and a source collected while its thread lives."""
 from __future__ import annotations
 
 import gc
+import os
 import random
 import threading
 import time
@@ -17,6 +18,7 @@ import weakref
 import pytest
 import torch
 
+from _priority import GraphThread, can_raise, raise_refused
 from _tiny_scene import tiny_scene
 from dali_nerf.errors import ConfigError
 from dali_nerf.sources.runner import Run, RunSource, SamplerStarvedWarning
@@ -31,17 +33,34 @@ class Counting:
 
     kind, who, thread_name, steps_per_run, phase_rank = "Counting", "counting", "dali_nerf-counting", K, 0
 
-    def __init__(self, scene, ahead=True, gap=0, fail_at=None):
+    def __init__(self, scene, ahead=True, gap=0, fail_at=None, slow=None, abortable=False):
         self.scene, self.ahead, self.gap, self.linear, self.fail_at = scene, ahead, gap, gap == 0, fail_at
         self.builds, self.threads, self.made = [], set(), 0
+        self.slow = slow  # (n, seconds): the first graph's n-th run sleeps that long
+        self.slow_end = None  # the scheduling policy of that graph's thread when the run ended
+        self.released = {}  # graph number -> the thread that released it
+        self.aborted = []  # graph numbers whose run in flight was aborted
+        if abortable:
+            self.abort = self._abort
 
     def build(self, start):
         self.builds.append(start)
-        return {"next": start}
+        # a graph's own thread, as DALI's: what a background source lowers after the first run
+        return {"next": start, "graph": len(self.builds) - 1, "runs": 0, "worker": GraphThread("[DALI]counting"),
+                "abort": threading.Event()}
+
+    def _abort(self, graph):
+        self.aborted.append(graph["graph"])
+        graph["abort"].set()
 
     def produce(self, graph):
         self.threads.add(threading.get_ident())
         self.made += 1
+        graph["runs"] += 1
+        if self.slow is not None and graph["graph"] == 0 and graph["runs"] == self.slow[0]:
+            if graph["abort"].wait(self.slow[1]):
+                raise RuntimeError("aborted")  # as a DALI pipeline shut down under its run
+            self.slow_end = os.sched_getscheduler(graph["worker"].tid)
         if self.fail_at is not None and self.made == self.fail_at:
             raise ValueError(f"run {self.made} failed")
         s = graph["next"]
@@ -51,6 +70,8 @@ class Counting:
 
     def release(self, graph):
         graph["next"] = None
+        graph["worker"].stop()
+        self.released[graph["graph"]] = threading.get_ident()
 
     def state(self, start, offset):
         return {"start": start, "offset": offset, "gap": self.gap}
@@ -180,6 +201,99 @@ def test_a_starved_background_sampler_returns_to_normal_with_the_same_batches(sc
         assert src._ahead._guard is None
     finally:
         src.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="background priority is Linux's SCHED_IDLE")
+@pytest.mark.parametrize("kernel", ["raises", "refuses"])
+def test_a_sampler_starving_a_wait_in_progress_returns_to_normal_with_the_same_batches(scenes, kernel):
+    """A background sampler whose run does not come (the first graph's third run takes 2.5 s: a
+    sampler that gets no CPU) is caught while the consumer still waits, not when the run arrives.
+    Where the kernel lets this thread raise the sampler's priority, it is raised in place: the late
+    run ends at normal priority and is used, no new graph. Where it refuses (an unprivileged
+    process: raise_refused), the graph is replaced at the same position at once, the late run is
+    never used, and its thread frees the old graph itself when it ends. The batches are the same."""
+    import contextlib
+
+    if kernel == "raises" and not can_raise():
+        pytest.skip("this process may not raise a thread's priority (no CAP_SYS_NICE, ulimit -e below 20)")
+    p = Counting(scenes[0], slow=(3, 2.5))
+    src = RunSource(p, priority="background")
+    refuse = raise_refused() if kernel == "refuses" else contextlib.nullcontext()
+    try:
+        with refuse:
+            got = _take(src, 2 * K)  # runs 1 and 2 (the guard's window starts after run 1)
+            old = src._ahead._thread
+            how = "were raised to normal priority" if kernel == "raises" else "are replaced by threads at normal"
+            with pytest.warns(SamplerStarvedWarning, match=how):
+                got += _take(src, 1)  # the third run
+            late_run_ended = p.slow_end is not None
+            got += _take(src, 2 * K - 1)
+        assert got == [list(range(i, i + B)) for i in range(0, 4 * K * B, B)]
+        assert src.thread_priority == "normal" and src._ahead._guard is None
+        if kernel == "raises":
+            assert late_run_ended and p.slow_end == os.SCHED_OTHER and p.builds == [0] and src._ahead._thread is old
+        else:
+            assert not late_run_ended, "the consumer waited for the starved run"
+            assert p.builds == [0, 2 * K * B] and src._ahead._thread is not old
+            old.join(timeout=30)
+            assert not old.is_alive() and p.released.get(0) == old.ident  # freed by its own thread
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize("abortable", [True, False])
+def test_close_aborts_a_run_in_flight_or_leaves_it_to_end_and_free_its_graph(scenes, abortable):
+    """A run in flight at close is nobody's: a producer that can abort it (a DALI pipeline shut
+    down) has it aborted past ABORT_AFTER_S and close() returns with the thread ended and the graph
+    freed; one that cannot is left to end on its own past close's timeout, freeing its graph itself."""
+    from dali_nerf.sources import runner
+
+    p = Counting(scenes[0], slow=(2, 30.0), abortable=abortable)
+    src = RunSource(p)
+    _take(src, 1)  # run 1 in hand; run 2 (30 s) is released
+    deadline = time.monotonic() + 30
+    while p.made < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    thread = src._ahead._thread  # in run 2
+    if abortable:
+        src.close()
+        assert not thread.is_alive() and p.aborted == [0] and p.released == {0: threading.get_ident()}
+        assert thread not in runner._LEFT
+    else:
+        with pytest.warns(ResourceWarning, match="did not stop within 0.5 s"):
+            assert not src._ahead.close(timeout=0.5, release=lambda: p.release(src._graph))
+        assert thread.is_alive() and thread in runner._LEFT and p.released == {}
+        src._graph["abort"].set()  # the run ends (here: as if aborted)
+        thread.join(timeout=10)
+        assert not thread.is_alive() and p.released == {0: thread.ident}  # freed by its own thread
+        src._ahead = None
+        src.close()
+
+
+def test_exit_waits_for_a_left_run_and_its_release(tmp_path):
+    """A process whose run-ahead thread was left with a run in flight waits for it at exit (saying
+    so after 1 s) and its graph is freed: the process exits 0, not killed under the run."""
+    import subprocess
+    import sys
+
+    code = f"""
+import threading, time
+from dali_nerf.sources.runner import RunAhead
+def produce(pipe):
+    if pipe["n"] == 1:
+        time.sleep(2.0)
+    pipe["n"] += 1
+    return pipe["n"]
+g = {{"n": 0}}
+a = RunAhead(g, produce)
+a.get(); a.release(); time.sleep(0.2)  # run 2 (2 s) in flight
+assert not a.close(timeout=0.0, release=lambda: print("released", g["n"], flush=True))
+print("closed", flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["closed", "released", "2"]
+    assert "waiting up to 30 s for 1 sampler thread(s) to end their run in flight (dali_nerf-run-ahead)" in r.stderr
 
 
 def test_a_source_is_collected_while_its_thread_lives_and_closes_it(scenes):

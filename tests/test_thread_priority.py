@@ -1,6 +1,7 @@
 """Priority of the threads that sample ahead (``pipeline.thread_priority``, dali_nerf/data/hostbudget.py):
-``background`` runs a loader's DALI threads, its hand-over thread and the torch_workers processes
-at SCHED_IDLE and leaves every other thread as it was; the stream does not depend on it."""
+``background`` runs a loader's DALI threads and the torch_workers processes at SCHED_IDLE and leaves
+every other thread as it was (the hand-over thread too: it holds the GIL); the stream does not
+depend on it."""
 
 import dataclasses
 import os
@@ -36,7 +37,9 @@ def _policy(tid: int) -> int:
 
 
 def _hand_over_thread(prefix: str) -> threading.Thread:
-    (t,) = [t for t in threading.enumerate() if t.name.startswith(prefix)]
+    from dali_nerf.sources.runner import _LEFT  # replaced ones may still be finishing a run
+
+    (t,) = [t for t in threading.enumerate() if t.name.startswith(prefix) and t not in _LEFT]
     return t
 
 
@@ -61,8 +64,9 @@ def test_background_lowers_only_the_loaders_own_threads(scene, cache):
             mine = dali_threads() - normal_tids
             assert len(mine) >= 2  # its thread pool and executor at least
             assert {_policy(t) for t in mine} == {os.SCHED_IDLE}
-            hand_over = sorted(_policy(t.native_id) for t in threading.enumerate() if t.name.startswith("dali_nerf-rays"))
-            assert hand_over == sorted([os.SCHED_OTHER, os.SCHED_IDLE])  # only the background loader's is lowered
+            # the hand-over threads run Python (they hold the GIL): never lowered (runner._run_ahead_loop)
+            hand_over = {_policy(t.native_id) for t in threading.enumerate() if t.name.startswith("dali_nerf-rays")}
+            assert hand_over == {os.SCHED_OTHER}
             assert all(_policy(t) == os.SCHED_OTHER for t in normal_tids & dali_threads())
         assert _policy(main) == os.SCHED_OTHER
     for x, y in zip(a, b):
@@ -85,7 +89,7 @@ def test_spatial_loader_background(tmp_path):
         next(L)
         mine = dali_threads() - before
         assert mine and {_policy(t) for t in mine} == {os.SCHED_IDLE}
-        assert _policy(_hand_over_thread("dali_nerf-cell0").native_id) == os.SCHED_IDLE
+        assert _policy(_hand_over_thread("dali_nerf-cell0").native_id) == os.SCHED_OTHER
 
 
 def test_torch_workers_processes_in_background(scene, cache):
@@ -123,7 +127,7 @@ def test_config_builds_sources_at_the_resolved_priority(scene):
     with build_source(cfg, scene, 0, 1) as src:
         assert src.thread_priority == "background"
         next(src)
-        assert _policy(_hand_over_thread("dali_nerf-rays-r0").native_id) == os.SCHED_IDLE
+        assert {_policy(t) for t in src._ahead._tids} == {os.SCHED_IDLE} and src._ahead._tids
 
 
 def _burn(stop):
@@ -131,40 +135,61 @@ def _burn(stop):
         pass
 
 
-def test_starved_background_loader_returns_to_normal_priority(scene, cache):
+@pytest.mark.parametrize("kernel", ["raises", "refuses"])
+def test_starved_background_loader_returns_to_normal_priority(scene, cache, kernel):
     """With every core busy at normal priority (more busy-looping processes than cores), a
     background loader's SCHED_IDLE threads get almost no CPU and next() waits: the loader warns
-    once, rebuilds its pipeline at normal priority at the next run, and the stream does not change."""
+    once and runs at normal priority — its threads raised in place where the kernel lets this
+    thread raise them, else (an unprivileged process: raise_refused) a pipeline rebuilt at once at
+    the same position, while the starved one finishes its run when the cores free up and is freed
+    by its own thread. The stream does not change."""
+    import contextlib
     import multiprocessing as mp
     import time
     import warnings
 
+    from _priority import can_raise, raise_refused
     from dali_nerf.data.hostbudget import usable_cores
-    from dali_nerf.sources.runner import SamplerStarvedWarning
+    from dali_nerf.sources.runner import _LEFT, SamplerStarvedWarning
 
+    if kernel == "raises" and not can_raise():
+        pytest.skip("this process may not raise a thread's priority (no CAP_SYS_NICE, ulimit -e below 20)")
     kw = dict(rays_per_batch=64, rays_per_run=256, cache=cache, prefetch=2, num_threads=1)
     ctx = mp.get_context("fork")
     stop = ctx.Event()
     burners = [ctx.Process(target=_burn, args=(stop,), daemon=True) for _ in range(usable_cores() + 1)]
-    got = []
+    got, left = [], set(_LEFT)
+    refuse = raise_refused() if kernel == "refuses" else contextlib.nullcontext()
     try:
         for p in burners:
             p.start()
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, refuse:
             warnings.simplefilter("always")
+            before = dali_threads()
             with RayLoader(scene, thread_priority="background", **kw) as L:
+                first = None
                 deadline = time.monotonic() + 120
                 while L.thread_priority == "background" and time.monotonic() < deadline:
                     got += _take(L, 1)
+                    if first is None:  # the background graph (its threads are lowered by its first run)
+                        first, lowered = L._ahead._thread, list(L._ahead._tids)
                     time.sleep(0.001)  # the device step
                 assert L.thread_priority == "normal", "a starved background loader must return to normal priority"
-                got += _take(L, 8)  # the rebuilt pipeline continues the stream
-                assert L._ahead is not None and L._ahead._guard is None
-                assert _policy(_hand_over_thread("dali_nerf-rays-r0").native_id) == os.SCHED_OTHER
+                got += _take(L, 8)  # the pipeline continues the stream
+                assert L._ahead is not None and L._ahead._guard is None and lowered
+                assert (L._ahead._thread is first) == (kernel == "raises")
+                # raised in place, or the replacing graph's own threads
+                now = lowered if kernel == "raises" else dali_threads() - before - set(lowered)
+                assert now and {_policy(t) for t in now} == {os.SCHED_OTHER}
+                replaced = set(_LEFT) - left
     finally:
         stop.set()
         for p in burners:
             p.join(timeout=10)
+    for t in replaced:  # the starved thread finishes its run once the cores are free
+        t.join(timeout=60)
+        assert not t.is_alive()
+    assert len(replaced) == (kernel == "refuses")
     warned = [w for w in caught if issubclass(w.category, SamplerStarvedWarning)]
     assert len(warned) == 1 and "RayLoader rank 0" in str(warned[0].message)
     with RayLoader(scene, **kw) as ref:
@@ -189,7 +214,7 @@ def test_a_loader_that_keeps_up_stays_in_background(scene, cache):
     """A consumer that never waits for its sampler (here: a controlled consumer whose step lasts
     until the next run is ready, so the test does not depend on the host's load; the real timing
     is benchmarks/thread_priority.py's) never trips the starvation guard: over more than two of
-    its 1 s windows the loader stays in background, its hand-over thread at SCHED_IDLE."""
+    its 1 s windows the loader stays in background, its graph's threads at SCHED_IDLE."""
     import time
 
     with RayLoader(scene, rays_per_batch=64, rays_per_run=256, cache=cache, prefetch=2, num_threads=1,
@@ -202,7 +227,7 @@ def test_a_loader_that_keeps_up_stays_in_background(scene, cache):
             next(L)
             runs += L._stats.runs - before
         assert L.thread_priority == "background" and not L._ahead.starved
-        assert _policy(_hand_over_thread("dali_nerf-rays-r0").native_id) == os.SCHED_IDLE
+        assert L._ahead._tids and {_policy(t) for t in L._ahead._tids} == {os.SCHED_IDLE}
 
 
 def test_spatial_loader_demotes_at_a_run_boundary(tmp_path):
@@ -223,13 +248,16 @@ def test_spatial_loader_demotes_at_a_run_boundary(tmp_path):
     kw = dict(rays_per_batch=32, rays_per_run=128, cache=c)
     with SpatialRayLoader(sc, part, 0, **kw) as ref:
         want = _take(ref, 12)
+    before = dali_threads()
     with SpatialRayLoader(sc, part, 0, thread_priority="background", **kw) as L:
         got = _take(L, 2)
+        old = set(L._ahead._tids)
         L._ahead.starved = True
         with pytest.warns(SamplerStarvedWarning, match="SpatialRayLoader cell 0"):
             got += _take(L, 10)  # crosses a run boundary (4 steps a run)
         assert L.thread_priority == "normal" and L._ahead._guard is None
-        assert _policy(_hand_over_thread("dali_nerf-cell0").native_id) == os.SCHED_OTHER
+        new = dali_threads() - before - old  # the rebuilt pipeline's
+        assert old and new and {_policy(t) for t in new} == {os.SCHED_OTHER}
     for x, y in zip(got, want):
         assert all(torch.equal(x[k], y[k]) for k in x)
 
@@ -250,18 +278,23 @@ def test_starvation_guard_windows():
 
 
 def test_first_run_is_made_at_normal_priority_then_background():
-    """The hand-over thread makes a background source's first run at normal priority (the consumer
+    """A background source's graph threads make its first run at normal priority (the consumer
     waits for it, and the starvation guard does not count that wait: at SCHED_IDLE on busy cores it
-    went unnoticed for minutes), then its own later runs at SCHED_IDLE."""
+    went unnoticed for minutes), its later runs at SCHED_IDLE; the hand-over thread, which runs
+    Python and holds the GIL, is never lowered (a SCHED_IDLE thread preempted while holding the
+    GIL stops the training thread too)."""
+    from _priority import GraphThread
     from dali_nerf.sources.runner import RunAhead
 
     seen = []
+    before = dali_threads()
+    worker = GraphThread("[DALI]prio-test")  # the graph's thread, started by its build
 
     def produce(pipe):
-        seen.append(_policy(threading.get_native_id()))
+        seen.append((_policy(worker.tid), _policy(threading.get_native_id())))
         return len(seen)
 
-    ahead = RunAhead(None, produce, depth=1, name="dali_nerf-prio-test", background=frozenset(dali_threads()))
+    ahead = RunAhead(None, produce, depth=1, name="dali_nerf-prio-test", background=before)
     try:
         got = []
         for _ in range(3):
@@ -269,5 +302,45 @@ def test_first_run_is_made_at_normal_priority_then_background():
             ahead.release()
     finally:
         assert ahead.close()
-    assert got == [1, 2, 3]
-    assert seen[0] == os.SCHED_OTHER and set(seen[1:]) == {os.SCHED_IDLE}, seen
+        worker.stop()
+    assert got == [1, 2, 3] and ahead._tids == [worker.tid]
+    assert seen[0] == (os.SCHED_OTHER, os.SCHED_OTHER) and set(seen[1:]) == {(os.SCHED_IDLE, os.SCHED_OTHER)}, seen
+
+
+def test_close_aborts_a_ray_run_in_flight(scene, cache, monkeypatch):
+    """Closing a RayLoader whose next run is in flight shuts its DALI pipeline down under that run
+    (on busy cores a SCHED_IDLE run could take minutes, and nobody will use it): close returns with
+    the hand-over thread ended, no run left behind, and DALI builds and runs the next loader as usual."""
+    import warnings
+
+    from dali_nerf.sources import runner
+
+    from dali_nerf.sources.rays import RayProducer
+
+    monkeypatch.setattr(runner, "ABORT_AFTER_S", 0.0)  # abort any run still in flight at close
+    cut, produce = [], RayProducer.produce
+
+    def recorded(self, pipe):
+        try:
+            return produce(self, pipe)
+        except Exception as e:  # the run the shutdown cut
+            cut.append(e)
+            raise
+
+    monkeypatch.setattr(RayProducer, "produce", recorded)
+    kw = dict(rays_per_batch=4096, rays_per_run=4096 * 256, cache=cache, prefetch=2, num_threads=1)
+    aborted = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        for _ in range(3):
+            L = RayLoader(scene, **kw)
+            next(L)  # run 1 in hand; run 2 (1 M rays) released at its first step
+            thread, ex = L._ahead._thread, L._ahead._exit
+            L.close()
+            assert not thread.is_alive() and thread not in runner._LEFT
+            aborted += ex.aborted
+    assert aborted >= 1 and len(cut) >= 1, (aborted, cut)
+    with RayLoader(scene, **kw) as a, RayLoader(scene, **dict(kw, prefetch=0)) as b:
+        for _ in range(3):
+            x, y = next(a), next(b)
+            assert all(torch.equal(x[k], y[k]) for k in x)

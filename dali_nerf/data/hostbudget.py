@@ -19,8 +19,8 @@ HostBudget(cores=2, local_ranks=16, cores_per_rank=0.125, threads=1, rays_per_ru
 >>> host_budget(4096, local_ranks=8, cores=32).threads
 3
 
-Priority. The threads that sample *ahead* (DALI's CPU threads and the loader's hand-over thread;
-the ``torch_workers`` worker processes) do work nobody waits for yet, while the rank's own thread
+Priority. The threads that sample *ahead* (DALI's CPU threads; the ``torch_workers`` worker
+processes) do work nobody waits for yet, while the rank's own thread
 waits on the device and must run the moment it wakes (launch the next kernels, join the
 collective): in lockstep every rank waits for the last one to wake. When the rank's compute is
 not on this CPU (a GPU, or the study's emulated devices), :func:`resolve_priority` runs them at
@@ -32,7 +32,8 @@ in background; 16 ranks at 2 ms 1.25x and 1.10x.
 Where the compute is on the CPU the sampler competes with it for the cores as equals
 (``normal``): in background it would get only the cores torch leaves idle. On a host whose cores
 are all busy at normal priority, background threads starve; the DALI loaders then return to
-normal priority by themselves (:class:`dali_nerf.sources.runner.StarvationGuard`).
+normal priority by themselves (:class:`dali_nerf.sources.runner.StarvationGuard`): in place where
+the kernel lets them (:func:`to_normal`), else on new threads.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from dali_nerf.launch_env import launch_env
 
 __all__ = ["HostBudget", "host_budget", "run_size", "usable_cores", "first_cores", "pinned", "local_world_size",
            "RAYS_PER_THREAD",
-           "PRIORITIES", "check_priority", "resolve_priority", "dali_threads", "to_background"]
+           "PRIORITIES", "check_priority", "resolve_priority", "dali_threads", "to_background",
+           "to_normal"]
 
 PRIORITIES = ("normal", "background")
 """Scheduling priorities of the threads that sample ahead (``pipeline.thread_priority`` adds ``auto``)."""
@@ -208,3 +210,26 @@ def to_background(tids) -> int:
             except (AttributeError, OSError):
                 pass
     return n
+
+
+def to_normal(tids) -> bool:
+    """Return the threads ``tids`` (native ids) that :func:`to_background` lowered to normal
+    priority: ``SCHED_OTHER`` at the calling thread's nice value. Linux lets a thread leave
+    ``SCHED_IDLE`` (or lower its nice value) only with ``CAP_SYS_NICE`` (root, most containers) or
+    an ``RLIMIT_NICE`` that permits it (``ulimit -e``; 0 by default), so an unprivileged process
+    is refused. True when every thread runs at normal priority now (a thread that has ended counts);
+    False when any was refused or the platform has no such call."""
+    try:
+        nice = os.getpriority(os.PRIO_PROCESS, 0)
+    except (AttributeError, OSError):
+        return False
+    ok = True
+    for tid in tids:
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except ProcessLookupError:  # the thread ended
+            pass
+        except (AttributeError, OSError):
+            ok = False
+    return ok

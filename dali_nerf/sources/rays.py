@@ -69,7 +69,7 @@ from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.errors import ConfigError
 from dali_nerf.pipelines.decode import shard_range, shard_sizes
 from dali_nerf.ops.limits import INT64_MAX
-from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM, ray_pipeline, release_pipeline
+from dali_nerf.pipelines.rays import GLOBAL_STREAM, SHARD_STREAM, abort_pipeline, ray_pipeline, release_pipeline
 from dali_nerf.sources.base import BATCH_KEYS, PlanView, global_epoch_steps
 from dali_nerf.sources.checks import check_cache_device, check_common, check_int, check_positive, check_run_size
 from dali_nerf.sources.dalirun import run_graph, step_views
@@ -143,6 +143,9 @@ class RayProducer:
 
     def release(self, pipe) -> None:
         release_pipeline(pipe)
+
+    def abort(self, pipe) -> None:
+        abort_pipeline(pipe)
 
     def state(self, start: int, offset: int) -> dict:
         """{"position", "mode", "seed", "rank", "world_size", "rays_per_batch", "stream"} and: shard
@@ -276,14 +279,17 @@ class RayLoader(PlanView, RunSource):
         rays_per_window: streaming, random mode only: stream positions per window (0 = the
             window's pixel count). Epoch mode always uses the window's pixel count.
         thread_priority: "normal" | "background": the priority of the threads that sample ahead
-            (DALI's CPU threads and the hand-over thread; CPU, prefetch > 0, cached shards).
+            (DALI's CPU threads; CPU, prefetch > 0, cached shards; the hand-over thread, which runs
+            Python and so holds the GIL, stays at normal priority).
             "background" when this rank's compute is on a GPU and the host's cores are few per
             rank, so the training thread never waits for a core (:mod:`dali_nerf.data.hostbudget`);
             ``auto``: background when ``device`` is cuda (a run's config resolves
             ``pipeline.thread_priority`` from ``train.device``: :func:`dali_nerf.data.plan.plan_from_config`).
             A background sampler that keeps ``next()`` waiting over 20% of a second (a host whose
-            cores are all busy starves it) warns once (:class:`~.base.SamplerStarvedWarning`) and
-            is rebuilt at normal priority at the next run, at the same stream position
+            cores are all busy starves it; counted while ``next()`` still waits) warns once
+            (:class:`~.runner.SamplerStarvedWarning`) and runs at normal priority from then on: its
+            threads raised in place where the kernel allows (CAP_SYS_NICE, or ``ulimit -e`` 20),
+            else a pipeline rebuilt at once at the same stream position, the starved run aborted
             (``starvation_guard = False`` on the class or instance keeps it in background).
         stream: "shard" (default: the rank's own stream over its shard; every batch has B rays) |
             "global" (the split's stream: global batches of G = B x world_size positions defined

@@ -31,6 +31,9 @@ The producer contract (what a batch kind implements; attributes are fixed at con
 ``produce(graph) -> Run``      the graph's next run; on the run-ahead thread when ``ahead``, so it
                                touches only ``graph`` and the producer's fixed settings
 ``release(graph)``             free a graph (its run-ahead thread has stopped)
+``abort(graph)`` (optional)    end a run in flight on the run-ahead thread at once (it raises
+                               there): a closed or replaced graph's run is nobody's, and on starved
+                               cores it could last minutes; without it that run is waited for
 ``state(start, offset)``       the stream state of the next batch: ``offset`` into the run that
                                starts at ``start`` (a dict; the runner adds ``"scene"``)
 ``load_state(state)``          check a state against the producer's settings (one-line
@@ -67,8 +70,11 @@ A toy producer whose step k holds the stream positions ``[4k, 4k + 4)``, two ste
 
 from __future__ import annotations
 
+import atexit
 import collections
+import functools
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -76,7 +82,7 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Callable, Optional
 
-from dali_nerf.data.hostbudget import dali_threads, local_world_size, to_background
+from dali_nerf.data.hostbudget import dali_threads, local_world_size, to_background, to_normal
 from dali_nerf.sources.base import CLOSE_TIMEOUT_S, BatchSource, BatchStats, check_scene_state, scene_state
 
 __all__ = ["Run", "RunSource", "RunAhead", "StarvationGuard", "SamplerStarvedWarning", "run_phase", "was_demoted"]
@@ -106,8 +112,41 @@ class _Failure:
         self.exc = exc
 
 
+class _Exit:
+    """A run-ahead thread's end, shared by the thread and its :class:`RunAhead` (never the source):
+    ``abort()`` ends a run in flight at once (the producer's ``abort(graph)``: a DALI pipeline shut
+    down, its run raises on the thread) unless the thread has ended; ``hand_over(release)`` leaves
+    freeing the graph to the thread, which calls it as it ends (``end()``)."""
+
+    def __init__(self, abort: Optional[Callable] = None):
+        self.lock = threading.Lock()
+        self.done = self.aborted = False
+        self.release: Optional[Callable] = None
+        self._abort = abort
+
+    def abort(self) -> None:
+        with self.lock:
+            if self._abort is not None and not self.done and not self.aborted:
+                self.aborted = True
+                self._abort()
+
+    def hand_over(self, release: Callable) -> bool:
+        """Leave ``release`` to the thread; False: it has ended (the caller releases)."""
+        with self.lock:
+            if self.done:
+                return False
+            self.release = release
+            return True
+
+    def end(self) -> None:
+        with self.lock:
+            self.done, release = True, self.release
+        if release is not None:
+            release()
+
+
 def _run_ahead_loop(pipe, produce, q: "queue.Queue", stop: threading.Event, retired: collections.deque,
-                    go: threading.Event, background: Optional[frozenset]) -> None:
+                    go: threading.Event, background: Optional[frozenset], tids: list, exit_: _Exit) -> None:
     try:
         while not stop.is_set():
             go.wait()  # the consumer's release() (or get() on an empty queue)
@@ -116,17 +155,63 @@ def _run_ahead_loop(pipe, produce, q: "queue.Queue", stop: threading.Event, reti
             go.clear()
             retired.clear()  # the consumer's finished runs die here, not on the training thread
             item = produce(pipe)
+            if stop.is_set():  # closed meanwhile: the run is nobody's
+                break
             if background is not None:
-                # after the first run, made at normal priority: the consumer waits for it (yielding
-                # the cores gains nothing then), and the guard does not count that wait, so on busy
-                # cores a first run at SCHED_IDLE went unnoticed for minutes (2026-12-07: 74 s, two
-                # busy loops on 2 cores). The pipeline's threads all exist after its first run.
-                to_background([0])
-                to_background(dali_threads() - background)
+                # the graph's own threads (DALI's, all started by its first run), after that run:
+                # the consumer waits for it (yielding the cores gains nothing then), and the guard
+                # does not count that wait, so on busy cores a first run at SCHED_IDLE went
+                # unnoticed for minutes (2026-12-07: 74 s, two busy loops on 2 cores). Not this
+                # thread: it runs Python, and a SCHED_IDLE thread preempted on busy cores while it
+                # holds the GIL stops every other Python thread, the training thread too (a
+                # priority inversion the guard cannot see: 2026-12-07, SS training beside two busy
+                # loops on 2 cores took 11-434 s against 7 s quiet, the training thread waiting
+                # for the GIL in close() and before its first step).
+                mine = sorted(dali_threads() - background)
+                to_background(mine)
+                tids.extend(mine)  # what RunAhead.get() raises back when the consumer starves
                 background = None
             q.put(item)
-    except BaseException as e:  # handed to the consumer's next get()
-        q.put(_Failure(e))
+    except BaseException as e:  # handed to the consumer's next get(); a closed one's (aborted) is nobody's
+        if not stop.is_set():
+            q.put(_Failure(e))
+    finally:
+        retired.clear()
+        exit_.end()
+
+
+_LEFT: "dict[threading.Thread, _Exit]" = {}
+"""Run-ahead threads their owners stopped without waiting for the run in flight (a starved sampler
+replaced, a close past its timeout), with their ends: waited for at interpreter exit (:func:`_wait_left`)."""
+LEFT_EXIT_WAIT_S = 30.0
+ABORT_AFTER_S = 0.2
+""":meth:`RunAhead.close` waits this long for a run in flight before it aborts it (a run nobody will
+use; most end sooner, and a starved one could take minutes)."""
+
+
+@atexit.register
+def _wait_left(timeout: float = LEFT_EXIT_WAIT_S) -> None:
+    """At exit, end the runs the threads left by their owners still have in flight and wait for
+    those threads (at most ``timeout`` s, saying so in one line after 1 s): a process must not be
+    torn down under a thread inside a DALI run (the thread is killed mid-run: "terminate called
+    without an active exception", exit status 134)."""
+    alive = [(t, e) for t, e in list(_LEFT.items()) if t.is_alive()]
+    for _, e in alive:
+        e.abort()
+    end = time.monotonic() + timeout
+    for i, (t, _) in enumerate(alive):
+        t.join(timeout=max(0.0, min(end, time.monotonic() + 1.0) - time.monotonic()) if i == 0 else 0.0)
+    alive = [t for t, _ in alive if t.is_alive()]
+    if alive:
+        print(f"dali_nerf: waiting up to {timeout:g} s for {len(alive)} sampler thread(s) to end their run in flight "
+              f"({', '.join(t.name for t in alive)})", file=sys.stderr, flush=True)
+    for t in alive:
+        t.join(timeout=max(0.0, end - time.monotonic()))
+
+
+class SamplerStarved(Exception):
+    """Raised by :meth:`RunAhead.get` when its background sampler starves the consumer and the kernel
+    refuses to raise its priority: the owner replaces the graph (:meth:`RunSource._next_run`)."""
 
 
 class SamplerStarvedWarning(RuntimeWarning):
@@ -154,7 +239,16 @@ class StarvationGuard:
     (False, False, True)
     >>> g.add(2.0, 2.05), g.add(2.7, 2.75)  # a new window: 0.1 s of 1.15 s
     (False, False)
+
+    ``starving(t_enter, now)`` asks the same of a wait still in progress, so a sampler that gets no
+    CPU at all is caught within a window, not when (if ever) its run arrives:
+
+    >>> g.starving(2.8, 3.0), g.starving(2.8, 3.8)  # window from 2.75: 0.25 s is too short; 1.0 s of 1.05 s
+    (False, True)
     """
+
+    poll_s = 0.05
+    """How often a guarded wait asks :meth:`starving`."""
 
     def __init__(self, max_stall: float = 0.2, window_s: float = 1.0):
         self.max_stall, self.window_s = float(max_stall), float(window_s)
@@ -173,6 +267,13 @@ class StarvationGuard:
         self._t0, self._waited = t_exit, 0.0
         return starved
 
+    def starving(self, t_enter: float, now: float) -> bool:
+        """Would the wait that began at ``t_enter`` close a starved window if it ended ``now``?"""
+        if self._t0 is None:
+            return False
+        span = now - self._t0
+        return span >= self.window_s and self._waited + max(0.0, now - t_enter) > self.max_stall * span
+
 
 class RunAhead:
     """Hands a ray graph's runs to the training thread from a background thread.
@@ -189,8 +290,9 @@ class RunAhead:
     ``get()`` -> the next ``produce`` result, in run order (raises what ``produce`` raised);
     ``retire(obj)`` hands a finished run back: the thread drops it before its next run, so the
     training thread does not pay for freeing its ~K x outputs tensors (~50-150 us a run, and in
-    DDP every rank frees on the same step); ``close()`` stops and joins the thread (call it before
-    releasing the pipeline). Idempotent.
+    DDP every rank frees on the same step); ``close(timeout, release)`` stops the thread, aborts a
+    run in flight it would otherwise wait for (``abort``: the producer's, bound to the graph) and
+    frees the graph (``release``) once the thread has let go of it. Idempotent.
 
     Paced: after the first run the thread produces the next only when the consumer calls
     ``release()`` (or when ``get()`` finds the queue empty, so it never waits for a run nobody
@@ -200,27 +302,35 @@ class RunAhead:
     of the run that differs per local rank (:func:`run_phase`), which spreads that work over the run.
 
     ``background``: the ids of the process's DALI threads before ``pipe`` was built
-    (:func:`~dali_nerf.data.hostbudget.dali_threads`), to run this thread and the pipeline's own DALI
-    threads at background priority (:func:`~dali_nerf.data.hostbudget.to_background`, from the first
-    run on); None (default) leaves every thread's priority as it is. In background, ``get()``
-    feeds a :class:`StarvationGuard` (unless ``guard`` is False) and sets ``starved`` when the
-    consumer keeps waiting: the owner then rebuilds its pipeline at normal priority
-    (:meth:`RunSource._demote_if_starved`; an unprivileged thread may lower its priority but not
-    raise it back).
+    (:func:`~dali_nerf.data.hostbudget.dali_threads`), to run the pipeline's own DALI threads at
+    background priority (:func:`~dali_nerf.data.hostbudget.to_background`, from the first run on;
+    never this thread, which holds the GIL while it works); None (default) leaves every thread's
+    priority as it is. In background, ``get()``
+    feeds a :class:`StarvationGuard` (unless ``guard`` is False), also while it waits, and when the
+    consumer keeps waiting raises those threads back to normal priority in place
+    (:func:`~dali_nerf.data.hostbudget.to_normal`; ``promoted`` is then True and the guard is off).
+    Where the kernel refuses (an unprivileged process may lower its priority but not raise it back)
+    it sets ``starved``; a ``get()`` still waiting raises :class:`SamplerStarved`. The owner then
+    replaces the graph with one at normal priority (:meth:`RunSource._demote`) without waiting for
+    the starved run: ``close(0, release)`` leaves this thread to finish it and free the graph.
     """
 
     def __init__(self, pipe, produce: Callable, depth: int = 1, name: str = "dali_nerf-run-ahead",
-                 background: Optional[frozenset] = None, guard: bool = True):
+                 background: Optional[frozenset] = None, guard: bool = True, abort: Optional[Callable] = None):
         self.starved = False
+        self.promoted = False
         self._guard = StarvationGuard() if (background is not None and guard) else None
         self._q: "queue.Queue" = queue.Queue(maxsize=max(1, int(depth)))
         self._stop = threading.Event()
         self._retired: collections.deque = collections.deque()
         self._go = threading.Event()
         self._go.set()  # the first run is produced ahead
+        self._tids: list = []  # this thread's and its graph's DALI threads, once lowered
+        self._exit = _Exit(abort)
         self._thread = threading.Thread(target=_run_ahead_loop,
                                         args=(pipe, produce, self._q, self._stop, self._retired, self._go,
-                                              None if background is None else frozenset(background)),
+                                              None if background is None else frozenset(background), self._tids,
+                                              self._exit),
                                         name=name, daemon=True)
         self._thread.start()
 
@@ -232,43 +342,76 @@ class RunAhead:
         t = time.perf_counter()
         if self._q.empty():
             self._go.set()  # a consumer about to wait must never wait for a run not yet allowed
-        item = self._q.get()
-        if self._guard is not None and self._guard.add(t, time.perf_counter()):
-            self.starved = True
+        guard = self._guard
+        if guard is None:
+            item = self._q.get()
+        else:
+            while True:
+                try:
+                    item = self._q.get(timeout=guard.poll_s)
+                    break
+                except queue.Empty:
+                    if self._guard is not None and guard.starving(t, time.perf_counter()) and not self._promote():
+                        raise SamplerStarved(self._thread.name) from None
+            if self._guard is not None and guard.add(t, time.perf_counter()):
+                self._promote()
         if isinstance(item, _Failure):
             self._q.put(item)  # every later get() fails the same way
             raise item.exc
         return item
+
+    def _promote(self) -> bool:
+        """The consumer starves: raise the sampler's threads to normal priority. False (and
+        ``starved``) where the kernel refuses."""
+        if self._tids and to_normal(self._tids):
+            self.promoted, self._guard = True, None
+            return True
+        self.starved = True
+        return False
 
     def retire(self, obj) -> None:
         """Let the thread drop ``obj`` (a finished run and its step views) before its next run."""
         if obj is not None:
             self._retired.append(obj)
 
-    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
-        """Stop the thread and wait for it at most ``timeout`` seconds (a run in flight finishes
-        first). True when it ended; False: it is left running (a daemon thread that holds its own
-        reference to the pipeline, so nothing is freed under it) with a ResourceWarning."""
+    def close(self, timeout: float = CLOSE_TIMEOUT_S, release: Optional[Callable] = None) -> bool:
+        """Stop the thread and wait for it at most ``timeout`` seconds, then call ``release`` (free
+        the graph). A run in flight is nobody's: past :data:`ABORT_AFTER_S` (at once when ``timeout``
+        is 0) it is aborted where the producer can (``abort``). True when the thread ended; False:
+        it is left to end on its own (a daemon thread holding its own reference to the graph, so
+        nothing is freed under it), calls ``release`` itself as it ends, and the process waits for it
+        at exit (:func:`_wait_left`). Past a nonzero ``timeout`` that also warns (ResourceWarning)."""
         self._stop.set()
         self._go.set()
-        deadline = time.monotonic() + float(timeout)
-        while self._thread.is_alive() and time.monotonic() < deadline:
+        t0 = time.monotonic()
+        while True:
             try:  # unblock a put() on a full queue until the thread sees stop
                 while True:
                     self._q.get_nowait()
             except queue.Empty:
                 pass
+            if not self._thread.is_alive():
+                break
+            waited = time.monotonic() - t0
+            if waited >= min(ABORT_AFTER_S, timeout):
+                self._exit.abort()
+            if waited >= timeout:
+                break
             self._thread.join(timeout=0.01)
-        try:
-            while True:
-                self._q.get_nowait()
-        except queue.Empty:
-            pass
-        if self._thread.is_alive():
-            warnings.warn(f"{self._thread.name}: the sampler thread did not stop within {timeout:g} s (a DALI run "
-                          f"still in flight); it is left to finish on its own", ResourceWarning, stacklevel=2)
-            return False
-        return True
+        if not self._thread.is_alive():
+            self._thread.join()
+            if release is not None:
+                release()
+            return True
+        for t in [t for t in _LEFT if not t.is_alive()]:
+            del _LEFT[t]
+        _LEFT[self._thread] = self._exit
+        if release is not None and not self._exit.hand_over(release):
+            release()  # it ended just now
+        if timeout > 0:
+            warnings.warn(f"{self._thread.name}: the sampler thread did not stop within {timeout:g} s (a run "
+                          f"still in flight); it is left to end on its own", ResourceWarning, stacklevel=2)
+        return False
 
 
 def was_demoted(source) -> bool:
@@ -381,7 +524,17 @@ class RunSource(BatchSource):
                 self._demote_if_starved()
         if self._graph is None:
             self._build()
-        run = self._ahead.get() if self._ahead is not None else self.producer.produce(self._graph)
+        if self._ahead is None:
+            run = self.producer.produce(self._graph)
+        else:
+            try:
+                run = self._ahead.get()
+            except SamplerStarved:  # starved mid-wait, the kernel refused to raise it: replace it
+                self._demote()
+                self._build()
+                run = self._ahead.get()
+            if self._ahead.promoted and self.thread_priority == "background":
+                self._demote()  # raised in place: the graph goes on
         self._received(run)
         self._next_start = self._start + run.consumed
         self._run = run
@@ -398,35 +551,47 @@ class RunSource(BatchSource):
         if self.producer.ahead:
             # released at this rank's step of each run (run_phase), so co-located ranks in lockstep
             # do not all hand over and schedule their next runs on the same step
+            abort = getattr(self.producer, "abort", None)
             self._ahead = RunAhead(self._graph, self.producer.produce, name=self.producer.thread_name,
-                                   background=before, guard=self.starvation_guard)
+                                   background=before, guard=self.starvation_guard,
+                                   abort=None if abort is None else functools.partial(abort, self._graph))
             self._phase = run_phase(self.producer.phase_rank, self.producer.steps_per_run)
 
-    def _drop_graph(self) -> None:
+    def _drop_graph(self, wait: bool = True) -> None:
         """Stop the run-ahead thread and free the graph (and the run in hand): the next fetch
-        builds a graph at the cursor."""
+        builds a graph at the cursor. ``wait=False``: do not wait for a run in flight (the thread
+        finishes it and frees the graph itself: :meth:`RunAhead.close`)."""
         self._run = None
-        if self._ahead is not None:
-            self._ahead.close()
-            self._ahead = None
         graph, self._graph = self._graph, None
-        if graph is not None:
-            self.producer.release(graph)
+        release = None if graph is None else functools.partial(self.producer.release, graph)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.close(**({} if wait else {"timeout": 0.0}), release=release)
+        elif release is not None:
+            release()
+
+    def _demote(self, stacklevel: int = 4) -> None:
+        """The sampler starved its consumer: warn once (:class:`SamplerStarvedWarning`) and run at
+        normal priority from now on: its threads were raised in place (``promoted``), or else the
+        graph is dropped without waiting for the starved run and the next fetch rebuilds it at the
+        same stream position (new threads at normal priority), so the batches do not change."""
+        ahead = self._ahead
+        how = ("were raised to normal priority" if ahead.promoted else
+               "are replaced by threads at normal priority (this process may not raise a thread's priority: "
+               "CAP_SYS_NICE or ulimit -e 20 lets it)")
+        warnings.warn(f"{self.producer.who}: its background-priority sampler threads kept the training thread waiting "
+                      f"over {StarvationGuard().max_stall:.0%} of the time (busy cores starve them, or the sampling "
+                      f"cannot keep up); they {how} (pipeline.thread_priority=normal starts so)",
+                      SamplerStarvedWarning, stacklevel=stacklevel)
+        self.thread_priority = "normal"
+        if not ahead.promoted:
+            self._drop_graph(wait=False)
 
     def _demote_if_starved(self) -> None:
-        """At a run boundary: when the run-ahead thread reports ``starved``, warn once
-        (:class:`SamplerStarvedWarning`), run at normal priority and drop the graph; the next fetch
-        rebuilds it at the same stream position (an unprivileged thread may lower its priority but
-        not raise it back, so the threads are replaced), so the batches do not change."""
-        ahead = self._ahead
-        if ahead is None or not ahead.starved:
-            return
-        warnings.warn(f"{self.producer.who}: its background-priority sampler threads kept the training thread waiting "
-                      f"over {ahead._guard.max_stall:.0%} of the time (busy cores starve them, or the sampling cannot "
-                      f"keep up); they run at normal priority from now on (pipeline.thread_priority=normal starts so)",
-                      SamplerStarvedWarning, stacklevel=4)
-        self.thread_priority = "normal"
-        self._drop_graph()
+        """At a run boundary: the guard found the consumer starved after a wait and the kernel
+        refused to raise the threads (``starved``): :meth:`_demote`."""
+        if self._ahead is not None and self._ahead.starved:
+            self._demote(stacklevel=5)
 
     # ---- the cursor -----------------------------------------------------------------------------
     @property

@@ -30,7 +30,7 @@ from dali_nerf.data.imagecache import CacheStore
 from dali_nerf.data.plan import SamplingPlan
 from dali_nerf.errors import ConfigError
 from dali_nerf.ops.limits import INT32_MAX, INT64_MAX
-from dali_nerf.pipelines.rays import RAY_OUTPUTS, ray_pipeline, release_pipeline
+from dali_nerf.pipelines.rays import RAY_OUTPUTS, abort_pipeline, ray_pipeline, release_pipeline
 from dali_nerf.sources.base import PlanView
 from dali_nerf.sources.checks import MAX_PREFETCH, check_cache_device, check_int, check_run_size
 from dali_nerf.sources.dalirun import run_graph, step_views
@@ -71,6 +71,9 @@ class CellProducer:
 
     def release(self, pipe) -> None:
         release_pipeline(pipe)
+
+    def abort(self, pipe) -> None:
+        abort_pipeline(pipe)
 
     def state(self, start: int, offset: int) -> dict:
         p = self.plan
