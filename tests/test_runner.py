@@ -26,6 +26,15 @@ from dali_nerf.sources.runner import Run, RunSource, SamplerStarvedWarning
 B, K, GAP = 4, 3, 5
 
 
+class _NoThread:
+    """A graph without threads of its own."""
+
+    tid = 0
+
+    def stop(self):
+        pass
+
+
 class Counting:
     """Step k of a run that starts at stream position s holds the positions the run keeps: a linear
     producer keeps [s, s + K B); with ``gap`` it consumes K B + gap positions (like routed rays,
@@ -33,7 +42,7 @@ class Counting:
 
     kind, who, thread_name, steps_per_run, phase_rank = "Counting", "counting", "dali_nerf-counting", K, 0
 
-    def __init__(self, scene, ahead=True, gap=0, fail_at=None, slow=None, abortable=False):
+    def __init__(self, scene, ahead=True, gap=0, fail_at=None, slow=None, abortable=False, graph_thread=True):
         self.scene, self.ahead, self.gap, self.linear, self.fail_at = scene, ahead, gap, gap == 0, fail_at
         self.builds, self.threads, self.made = [], set(), 0
         self.slow = slow  # (n, seconds): the first graph's n-th run sleeps that long
@@ -42,11 +51,13 @@ class Counting:
         self.aborted = []  # graph numbers whose run in flight was aborted
         if abortable:
             self.abort = self._abort
+        self.graph_thread = graph_thread
 
     def build(self, start):
         self.builds.append(start)
         # a graph's own thread, as DALI's: what a background source lowers after the first run
-        return {"next": start, "graph": len(self.builds) - 1, "runs": 0, "worker": GraphThread("[DALI]counting"),
+        worker = GraphThread("[DALI]counting") if self.graph_thread else _NoThread()
+        return {"next": start, "graph": len(self.builds) - 1, "runs": 0, "worker": worker,
                 "abort": threading.Event()}
 
     def _abort(self, graph):
@@ -237,6 +248,22 @@ def test_a_sampler_starving_a_wait_in_progress_returns_to_normal_with_the_same_b
             assert p.builds == [0, 2 * K * B] and src._ahead._thread is not old
             old.join(timeout=30)
             assert not old.is_alive() and p.released.get(0) == old.ident  # freed by its own thread
+    finally:
+        src.close()
+
+
+def test_a_starved_graph_without_threads_of_its_own_is_not_replaced(scenes):
+    """A background source whose graph lowered no threads (nothing to raise back) that keeps its
+    consumer waiting is starved by the sampling, not by its priority: it runs at normal priority from
+    then on without a new graph (a new one would only make the consumer wait for a rebuild)."""
+    p = Counting(scenes[0], slow=(3, 2.5), graph_thread=False)
+    src = RunSource(p, priority="background")
+    try:
+        with raise_refused():
+            with pytest.warns(SamplerStarvedWarning, match="were raised to normal priority"):
+                got = _take(src, 3 * K)
+        assert got == [list(range(i, i + B)) for i in range(0, 3 * K * B, B)]
+        assert p.builds == [0] and src.thread_priority == "normal" and src._ahead._tids == []
     finally:
         src.close()
 

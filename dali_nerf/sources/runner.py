@@ -325,7 +325,7 @@ class RunAhead:
         self._retired: collections.deque = collections.deque()
         self._go = threading.Event()
         self._go.set()  # the first run is produced ahead
-        self._tids: list = []  # this thread's and its graph's DALI threads, once lowered
+        self._tids: list = []  # its graph's DALI threads, once lowered
         self._exit = _Exit(abort)
         self._thread = threading.Thread(target=_run_ahead_loop,
                                         args=(pipe, produce, self._q, self._stop, self._retired, self._go,
@@ -361,9 +361,9 @@ class RunAhead:
         return item
 
     def _promote(self) -> bool:
-        """The consumer starves: raise the sampler's threads to normal priority. False (and
-        ``starved``) where the kernel refuses."""
-        if self._tids and to_normal(self._tids):
+        """The consumer starves: raise the sampler's threads to normal priority (a graph that
+        started none has nothing to raise). False (and ``starved``) where the kernel refuses."""
+        if to_normal(self._tids):
             self.promoted, self._guard = True, None
             return True
         self.starved = True
