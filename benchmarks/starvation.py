@@ -9,7 +9,7 @@ that sleeps ``--step-ms`` per step (an emulated device step), while usable cores
 busy-loop at normal priority (other jobs, other ranks' threads). The variants run in an order
 rotated per repeat, each for ``--seconds`` on a fresh loader: ``normal``; ``background`` with the
 guard (the default: a loader whose consumer waits over 20% of a second returns to normal priority,
-dali_nerf.sources.runner.StarvationGuard); ``background, no guard`` (``starvation_guard = False``).
+dali_nerf.sources.runahead.StarvationGuard); ``background, no guard`` (``starvation_guard = False``).
 Prints per variant the mean over repeats (and range) of the steps per second, the stall
 (time in next() / wall time), the mean and worst wait in next(), and when the guard switched.
 """

@@ -1,9 +1,11 @@
-"""The runner (dali_nerf/sources/runner.py) with a toy producer: the machinery every batch kind gets
-without a copy — runs handed out in order (from the run-ahead thread, or in next()), seeks that keep
-the run or the graph, a batch off the step grid sliced from the run, the state (with the split's
-fingerprint) continued exactly by a new source, a producer whose runs consume more positions than
-they hold, a failure handed to next(), a starved background sampler returned to normal priority
-with the same batches, close, and a source collected while its thread lives."""
+"""The runner (dali_nerf/sources/runner.py, its run-ahead thread in runahead.py) with a toy
+producer: the machinery every batch kind gets without a copy — runs handed out in order (from
+the run-ahead thread, or in next()), seeks that keep the run or the graph, a batch off the step
+grid sliced from the run, the state (with the split's fingerprint) continued exactly by a new
+source, a producer whose runs consume more positions than they hold, a failure handed to next(),
+a starved background sampler returned to normal priority with the same batches (caught while the
+consumer waits), close (a run in flight aborted, or left to end and free its graph; the exit waits
+for it), and a source collected while its thread lives."""
 
 from __future__ import annotations
 
@@ -273,7 +275,7 @@ def test_close_aborts_a_run_in_flight_or_leaves_it_to_end_and_free_its_graph(sce
     """A run in flight at close is nobody's: a producer that can abort it (a DALI pipeline shut
     down) has it aborted past ABORT_AFTER_S and close() returns with the thread ended and the graph
     freed; one that cannot is left to end on its own past close's timeout, freeing its graph itself."""
-    from dali_nerf.sources import runner
+    from dali_nerf.sources import runahead
 
     p = Counting(scenes[0], slow=(2, 30.0), abortable=abortable)
     src = RunSource(p)
@@ -285,11 +287,11 @@ def test_close_aborts_a_run_in_flight_or_leaves_it_to_end_and_free_its_graph(sce
     if abortable:
         src.close()
         assert not thread.is_alive() and p.aborted == [0] and p.released == {0: threading.get_ident()}
-        assert thread not in runner._LEFT
+        assert thread not in runahead._LEFT
     else:
         with pytest.warns(ResourceWarning, match="did not stop within 0.5 s"):
             assert not src._ahead.close(timeout=0.5, release=lambda: p.release(src._graph))
-        assert thread.is_alive() and thread in runner._LEFT and p.released == {}
+        assert thread.is_alive() and thread in runahead._LEFT and p.released == {}
         src._graph["abort"].set()  # the run ends (here: as if aborted)
         thread.join(timeout=10)
         assert not thread.is_alive() and p.released == {0: thread.ident}  # freed by its own thread

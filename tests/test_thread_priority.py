@@ -37,7 +37,7 @@ def _policy(tid: int) -> int:
 
 
 def _hand_over_thread(prefix: str) -> threading.Thread:
-    from dali_nerf.sources.runner import _LEFT  # replaced ones may still be finishing a run
+    from dali_nerf.sources.runahead import _LEFT  # replaced ones may still be finishing a run
 
     (t,) = [t for t in threading.enumerate() if t.name.startswith(prefix) and t not in _LEFT]
     return t
@@ -150,7 +150,7 @@ def test_starved_background_loader_returns_to_normal_priority(scene, cache, kern
 
     from _priority import can_raise, raise_refused
     from dali_nerf.data.hostbudget import usable_cores
-    from dali_nerf.sources.runner import _LEFT, SamplerStarvedWarning
+    from dali_nerf.sources.runahead import _LEFT, SamplerStarvedWarning
 
     if kernel == "raises" and not can_raise():
         pytest.skip("this process may not raise a thread's priority (no CAP_SYS_NICE, ulimit -e below 20)")
@@ -313,11 +313,11 @@ def test_close_aborts_a_ray_run_in_flight(scene, cache, monkeypatch):
     the hand-over thread ended, no run left behind, and DALI builds and runs the next loader as usual."""
     import warnings
 
-    from dali_nerf.sources import runner
+    from dali_nerf.sources import runahead
 
     from dali_nerf.sources.rays import RayProducer
 
-    monkeypatch.setattr(runner, "ABORT_AFTER_S", 0.0)  # abort any run still in flight at close
+    monkeypatch.setattr(runahead, "ABORT_AFTER_S", 0.0)  # abort any run still in flight at close
     cut, produce = [], RayProducer.produce
 
     def recorded(self, pipe):
@@ -337,7 +337,7 @@ def test_close_aborts_a_ray_run_in_flight(scene, cache, monkeypatch):
             next(L)  # run 1 in hand; run 2 (1 M rays) released at its first step
             thread, ex = L._ahead._thread, L._ahead._exit
             L.close()
-            assert not thread.is_alive() and thread not in runner._LEFT
+            assert not thread.is_alive() and thread not in runahead._LEFT
             aborted += ex.aborted
     assert aborted >= 1 and len(cut) >= 1, (aborted, cut)
     with RayLoader(scene, **kw) as a, RayLoader(scene, **dict(kw, prefetch=0)) as b:

@@ -32,7 +32,7 @@ in background; 16 ranks at 2 ms 1.25x and 1.10x.
 Where the compute is on the CPU the sampler competes with it for the cores as equals
 (``normal``): in background it would get only the cores torch leaves idle. On a host whose cores
 are all busy at normal priority, background threads starve; the DALI loaders then return to
-normal priority by themselves (:class:`dali_nerf.sources.runner.StarvationGuard`): in place where
+normal priority by themselves (:class:`dali_nerf.sources.runahead.StarvationGuard`): in place where
 the kernel lets them (:func:`to_normal`), else on new threads.
 """
 
