@@ -118,8 +118,8 @@ def _wait_left(timeout: float = LEFT_EXIT_WAIT_S) -> None:
     for _, e in alive:
         e.abort()
     end = time.monotonic() + timeout
-    for i, (t, _) in enumerate(alive):
-        t.join(timeout=max(0.0, min(end, time.monotonic() + 1.0) - time.monotonic()) if i == 0 else 0.0)
+    if alive:
+        alive[0][0].join(timeout=min(1.0, timeout))
     alive = [t for t, _ in alive if t.is_alive()]
     if alive:
         print(f"dali_nerf: waiting up to {timeout:g} s for {len(alive)} sampler thread(s) to end their run in flight "
@@ -171,7 +171,10 @@ class StarvationGuard:
     poll_s = 0.05
     """How often a guarded wait asks :meth:`starving`."""
 
-    def __init__(self, max_stall: float = 0.2, window_s: float = 1.0):
+    MAX_STALL = 0.2
+    """The default ``max_stall`` (the loaders' guard)."""
+
+    def __init__(self, max_stall: float = MAX_STALL, window_s: float = 1.0):
         self.max_stall, self.window_s = float(max_stall), float(window_s)
         self._t0: Optional[float] = None
         self._waited = 0.0

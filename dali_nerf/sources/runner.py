@@ -268,7 +268,7 @@ class RunSource(BatchSource):
                "are replaced by threads at normal priority (this process may not raise a thread's priority: "
                "CAP_SYS_NICE or ulimit -e 20 lets it)")
         warnings.warn(f"{self.producer.who}: its background-priority sampler threads kept the training thread waiting "
-                      f"over {StarvationGuard().max_stall:.0%} of the time (busy cores starve them, or the sampling "
+                      f"over {StarvationGuard.MAX_STALL:.0%} of the time (busy cores starve them, or the sampling "
                       f"cannot keep up); they {how} (pipeline.thread_priority=normal starts so)",
                       SamplerStarvedWarning, stacklevel=stacklevel)
         self.thread_priority = "normal"
