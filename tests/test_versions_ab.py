@@ -27,3 +27,20 @@ def test_the_harness_pairs_two_pythons(tmp_path, capsys):
     assert len(r["modules"]) == 1 and r["modules"][0].endswith("dali_nerf/__init__.py")  # one version, both sides
     printed = capsys.readouterr().out
     assert "global 256 pair 1:" in printed and "| global | 256 |" in printed
+
+
+def test_the_masked_harness_reports_both_rates_and_the_cost(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("versions_ab", REPO / "benchmarks" / "versions_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    scene = make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=4, n_val=1, n_test=1, seed=3)
+    out = tmp_path / "ab.json"
+    assert ab.main(["--old-python", sys.executable, "--scene", str(scene), "--pairs", "2", "--seconds", "0.2",
+                    "--rows", "shard:256", "--mask", "0.5", "--rounds", "2", "--out", str(out)]) == 0
+    (r,) = json.loads(out.read_text())
+    assert len(r["ratios"]) == len(r["none_ratios"]) == len(r["new_cost"]) == len(r["old_cost"]) == 2
+    assert all(x > 0 for x in r["new_none"] + r["old_none"] + r["new_cost"] + r["old_cost"])
+    # each pair's ratios are of what the two processes measured
+    assert r["none_ratios"][0] == r["new_none"][0] / r["old_none"][0]
+    printed = capsys.readouterr().out
+    assert "unmasked ratio" in printed and "| shard | 256 |" in printed and "masks: iid, 50%" in printed

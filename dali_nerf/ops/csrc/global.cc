@@ -463,6 +463,7 @@ int64_t run_global_chunk(const Cache &c, const Outputs &out, int64_t *positions,
       const int w = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(m, limit - kept)));
       level2->run(base, e, js, qs, w, pix, positions + slot + kept);
       if (c.masked) select_batch(c, pix, pix, w, simd);  // the domain's ids are valid-pixel numbers: their pixels
+      else prefetch_pixels(c, pix, w);                   // (select_batch prefetches them as it finds them)
       write_pixels(c, out, pix, slot + kept, w, simd);
       kept += m;
     }
