@@ -74,6 +74,7 @@ with tempfile.TemporaryDirectory() as d:
     scenes = {"none": scene, "masked": masked_scene(scene, d, fraction, kind)}
     one = SamplingPlan.for_loader(rays, num_threads=threads)
     caches = {k: CacheStore(v, one).full("cpu") for k, v in scenes.items()}
+    share = caches["masked"].num_valid / caches["masked"].num_pixels
     plan = SamplingPlan.for_loader(rays, num_threads=threads, rays_per_run=max(262144, rays), prefetch=2, stream=stream)
     rates = {"none": [], "masked": []}
     for r in range(rounds):
@@ -82,14 +83,15 @@ with tempfile.TemporaryDirectory() as d:
                 rates[which].append(measure(L, rays, secs))
 cost = statistics.median(a / b for a, b in zip(rates["none"], rates["masked"]))
 print(json.dumps({"file": dali_nerf.__file__, "rays_per_s": max(rates["masked"]), "none_per_s": max(rates["none"]),
-                  "cost": cost}))
+                  "cost": cost, "rounds": rates, "valid_share": share}))
 """
 
 
 def measure(python: str, scene: Path, stream: str, rays: int, seconds: float, yield_gil: bool,
             mask: tuple | None = None) -> dict:
     """One fresh process's {"file", "rays_per_s"} (``mask`` = (fraction, kind, rounds): the masked
-    rate, and "none_per_s" and "cost" too)."""
+    rate (the best round), and "none_per_s" (the best unmasked round), "cost", "rounds" ({"none",
+    "masked"}: every round's rate) and "valid_share" (the masked cache's valid pixels / pixels))."""
     argv = [str(scene), stream, str(rays), str(seconds), "1" if yield_gil else "0"]
     code = RATE if mask is None else MASKED
     if mask is not None:
@@ -103,7 +105,7 @@ def measure(python: str, scene: Path, stream: str, rays: int, seconds: float, yi
 def row(args, scene: Path, stream: str, rays: int) -> dict:
     mask = None if args.mask is None else (args.mask, args.mask_kind, args.rounds)
     ratios, new, old, files = [], [], [], set()
-    extra = {k: [] for k in ("new_none", "old_none", "new_cost", "old_cost", "none_ratios")}
+    extra = {k: [] for k in ("new_none", "old_none", "new_cost", "old_cost", "none_ratios", "processes")}
     for i in range(args.pairs):
         order = [("new", args.new_python), ("old", args.old_python)]
         got = {}
@@ -120,6 +122,7 @@ def row(args, scene: Path, stream: str, rays: int) -> dict:
                 extra[f"{v}_none"].append(got[v]["none_per_s"])
                 extra[f"{v}_cost"].append(got[v]["cost"])
             extra["none_ratios"].append(got["new"]["none_per_s"] / got["old"]["none_per_s"])
+            extra["processes"].append(got)
             line += (f" (masked); unmasked ratio {extra['none_ratios'][-1]:.3f}; cost new "
                      f"{extra['new_cost'][-1]:.3f} old {extra['old_cost'][-1]:.3f}")
         print(line, flush=True)
@@ -131,8 +134,8 @@ def row(args, scene: Path, stream: str, rays: int) -> dict:
     return res
 
 
-def spread(xs) -> str:
-    return f"{statistics.median(xs):.3f} ({min(xs):.2f}-{max(xs):.2f})"
+def spread(xs, unit: str = "") -> str:
+    return f"{statistics.median(xs):.3f}{unit} ({min(xs):.2f}-{max(xs):.2f})"
 
 
 def main(argv=None) -> int:
@@ -145,12 +148,18 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="global:4096,shard:4096,global:65536,shard:65536")
     p.add_argument("--yield-gil", action="store_true")
     p.add_argument("--mask", type=float, default=None, help="masked fraction of every image (e.g. 0.5)")
-    p.add_argument("--mask-kind", default="iid", choices=("iid", "sky"))
-    p.add_argument("--rounds", type=int, default=3, help="with --mask: interleaved rounds per process")
+    p.add_argument("--mask-kind", default=None, choices=("iid", "sky"), help="with --mask (default iid)")
+    p.add_argument("--rounds", type=int, default=None, help="with --mask: interleaved rounds per process (default 3)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    if args.mask is not None and not 0.0 < args.mask < 1.0:
-        p.error(f"--mask {args.mask}: the masked fraction must be in (0, 1), e.g. 0.5")
+    if args.mask is None and (args.mask_kind is not None or args.rounds is not None):
+        p.error("--mask-kind and --rounds go with --mask F (e.g. --mask 0.5)")
+    if args.mask is not None:
+        if not 0.0 < args.mask < 1.0:
+            p.error(f"--mask {args.mask}: the masked fraction must be in (0, 1), e.g. 0.5")
+        if args.yield_gil:
+            p.error("--yield-gil is not measured with --mask: leave one of them out")
+        args.mask_kind, args.rounds = args.mask_kind or "iid", args.rounds or 3
     rows = [(s, int(b)) for s, b in (r.split(":") for r in args.rows.split(","))]
     with tempfile.TemporaryDirectory() as tmp:
         scene = Path(args.scene) if args.scene else None
@@ -175,7 +184,7 @@ def main(argv=None) -> int:
             print(f"| {r['stream']} | {r['rays']} | {r['new_median'] / 1e6:.1f} / {r['old_median'] / 1e6:.1f} | "
                   f"{spread(r['ratios'])} | {statistics.median(r['new_none']) / 1e6:.1f} / "
                   f"{statistics.median(r['old_none']) / 1e6:.1f} | {spread(r['none_ratios'])} | "
-                  f"{spread(r['new_cost'])}x | {spread(r['old_cost'])}x |")
+                  f"{spread(r['new_cost'], 'x')} | {spread(r['old_cost'], 'x')} |")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
     return 0

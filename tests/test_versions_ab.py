@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -39,8 +40,30 @@ def test_the_masked_harness_reports_both_rates_and_the_cost(tmp_path, capsys):
                     "--rows", "shard:256", "--mask", "0.5", "--rounds", "2", "--out", str(out)]) == 0
     (r,) = json.loads(out.read_text())
     assert len(r["ratios"]) == len(r["none_ratios"]) == len(r["new_cost"]) == len(r["old_cost"]) == 2
-    assert all(x > 0 for x in r["new_none"] + r["old_none"] + r["new_cost"] + r["old_cost"])
-    # each pair's ratios are of what the two processes measured
-    assert r["none_ratios"][0] == r["new_none"][0] / r["old_none"][0]
+    for pair in r["processes"]:
+        for p in pair.values():
+            rounds = p["rounds"]
+            assert len(rounds["none"]) == len(rounds["masked"]) == 2
+            assert 0.35 < p["valid_share"] < 0.65  # the masked side really drew from half the pixels
+            # the reported rates are the best rounds of each side, the cost unmasked / masked per round
+            assert p["rays_per_s"] == max(rounds["masked"]) and p["none_per_s"] == max(rounds["none"])
+            assert p["cost"] == statistics.median(a / b for a, b in zip(rounds["none"], rounds["masked"]))
+    for i, pair in enumerate(r["processes"]):
+        assert r["ratios"][i] == pair["new"]["rays_per_s"] / pair["old"]["rays_per_s"]
+        assert r["none_ratios"][i] == pair["new"]["none_per_s"] / pair["old"]["none_per_s"]
     printed = capsys.readouterr().out
     assert "unmasked ratio" in printed and "| shard | 256 |" in printed and "masks: iid, 50%" in printed
+
+
+def test_mask_options_go_together(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("versions_ab", REPO / "benchmarks" / "versions_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    for argv in (["--mask-kind", "sky"], ["--rounds", "2"], ["--mask", "0.5", "--yield-gil"], ["--mask", "1.5"]):
+        try:
+            ab.main(["--old-python", sys.executable, *argv])
+        except SystemExit as e:
+            assert e.code == 2, argv
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        assert "error:" in capsys.readouterr().err

@@ -21,7 +21,7 @@
 // selects 2 kAheadGroups groups ahead and the lines of those kAheadGroups groups ahead are
 // prefetched, so a step finds both in cache (a batch's numbers are at random places of the index);
 // given the cache's pixels, each group's pixels are prefetched into L2 as soon as they are found
-// (the writer reads them after the batch: writer.h, prefetch_pixels).
+// (for a writer that reads them right after the batch: writer.h, prefetch_pixels).
 #ifndef DALI_NERF_OPS_MASK_AVX512_H_
 #define DALI_NERF_OPS_MASK_AVX512_H_
 
