@@ -462,10 +462,7 @@ int64_t run_global_chunk(const Cache &c, const Outputs &out, int64_t *positions,
       }
       const int w = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(m, limit - kept)));
       level2->run(base, e, js, qs, w, pix, positions + slot + kept);
-      // masked: the domain's ids are valid-pixel numbers, their pixels by the select (which
-      // prefetches each as it finds it); else the pixels prefetched for the write
-      if (c.masked) select_batch(c, pix, pix, w, simd, true);
-      else prefetch_pixels(c, pix, w);
+      if (c.masked) select_batch(c, pix, pix, w, simd);  // the domain's ids are valid-pixel numbers: their pixels
       write_pixels(c, out, pix, slot + kept, w, simd);
       kept += m;
     }

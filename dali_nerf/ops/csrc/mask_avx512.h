@@ -19,9 +19,7 @@
 //
 // select_batch_avx512 / _icl run it as a software pipeline over a batch: the samples of the
 // selects 2 kAheadGroups groups ahead and the lines of those kAheadGroups groups ahead are
-// prefetched, so a step finds both in cache (a batch's numbers are at random places of the index);
-// given the cache's pixels, each group's pixels are prefetched into L2 as soon as they are found
-// (for a writer that reads them right after the batch: writer.h, prefetch_pixels).
+// prefetched, so a step finds both in cache (a batch's numbers are at random places of the index).
 #ifndef DALI_NERF_OPS_MASK_AVX512_H_
 #define DALI_NERF_OPS_MASK_AVX512_H_
 
@@ -225,12 +223,10 @@ DN_SELECT512 inline void prefetch_lines8(const ValidIndex &vi, const uint64_t *i
 }
 
 // out[i] = vi.select(in[i]) for i < n (in may be out; every in[i] < vi.V, as select needs), by
-// IN_LINES, the lines kAheadGroups groups ahead and the samples twice that; pixels (3 bytes a
-// pixel id; none: nullptr) get each pixel prefetched into L2 when found.
+// IN_LINES, the lines kAheadGroups groups ahead and the samples twice that.
 #define DN_SELECT_BATCH(NAME, ATTR, IN_LINES)                                                           \
   template <int64_t kAheadGroups>                                                                        \
-  ATTR inline void NAME(const ValidIndex &vi, const uint64_t *in, uint64_t *out, int64_t n,              \
-                        const uint8_t *pixels) {                                                         \
+  ATTR inline void NAME(const ValidIndex &vi, const uint64_t *in, uint64_t *out, int64_t n) {            \
     const int64_t G = (n + 7) / 8;                                                                       \
     alignas(64) uint64_t ring[kAheadGroups][8];                                                          \
     for (int64_t g = 0; g < 2 * kAheadGroups && g < G; g++) prefetch_samples8(vi, in, g, n);             \
@@ -242,9 +238,6 @@ DN_SELECT512 inline void prefetch_lines8(const ValidIndex &vi, const uint64_t *i
       if (g + 2 * kAheadGroups < G) prefetch_samples8(vi, in, g + 2 * kAheadGroups, n);                  \
       if (g + kAheadGroups < G) prefetch_lines8(vi, in, g + kAheadGroups, n, ring[g % kAheadGroups]);    \
       _mm512_mask_storeu_epi64(out + 8 * g, live, IN_LINES(vi, k, b, live));                             \
-      if (pixels)                                                                                        \
-        for (int64_t i = 8 * g, e = n < i + 8 ? n : i + 8; i < e; i++)                                   \
-          __builtin_prefetch(pixels + 3 * out[i], 0, 2);                                                 \
     }                                                                                                    \
   }
 
@@ -254,17 +247,15 @@ DN_SELECT_BATCH(select_batch_avx512_icl_t, DN_SELECT512_ICL, in_lines8_icl)
 
 /// The 8-lane select with AVX-512 F/DQ/VL/BW, the lines 16 selects ahead (2 groups) and the samples
 /// 32: 1 and 4 groups ahead measured no faster (2026-12-07, a Xeon VM with AVX-512; docs/MASKS.md).
-inline void select_batch_avx512(const ValidIndex &vi, const uint64_t *in, uint64_t *out, int64_t n,
-                                const uint8_t *pixels = nullptr) {
-  select_batch_avx512_t<2>(vi, in, out, n, pixels);
+inline void select_batch_avx512(const ValidIndex &vi, const uint64_t *in, uint64_t *out, int64_t n) {
+  select_batch_avx512_t<2>(vi, in, out, n);
 }
 
 /// The 8-lane select with BITALG, VPOPCNTDQ and VBMI too, the lines 32 selects ahead (4 groups):
 /// its shorter step measured faster with the lines further ahead (2 groups: 5.2 ns a select, 4:
 /// 4.4, on a 16-million-pixel index; 2026-12-07, docs/MASKS.md).
-inline void select_batch_avx512_icl(const ValidIndex &vi, const uint64_t *in, uint64_t *out, int64_t n,
-                                    const uint8_t *pixels = nullptr) {
-  select_batch_avx512_icl_t<4>(vi, in, out, n, pixels);
+inline void select_batch_avx512_icl(const ValidIndex &vi, const uint64_t *in, uint64_t *out, int64_t n) {
+  select_batch_avx512_icl_t<4>(vi, in, out, n);
 }
 
 #undef DN_SELECT512

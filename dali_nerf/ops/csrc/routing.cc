@@ -212,8 +212,7 @@ void decide_block(const Cache &c, const detail::RouteParams &rp, const RouteTabl
   for (int64_t i0 = 0; i0 < n; i0 += kBatch) {
     const int m = static_cast<int>(std::min<int64_t>(kBatch, n - i0));
     for (int j = 0; j < m; j++) bpix[j] = st.next();
-    if (c.masked) select_batch(c, bpix, bpix, m, avx2, false);  // valid-pixel numbers -> their pixels (the
-                                                                 // rejected ones are never read: no prefetch)
+    if (c.masked) select_batch(c, bpix, bpix, m, avx2);  // valid-pixel numbers -> their pixels
     int j0 = simd ? locate_avx2(c, bpix, m, bimg, brow, bcol) : 0;
     for (int j = j0; j < m; j++) {
       uint64_t row, col;

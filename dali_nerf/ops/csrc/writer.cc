@@ -268,8 +268,7 @@ inline int pdep_select(uint64_t x, uint64_t r) {
 }
 
 template <bool Pdep>
-void select_batch_in(const detail::ValidIndex &vi, const uint64_t *in, uint64_t *out, int64_t n,
-                     const uint8_t *pixels) {
+void select_batch_in(const detail::ValidIndex &vi, const uint64_t *in, uint64_t *out, int64_t n) {
   // two prefetch stages kD selects apart: the sample (16 bytes: its line and the next lines'
   // counts), then the line it gives; a select then finds both in cache
   constexpr int64_t kD = 16;
@@ -288,24 +287,20 @@ void select_batch_in(const detail::ValidIndex &vi, const uint64_t *in, uint64_t 
     if (i + kD < n) at_line(i + kD);
     if constexpr (Pdep) out[i] = vi.in_line(k, b, pdep_select);
     else out[i] = vi.in_line(k, b, [](uint64_t x, uint64_t r) { return detail::select_in_word(x, r); });
-    if (pixels) __builtin_prefetch(pixels + 3 * out[i], 0, 2);  // into L2 for write_pixels (prefetch_pixels)
   }
 }
 
 }  // namespace
 
-void select_batch(const Cache &c, const uint64_t *in, uint64_t *out, int64_t n, bool simd, bool prefetch) {
-  const uint8_t *pixels = prefetch ? c.pixels : nullptr;
-  if (simd && kHasAvx512Icl) detail::select_batch_avx512_icl(c.vi, in, out, n, pixels);
-  else if (simd && kHasAvx512Bw) detail::select_batch_avx512(c.vi, in, out, n, pixels);
-  else if (simd && kFastPdep) select_batch_in<true>(c.vi, in, out, n, pixels);
-  else select_batch_in<false>(c.vi, in, out, n, pixels);
+void select_batch(const Cache &c, const uint64_t *in, uint64_t *out, int64_t n, bool simd) {
+  if (simd && kHasAvx512Icl) detail::select_batch_avx512_icl(c.vi, in, out, n);
+  else if (simd && kHasAvx512Bw) detail::select_batch_avx512(c.vi, in, out, n);
+  else if (simd && kFastPdep) select_batch_in<true>(c.vi, in, out, n);
+  else select_batch_in<false>(c.vi, in, out, n);
 }
 
-/// The stream's pixel ids (masked: valid-pixel numbers, then selected) kSub at a time, their pixels
-/// prefetched into L2 as each is drawn (unmasked: 1.06-1.12x the rays/s of prefetch_pixels after
-/// the draws, 6 pairs; docs/BENCHMARKS.md) or selected, then their rays by write_pixels. Batches
-/// measured 1.1-1.35x faster on the
+/// The stream's pixel ids (masked: valid-pixel numbers, then selected) kSub at a time, then their
+/// rays by write_pixels (pixels prefetched ahead). Batches measured 1.1-1.35x faster on the
 /// unmasked per-rank stream (epoch, random mode) than generating each id beside its write, kAhead
 /// ahead (2026-12-07: docs/BENCHMARKS.md); the global stream's chunks are batched the same way.
 template <int Mode>
@@ -315,23 +310,15 @@ void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, in
   detail::Stream<Mode> st(key, c.dom.n, s0);  // stream ids: pixels, or valid pixels
   for (int64_t done = 0; done < n; done += kSub) {
     const int64_t m = std::min(kSub, n - done);
-    if (c.masked) {
-      for (int64_t j = 0; j < m; j++) pix[j] = st.next();
-      select_batch(c, pix, pix, m, simd, true);
-    } else {
-      for (int64_t j = 0; j < m; j++) {
-        pix[j] = st.next();
-        __builtin_prefetch(c.pixels + 3 * pix[j], 0, 2);  // into L2, as prefetch_pixels
-      }
-    }
+    for (int64_t j = 0; j < m; j++) pix[j] = st.next();
+    if (c.masked) select_batch(c, pix, pix, m, simd);
     write_pixels(c, out, pix, i0 + done, m, simd);
   }
 }
 
 /// Writes the rays of the pixel ids pix[0, n) to output slots [slot, slot + n).
 void write_pixels(const Cache &c, const Outputs &out_, const uint64_t *pix, int64_t slot, int64_t n, bool simd) {
-  // pixels (the streams' batches: already on their way to L2, prefetch_pixels) prefetched kAhead
-  // rays ahead into every cache level, masked caches too: prefetchnta
+  // pixels prefetched kAhead rays ahead into every cache level, masked caches too: prefetchnta
   // (which the masked path used, to keep the valid-pixel index cached) measured slower with both
   // the one-by-one pdep select and the 8-lane one (2026-12-07, a Xeon VM: docs/MASKS.md)
   const Outputs out = out_;

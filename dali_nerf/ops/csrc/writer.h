@@ -131,24 +131,11 @@ void run_chunk(const Cache &c, const Outputs &out, uint64_t key, uint64_t s0, in
                bool simd);
 
 /// out[i] = the pixel of valid-pixel number in[i] (c.vi.select) for i < n, with the index lines
-/// prefetched a few selects ahead (in may be out); with `prefetch`, each pixel prefetched into L2
-/// as soon as it is found (as prefetch_pixels: for a write_pixels of the same batch right after;
-/// the SS routing, which writes only the accepted rays and later, passes false). With AVX-512 F/DQ/VL/BW (kHasAvx512 and BW) 8 selects at a time
-/// (mask_avx512.h; its shorter build where BITALG, VPOPCNTDQ and VBMI are there too); else one by
-/// one, the in-word select by BMI2's pdep where it is fast (not AMD families 15h/17h, which
-/// microcode it); the same pixels every way.
-void select_batch(const Cache &c, const uint64_t *in, uint64_t *out, int64_t n, bool simd, bool prefetch);
-
-/// Prefetches the pixels of ids pix[0, n) into L2, a batch before write_pixels reads them: their
-/// reads (one at a random place of the cache per ray) then overlap the rest of the batch's work
-/// instead of only the writer's 32 rays ahead (docs/BENCHMARKS.md, "Pixels prefetched a batch
-/// ahead": the unmasked and masked rates of both streams, before and after): the global stream's,
-/// after its level 2.
-/// The per-rank stream prefetches each pixel as it draws it (run_chunk), the masked streams as they
-/// select it (select_batch).
-inline void prefetch_pixels(const Cache &c, const uint64_t *pix, int64_t n) {
-  for (int64_t i = 0; i < n; i++) __builtin_prefetch(c.pixels + 3 * pix[i], 0, 2);
-}
+/// prefetched a few selects ahead (in may be out). With AVX-512 F/DQ/VL/BW (kHasAvx512 and BW) 8
+/// selects at a time (mask_avx512.h; its shorter build where BITALG, VPOPCNTDQ and VBMI are there
+/// too); else one by one, the in-word select by BMI2's pdep where it is fast (not AMD families
+/// 15h/17h, which microcode it); the same pixels every way.
+void select_batch(const Cache &c, const uint64_t *in, uint64_t *out, int64_t n, bool simd);
 
 /// Writes the rays of the pixel ids pix[0, n) to output slots [slot, slot + n).
 void write_pixels(const Cache &c, const Outputs &out, const uint64_t *pix, int64_t slot, int64_t n, bool simd);
