@@ -57,7 +57,7 @@ print(json.dumps({"file": dali_nerf.__file__, "rays_per_s": n * rays / dt}))
 
 
 MASKED = r"""
-import json, os, statistics, sys, tempfile, time
+import json, statistics, sys, tempfile
 import torch
 import dali_nerf
 from dali_nerf import load_scene
