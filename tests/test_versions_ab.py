@@ -14,13 +14,21 @@ from dali_nerf.scenegen import make_scene
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_the_harness_pairs_two_pythons(tmp_path, capsys):
+def _harness():
     spec = importlib.util.spec_from_file_location("versions_ab", REPO / "benchmarks" / "versions_ab.py")
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
-    scene = make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=4, n_val=1, n_test=1, seed=3)
+    return ab
+
+
+def _scene(tmp_path) -> str:
+    return str(make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=4, n_val=1, n_test=1, seed=3))
+
+
+def test_the_harness_pairs_two_pythons(tmp_path, capsys):
+    ab = _harness()
     out = tmp_path / "ab.json"
-    assert ab.main(["--old-python", sys.executable, "--scene", str(scene), "--pairs", "2", "--seconds", "0.2",
+    assert ab.main(["--old-python", sys.executable, "--scene", _scene(tmp_path), "--pairs", "2", "--seconds", "0.2",
                     "--rows", "global:256", "--out", str(out)]) == 0
     (r,) = json.loads(out.read_text())
     assert r["stream"] == "global" and r["rays"] == 256 and len(r["ratios"]) == 2
@@ -31,12 +39,9 @@ def test_the_harness_pairs_two_pythons(tmp_path, capsys):
 
 
 def test_the_masked_harness_reports_both_rates_and_the_cost(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("versions_ab", REPO / "benchmarks" / "versions_ab.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
-    scene = make_scene("objects", tmp_path / "scene", width=24, height=24, n_train=4, n_val=1, n_test=1, seed=3)
+    ab = _harness()
     out = tmp_path / "ab.json"
-    assert ab.main(["--old-python", sys.executable, "--scene", str(scene), "--pairs", "2", "--seconds", "0.2",
+    assert ab.main(["--old-python", sys.executable, "--scene", _scene(tmp_path), "--pairs", "2", "--seconds", "0.2",
                     "--rows", "shard:256", "--mask", "0.5", "--rounds", "2", "--out", str(out)]) == 0
     (r,) = json.loads(out.read_text())
     assert len(r["ratios"]) == len(r["none_ratios"]) == len(r["new_cost"]) == len(r["old_cost"]) == 2
@@ -56,9 +61,7 @@ def test_the_masked_harness_reports_both_rates_and_the_cost(tmp_path, capsys):
 
 
 def test_mask_options_go_together(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("versions_ab", REPO / "benchmarks" / "versions_ab.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = _harness()
     for argv in (["--mask-kind", "sky"], ["--rounds", "2"], ["--mask", "0.5", "--yield-gil"], ["--mask", "1.5"]):
         try:
             ab.main(["--old-python", sys.executable, *argv])
